@@ -1,0 +1,290 @@
+"""Collective copies between devices: broadcast, scatter, gather and the gradient reduction.
+
+These are the tensor-level building blocks, with the signatures of ``torch.nn.parallel.comm``, and
+they work on CPU and CUDA tensors alike. They move bytes and nothing more: the structure-aware
+primitives (:mod:`minidp.scatter`, :mod:`minidp.gather`, :mod:`minidp.replicate`) call them.
+
+Two rules hold throughout:
+
+* A copy to the device a tensor is already on is skipped: the result *is* that tensor (broadcast)
+  or a view of it (scatter). This is what makes several replicas on one device cheap.
+* ``scatter`` and ``gather`` are built from ``torch.split``, ``Tensor.to`` and ``torch.cat``, which
+  autograd differentiates on its own: the backward of a scatter is a gather and vice versa.
+  The reductions are not recorded by autograd; they *are* the backward of a broadcast.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
+
+from .devices import DeviceLike, as_device, as_devices
+
+REDUCE_BACKENDS = ("auto", "torch", "ext")
+_default_reduce_backend = "auto"
+
+
+def set_reduce_backend(backend: str) -> None:
+    """Choose how gradients are summed everywhere a ``backend`` is not given explicitly.
+
+    ``"torch"``: ``Tensor.add_`` in replica order. ``"ext"``: minidp's fused C++/CUDA op
+    (:mod:`minidp.ext`). ``"auto"``: the extension when it is loaded, else ``"torch"``.
+    """
+    global _default_reduce_backend
+    _default_reduce_backend = _check_backend(backend)
+
+
+def get_reduce_backend() -> str:
+    """The backend set by :func:`set_reduce_backend` (``"auto"`` unless changed)."""
+    return _default_reduce_backend
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in REDUCE_BACKENDS:
+        raise ValueError(f"backend must be one of {REDUCE_BACKENDS}, got {backend!r}")
+    return backend
+
+
+def resolve_reduce_backend(backend: Optional[str] = None) -> str:
+    """The concrete backend (``"torch"`` or ``"ext"``) that a reduction with ``backend`` will use."""
+    backend = _check_backend(backend or _default_reduce_backend)
+    if backend == "auto":
+        from . import ext
+
+        return "ext" if ext.is_loaded() else "torch"
+    return backend
+
+
+# --------------------------------------------------------------------------------------------------
+# broadcast: one tensor (or many) -> a copy on each device
+# --------------------------------------------------------------------------------------------------
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    devices: Optional[Sequence[DeviceLike]] = None,
+    *,
+    out: Optional[Sequence[torch.Tensor]] = None,
+) -> tuple[torch.Tensor, ...]:
+    """Copy ``tensor`` to each of ``devices`` (or into the tensors of ``out``).
+
+    A device equal to ``tensor.device`` receives ``tensor`` itself, not a copy.
+    """
+    if (devices is None) == (out is None):
+        raise ValueError("broadcast: give exactly one of 'devices' and 'out'")
+    if out is not None:
+        for target in out:
+            target.copy_(tensor)
+        return tuple(out)
+    return tuple(move(tensor, device) for device in as_devices(devices, "devices"))
+
+
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor], devices: Sequence[DeviceLike], buffer_size: int = 10485760
+) -> list[tuple[torch.Tensor, ...]]:
+    """Copy every tensor of ``tensors`` to each of ``devices``; result ``[device][tensor]``.
+
+    For devices other than the tensors' own, small tensors are first packed into flat buffers of at
+    most ``buffer_size`` bytes, so that one copy moves many tensors; the device the tensors live on
+    receives the tensors themselves.
+    """
+    devices = as_devices(devices, "devices")
+    tensors = list(tensors)
+    if not tensors:
+        return [() for _ in devices]
+    source_device = tensors[0].device
+    for i, t in enumerate(tensors):
+        if t.device != source_device:
+            raise ValueError(f"broadcast_coalesced: tensors[{i}] is on {t.device}, but tensors[0] is on {source_device}")
+    per_device = []
+    for device in devices:
+        if device == source_device:
+            per_device.append(tuple(tensors))
+            continue
+        copies: dict[int, torch.Tensor] = {}
+        positions = {id(t): i for i, t in enumerate(tensors)}
+        for bucket in _take_tensors(tensors, buffer_size):
+            if bucket[0].is_sparse:
+                moved = [move(t, device) for t in bucket]
+            else:
+                flat = move(_flatten_dense_tensors(bucket), device)
+                moved = _unflatten_dense_tensors(flat, bucket)
+            for original, copy in zip(bucket, moved):
+                copies[positions[id(original)]] = copy
+        per_device.append(tuple(copies[i] for i in range(len(tensors))))
+    return per_device
+
+
+# --------------------------------------------------------------------------------------------------
+# reduce: one tensor from each replica -> their sum on one device
+# --------------------------------------------------------------------------------------------------
+
+
+def move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``: itself if it is there already, else a copy.
+
+    Copies *to* a GPU are asynchronous; copies to the CPU wait for the data, because the caller
+    may read the result at once.
+    """
+    return tensor.to(device, non_blocking=device.type == "cuda")
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Summing K half-precision values in half rounds K-1 times; float32 rounds once at the end.
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _reduce_add_torch(inputs: Sequence[Sequence[torch.Tensor]], destination: torch.device) -> list[torch.Tensor]:
+    """Sum ``inputs[replica][i]`` over replicas, in replica order, with plain tensor ops."""
+    first = inputs[0]
+    sums = [t.to(destination, _accumulation_dtype(t.dtype), copy=True) for t in first]
+    for replica in inputs[1:]:
+        for total, grad in zip(sums, replica):
+            total.add_(move(grad, destination))
+    return [total.to(t.dtype) for total, t in zip(sums, first)]
+
+
+def _check_reduce_inputs(inputs: Sequence[Sequence[torch.Tensor]]) -> None:
+    if len(inputs) == 0:
+        raise ValueError("reduce: 'inputs' holds no replicas; give one list of tensors per replica")
+    expected = inputs[0]
+    for r, replica in enumerate(inputs):
+        if len(replica) != len(expected):
+            raise ValueError(f"reduce: replica {r} has {len(replica)} tensors but replica 0 has {len(expected)}")
+        for i, (t, ref) in enumerate(zip(replica, expected)):
+            if t.shape != ref.shape:
+                raise ValueError(
+                    f"reduce: tensor {i} of replica {r} has shape {tuple(t.shape)} but replica 0's has {tuple(ref.shape)}"
+                )
+            if t.dtype != ref.dtype:
+                raise ValueError(f"reduce: tensor {i} of replica {r} has dtype {t.dtype} but replica 0's has {ref.dtype}")
+
+
+def reduce_add_coalesced(
+    inputs: Sequence[Sequence[torch.Tensor]],
+    destination: Optional[DeviceLike] = None,
+    buffer_size: int = 10485760,
+    *,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, ...]:
+    """Sum tensors from several replicas: ``result[i] = inputs[0][i] + inputs[1][i] + ...``.
+
+    ``inputs[replica]`` is one replica's list of tensors (e.g. its parameters' gradients); the sums
+    are fresh tensors on ``destination`` (default: the device of ``inputs[0][0]``). The sum runs in
+    replica order, so every backend gives bitwise the same result; half-precision inputs are summed
+    in float32 and rounded once. ``buffer_size`` is accepted for compatibility with
+    ``torch.nn.parallel.comm`` and unused: no backend packs tensors into flat buffers.
+    """
+    del buffer_size
+    _check_reduce_inputs(inputs)
+    if not inputs[0]:
+        return ()
+    destination = as_device(destination, "destination") if destination is not None else inputs[0][0].device
+    if resolve_reduce_backend(backend) == "ext" and not any(t.is_sparse for t in inputs[0]):
+        from . import ext
+
+        return tuple(ext.reduce_add_coalesced(inputs, destination))
+    return tuple(_reduce_add_torch(inputs, destination))
+
+
+def reduce_add(
+    inputs: Sequence[torch.Tensor], destination: Optional[DeviceLike] = None, *, backend: Optional[str] = None
+) -> torch.Tensor:
+    """Sum one tensor from each replica onto ``destination`` (default: ``inputs[0]``'s device)."""
+    return reduce_add_coalesced([[t] for t in inputs], destination, backend=backend)[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# scatter / gather: split one tensor across devices, and join the pieces back
+# --------------------------------------------------------------------------------------------------
+
+
+def chunk_sizes_for(batch_size: int, num_devices: int) -> list[int]:
+    """The sizes ``torch.chunk`` would cut ``batch_size`` rows into for ``num_devices`` devices.
+
+    Every chunk but the last has ``ceil(batch_size / num_devices)`` rows, so there can be fewer
+    chunks than devices: 10 rows on 3 devices -> [4, 4, 2]; 5 on 4 -> [2, 2, 1]; 2 on 4 -> [1, 1].
+    """
+    step = math.ceil(batch_size / num_devices)
+    sizes = [step] * (batch_size // step)
+    if batch_size % step:
+        sizes.append(batch_size % step)
+    return sizes
+
+
+def check_chunk_sizes(chunk_sizes: Sequence[int], batch_size: int, num_devices: int) -> list[int]:
+    """Validate an explicit split of ``batch_size`` rows over ``num_devices`` devices."""
+    chunk_sizes = list(chunk_sizes)
+    if len(chunk_sizes) != num_devices:
+        raise ValueError(f"chunk_sizes has {len(chunk_sizes)} entries but there are {num_devices} devices; give one size per device")
+    if any(not isinstance(s, int) or s <= 0 for s in chunk_sizes):
+        raise ValueError(f"chunk_sizes must be positive ints, got {chunk_sizes}; drop a device from the device list to give it nothing")
+    if sum(chunk_sizes) != batch_size:
+        raise ValueError(f"chunk_sizes {chunk_sizes} add up to {sum(chunk_sizes)}, but the batch has {batch_size} rows")
+    return chunk_sizes
+
+
+def scatter(
+    tensor: torch.Tensor,
+    devices: Optional[Sequence[DeviceLike]] = None,
+    chunk_sizes: Optional[Sequence[int]] = None,
+    dim: int = 0,
+    streams: None = None,
+    *,
+    out: Optional[Sequence[torch.Tensor]] = None,
+) -> tuple[torch.Tensor, ...]:
+    """Split ``tensor`` along ``dim`` and send chunk i to ``devices[i]`` (or copy it into ``out[i]``).
+
+    Chunks follow ``torch.chunk`` unless ``chunk_sizes`` is given. A chunk bound for the tensor's own
+    device is a view of it, not a copy. ``streams`` is accepted for compatibility and unused.
+    """
+    del streams
+    if (devices is None) == (out is None):
+        raise ValueError("scatter: give exactly one of 'devices' and 'out'")
+    if out is not None:
+        pieces = torch.split(tensor, [o.shape[dim] for o in out], dim)
+        for target, piece in zip(out, pieces):
+            target.copy_(piece)
+        return tuple(out)
+    devices = as_devices(devices, "devices")
+    batch_size = tensor.shape[dim]
+    if chunk_sizes is None:
+        chunk_sizes = chunk_sizes_for(batch_size, len(devices))
+    else:
+        chunk_sizes = check_chunk_sizes(chunk_sizes, batch_size, len(devices))
+    pieces = torch.split(tensor, chunk_sizes, dim)
+    return tuple(move(piece, device) for piece, device in zip(pieces, devices))
+
+
+def gather(
+    tensors: Sequence[torch.Tensor],
+    dim: int = 0,
+    destination: Optional[DeviceLike] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Concatenate ``tensors`` along ``dim`` on ``destination`` (default: ``tensors[0]``'s device).
+
+    ``-1`` and ``"cpu"`` both mean the CPU. A single tensor already on ``destination`` is returned
+    as it is.
+    """
+    if len(tensors) == 0:
+        raise ValueError("gather: 'tensors' is empty")
+    destination = as_device(destination, "destination") if destination is not None else tensors[0].device
+    reference = tensors[0]
+    for i, t in enumerate(tensors):
+        if t.dim() != reference.dim() or any(
+            a != b for d, (a, b) in enumerate(zip(t.shape, reference.shape)) if d != dim % max(t.dim(), 1)
+        ):
+            raise ValueError(
+                f"gather: tensor {i} has shape {tuple(t.shape)}, which does not match tensor 0's "
+                f"{tuple(reference.shape)} outside dim {dim}"
+            )
+    if out is not None:
+        return torch.cat([t.to(out.device) for t in tensors], dim, out=out)
+    if len(tensors) == 1 and reference.device == destination:
+        return reference
+    return torch.cat([move(t, destination) for t in tensors], dim)

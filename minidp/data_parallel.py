@@ -1,0 +1,162 @@
+"""DataParallel and data_parallel: the five steps, composed.
+
+    forward:   scatter the batch -> replicate the module -> parallel_apply -> gather the outputs
+    backward:  autograd runs it all in reverse; replicate's backward is the fifth step, the
+               reduction of every replica's gradients into the original parameters.
+
+``DataParallel`` is a drop-in for ``torch.nn.DataParallel``: same constructor, same ``forward``,
+``state_dict()`` keys prefixed ``module.``, and the same overridable methods ``scatter``,
+``replicate``, ``parallel_apply`` and ``gather``. Beyond stock, device ids may name the CPU and
+may repeat: ``DataParallel(model, device_ids=["cpu"] * 4)`` runs four replicas in threads.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .devices import DeviceLike, as_device, as_devices
+from .gather import gather
+from .parallel_apply import parallel_apply
+from .replicate import check_module_device, replicate
+from .scatter import scatter_kwargs
+
+_warned_no_gpu = False
+
+
+def resolve_device_ids(device_ids: Optional[Sequence[DeviceLike]]) -> list[torch.device]:
+    """The devices to run replicas on; ``[]`` means "call the module directly", as stock does without a GPU.
+
+    ``None`` means every visible GPU. Integer ids on a machine without a GPU fall back to a direct
+    call too, with a one-time warning that says how to ask for CPU replicas.
+    """
+    global _warned_no_gpu
+    if device_ids is None:
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    device_ids = list(device_ids)
+    if not device_ids:
+        raise ValueError("device_ids is empty: give at least one device, e.g. [0, 1] or ['cpu'] * 2")
+    if torch.cuda.device_count() == 0 and all(isinstance(d, int) and not isinstance(d, bool) for d in device_ids):
+        if not _warned_no_gpu:
+            _warned_no_gpu = True
+            warnings.warn(
+                f"device_ids={device_ids} names GPUs, but this machine has none: the module will be called "
+                f"directly, without replicas. To run {len(device_ids)} replicas on the CPU, pass "
+                f"device_ids={['cpu'] * len(device_ids)!r}.",
+                stacklevel=3,
+            )
+        return []
+    return as_devices(device_ids, "device_ids")
+
+
+def _warn_if_imbalanced(devices: list[torch.device]) -> None:
+    """Stock's check: warn when a GPU has less than 75% of the memory (or cores) of another."""
+    gpus = sorted({d.index for d in devices if d.type == "cuda"})
+    if len(gpus) < 2:
+        return
+    props = [torch.cuda.get_device_properties(i) for i in gpus]
+    for measure in (lambda p: p.total_memory, lambda p: p.multi_processor_count):
+        values = [measure(p) for p in props]
+        low, high = values.index(min(values)), values.index(max(values))
+        if values[low] / values[high] < 0.75:
+            warnings.warn(
+                f"There is an imbalance between your GPUs. You may want to exclude GPU {gpus[low]} which has "
+                f"less than 75% of the memory or cores of GPU {gpus[high]}. You can do so by setting the "
+                f"device_ids argument to DataParallel, or by setting the CUDA_VISIBLE_DEVICES environment variable.",
+                stacklevel=3,
+            )
+            return
+
+
+class DataParallel(nn.Module):
+    """Run ``module`` on several devices at once, splitting each batch along ``dim``.
+
+    Args:
+        module: the module to parallelise; its parameters and buffers must be on ``device_ids[0]``.
+        device_ids: where the replicas run: ints (CUDA ordinals), ``"cuda:N"``, ``"cpu"`` or
+            ``torch.device``; repeats allowed. Default: every visible GPU (none: a direct call).
+        output_device: where the gathered output goes (default ``device_ids[0]``; ``"cpu"`` works).
+        dim: the batch dimension that inputs are split along and outputs joined along.
+        reduce_backend: how the backward sums gradients: ``"torch"``, ``"ext"`` or ``"auto"``
+            (default: the global choice of :func:`minidp.comm.set_reduce_backend`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Optional[Sequence[DeviceLike]] = None,
+        output_device: Optional[DeviceLike] = None,
+        dim: int = 0,
+        *,
+        reduce_backend: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.device_ids = resolve_device_ids(device_ids)
+        self.dim = dim
+        self.reduce_backend = reduce_backend
+        if not self.device_ids:
+            self.source_device = self.output_device = None
+            return
+        self.source_device = self.device_ids[0]
+        self.output_device = as_device(self.source_device if output_device is None else output_device, "output_device")
+        _warn_if_imbalanced(self.device_ids)
+        if len(self.device_ids) == 1:
+            self.module.to(self.source_device)  # as stock: one device is "just run it there"
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.autograd.profiler.record_function("minidp.DataParallel.forward"):
+            if not self.device_ids:
+                return self.module(*inputs, **kwargs)
+            check_module_device(self.module, self.source_device)
+
+            inputs, kwargs = self.scatter(inputs, kwargs, self.device_ids)
+            if not inputs:  # no arguments at all: one call on device_ids[0]
+                inputs, kwargs = ((),), ({},)
+            if len(self.device_ids) == 1:
+                return self.gather([self.module(*inputs[0], **kwargs[0])], self.output_device)
+            replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+            outputs = self.parallel_apply(replicas, inputs, kwargs)
+            return self.gather(outputs, self.output_device)
+
+    def scatter(
+        self, inputs: tuple, kwargs: Optional[dict[str, Any]], device_ids: Sequence[DeviceLike]
+    ) -> tuple[tuple[tuple, ...], tuple[dict[str, Any], ...]]:
+        """Step 1: one chunk of the arguments per device (see :func:`minidp.scatter_kwargs`)."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
+        """Step 2: one replica per device; cut from autograd under ``torch.no_grad()``."""
+        return replicate(module, device_ids, not torch.is_grad_enabled(), reduce_backend=self.reduce_backend)
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        """Step 3: run every replica on its chunk, in parallel."""
+        return parallel_apply(replicas, inputs, kwargs, self.device_ids[: len(replicas)])
+
+    def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
+        """Step 4: join the outputs on ``output_device``. (Step 5 runs in backward: see replicate.)"""
+        return gather(outputs, output_device, dim=self.dim)
+
+
+def data_parallel(
+    module: nn.Module,
+    inputs: Any,
+    device_ids: Optional[Sequence[DeviceLike]] = None,
+    output_device: Optional[DeviceLike] = None,
+    dim: int = 0,
+    module_kwargs: Optional[dict[str, Any]] = None,
+) -> Any:
+    """Evaluate ``module(*inputs, **module_kwargs)`` in parallel on ``device_ids``: one forward of
+    :class:`DataParallel`, for use inside another module's ``forward``.
+
+    ``inputs`` that is not a tuple is a single argument (a list too, as in stock). Where stock raises
+    on a machine without a GPU, this runs: the module is called directly, or on CPU replicas when
+    ``device_ids`` names the CPU.
+    """
+    if not isinstance(inputs, tuple):
+        inputs = () if inputs is None else (inputs,)
+    wrapper = DataParallel(module, device_ids, output_device, dim)
+    return wrapper(*inputs, **(module_kwargs or {}))

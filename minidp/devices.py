@@ -1,0 +1,109 @@
+"""Devices: turning what users write (``0``, ``"cuda:1"``, ``"cpu"``, ``torch.device``) into ``torch.device``.
+
+Every primitive accepts device ids in any of these spellings and calls :func:`as_device` once, so the
+rest of the runtime only ever sees ``torch.device`` objects. Ids may repeat: ``["cpu"] * 4`` asks for
+four replicas on the CPU, ``[0, 0]`` for two replicas on GPU 0.
+
+GPU ids are *logical*: under ``CUDA_VISIBLE_DEVICES="0,4"`` this process sees two GPUs, called 0 and 1,
+which are the machine's GPUs 0 and 4. :func:`devices` shows both numbers side by side.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+
+DeviceLike = Union[int, str, torch.device]
+
+
+def as_device(device: DeviceLike, argument: str = "device") -> torch.device:
+    """Return ``device`` as a ``torch.device``, checking that a GPU id names a GPU this process sees.
+
+    An int is a CUDA ordinal (``-1`` means the CPU, as in stock ``gather``); strings and
+    ``torch.device`` are taken as they are, and ``"cuda"`` without an index means the current GPU.
+    ``argument`` names the caller's argument in error messages.
+    """
+    if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
+        raise TypeError(
+            f"{argument}: expected an int (CUDA ordinal), a string such as 'cuda:0' or 'cpu', "
+            f"or a torch.device, but got {device!r} of type {type(device).__name__}"
+        )
+    if isinstance(device, int):
+        device = torch.device("cpu") if device == -1 else torch.device("cuda", device)
+    else:
+        device = torch.device(device)
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if device.index is None:
+            if visible == 0:
+                raise RuntimeError(f"{argument}: {device} was asked for, but this process sees no GPU")
+            device = torch.device("cuda", torch.cuda.current_device())
+        if not 0 <= device.index < visible:
+            raise ValueError(
+                f"{argument}: GPU id {device.index} is out of range: this process sees {visible} GPU(s), "
+                f"so valid ids are 0..{visible - 1}. Ids are logical: under "
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r} the visible GPUs "
+                f"are numbered from 0. Use device_ids=['cpu'] * n to run n replicas on the CPU."
+            )
+    return device
+
+
+def as_devices(devices: Sequence[DeviceLike], argument: str = "device_ids") -> list[torch.device]:
+    """:func:`as_device` for each element; repeats are kept, in order."""
+    if isinstance(devices, (str, int, torch.device)):
+        raise TypeError(f"{argument}: expected a list of devices, e.g. [0, 1] or ['cpu', 'cpu'], got {devices!r}")
+    return [as_device(d, f"{argument}[{i}]") for i, d in enumerate(devices)]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device this process sees. ``physical_id`` is the GPU's number on the machine."""
+
+    device: torch.device
+    physical_id: str
+    name: str
+    total_memory: int  # bytes; 0 where unknown
+    used_memory: int  # bytes this process's allocator holds; 0 where unknown
+
+
+def _physical_gpu_ids() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = torch.cuda.device_count()
+    if visible is None or not visible.strip():
+        return [str(i) for i in range(count)]
+    return [v.strip() for v in visible.split(",")][:count]
+
+
+def devices() -> list[DeviceInfo]:
+    """The devices this process sees: the CPU, then each GPU with its logical and physical id.
+
+    >>> [str(d.device) for d in minidp.devices()]   # on a laptop
+    ['cpu']
+    """
+    import platform
+
+    found = [
+        DeviceInfo(torch.device("cpu"), "-", platform.processor() or platform.machine(), _cpu_total_memory(), 0)
+    ]
+    for index, physical in enumerate(_physical_gpu_ids()):
+        props = torch.cuda.get_device_properties(index)
+        found.append(
+            DeviceInfo(
+                torch.device("cuda", index),
+                physical,
+                props.name,
+                props.total_memory,
+                torch.cuda.memory_reserved(index),
+            )
+        )
+    return found
+
+
+def _cpu_total_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -1,0 +1,5 @@
+"""Placeholder until the fused reduction extension lands."""
+
+
+def is_loaded() -> bool:
+    return False

@@ -1,0 +1,174 @@
+"""Step 3, parallel_apply: run each replica on its chunk, all at once, one thread per replica.
+
+Threads are enough for parallelism here because PyTorch releases the GIL inside its kernels: while
+one thread waits for a matrix product, the others run. Replica 0 runs in the calling thread; the
+others run in a pool of threads kept across steps (starting threads every step costs time).
+
+Per-thread state does not cross into a new thread by itself: grad mode and autocast are
+thread-local, so each worker re-enters the caller's (autocast's dtype too, which stock drops).
+On a GPU each worker makes its replica's device current, and replicas that share one GPU each get
+their own CUDA stream so that their kernels can overlap.
+
+An exception in any replica is re-raised in the caller, with its type, the replica's index and
+device in the message, and the replica's traceback attached as the cause, once every replica has
+finished: no thread is left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .devices import DeviceLike, as_devices
+from .scatter import tensors_in
+
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+# Replicas may themselves call parallel_apply (data_parallel inside a forward); a bounded pool
+# whose threads all wait on queued work would deadlock, so the bound is far above any real use.
+_MAX_WORKERS = 256
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_MAX_WORKERS, thread_name_prefix="minidp-replica")
+        return _pool
+
+
+_side_streams: dict[tuple[int, int], "torch.cuda.Stream"] = {}
+
+
+def _replica_stream(device: torch.device, occurrence: int) -> Optional["torch.cuda.Stream"]:
+    """The stream replica number ``occurrence`` on ``device`` runs on: the current one for the first."""
+    if device.type != "cuda":
+        return None
+    if occurrence == 0:
+        return torch.cuda.current_stream(device)
+    key = (device.index, occurrence)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device)
+    return _side_streams[key]
+
+
+def _module_device(module: nn.Module, inputs: Any) -> torch.device:
+    """Where a replica runs when ``devices`` is not given: its parameters', else its input's, device."""
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    for _, tensor in tensors_in(inputs, "inputs"):
+        return tensor.device
+    return torch.device("cpu")
+
+
+class _CallerState:
+    """The thread-local state of the calling thread that every worker re-enters."""
+
+    def __init__(self) -> None:
+        self.grad_enabled = torch.is_grad_enabled()
+        self.autocast = {
+            device_type: (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+            for device_type in ("cpu", "cuda")
+        }
+
+    @contextlib.contextmanager
+    def enter(self, device: torch.device, stream: Optional["torch.cuda.Stream"]):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            for device_type, (enabled, dtype) in self.autocast.items():
+                if enabled:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            if device.type == "cuda":
+                stack.enter_context(torch.cuda.device(device))
+                stack.enter_context(torch.cuda.stream(stream))
+            yield
+
+
+class _Message(str):
+    """A message that ``KeyError`` prints as it is, not quoted by ``repr``."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class _ReplicaFailure:
+    """An exception raised inside a replica, with the traceback formatted in the replica's thread."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.traceback = "".join(traceback.format_exception(error))
+
+    def reraise(self, replica: int, device: torch.device) -> None:
+        if not isinstance(self.error, Exception):  # KeyboardInterrupt and friends pass through
+            raise self.error
+        message = _Message(
+            f"Caught {type(self.error).__name__} in replica {replica} on device {device}.\nOriginal {self.traceback}"
+        )
+        try:
+            wrapped = type(self.error)(message)
+        except Exception:
+            wrapped = RuntimeError(message)
+        raise wrapped from self.error
+
+
+def parallel_apply(
+    modules: Sequence[nn.Module],
+    inputs: Sequence[Any],
+    kwargs_tup: Optional[Sequence[dict[str, Any]]] = None,
+    devices: Optional[Sequence[Optional[DeviceLike]]] = None,
+) -> list[Any]:
+    """Call ``modules[i](*inputs[i], **kwargs_tup[i])`` for every i in parallel; outputs in order.
+
+    ``inputs[i]`` is a tuple or list of positional arguments (anything else is one argument).
+    ``devices[i]`` is where replica i runs (its current GPU and stream); by default the device of
+    its parameters, or of its inputs for a module without parameters.
+    """
+    n = len(modules)
+    if n == 0:
+        raise ValueError("parallel_apply: 'modules' is empty; give at least one module")
+    for name, values in (("inputs", inputs), ("kwargs_tup", kwargs_tup), ("devices", devices)):
+        if values is not None and len(values) != n:
+            raise ValueError(
+                f"parallel_apply: {n} modules but {len(values)} {name}; give one entry per module (replica)"
+            )
+    kwargs_tup = kwargs_tup if kwargs_tup is not None else [{}] * n
+    if devices is None or any(d is None for d in devices):
+        devices = [
+            _module_device(m, x) if devices is None or devices[i] is None else devices[i]
+            for i, (m, x) in enumerate(zip(modules, inputs))
+        ]
+    devices = as_devices(devices, "devices")
+    occurrences = [devices[:i].count(d) for i, d in enumerate(devices)]
+    streams = [_replica_stream(d, k) for d, k in zip(devices, occurrences)]
+    for device, stream in zip(devices, streams):
+        if stream is not None and stream != torch.cuda.current_stream(device):
+            # The replica's inputs were produced on the current stream: wait for them.
+            stream.wait_stream(torch.cuda.current_stream(device))
+    caller = _CallerState()
+
+    def run(i: int) -> Any:
+        args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
+        try:
+            with caller.enter(devices[i], streams[i]):
+                return modules[i](*args, **kwargs_tup[i])
+        except BaseException as error:  # re-raised by the caller once every replica is done
+            return _ReplicaFailure(error)
+
+    futures: list[Future] = [_thread_pool().submit(run, i) for i in range(1, n)]
+    results = [run(0)] + [future.result() for future in futures]
+
+    for device, stream in zip(devices, streams):
+        if stream is not None and stream != torch.cuda.current_stream(device):
+            torch.cuda.current_stream(device).wait_stream(stream)
+    for i, result in enumerate(results):
+        if isinstance(result, _ReplicaFailure):
+            result.reraise(i, devices[i])
+    return results

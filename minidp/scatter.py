@@ -1,0 +1,165 @@
+"""Step 1, scatter: cut a batch into one chunk per device.
+
+``scatter`` walks any nesting of tensors, lists, tuples, dicts, namedtuples and dataclasses, splits
+every tensor along ``dim`` into the same chunk sizes, and sends chunk i to device i. Whatever is not
+a tensor or a container reaches every replica *by reference* (the same object, not a copy).
+
+What moves: each chunk is copied to its device, except chunks for the device the tensor is on,
+which are views. What autograd records: ``split`` and ``to``, so the gradient of every chunk flows
+back, concatenated, to the original tensor (a scatter's backward is a gather).
+
+Where stock ``torch.nn.parallel.scatter`` silently truncates inputs whose tensors have different
+batch sizes, minidp raises an error that names both tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from . import comm
+from .devices import DeviceLike, as_devices
+
+
+def is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def replace_fields(obj: Any, values: Sequence[Any]) -> Any:
+    """A shallow copy of the dataclass ``obj`` with its fields set to ``values`` (frozen ones too)."""
+    new = copy.copy(obj)
+    for field, value in zip(dataclasses.fields(obj), values):
+        object.__setattr__(new, field.name, value)
+    return new
+
+
+def rebuild_dict(like: dict, items) -> dict:
+    """A dict of ``like``'s type (OrderedDict, defaultdict, ...) holding ``items``."""
+    if hasattr(like, "default_factory"):
+        return type(like)(like.default_factory, items)
+    return type(like)(items)
+
+
+def children(obj: Any) -> Optional[list[tuple[str, Any]]]:
+    """``(path suffix, child)`` for a container scatter and gather look inside, ``None`` for a leaf."""
+    if isinstance(obj, dict):
+        return [(f"[{k!r}]", v) for k, v in obj.items()]
+    if is_namedtuple(obj):
+        return [(f".{name}", v) for name, v in zip(obj._fields, obj)]
+    if isinstance(obj, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(obj)]
+    if is_dataclass_instance(obj):
+        return [(f".{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    return None
+
+
+def rebuild(like: Any, values: list[Any]) -> Any:
+    """A container of ``like``'s kind and type holding ``values`` in ``children(like)``'s order."""
+    if isinstance(like, dict):
+        return rebuild_dict(like, zip(like.keys(), values))
+    if is_namedtuple(like):
+        return type(like)(*values)
+    if isinstance(like, (list, tuple)):
+        return type(like)(values)
+    return replace_fields(like, values)
+
+
+def tensors_in(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor inside ``obj``, with its path (``inputs[0]['image']``) for error messages."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        return
+    for suffix, child in children(obj) or ():
+        yield from tensors_in(child, path + suffix)
+
+
+def batch_size_of(obj: Any, dim: int, name: str) -> Optional[int]:
+    """The common size along ``dim`` of all tensors in ``obj``; ``None`` if it holds no tensor."""
+    first_path, batch_size = None, None
+    for path, tensor in tensors_in(obj, name):
+        if tensor.dim() == 0:
+            raise ValueError(f"{path} is a 0-dim tensor and has no dim {dim} to split; give it a batch dimension")
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise IndexError(f"dim={dim} is out of range for {path}, which has {tensor.dim()} dimension(s) {tuple(tensor.shape)}")
+        size = tensor.shape[dim]
+        if batch_size is None:
+            first_path, batch_size = path, size
+            if size == 0:
+                raise ValueError(f"{path} is an empty batch (size 0 along dim {dim}): there is nothing to scatter")
+        elif size != batch_size:
+            raise ValueError(
+                f"{path} has {size} rows along dim {dim} but {first_path} has {batch_size}: every tensor that is "
+                f"scattered must share the batch size (stock DataParallel would silently drop rows here). "
+                f"Pass tensors that every replica needs whole inside a non-tensor object, or split them yourself."
+            )
+    return batch_size
+
+
+def scatter(
+    inputs: Any,
+    target_devices: Sequence[DeviceLike],
+    dim: int = 0,
+    chunk_sizes: Optional[Sequence[int]] = None,
+) -> Any:
+    """Split ``inputs`` into one piece per device; returns a list (a tuple for a bare tensor).
+
+    The batch is cut as ``torch.chunk`` cuts it (10 rows on 3 devices: 4, 4, 2), so fewer pieces than
+    devices can come back (2 rows on 4 devices: 2 pieces, and only 2 replicas will run); or as
+    ``chunk_sizes`` says, one size per device.
+    """
+    return _scatter(inputs, target_devices, dim, chunk_sizes, "inputs")
+
+
+def _scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int, chunk_sizes, name: str) -> Any:
+    devices = as_devices(target_devices, "target_devices")
+    if not devices:
+        raise ValueError("target_devices is empty: give at least one device")
+    batch_size = batch_size_of(inputs, dim, name)
+    if batch_size is None:
+        return [inputs for _ in devices]
+    if chunk_sizes is None:
+        chunk_sizes = comm.chunk_sizes_for(batch_size, len(devices))
+    else:
+        chunk_sizes = comm.check_chunk_sizes(chunk_sizes, batch_size, len(devices))
+    devices = devices[: len(chunk_sizes)]
+
+    def scatter_map(obj: Any) -> list[Any]:
+        if isinstance(obj, torch.Tensor):
+            return list(comm.scatter(obj, devices, chunk_sizes, dim))
+        parts = children(obj)
+        if not parts:  # a leaf, or an empty container: shared by reference
+            return [obj for _ in devices]
+        per_child = [scatter_map(child) for _, child in parts]
+        return [rebuild(obj, list(values)) for values in zip(*per_child)]
+
+    pieces = scatter_map(inputs)
+    return tuple(pieces) if isinstance(inputs, torch.Tensor) else pieces
+
+
+def scatter_kwargs(
+    inputs: tuple,
+    kwargs: Optional[dict[str, Any]],
+    target_devices: Sequence[DeviceLike],
+    dim: int = 0,
+    chunk_sizes: Optional[Sequence[int]] = None,
+) -> tuple[tuple[tuple, ...], tuple[dict[str, Any], ...]]:
+    """Scatter positional and keyword arguments; returns ``(inputs per replica, kwargs per replica)``.
+
+    Both tuples have the same length: if one side cut into fewer pieces than the other, it is padded
+    with ``()`` or ``{}``, so the last replicas then receive no positional or no keyword arguments.
+    (Stock pads by comparing with the number of positional arguments instead, and fails or drops
+    kwargs when the two sides cut differently.)
+    """
+    scattered_inputs = list(_scatter(tuple(inputs), target_devices, dim, chunk_sizes, "inputs")) if inputs else []
+    scattered_kwargs = list(_scatter(kwargs, target_devices, dim, chunk_sizes, "kwargs")) if kwargs else []
+    count = max(len(scattered_inputs), len(scattered_kwargs))
+    scattered_inputs += [()] * (count - len(scattered_inputs))
+    scattered_kwargs += [{}] * (count - len(scattered_kwargs))
+    return tuple(scattered_inputs), tuple(scattered_kwargs)

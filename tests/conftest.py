@@ -1,0 +1,31 @@
+"""Shared fixtures: device lists, tolerances and helpers used across the test suite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# float64 comparisons: data parallelism only reorders sums, so results agree to rounding.
+RTOL_FLOAT64 = 1e-10
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def cpu_ids(n: int) -> list[str]:
+    """``n`` replicas on the CPU."""
+    return ["cpu"] * n
+
+
+def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max|a - e| / max(max|e|, tiny)``: one number per tensor, robust to zeros."""
+    scale = expected.detach().abs().max().clamp_min(1e-300)
+    return ((actual.detach() - expected.detach()).abs().max() / scale).item() if expected.numel() else 0.0
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    """A fresh, randomly seeded generator: every run draws new inputs; the seed is printed on failure."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"generator seed: {seed}")
+    return torch.Generator().manual_seed(seed)
