@@ -40,18 +40,22 @@ class Broadcast(torch.autograd.Function):
         ctx.source_device = tensors[0].device
         ctx.num_tensors = len(tensors)
         ctx.reduce_backend = reduce_backend
-        per_device = comm.broadcast_coalesced(tensors, devices)
-        # A custom Function may not return its inputs unchanged; a view is the same storage.
-        outputs = [t.view_as(t) if d == ctx.source_device else t for d, copies in zip(devices, per_device) for t in copies]
+        # On the source device broadcast returns the tensors themselves; autograd turns an input that a
+        # Function returns as-is into a view of it: the same storage, with this node as its grad_fn.
+        outputs = [t for copies in comm.broadcast_coalesced(tensors, devices) for t in copies]
         ctx.mark_non_differentiable(*[o for o, t in zip(outputs, tensors * len(devices)) if not t.requires_grad])
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         n = ctx.num_tensors
-        per_replica = [grads[i : i + n] for i in range(0, len(grads), n)]
+        needed = [i for i in range(n) if ctx.needs_input_grad[2 + i]]  # frozen parameters need no sum
+        per_replica = [[grads[start + i] for i in needed] for start in range(0, len(grads), n)]
         sums = comm.reduce_add_coalesced(per_replica, ctx.source_device, backend=ctx.reduce_backend)
-        return (None, None) + tuple(sums)
+        result: list[Optional[torch.Tensor]] = [None] * n
+        for i, total in zip(needed, sums):
+            result[i] = total
+        return (None, None, *result)
 
 
 def check_module_device(network: nn.Module, source_device: torch.device) -> None:
