@@ -43,7 +43,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -564,9 +564,6 @@ class Trace:
         path = Path(path)
         figure.savefig(path)
         return path
-
-    def to_dicts(self) -> list[dict[str, Any]]:
-        return [asdict(e) for e in self.events]
 
 
 STAGE_COLOURS = {
