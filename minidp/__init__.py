@@ -10,6 +10,7 @@ The five steps of ``torch.nn.DataParallel``, each a public function in a module 
    every replica's gradients summed into the original parameters.
 
 :class:`DataParallel` and :func:`data_parallel` compose them (``minidp.data_parallel``).
+:func:`trace` records every step of every replica; :func:`verify` checks a model's numbers.
 """
 
 from . import comm
@@ -20,10 +21,14 @@ from .gather import gather
 from .parallel_apply import parallel_apply
 from .replicate import replicate
 from .scatter import scatter, scatter_kwargs
+from .trace import Trace, trace, write_trace_artifacts
+from .verify import VerifyReport, verify
 
 __all__ = [
     "DataParallel",
     "DeviceInfo",
+    "Trace",
+    "VerifyReport",
     "comm",
     "data_parallel",
     "devices",
@@ -34,5 +39,8 @@ __all__ = [
     "scatter",
     "scatter_kwargs",
     "set_reduce_backend",
+    "trace",
+    "verify",
+    "write_trace_artifacts",
 ]
 __version__ = "0.1.0"

@@ -22,6 +22,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
 
 from .devices import DeviceLike, as_device, as_devices
+from .trace import traced
 
 REDUCE_BACKENDS = ("auto", "torch", "ext")
 _default_reduce_backend = "auto"
@@ -163,6 +164,7 @@ def _check_reduce_inputs(inputs: Sequence[Sequence[torch.Tensor]]) -> None:
                 raise ValueError(f"reduce: tensor {i} of replica {r} has dtype {t.dtype} but replica 0's has {ref.dtype}")
 
 
+@traced("reduce")
 def reduce_add_coalesced(
     inputs: Sequence[Sequence[torch.Tensor]],
     destination: Optional[DeviceLike] = None,

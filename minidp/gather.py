@@ -23,8 +23,10 @@ import torch
 from . import comm
 from .devices import DeviceLike, as_device
 from .scatter import children, rebuild, rebuild_dict
+from .trace import traced
 
 
+@traced("gather")
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
     """Gather ``outputs`` (one per replica, in replica order) onto ``target_device``.
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from .devices import DeviceLike, as_devices
 from .scatter import tensors_in
+from .trace import stage
 
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()
@@ -157,7 +158,7 @@ def parallel_apply(
     def run(i: int) -> Any:
         args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
         try:
-            with caller.enter(devices[i], streams[i]):
+            with caller.enter(devices[i], streams[i]), stage("forward", i, devices[i]):
                 return modules[i](*args, **kwargs_tup[i])
         except BaseException as error:  # re-raised by the caller once every replica is done
             return _ReplicaFailure(error)

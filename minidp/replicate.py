@@ -27,6 +27,7 @@ from torch import nn
 
 from . import comm
 from .devices import DeviceLike, as_devices
+from .trace import traced
 
 
 class Broadcast(torch.autograd.Function):
@@ -84,6 +85,7 @@ def _copy_buffers(
     ]
 
 
+@traced("replicate")
 def replicate(
     network: nn.Module,
     devices: Sequence[DeviceLike],

@@ -22,6 +22,7 @@ import torch
 
 from . import comm
 from .devices import DeviceLike, as_devices
+from .trace import traced
 
 
 def is_namedtuple(obj: Any) -> bool:
@@ -102,6 +103,7 @@ def batch_size_of(obj: Any, dim: int, name: str) -> Optional[int]:
     return batch_size
 
 
+@traced("scatter")
 def scatter(
     inputs: Any,
     target_devices: Sequence[DeviceLike],
@@ -143,6 +145,7 @@ def _scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int, chunk_
     return tuple(pieces) if isinstance(inputs, torch.Tensor) else pieces
 
 
+@traced("scatter")
 def scatter_kwargs(
     inputs: tuple,
     kwargs: Optional[dict[str, Any]],

@@ -1,0 +1,61 @@
+"""``minidp trace``: one traced training step of a zoo model, written to a directory.
+
+The step is forward, loss, backward and an SGD update, after ``--warmup`` untraced steps (the
+first step also pays for starting the replica threads). Writes ``table.txt``, ``trace.json``
+(open it in https://ui.perfetto.dev or chrome://tracing) and ``timeline.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from .cli_devices import default_device_ids, parse_device_ids
+from .data_parallel import DataParallel
+from .trace import trace, write_trace_artifacts
+from .zoo import ZOO
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=list(ZOO), default="cnn", help="zoo model to train (default cnn)")
+    parser.add_argument("--devices", type=parse_device_ids, default=None,
+                        help="device ids, e.g. 0,1 or cpu*4 (default: every GPU, else cpu*4)")
+    parser.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
+    parser.add_argument("--warmup", type=int, default=2, help="untraced steps before the traced one (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
+    parser.add_argument("--out", type=Path, default=Path("minidp-trace"), help="directory for the artifacts")
+
+
+def run(args: argparse.Namespace) -> int:
+    device_ids = args.devices or default_device_ids(replicas_on_cpu=4)
+    torch.manual_seed(args.seed)
+    entry = ZOO[args.model]
+    model = DataParallel(entry.build().to(_first_device(device_ids)), device_ids, dim=entry.dim)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs, kwargs = entry.batch(args.batch, torch.Generator().manual_seed(args.seed))
+
+    def train_step() -> None:
+        optimizer.zero_grad()
+        entry.loss(model(*inputs, **kwargs)).backward()
+        optimizer.step()
+
+    for _ in range(args.warmup):
+        train_step()
+    with trace() as step:
+        train_step()
+    written = write_trace_artifacts(step, args.out)
+    print(f"{args.model}, batch {args.batch}, device_ids={device_ids}")
+    print(step.table())
+    for kind, path in written.items():
+        print(f"{kind:>8}: {path}")
+    if "timeline" not in written:
+        print("timeline: not drawn, matplotlib is missing: pip install 'minidp[plot]'")
+    return 0
+
+
+def _first_device(device_ids) -> torch.device:
+    from .devices import as_device
+
+    return as_device(device_ids[0], "--devices[0]")

@@ -1,0 +1,50 @@
+"""``minidp verify``: run :func:`minidp.verify` on every model of the zoo and print a pass/fail table.
+
+Exit status 1 when any model fails, so the command can gate a CI job.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from tqdm import tqdm
+
+from .cli_devices import default_device_ids, parse_device_ids
+from .devices import as_devices
+from .verify import verify
+from .zoo import ZOO
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--devices", type=parse_device_ids, default=None,
+                        help="device ids, e.g. 0,1 or cpu*4 (default: every GPU, else cpu*2)")
+    parser.add_argument("--models", nargs="+", choices=list(ZOO), default=list(ZOO), metavar="MODEL",
+                        help=f"zoo models to check (default: all of {', '.join(ZOO)})")
+    parser.add_argument("--batch", type=int, default=7, help="batch size (default 7: uneven chunks)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
+    parser.add_argument("--verbose", action="store_true", help="print every model's full report")
+
+
+def run(args: argparse.Namespace) -> int:
+    device_ids = args.devices or default_device_ids(replicas_on_cpu=2)
+    names = [str(d) for d in as_devices(device_ids, "--devices")]
+    torch.manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    reports = {}
+    for name in tqdm(args.models, desc="verify", unit="model"):
+        entry = ZOO[name]
+        inputs, kwargs = entry.batch(args.batch, generator)
+        reports[name] = verify(entry.build(), inputs, device_ids, kwargs, dim=entry.dim, loss=entry.loss)
+    print(f"minidp verify on {names}, batch {args.batch}, float64, rtol {next(iter(reports.values())).rtol:g}")
+    print(f"{'model':<12} {'checks':>7} {'worst rel err':>14}  {'batch-dependent':<15}  result")
+    for name, report in reports.items():
+        worst = max((c.rel_error for c in report.checks), default=0.0)
+        print(f"{name:<12} {len(report.checks):>7} {worst:>14.3g}  {'yes' if report.batch_dependent else 'no':<15}  "
+              f"{'pass' if report.ok else 'FAIL'}")
+    for name, report in reports.items():
+        if args.verbose or not report.ok:
+            print(f"\n{name}:\n{report}")
+    failed = [name for name, report in reports.items() if not report.ok]
+    print(f"\n{len(reports) - len(failed)}/{len(reports)} models pass" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0

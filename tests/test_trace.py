@@ -1,0 +1,167 @@
+"""minidp.trace: every step of every replica, with the bytes it moved, in a table, a Chrome trace and a PNG."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import minidp
+from minidp.trace import STAGE_COLOURS, STAGES, write_trace_artifacts
+from minidp.zoo import ZOO, ResNetBlockBN
+
+from conftest import cpu_ids
+
+REPLICAS = 3
+
+
+def traced_step(model: nn.Module, inputs: tuple, replicas: int = REPLICAS) -> minidp.Trace:
+    wrapped = minidp.DataParallel(model, cpu_ids(replicas))
+    with minidp.trace() as step:
+        wrapped(*inputs).pow(2).mean().backward()
+    return step
+
+
+@pytest.fixture
+def cnn_step(generator) -> minidp.Trace:
+    inputs, _ = ZOO["cnn"].batch(6, generator)
+    return traced_step(ZOO["cnn"].build().double(), tuple(x.double() for x in inputs))
+
+
+def events(step: minidp.Trace, stage: str) -> list[minidp.trace.Event]:
+    return [e for e in step.events if e.stage == stage]
+
+
+def test_every_replica_has_a_forward_and_a_backward_event(cnn_step):
+    for stage in ("forward", "backward"):
+        assert sorted(e.replica for e in events(cnn_step, stage)) == list(range(REPLICAS))
+
+
+def test_every_stage_is_recorded_once_per_replica(cnn_step):
+    for stage in STAGES:
+        assert sorted(e.replica for e in events(cnn_step, stage)) == list(range(REPLICAS)), stage
+
+
+def test_replicas_run_forward_in_their_own_threads(cnn_step):
+    threads = [e.thread for e in sorted(events(cnn_step, "forward"), key=lambda e: e.replica)]
+    assert len(set(threads)) == REPLICAS
+
+
+def test_events_nest_inside_the_step(cnn_step):
+    for e in cnn_step.events:
+        assert 0 <= e.start and e.duration >= 0 and e.end <= cnn_step.duration, e
+
+
+def test_stages_follow_the_order_of_a_step(cnn_step):
+    for replica in range(REPLICAS):
+        mine = {e.stage: e for e in cnn_step.events if e.replica == replica}
+        assert mine["scatter"].end <= mine["forward"].start
+        assert mine["forward"].end <= mine["gather"].end
+        assert mine["gather"].end <= mine["backward"].start
+        assert mine["backward"].end <= mine["reduce"].end
+
+
+def test_scatter_on_the_inputs_device_copies_nothing_and_reports_chunk_shapes(cnn_step):
+    # 6 rows on 3 CPU replicas: every chunk is a view of the batch (comm.scatter skips same-device copies).
+    for e in events(cnn_step, "scatter"):
+        assert e.bytes == 0
+        assert "(2, 1, 28, 28)" in e.detail
+
+
+def test_gather_bytes_are_each_replicas_output(cnn_step):
+    classes = 10
+    for e in events(cnn_step, "gather"):
+        assert e.bytes == 2 * classes * 8  # two rows of float64 logits, copied by the concatenation
+
+
+def test_reduce_bytes_are_each_replicas_gradients(cnn_step):
+    model_bytes = sum(p.numel() * 8 for p in ZOO["cnn"].build().parameters())
+    for e in events(cnn_step, "reduce"):
+        assert e.bytes == model_bytes
+        assert "backend=" in e.detail
+
+
+def test_replicate_aliases_parameters_and_clones_buffers_for_replicas_after_the_first(generator):
+    # Stock: replica 0 shares the original's buffers, later replicas get private copies.
+    model = ResNetBlockBN().double()
+    inputs, _ = ZOO["resnet_bn"].batch(6, generator)
+    step = traced_step(model, tuple(x.double() for x in inputs))
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    copied = {e.replica: e.bytes for e in events(step, "replicate")}
+    assert copied == {0: 0, **{r: buffer_bytes for r in range(1, REPLICAS)}}
+
+
+def test_nothing_is_recorded_after_the_trace_ends(generator):
+    model = ZOO["mlp"].build()
+    step = traced_step(model, (torch.randn(4, 16, generator=generator),))
+    count = len(step.events)
+    minidp.DataParallel(model, cpu_ids(2))(torch.randn(4, 16, generator=generator)).sum().backward()
+    assert len(step.events) == count
+
+
+def test_traces_do_not_nest():
+    with minidp.trace():
+        with pytest.raises(RuntimeError, match="already active"):
+            with minidp.trace():
+                pass
+
+
+def test_stages_show_in_torch_profiler_without_the_tracer(generator):
+    model = minidp.DataParallel(ZOO["mlp"].build(), cpu_ids(2))
+    with torch.profiler.profile() as profile:
+        model(torch.randn(4, 16, generator=generator)).sum().backward()
+    names = {item.key for item in profile.key_averages()}
+    assert {f"minidp::{s}" for s in ("scatter", "replicate", "forward", "gather", "reduce")} <= names
+
+
+def test_table_has_a_row_for_every_stage_and_the_memory_peak(cnn_step):
+    table = cnn_step.table()
+    for stage in STAGES:
+        assert any(line.startswith(stage) for line in table.splitlines()), stage
+    assert "peak memory cpu" in table
+    shares = [row["share"] for row in cnn_step.summary()]
+    assert all(0 <= s <= 1 for s in shares)
+
+
+def test_chrome_trace_loads_and_has_complete_events_on_one_track_per_replica(cnn_step, tmp_path):
+    data = json.loads(cnn_step.to_chrome(tmp_path / "trace.json").read_text())
+    complete = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert {e["name"] for e in complete} == set(STAGES) | {"step"}
+    assert all({"ts", "dur", "pid", "tid"} <= set(e) for e in complete)
+    tracks = {(e["pid"], e["tid"]) for e in complete if e["name"] == "forward"}
+    assert len(tracks) == REPLICAS
+    names = {e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {f"replica {r}" for r in range(REPLICAS)}
+
+
+def test_plot_draws_one_lane_per_replica_in_the_stage_colours(cnn_step, generator, tmp_path):
+    image = pytest.importorskip("matplotlib.image")
+    from matplotlib.colors import to_rgb
+
+    pixels = image.imread(cnn_step.plot(tmp_path / "step.png"))
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+    rgb = pixels[..., :3]
+    for stage in ("forward", "backward"):  # the long stages are wide enough to have plain pixels
+        colour = torch.tensor(to_rgb(STAGE_COLOURS[stage]), dtype=torch.float32)
+        assert (torch.from_numpy(rgb.copy()) - colour).abs().amax(-1).lt(0.01).any(), stage
+    inputs, _ = ZOO["mlp"].batch(4, generator)
+    fewer = traced_step(ZOO["mlp"].build(), inputs, replicas=2)
+    assert image.imread(fewer.plot(tmp_path / "two.png")).shape[0] < pixels.shape[0]  # one lane per replica
+
+
+def test_write_trace_artifacts_writes_table_chrome_trace_and_timeline(cnn_step, tmp_path):
+    pytest.importorskip("matplotlib")
+    written = write_trace_artifacts(cnn_step, tmp_path / "out")
+    assert sorted(p.name for p in written.values()) == ["table.txt", "timeline.png", "trace.json"]
+    assert written["timeline"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert written["table"].read_text().startswith("one traced step")
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(cnn_step, tmp_path, monkeypatch):
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg", "matplotlib.patches"):
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import name` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install 'minidp\[plot\]'"):
+        cnn_step.plot(tmp_path / "step.png")
