@@ -1,0 +1,118 @@
+"""Differential tests: minidp computes what stock ``torch.nn.parallel`` computes.
+
+Three references, every zoo model, float64, fresh random inputs, outputs + every parameter's
+gradient + every buffer, relative error <= ``RTOL_FLOAT64``:
+
+* the single-device chunk-by-chunk reference (``reference.chunk_by_chunk``): what stock computes on
+  n GPUs (STOCK_SPEC S2, S5, S10.3: per-chunk BatchNorm statistics, running stats from chunk 0);
+* stock itself, its Python code run on the CPU under ``stock_emulation.emulated_stock``;
+* stock unpatched where it runs on a CPU build: ``nn.DataParallel`` without a GPU calls the module
+  directly (STOCK_SPEC S1.2, S2.2), and so must minidp's ``DataParallel`` without device ids.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import minidp
+from conftest import HAS_CUDA, cpu_ids
+from minidp import zoo
+from reference import (
+    SPLITS,
+    Case,
+    Result,
+    assert_same_results,
+    forward_backward,
+    make_case,
+    reference_call,
+)
+from stock_emulation import _swapped, emulated_stock
+
+
+def minidp_call(case: Case, device_ids: list):
+    def call(model, args, kwargs):
+        if case.parallelises_itself:
+            model.device_ids = device_ids
+            return model(*args, **kwargs)
+        return minidp.DataParallel(model, device_ids, dim=case.dim)(*args, **kwargs)
+
+    return call
+
+
+def stock_forward_backward(case: Case, device_ids: list) -> Result:
+    """Stock DataParallel (in the VGG model: stock data_parallel), forward and backward, emulated."""
+
+    def call(model, args, kwargs):
+        if case.parallelises_itself:
+            model.device_ids = device_ids
+            return model(*args, **kwargs)
+        return nn.DataParallel(model, device_ids, dim=case.dim)(*args, **kwargs)
+
+    with emulated_stock(), _swapped(zoo, "data_parallel", nn.parallel.data_parallel):
+        return forward_backward(case, call)
+
+
+@pytest.mark.parametrize("replicas,rows", SPLITS)
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_matches_chunk_by_chunk_reference(name, replicas, rows, generator):
+    case = make_case(name, rows, generator)
+    expected = forward_backward(case, reference_call(replicas, case.dim))
+    actual = forward_backward(case, minidp_call(case, cpu_ids(replicas)))
+    assert_same_results(actual, expected)
+
+
+@pytest.mark.parametrize("replicas,rows", SPLITS)
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_matches_stock_emulated(name, replicas, rows, generator):
+    """Stock's own scatter/replicate/parallel_apply/gather/reduce code, run on CPU "GPUs" 0..n-1.
+
+    Non-tensor outputs are left out: there minidp differs from stock on purpose (a string gathers
+    to a list, not to stock's ``"<map object ...>"``; see test_gather).
+    """
+    case = make_case(name, rows, generator)
+    expected = stock_forward_backward(case, list(range(replicas)))
+    actual = forward_backward(case, minidp_call(case, cpu_ids(replicas)))
+    assert_same_results(actual, expected, compare_non_tensors=False)
+
+
+def test_matches_stock_emulated_with_repeated_ids(generator):
+    """STOCK_SPEC S11: stock accepts repeated ids; minidp's ``['cpu'] * 3`` matches its ``[0, 0, 0]``."""
+    case = make_case("mlp", 10, generator)
+    expected = stock_forward_backward(case, [0, 0, 0])
+    actual = forward_backward(case, minidp_call(case, cpu_ids(3)))
+    assert_same_results(actual, expected)
+
+
+def test_stock_data_parallel_functional_matches(generator):
+    """Stock ``data_parallel`` (S3) under emulation equals ``minidp.data_parallel`` with kwargs."""
+    case = make_case("kwargs_dict", 10, generator)
+
+    def stock(model, args, kwargs):
+        return nn.parallel.data_parallel(model, args, [0, 1, 2], module_kwargs=kwargs)
+
+    def ours(model, args, kwargs):
+        return minidp.data_parallel(model, args, cpu_ids(3), module_kwargs=kwargs)
+
+    with emulated_stock():
+        expected = forward_backward(case, stock)
+    assert_same_results(forward_backward(case, ours), expected, compare_non_tensors=False)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="stock calls the module directly only on a machine without a GPU")
+@pytest.mark.parametrize("name", [n for n in zoo.ZOO if n != "vgg_split"])
+def test_without_device_ids_matches_unpatched_stock_direct_call(name, generator):
+    """STOCK_SPEC S2.2: without a GPU, ``nn.DataParallel(m)(x)`` is ``m(x)``; so is minidp's."""
+    case = make_case(name, 7, generator)
+
+    def stock(model, args, kwargs):
+        return nn.DataParallel(model, dim=case.dim)(*args, **kwargs)
+
+    def ours(model, args, kwargs):
+        return minidp.DataParallel(model, dim=case.dim)(*args, **kwargs)
+
+    actual, expected = forward_backward(case, ours), forward_backward(case, stock)
+    assert_same_results(actual, expected)
+    for key, tensor in expected.grads.items():
+        assert torch.equal(actual.grads[key], tensor), "a direct call must agree bit for bit"
