@@ -27,15 +27,19 @@ SPLITS = [(1, 6), (2, 6), (3, 10), (4, 10), (4, 5), (4, 2)]
 Call = Callable[[nn.Module, tuple, dict], Any]
 
 
-def to_float64(obj: Any) -> Any:
-    """``obj`` with every floating-point tensor in it converted to float64."""
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it (inside dicts, lists and tuples)."""
     if isinstance(obj, torch.Tensor):
-        return obj.double() if obj.is_floating_point() else obj
+        return fn(obj)
     if isinstance(obj, dict):
-        return type(obj)((k, to_float64(v)) for k, v in obj.items())
+        return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_float64(v) for v in obj)
+        return type(obj)(map_tensors(fn, v) for v in obj)
     return obj
+
+
+def to_float64(t: torch.Tensor) -> torch.Tensor:
+    return t.double() if t.is_floating_point() else t
 
 
 @dataclass
@@ -59,14 +63,15 @@ class Case:
         return copy.deepcopy(self.prototype)
 
 
-def make_case(name: str, rows: int, generator: torch.Generator) -> Case:
+def make_case(name: str, rows: int, generator: torch.Generator, device: str = "cpu") -> Case:
     """The zoo model ``name`` in float64 (random weights) with a fresh random batch of ``rows`` rows."""
     entry = ZOO[name]
-    model = entry.build().double()
-    args, kwargs = to_float64(entry.batch(rows, generator))
+    model = entry.build().double().to(device)
+    args, kwargs = map_tensors(lambda t: to_float64(t).to(device), entry.batch(rows, generator))
     if name == "cnn":  # the tutorial's dict batches, trained with cross-entropy
-        batch = {"image": args[0], "label": torch.randint(0, 10, (rows,), generator=generator)}
-        return Case(name, model, (batch["image"],), {}, entry.dim, lambda out: F.cross_entropy(out, batch["label"]), batch=batch)
+        labels = torch.randint(0, 10, (rows,), generator=generator).to(device)
+        batch = {"image": args[0], "label": labels}
+        return Case(name, model, (batch["image"],), {}, entry.dim, lambda out: F.cross_entropy(out, labels), batch=batch)
     return Case(name, model, args, kwargs, entry.dim, entry.loss, parallelises_itself=name == "vgg_split")
 
 
