@@ -19,7 +19,9 @@ from torch import nn
 from torch.func import functional_call
 
 from conftest import RTOL_FLOAT64, max_relative_error
+from minidp import zoo
 from minidp.zoo import ZOO
+from stock_emulation import _swapped
 
 # (replicas, rows): even and uneven batches; 5 rows on 4 replicas use 3, 2 rows on 4 use 2.
 SPLITS = [(1, 6), (2, 6), (3, 10), (4, 10), (4, 5), (4, 2)]
@@ -117,8 +119,19 @@ def chunk_by_chunk(module: nn.Module, args: tuple, kwargs: dict, replicas: int, 
     return concat(outputs, dim)
 
 
+def plain_data_parallel(module: nn.Module, inputs: Any, device_ids=None, output_device=None, dim=0, module_kwargs=None):
+    """What ``data_parallel`` computes, on one device: the module applied to the whole input."""
+    return module(*(inputs if isinstance(inputs, tuple) else (inputs,)), **(module_kwargs or {}))
+
+
 def reference_call(replicas: int, dim: int) -> Call:
-    return lambda model, args, kwargs: chunk_by_chunk(model, args, kwargs, replicas, dim)
+    """The reference as a ``Call``; a model that parallelises its own parts calls them plainly."""
+
+    def call(model, args, kwargs):
+        with _swapped(zoo, "data_parallel", plain_data_parallel):
+            return chunk_by_chunk(model, args, kwargs, replicas, dim)
+
+    return call
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import minidp
-from conftest import HAS_CUDA, cpu_ids
+from conftest import HAS_CUDA, cpu_ids, requires_cuda
 from minidp import zoo
 from reference import (
     SPLITS,
@@ -28,7 +28,7 @@ from reference import (
     make_case,
     reference_call,
 )
-from stock_emulation import _swapped, emulated_stock
+from stock_emulation import _swapped, emulated_stock, stock_comm
 
 
 def minidp_call(case: Case, device_ids: list):
@@ -116,3 +116,52 @@ def test_without_device_ids_matches_unpatched_stock_direct_call(name, generator)
     assert_same_results(actual, expected)
     for key, tensor in expected.grads.items():
         assert torch.equal(actual.grads[key], tensor), "a direct call must agree bit for bit"
+
+
+def test_emulation_is_undone_on_exit():
+    """Patches last only for the block, even when it raises."""
+    original_reduce_add = stock_comm.reduce_add
+    with pytest.raises(KeyError), emulated_stock():
+        assert torch.accelerator.is_available() and hasattr(torch._C, "_scatter")
+        raise KeyError
+    assert stock_comm.reduce_add is original_reduce_add
+    assert not hasattr(torch._C, "_scatter") or HAS_CUDA
+    assert torch.accelerator.is_available() == HAS_CUDA
+
+
+# --------------------------------------------------------------------------------------------------
+# on a GPU: repeated ids on one GPU, distinct GPUs, and real stock
+# --------------------------------------------------------------------------------------------------
+
+CUDA_ID_LISTS = [[0, 0]] + ([[0, 1]] if torch.cuda.device_count() >= 2 else [])
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("device_ids", CUDA_ID_LISTS, ids=str)
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_matches_chunk_by_chunk_reference_on_cuda(name, device_ids, generator):
+    case = make_case(name, 10, generator, device="cuda:0")
+    expected = forward_backward(case, reference_call(len(device_ids), case.dim))
+    actual = forward_backward(case, minidp_call(case, device_ids))
+    assert_same_results(actual, expected)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("device_ids", CUDA_ID_LISTS, ids=str)
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_matches_real_stock_on_cuda(name, device_ids, generator):
+    """Stock ``nn.DataParallel`` (inside the VGG model: stock ``data_parallel``) on real GPU ids."""
+    case = make_case(name, 10, generator, device="cuda:0")
+
+    def stock(model, args, kwargs):
+        if case.parallelises_itself:
+            model.device_ids = device_ids
+            return model(*args, **kwargs)
+        return nn.DataParallel(model, device_ids, dim=case.dim)(*args, **kwargs)
+
+    with _swapped(zoo, "data_parallel", nn.parallel.data_parallel):
+        expected = forward_backward(case, stock)
+    actual = forward_backward(case, minidp_call(case, device_ids))
+    assert_same_results(actual, expected, compare_non_tensors=False)

@@ -11,6 +11,7 @@ from torch import nn
 
 import minidp
 from conftest import HAS_CUDA, cpu_ids
+from stock_emulation import emulated_stock
 
 data_parallel_module = importlib.import_module("minidp.data_parallel")
 no_gpu_only = pytest.mark.skipif(HAS_CUDA, reason="describes a machine without a GPU")
@@ -150,6 +151,23 @@ def test_output_device_cpu_works(generator):
     for output_device in ("cpu", torch.device("cpu"), -1):
         out = minidp.DataParallel(bn_model(), cpu_ids(2), output_device=output_device)(torch.randn(4, 4))
         assert out.device.type == "cpu"
+
+
+def test_kwargs_with_fewer_chunks_than_inputs_run_where_stock_fails(generator):
+    """S4.6 (c): ``dp(x5, k=x2)`` on 4 devices. Stock (emulated) fails in parallel_apply with
+    'The number of modules 3 is not equal to the number of kwargs_tup 2'; minidp runs the third
+    replica without ``k``."""
+
+    class AddOptional(nn.Module):
+        def forward(self, x, k=None):
+            return x if k is None else x + k.sum()
+
+    x5, x2 = torch.randn(5, 1, generator=generator), torch.randn(2, 1, generator=generator)
+    with emulated_stock(), pytest.raises(AssertionError, match="number of kwargs_tup 2"):
+        nn.DataParallel(AddOptional(), [0, 1, 2, 3])(x5, k=x2)
+    out = minidp.DataParallel(AddOptional(), cpu_ids(4))(x5, k=x2)
+    expected = torch.cat([x5[0:2] + x2[0], x5[2:4] + x2[1], x5[4:]])
+    assert torch.equal(out, expected)
 
 
 # --------------------------------------------------------------------------------------------------
