@@ -21,7 +21,7 @@ from torch.func import functional_call
 from conftest import RTOL_FLOAT64, max_relative_error
 from minidp import zoo
 from minidp.zoo import ZOO
-from stock_emulation import _swapped
+from stock_emulation import swapped
 
 # (replicas, rows): even and uneven batches; 5 rows on 4 replicas use 3, 2 rows on 4 use 2.
 SPLITS = [(1, 6), (2, 6), (3, 10), (4, 10), (4, 5), (4, 2)]
@@ -128,7 +128,7 @@ def reference_call(replicas: int, dim: int) -> Call:
     """The reference as a ``Call``; a model that parallelises its own parts calls them plainly."""
 
     def call(model, args, kwargs):
-        with _swapped(zoo, "data_parallel", plain_data_parallel):
+        with swapped(zoo, "data_parallel", plain_data_parallel):
             return chunk_by_chunk(model, args, kwargs, replicas, dim)
 
     return call

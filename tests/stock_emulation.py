@@ -124,7 +124,7 @@ class _Stream:
 
 
 @contextlib.contextmanager
-def _swapped(obj: Any, name: str, value: Any) -> Iterator[None]:
+def swapped(obj: Any, name: str, value: Any) -> Iterator[None]:
     """Set ``obj.name = value`` for the duration of the block; restore (or delete) it afterwards."""
     missing = object()
     old = obj.__dict__.get(name, missing) if hasattr(obj, "__dict__") else getattr(obj, name, missing)
@@ -164,5 +164,5 @@ def emulated_stock(num_gpus: int = 4) -> Iterator[None]:
     ]
     with contextlib.ExitStack() as stack:
         for obj, name, value in swaps:
-            stack.enter_context(_swapped(obj, name, value))
+            stack.enter_context(swapped(obj, name, value))
         yield

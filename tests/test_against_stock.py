@@ -12,6 +12,8 @@ gradient + every buffer, relative error <= ``RTOL_FLOAT64``:
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -28,30 +30,31 @@ from reference import (
     make_case,
     reference_call,
 )
-from stock_emulation import _swapped, emulated_stock, stock_comm
+from stock_emulation import swapped, emulated_stock, stock_comm
 
 
-def minidp_call(case: Case, device_ids: list):
+def wrapped_call(case: Case, wrapper: type, device_ids: list):
+    """Run the case's model under ``wrapper`` (a DataParallel class) on ``device_ids``; a model
+    that parallelises its own parts is given the ids instead."""
+
     def call(model, args, kwargs):
         if case.parallelises_itself:
             model.device_ids = device_ids
             return model(*args, **kwargs)
-        return minidp.DataParallel(model, device_ids, dim=case.dim)(*args, **kwargs)
+        return wrapper(model, device_ids, dim=case.dim)(*args, **kwargs)
 
     return call
 
 
-def stock_forward_backward(case: Case, device_ids: list) -> Result:
-    """Stock DataParallel (in the VGG model: stock data_parallel), forward and backward, emulated."""
+def minidp_forward_backward(case: Case, device_ids: list) -> Result:
+    return forward_backward(case, wrapped_call(case, minidp.DataParallel, device_ids))
 
-    def call(model, args, kwargs):
-        if case.parallelises_itself:
-            model.device_ids = device_ids
-            return model(*args, **kwargs)
-        return nn.DataParallel(model, device_ids, dim=case.dim)(*args, **kwargs)
 
-    with emulated_stock(), _swapped(zoo, "data_parallel", nn.parallel.data_parallel):
-        return forward_backward(case, call)
+def stock_forward_backward(case: Case, device_ids: list, emulate: bool = True) -> Result:
+    """Stock DataParallel (in the VGG model: stock data_parallel), forward and backward."""
+    with emulated_stock() if emulate else contextlib.nullcontext():
+        with swapped(zoo, "data_parallel", nn.parallel.data_parallel):
+            return forward_backward(case, wrapped_call(case, nn.DataParallel, device_ids))
 
 
 @pytest.mark.parametrize("replicas,rows", SPLITS)
@@ -59,7 +62,7 @@ def stock_forward_backward(case: Case, device_ids: list) -> Result:
 def test_matches_chunk_by_chunk_reference(name, replicas, rows, generator):
     case = make_case(name, rows, generator)
     expected = forward_backward(case, reference_call(replicas, case.dim))
-    actual = forward_backward(case, minidp_call(case, cpu_ids(replicas)))
+    actual = minidp_forward_backward(case, cpu_ids(replicas))
     assert_same_results(actual, expected)
 
 
@@ -73,7 +76,7 @@ def test_matches_stock_emulated(name, replicas, rows, generator):
     """
     case = make_case(name, rows, generator)
     expected = stock_forward_backward(case, list(range(replicas)))
-    actual = forward_backward(case, minidp_call(case, cpu_ids(replicas)))
+    actual = minidp_forward_backward(case, cpu_ids(replicas))
     assert_same_results(actual, expected, compare_non_tensors=False)
 
 
@@ -81,7 +84,7 @@ def test_matches_stock_emulated_with_repeated_ids(generator):
     """STOCK_SPEC S11: stock accepts repeated ids; minidp's ``['cpu'] * 3`` matches its ``[0, 0, 0]``."""
     case = make_case("mlp", 10, generator)
     expected = stock_forward_backward(case, [0, 0, 0])
-    actual = forward_backward(case, minidp_call(case, cpu_ids(3)))
+    actual = minidp_forward_backward(case, cpu_ids(3))
     assert_same_results(actual, expected)
 
 
@@ -106,13 +109,8 @@ def test_without_device_ids_matches_unpatched_stock_direct_call(name, generator)
     """STOCK_SPEC S2.2: without a GPU, ``nn.DataParallel(m)(x)`` is ``m(x)``; so is minidp's."""
     case = make_case(name, 7, generator)
 
-    def stock(model, args, kwargs):
-        return nn.DataParallel(model, dim=case.dim)(*args, **kwargs)
-
-    def ours(model, args, kwargs):
-        return minidp.DataParallel(model, dim=case.dim)(*args, **kwargs)
-
-    actual, expected = forward_backward(case, ours), forward_backward(case, stock)
+    expected = forward_backward(case, wrapped_call(case, nn.DataParallel, None))
+    actual = minidp_forward_backward(case, None)
     assert_same_results(actual, expected)
     for key, tensor in expected.grads.items():
         assert torch.equal(actual.grads[key], tensor), "a direct call must agree bit for bit"
@@ -143,7 +141,7 @@ CUDA_ID_LISTS = [[0, 0]] + ([[0, 1]] if torch.cuda.device_count() >= 2 else [])
 def test_matches_chunk_by_chunk_reference_on_cuda(name, device_ids, generator):
     case = make_case(name, 10, generator, device="cuda:0")
     expected = forward_backward(case, reference_call(len(device_ids), case.dim))
-    actual = forward_backward(case, minidp_call(case, device_ids))
+    actual = minidp_forward_backward(case, device_ids)
     assert_same_results(actual, expected)
 
 
@@ -154,14 +152,6 @@ def test_matches_chunk_by_chunk_reference_on_cuda(name, device_ids, generator):
 def test_matches_real_stock_on_cuda(name, device_ids, generator):
     """Stock ``nn.DataParallel`` (inside the VGG model: stock ``data_parallel``) on real GPU ids."""
     case = make_case(name, 10, generator, device="cuda:0")
-
-    def stock(model, args, kwargs):
-        if case.parallelises_itself:
-            model.device_ids = device_ids
-            return model(*args, **kwargs)
-        return nn.DataParallel(model, device_ids, dim=case.dim)(*args, **kwargs)
-
-    with _swapped(zoo, "data_parallel", nn.parallel.data_parallel):
-        expected = forward_backward(case, stock)
-    actual = forward_backward(case, minidp_call(case, device_ids))
+    expected = stock_forward_backward(case, device_ids, emulate=False)
+    actual = minidp_forward_backward(case, device_ids)
     assert_same_results(actual, expected, compare_non_tensors=False)

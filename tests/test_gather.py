@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import minidp
-from stock_emulation import _swapped, emulated_stock, stock_functions
+from stock_emulation import swapped, emulated_stock, stock_functions
 
 Pair = collections.namedtuple("Pair", "left right")
 
@@ -76,7 +76,7 @@ def test_scalars_become_a_vector_with_stocks_warning(generator):
     with pytest.warns(UserWarning) as ours:
         vector = minidp.gather(losses, "cpu")
     assert torch.equal(vector, torch.stack(losses))
-    with _swapped(torch._C, "_gather", lambda tensors, dim, destination: torch.cat(tensors, dim)):
+    with swapped(torch._C, "_gather", lambda tensors, dim, destination: torch.cat(tensors, dim)):
         with pytest.warns(UserWarning) as stock:
             stock_functions.Gather.apply(0, 0, *[loss.to("meta") for loss in losses])
     assert [str(w.message) for w in ours] == [str(w.message) for w in stock]
