@@ -164,6 +164,7 @@ class DependsOnChunk(nn.Module):
         (lambda y: {"y": y, "parts": [y]}, r"output\['parts'\] has 2 elements in replica 0 but 1 in replica 2"),
         (lambda y: {"y": None, "parts": [y, y]}, r"output\['y'\] is a tensor in replica 0 but a NoneType in replica 2"),
         (lambda y: {"y": y, "parts": (y, y)}, r"output\['parts'\] is a list in replica 0 but a tuple in replica 2"),
+        (lambda y: {"y": y, "parts": [y, y[:, :1]]}, r"output\['parts'\]\[1\]: .*tensor 2 has shape \(1, 1\)"),
     ],
 )
 def test_outputs_must_have_the_same_structure_in_every_replica(odd_output, message, generator):
