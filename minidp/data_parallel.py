@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from .devices import DeviceLike, as_device, as_devices
+from .devices import DeviceLike, as_device, as_devices, check_device_list
 from .gather import gather
 from .parallel_apply import parallel_apply
 from .replicate import check_module_device, replicate
@@ -36,6 +36,7 @@ def resolve_device_ids(device_ids: Optional[Sequence[DeviceLike]]) -> list[torch
     global _warned_no_gpu
     if device_ids is None:
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    check_device_list(device_ids, "device_ids")
     device_ids = list(device_ids)
     if not device_ids:
         raise ValueError("device_ids is empty: give at least one device, e.g. [0, 1] or ['cpu'] * 2")

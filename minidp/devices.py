@@ -53,9 +53,14 @@ def as_device(device: DeviceLike, argument: str = "device") -> torch.device:
 
 def as_devices(devices: Sequence[DeviceLike], argument: str = "device_ids") -> list[torch.device]:
     """:func:`as_device` for each element; repeats are kept, in order."""
+    check_device_list(devices, argument)
+    return [as_device(d, f"{argument}[{i}]") for i, d in enumerate(devices)]
+
+
+def check_device_list(devices: Sequence[DeviceLike], argument: str = "device_ids") -> None:
+    """Raise if ``devices`` is one device rather than a list of them (``"cpu"`` would read as 'c', 'p', 'u')."""
     if isinstance(devices, (str, int, torch.device)):
         raise TypeError(f"{argument}: expected a list of devices, e.g. [0, 1] or ['cpu', 'cpu'], got {devices!r}")
-    return [as_device(d, f"{argument}[{i}]") for i, d in enumerate(devices)]
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,10 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
                     stacklevel=3,
                 )
                 values = [v.view(1) for v in values]
-            return comm.gather(values, dim, destination)
+            try:
+                return comm.gather(values, dim, destination)
+            except ValueError as error:  # comm numbers the tensors; say where in the output they sit
+                raise ValueError(f"{path}: the replicas' tensors do not fit together ({error}; tensor i is replica i's)") from error
         if first is None:
             return None
         if isinstance(first, dict):  # by key: the replicas may list the keys in different orders

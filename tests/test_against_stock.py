@@ -1,0 +1,157 @@
+"""Differential tests: minidp computes what stock ``torch.nn.parallel`` computes.
+
+Three references, every zoo model, float64, fresh random inputs, outputs + every parameter's
+gradient + every buffer, relative error <= ``RTOL_FLOAT64``:
+
+* the single-device chunk-by-chunk reference (``reference.chunk_by_chunk``): what stock computes on
+  n GPUs (STOCK_SPEC S2, S5, S10.3: per-chunk BatchNorm statistics, running stats from chunk 0);
+* stock itself, its Python code run on the CPU under ``stock_emulation.emulated_stock``;
+* stock unpatched where it runs on a CPU build: ``nn.DataParallel`` without a GPU calls the module
+  directly (STOCK_SPEC S1.2, S2.2), and so must minidp's ``DataParallel`` without device ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import minidp
+from conftest import HAS_CUDA, cpu_ids, requires_cuda
+from minidp import zoo
+from reference import (
+    SPLITS,
+    Case,
+    Result,
+    assert_same_results,
+    forward_backward,
+    make_case,
+    reference_call,
+)
+from stock_emulation import swapped, emulated_stock, stock_comm
+
+
+def wrapped_call(case: Case, wrapper: type, device_ids: list):
+    """Run the case's model under ``wrapper`` (a DataParallel class) on ``device_ids``; a model
+    that parallelises its own parts is given the ids instead."""
+
+    def call(model, args, kwargs):
+        if case.parallelises_itself:
+            model.device_ids = device_ids
+            return model(*args, **kwargs)
+        return wrapper(model, device_ids, dim=case.dim)(*args, **kwargs)
+
+    return call
+
+
+def minidp_forward_backward(case: Case, device_ids: list) -> Result:
+    return forward_backward(case, wrapped_call(case, minidp.DataParallel, device_ids))
+
+
+def stock_forward_backward(case: Case, device_ids: list, emulate: bool = True) -> Result:
+    """Stock DataParallel (in the VGG model: stock data_parallel), forward and backward."""
+    with emulated_stock() if emulate else contextlib.nullcontext():
+        with swapped(zoo, "data_parallel", nn.parallel.data_parallel):
+            return forward_backward(case, wrapped_call(case, nn.DataParallel, device_ids))
+
+
+@pytest.mark.parametrize("replicas,rows", SPLITS)
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_matches_chunk_by_chunk_reference(name, replicas, rows, generator):
+    case = make_case(name, rows, generator)
+    expected = forward_backward(case, reference_call(replicas, case.dim))
+    actual = minidp_forward_backward(case, cpu_ids(replicas))
+    assert_same_results(actual, expected)
+
+
+@pytest.mark.parametrize("replicas,rows", SPLITS)
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_matches_stock_emulated(name, replicas, rows, generator):
+    """Stock's own scatter/replicate/parallel_apply/gather/reduce code, run on CPU "GPUs" 0..n-1.
+
+    Non-tensor outputs are left out: there minidp differs from stock on purpose (a string gathers
+    to a list, not to stock's ``"<map object ...>"``; see test_gather).
+    """
+    case = make_case(name, rows, generator)
+    expected = stock_forward_backward(case, list(range(replicas)))
+    actual = minidp_forward_backward(case, cpu_ids(replicas))
+    assert_same_results(actual, expected, compare_non_tensors=False)
+
+
+def test_matches_stock_emulated_with_repeated_ids(generator):
+    """STOCK_SPEC S11: stock accepts repeated ids; minidp's ``['cpu'] * 3`` matches its ``[0, 0, 0]``."""
+    case = make_case("mlp", 10, generator)
+    expected = stock_forward_backward(case, [0, 0, 0])
+    actual = minidp_forward_backward(case, cpu_ids(3))
+    assert_same_results(actual, expected)
+
+
+def test_stock_data_parallel_functional_matches(generator):
+    """Stock ``data_parallel`` (S3) under emulation equals ``minidp.data_parallel`` with kwargs."""
+    case = make_case("kwargs_dict", 10, generator)
+
+    def stock(model, args, kwargs):
+        return nn.parallel.data_parallel(model, args, [0, 1, 2], module_kwargs=kwargs)
+
+    def ours(model, args, kwargs):
+        return minidp.data_parallel(model, args, cpu_ids(3), module_kwargs=kwargs)
+
+    with emulated_stock():
+        expected = forward_backward(case, stock)
+    assert_same_results(forward_backward(case, ours), expected, compare_non_tensors=False)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="stock calls the module directly only on a machine without a GPU")
+@pytest.mark.parametrize("name", [n for n in zoo.ZOO if n != "vgg_split"])
+def test_without_device_ids_matches_unpatched_stock_direct_call(name, generator):
+    """STOCK_SPEC S2.2: without a GPU, ``nn.DataParallel(m)(x)`` is ``m(x)``; so is minidp's."""
+    case = make_case(name, 7, generator)
+
+    expected = forward_backward(case, wrapped_call(case, nn.DataParallel, None))
+    actual = minidp_forward_backward(case, None)
+    assert_same_results(actual, expected)
+    for key, tensor in expected.grads.items():
+        assert torch.equal(actual.grads[key], tensor), "a direct call must agree bit for bit"
+
+
+def test_emulation_is_undone_on_exit():
+    """Patches last only for the block, even when it raises."""
+    original_reduce_add = stock_comm.reduce_add
+    with pytest.raises(KeyError), emulated_stock():
+        assert torch.accelerator.is_available() and hasattr(torch._C, "_scatter")
+        raise KeyError
+    assert stock_comm.reduce_add is original_reduce_add
+    assert not hasattr(torch._C, "_scatter") or HAS_CUDA
+    assert torch.accelerator.is_available() == HAS_CUDA
+
+
+# --------------------------------------------------------------------------------------------------
+# on a GPU: repeated ids on one GPU, distinct GPUs, and real stock
+# --------------------------------------------------------------------------------------------------
+
+CUDA_ID_LISTS = [[0, 0]] + ([[0, 1]] if torch.cuda.device_count() >= 2 else [])
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("device_ids", CUDA_ID_LISTS, ids=str)
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_matches_chunk_by_chunk_reference_on_cuda(name, device_ids, generator):
+    case = make_case(name, 10, generator, device="cuda:0")
+    expected = forward_backward(case, reference_call(len(device_ids), case.dim))
+    actual = minidp_forward_backward(case, device_ids)
+    assert_same_results(actual, expected)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("device_ids", CUDA_ID_LISTS, ids=str)
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_matches_real_stock_on_cuda(name, device_ids, generator):
+    """Stock ``nn.DataParallel`` (inside the VGG model: stock ``data_parallel``) on real GPU ids."""
+    case = make_case(name, 10, generator, device="cuda:0")
+    expected = stock_forward_backward(case, device_ids, emulate=False)
+    actual = minidp_forward_backward(case, device_ids)
+    assert_same_results(actual, expected, compare_non_tensors=False)

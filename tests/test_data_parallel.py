@@ -1,0 +1,249 @@
+"""DataParallel and data_parallel: the wrapper module and the function (STOCK_SPEC S1-S3, S9)."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import minidp
+from conftest import HAS_CUDA, cpu_ids
+from stock_emulation import emulated_stock
+
+data_parallel_module = importlib.import_module("minidp.data_parallel")
+no_gpu_only = pytest.mark.skipif(HAS_CUDA, reason="describes a machine without a GPU")
+
+
+def bn_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+
+
+class Recording(minidp.DataParallel):
+    """DataParallel whose four overridable steps (S2.11) log their calls."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple] = []
+
+    def scatter(self, inputs, kwargs, device_ids):
+        self.calls.append(("scatter", len(device_ids)))
+        return super().scatter(inputs, kwargs, device_ids)
+
+    def replicate(self, module, device_ids):
+        replicas = super().replicate(module, device_ids)
+        weights = [m.weight for r in replicas for m in r.modules() if isinstance(m, nn.Linear)]
+        self.calls.append(("replicate", len(device_ids), any(w.requires_grad for w in weights)))
+        return replicas
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        self.calls.append(("parallel_apply", len(replicas)))
+        return super().parallel_apply(replicas, inputs, kwargs)
+
+    def gather(self, outputs, output_device):
+        self.calls.append(("gather", len(outputs)))
+        return super().gather(outputs, output_device)
+
+
+# --------------------------------------------------------------------------------------------------
+# the wrapper module (S1.10)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_state_dict_keys_are_prefixed_module_as_in_stock():
+    model = bn_model()
+    ours = minidp.DataParallel(model, cpu_ids(2)).state_dict()
+    assert list(ours) == list(nn.DataParallel(model).state_dict())
+    assert list(ours) == ["module." + k for k in model.state_dict()]
+
+
+def test_loading_a_plain_state_dict_fails_as_in_stock_and_module_load_works():
+    model, other = bn_model(), bn_model()
+    dp = minidp.DataParallel(model, cpu_ids(2))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        dp.load_state_dict(other.state_dict())
+    dp.module.load_state_dict(other.state_dict())
+    assert torch.equal(model[0].weight, other[0].weight)
+    minidp.DataParallel(bn_model(), cpu_ids(2)).load_state_dict(dp.state_dict())
+
+
+def test_parameters_are_the_wrapped_modules_own_objects():
+    model = bn_model()
+    dp = minidp.DataParallel(model, cpu_ids(3))
+    assert all(a is b for a, b in zip(dp.parameters(), model.parameters()))
+    assert len(list(dp.parameters())) == len(list(model.parameters()))
+
+
+def test_eval_propagates_and_running_stats_stay_put(generator):
+    model = bn_model()
+    dp = minidp.DataParallel(model, cpu_ids(2)).eval()
+    assert not model.training and not model[1].training
+    before = model[1].running_mean.clone()
+    dp(torch.randn(6, 4, generator=generator))
+    assert torch.equal(model[1].running_mean, before)
+
+
+# --------------------------------------------------------------------------------------------------
+# forward: the four steps in order (S2)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_forward_runs_scatter_replicate_parallel_apply_gather(generator):
+    dp = Recording(bn_model(), cpu_ids(3))
+    dp(torch.randn(10, 4, generator=generator))
+    assert dp.calls == [("scatter", 3), ("replicate", 3, True), ("parallel_apply", 3), ("gather", 3)]
+
+
+def test_small_batches_use_the_first_devices_only(generator):
+    """S2.10: 5 rows on 4 devices make 3 chunks, so replicas go to the first 3 devices."""
+    dp = Recording(nn.Linear(4, 2), cpu_ids(4))
+    assert dp(torch.randn(5, 4, generator=generator)).shape == (5, 2)
+    assert dp.calls[1:] == [("replicate", 3, True), ("parallel_apply", 3), ("gather", 3)]
+
+
+def test_no_grad_replicates_detached(generator):
+    """S2.7: under ``torch.no_grad()`` the replicas are cut from autograd (``detach=True``)."""
+    dp = Recording(bn_model(), cpu_ids(2))
+    with torch.no_grad():
+        out = dp(torch.randn(4, 4, generator=generator))
+    assert not out.requires_grad
+    assert ("replicate", 2, False) in dp.calls
+
+
+def test_one_device_calls_the_module_without_replicas(generator):
+    """S2.6: a single device id runs the module itself."""
+    model = bn_model()
+    dp = Recording(model, cpu_ids(1))
+    x = torch.randn(4, 4, generator=generator)
+    assert torch.equal(dp(x), model(x))
+    assert [c[0] for c in dp.calls] == ["scatter", "gather"]
+
+
+def test_a_module_without_arguments_runs_once():
+    """S2.5: no inputs at all: one call, on ``device_ids[0]``."""
+
+    class Constant(nn.Module):
+        def forward(self):
+            return torch.ones(2)
+
+    dp = Recording(Constant(), cpu_ids(3))
+    assert torch.equal(dp(), torch.ones(2))
+    assert ("parallel_apply", 1) in dp.calls
+
+
+def test_scalar_outputs_become_one_entry_per_replica(generator):
+    """S10.5: a 0-dim output gathers into a vector, one entry per replica used, with a warning."""
+
+    class Total(nn.Module):
+        def forward(self, x):
+            return x.sum()
+
+    x = torch.randn(5, 1, generator=generator, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="all input tensors were scalars"):
+        out = minidp.DataParallel(Total(), cpu_ids(4))(x)
+    assert torch.allclose(out, torch.stack([c.sum() for c in x.chunk(4)]))
+
+
+def test_output_device_cpu_works(generator):
+    """S1.6/Q4: stock refuses ``output_device='cpu'``; minidp gathers there."""
+    for output_device in ("cpu", torch.device("cpu"), -1):
+        out = minidp.DataParallel(bn_model(), cpu_ids(2), output_device=output_device)(torch.randn(4, 4))
+        assert out.device.type == "cpu"
+
+
+def test_kwargs_with_fewer_chunks_than_inputs_run_where_stock_fails(generator):
+    """S4.6 (c): ``dp(x5, k=x2)`` on 4 devices. Stock (emulated) fails in parallel_apply with
+    'The number of modules 3 is not equal to the number of kwargs_tup 2'; minidp runs the third
+    replica without ``k``."""
+
+    class AddOptional(nn.Module):
+        def forward(self, x, k=None):
+            return x if k is None else x + k.sum()
+
+    x5, x2 = torch.randn(5, 1, generator=generator), torch.randn(2, 1, generator=generator)
+    with emulated_stock(), pytest.raises(AssertionError, match="number of kwargs_tup 2"):
+        nn.DataParallel(AddOptional(), [0, 1, 2, 3])(x5, k=x2)
+    out = minidp.DataParallel(AddOptional(), cpu_ids(4))(x5, k=x2)
+    expected = torch.cat([x5[0:2] + x2[0], x5[2:4] + x2[1], x5[4:]])
+    assert torch.equal(out, expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# device ids (S1.3, S1.5, S9)
+# --------------------------------------------------------------------------------------------------
+
+
+@no_gpu_only
+def test_no_device_ids_without_a_gpu_calls_the_module_directly(generator):
+    """S1.2/S2.2: as stock on a machine without a GPU: ``device_ids == []``, a plain call."""
+    model = bn_model()
+    dp = Recording(model)
+    x = torch.randn(4, 4, generator=generator)
+    assert dp.device_ids == nn.DataParallel(model).device_ids == []
+    assert torch.equal(dp(x), nn.DataParallel(model)(x))
+    assert dp.calls == []
+
+
+@no_gpu_only
+def test_integer_ids_without_a_gpu_call_directly_and_warn_once(monkeypatch):
+    """Stock silently ignores ``[0, 1]`` here (S9); minidp does the same but says how to get CPU replicas."""
+    monkeypatch.setattr(data_parallel_module, "_warned_no_gpu", False)
+    with pytest.warns(UserWarning, match=r"\['cpu', 'cpu'\]"):
+        dp = minidp.DataParallel(bn_model(), [0, 1])
+    assert dp.device_ids == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        minidp.DataParallel(bn_model(), [0, 1])
+
+
+def test_an_id_beyond_the_visible_gpus_is_an_error_naming_cuda_visible_devices():
+    beyond = torch.cuda.device_count()
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        minidp.DataParallel(bn_model(), [f"cuda:{beyond}", "cpu"])
+
+
+def test_a_single_device_instead_of_a_list_is_a_clear_error():
+    """``device_ids='cpu'`` used to be read as the devices 'c', 'p', 'u'."""
+    with pytest.raises(TypeError, match=r"device_ids: expected a list of devices"):
+        minidp.DataParallel(bn_model(), "cpu")
+
+
+def test_repeated_cpu_ids_give_that_many_replicas(generator):
+    dp = Recording(bn_model(), ["cpu", torch.device("cpu"), "cpu"])
+    dp(torch.randn(9, 4, generator=generator))
+    assert ("parallel_apply", 3) in dp.calls
+
+
+# --------------------------------------------------------------------------------------------------
+# the function data_parallel (S3)
+# --------------------------------------------------------------------------------------------------
+
+
+@no_gpu_only
+def test_data_parallel_runs_without_a_gpu_where_stock_raises(generator):
+    """S3.2: stock raises 'device type could not be determined'; minidp calls the module."""
+    model, x = bn_model(), torch.randn(4, 4, generator=generator)
+    with pytest.raises(RuntimeError, match="device type could not be determined"):
+        nn.parallel.data_parallel(model, x)
+    assert torch.equal(minidp.data_parallel(model, x), model(x))
+
+
+def test_data_parallel_on_cpu_replicas(generator):
+    model = nn.Linear(4, 2).double()
+    x = torch.randn(7, 4, generator=generator, dtype=torch.float64)
+    assert torch.allclose(minidp.data_parallel(model, x, cpu_ids(3)), model(x), rtol=0, atol=1e-14)
+
+
+def test_data_parallel_takes_a_list_as_one_argument_and_a_tuple_as_several(generator):
+    """S3.1: only a tuple is unpacked into positional arguments."""
+
+    class CountArguments(nn.Module):
+        def forward(self, *args):
+            rows = (args[0][0] if isinstance(args[0], list) else args[0]).shape[0]
+            return torch.full((rows, 1), float(len(args)))
+
+    x = torch.randn(4, 2, generator=generator)
+    assert minidp.data_parallel(CountArguments(), (x, x), cpu_ids(2)).flatten().tolist() == [2.0] * 4
+    assert minidp.data_parallel(CountArguments(), [x, x], cpu_ids(2)).flatten().tolist() == [1.0] * 4

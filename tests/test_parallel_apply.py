@@ -1,0 +1,140 @@
+"""Step 3, parallel_apply: every replica on its chunk at once, one thread each (STOCK_SPEC S6)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+import minidp
+from conftest import cpu_ids
+from stock_emulation import emulated_stock
+
+
+class Probe(nn.Module):
+    """Records, from inside its forward, the thread and thread-local state it ran under."""
+
+    def __init__(self, tag: int = 0) -> None:
+        super().__init__()
+        self.tag = tag
+        self.seen: dict = {}
+
+    def forward(self, x: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+        self.seen = {
+            "thread": threading.current_thread(),
+            "grad": torch.is_grad_enabled(),
+            "autocast": torch.is_autocast_enabled("cpu"),
+            "autocast_dtype": torch.get_autocast_dtype("cpu"),
+        }
+        return x * self.tag + offset
+
+
+class Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise KeyError("no such feature")
+
+
+class Slow(nn.Module):
+    finished = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.2)
+        Slow.finished = True
+        return x
+
+
+def test_outputs_come_back_in_replica_order(generator):
+    """S6: ``outputs[i]`` is ``modules[i](*inputs[i], **kwargs_tup[i])``, as in stock."""
+    modules = [Probe(tag) for tag in range(4)]
+    inputs = [(torch.randn(2, generator=generator),) for _ in modules]
+    kwargs = [{"offset": float(i)} for i in range(4)]
+    outputs = minidp.parallel_apply(modules, inputs, kwargs)
+    with emulated_stock():
+        stock = nn.parallel.parallel_apply(modules, inputs, kwargs, [0, 1, 2, 3])
+    for i, (ours, theirs) in enumerate(zip(outputs, stock)):
+        assert torch.equal(ours, inputs[i][0] * i + i) and torch.equal(ours, theirs)
+
+
+def test_a_non_tuple_input_is_one_argument(generator):
+    """S6: a tensor input is passed whole, not unpacked row by row."""
+    x = torch.randn(3, 2, generator=generator)
+    out = minidp.parallel_apply([Probe(1), Probe(1)], [x, x])
+    assert all(torch.equal(o, x) for o in out)
+
+
+class MeetsOthers(nn.Module):
+    """Waits until every replica is inside its forward: passes only if all of them run at once."""
+
+    def __init__(self, barrier: threading.Barrier) -> None:
+        super().__init__()
+        self.barrier = barrier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.barrier.wait()
+        return x
+
+
+def test_all_replicas_run_at_the_same_time(generator):
+    barrier = threading.Barrier(4, timeout=10)
+    x = torch.randn(2, generator=generator)
+    outputs = minidp.parallel_apply([MeetsOthers(barrier) for _ in range(4)], [(x,)] * 4)
+    assert len(outputs) == 4
+
+
+def test_a_single_module_runs_in_the_calling_thread(generator):
+    single = Probe()
+    minidp.parallel_apply([single], [(torch.randn(2, generator=generator),)])
+    assert single.seen["thread"] is threading.current_thread()
+
+
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_grad_mode_is_carried_into_every_thread(grad_enabled, generator):
+    """S6.10: threads start with grad mode on; each worker re-enters the caller's."""
+    modules = [nn.Linear(2, 2) for _ in range(3)]
+    probes = [Probe(1) for _ in range(3)]
+    with torch.set_grad_enabled(grad_enabled):
+        outputs = minidp.parallel_apply(modules, [(torch.randn(1, 2, generator=generator),)] * 3)
+        minidp.parallel_apply(probes, [(torch.zeros(1),)] * 3)
+    assert [o.requires_grad for o in outputs] == [grad_enabled] * 3
+    assert [p.seen["grad"] for p in probes] == [grad_enabled] * 3
+
+
+def test_autocast_and_its_dtype_are_carried_into_every_thread():
+    """S6.10/Q9: stock re-enters autocast without its dtype; minidp keeps the caller's dtype."""
+    probes = [Probe(1) for _ in range(3)]
+    with torch.autocast("cpu", dtype=torch.float16):
+        minidp.parallel_apply(probes, [(torch.zeros(1),)] * 3)
+    assert [(p.seen["autocast"], p.seen["autocast_dtype"]) for p in probes] == [(True, torch.float16)] * 3
+
+
+def test_an_exception_is_reraised_with_its_type_replica_device_and_traceback(generator):
+    """S6.9: 'Caught KeyError in replica 1 on device cpu', with the replica's traceback."""
+    x = torch.randn(2, generator=generator)
+    with pytest.raises(KeyError) as caught:
+        minidp.parallel_apply([Probe(), Fails(), Probe()], [(x,)] * 3, devices=cpu_ids(3))
+    message = str(caught.value)
+    assert "replica 1" in message and "cpu" in message and "no such feature" in message
+    assert "in forward" in message and 'raise KeyError("no such feature")' in message
+    original = caught.value.__cause__
+    assert isinstance(original, KeyError)
+    frames = traceback.extract_tb(original.__traceback__)
+    assert frames[-1].name == "forward" and frames[-1].filename == __file__
+
+
+def test_no_thread_is_left_running_after_an_exception(generator):
+    """Replica 0 fails at once; the error surfaces only after the slow replica has finished."""
+    Slow.finished = False
+    x = torch.randn(2, generator=generator)
+    with pytest.raises(KeyError):
+        minidp.parallel_apply([Fails(), Slow()], [(x,)] * 2)
+    assert Slow.finished
+
+
+def test_devices_default_to_each_modules_device(generator):
+    """Without ``devices``, replica i runs where its parameters live (the CPU here)."""
+    outputs = minidp.parallel_apply([nn.Linear(2, 1), nn.Linear(2, 1)], [(torch.randn(1, 2, generator=generator),)] * 2)
+    assert [o.device.type for o in outputs] == ["cpu", "cpu"]

@@ -1,0 +1,115 @@
+"""Step 2, replicate: one copy of the module per device (STOCK_SPEC S5, S8, S10.3)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import minidp
+from conftest import RTOL_FLOAT64, cpu_ids, max_relative_error
+from stock_emulation import emulated_stock
+
+
+def bn_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+def test_one_replica_per_device_with_the_same_tree():
+    model = bn_model()
+    replicas = minidp.replicate(model, cpu_ids(3))
+    assert len(replicas) == 3
+    for replica in replicas:
+        assert replica is not model and type(replica) is nn.Sequential
+        assert [type(m) for m in replica.modules()] == [type(m) for m in model.modules()]
+        assert all(r is not m for r, m in zip(replica.modules(), model.modules()))
+
+
+def test_no_devices_gives_no_replicas():
+    """S5.2: ``replicate(m, [])`` is ``[]``."""
+    assert minidp.replicate(bn_model(), []) == []
+
+
+def test_same_device_replicas_alias_parameter_storage():
+    """On the module's own device a replica reads the original storage: no parameter is copied."""
+    model = bn_model()
+    for replica in minidp.replicate(model, cpu_ids(3)):
+        for original, copied in zip(model.parameters(), _replica_params(replica)):
+            assert copied.data_ptr() == original.data_ptr()
+
+
+def _replica_params(replica: nn.Module) -> list[torch.Tensor]:
+    """A replica's parameter tensors, in the original's ``parameters()`` order (they are attributes)."""
+    return [getattr(m, name) for m in replica.modules() for name in ("weight", "bias") if hasattr(m, name)]
+
+
+def test_replica_zero_shares_buffers_the_others_get_copies():
+    """S5.10/S10.3: replica 0's in-place buffer updates reach the original; the others' are dropped."""
+    model = bn_model()
+    replicas = minidp.replicate(model, cpu_ids(3))
+    assert replicas[0][1].running_mean is model[1].running_mean
+    for replica in replicas[1:]:
+        assert replica[1].running_mean is not model[1].running_mean
+        assert replica[1].running_mean.data_ptr() != model[1].running_mean.data_ptr()
+        assert torch.equal(replica[1].running_mean, model[1].running_mean)
+
+
+def test_batchnorm_running_stats_come_from_chunk_zero(generator):
+    """S10.3: after a parallel forward, running statistics are those of chunk 0 alone, as in stock."""
+    model = bn_model()
+    alone = copy.deepcopy(model)
+    x = torch.randn(10, 4, generator=generator, dtype=torch.float64)
+    chunks = minidp.scatter(x, cpu_ids(3))
+    minidp.parallel_apply(minidp.replicate(model, cpu_ids(3)), [(c,) for c in chunks])
+    alone(chunks[0])
+    for name, buffer in alone.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[name], buffer), name
+
+
+def test_replica_parameters_are_not_listed_and_not_leaves():
+    """S5.9/S10.7: ``replica.parameters()`` is empty; the copies are non-leaf outputs of Broadcast."""
+    model = bn_model()
+    with emulated_stock():
+        stock = nn.parallel.replicate(model, [0, 1])
+    for replica in minidp.replicate(model, cpu_ids(2)):
+        assert list(replica.parameters()) == []
+        assert all(not p.is_leaf and p.grad_fn is not None for p in _replica_params(replica))
+    assert [list(r.parameters()) for r in stock] == [[], []]
+
+
+def test_backward_sums_every_replicas_gradient_into_the_original(generator):
+    """S8.2/S8.6: one backward puts sum_j dL/dp_j into each original parameter's ``.grad``."""
+    model = nn.Linear(3, 2).double()
+    x = torch.randn(3, 4, 3, generator=generator, dtype=torch.float64)
+    replicas = minidp.replicate(model, cpu_ids(3))
+    sum(r(xi).pow(2).sum() for r, xi in zip(replicas, x)).backward()
+    expected = copy.deepcopy(model)
+    for xi in x:
+        expected(xi).pow(2).sum().backward()
+    for ours, theirs in zip(model.parameters(), expected.parameters()):
+        assert max_relative_error(ours.grad, theirs.grad) <= RTOL_FLOAT64
+
+
+def test_detach_cuts_gradients():
+    """S5.4: ``detach=True`` (DataParallel under no_grad) gives replicas outside autograd."""
+    model = bn_model()
+    for replica in minidp.replicate(model, cpu_ids(2), detach=True):
+        assert all(not p.requires_grad and p.grad_fn is None for p in _replica_params(replica))
+        assert not replica(torch.randn(3, 4, dtype=torch.float64)).requires_grad
+
+
+def test_shared_parameters_stay_shared_in_replicas():
+    """Tied weights (one Parameter under two names) are one tensor in each replica too."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    model[1].weight = model[0].weight
+    for replica in minidp.replicate(model, cpu_ids(2)):
+        assert replica[0].weight is replica[1].weight
+
+
+def test_the_original_module_is_left_unchanged():
+    model = bn_model()
+    before = {k: (v, v.clone()) for k, v in model.state_dict(keep_vars=True).items()}
+    minidp.replicate(model, cpu_ids(3))
+    after = model.state_dict(keep_vars=True)
+    assert all(after[k] is obj and torch.equal(obj, saved) for k, (obj, saved) in before.items())

@@ -1,0 +1,176 @@
+"""Step 1, scatter: how a batch is cut into one chunk per replica (STOCK_SPEC S4)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import minidp
+from conftest import cpu_ids
+from stock_emulation import emulated_stock
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+@dataclasses.dataclass
+class Batch:
+    image: torch.Tensor
+    label: torch.Tensor
+    note: str = "train"
+
+
+@pytest.mark.parametrize(
+    "rows,replicas,sizes",
+    [(10, 3, [4, 4, 2]), (10, 4, [3, 3, 3, 1]), (5, 4, [2, 2, 1]), (6, 4, [2, 2, 2]), (4, 3, [2, 2]), (2, 4, [1, 1]), (7, 1, [7])],
+)
+def test_chunks_follow_torch_chunk(rows, replicas, sizes, generator):
+    """S4.4: sizes are torch.chunk's (ceil(B/n) each, so fewer chunks than devices can come back)."""
+    x = torch.randn(rows, 3, generator=generator)
+    chunks = minidp.scatter(x, cpu_ids(replicas))
+    assert [c.shape[0] for c in chunks] == sizes == [c.shape[0] for c in x.chunk(replicas)]
+    assert torch.equal(torch.cat(chunks), x)
+    with emulated_stock():
+        stock = nn.parallel.scatter(x, list(range(replicas)))
+    assert [c.shape[0] for c in stock] == sizes
+
+
+def test_chunk_sizes_give_an_explicit_split(generator):
+    """``chunk_sizes`` (stock's Scatter argument, for unequal GPUs) splits as torch.split does."""
+    x = torch.randn(10, 2, generator=generator)
+    chunks = minidp.scatter(x, cpu_ids(3), chunk_sizes=[1, 2, 7])
+    assert [c.shape[0] for c in chunks] == [1, 2, 7]
+    assert all(torch.equal(a, b) for a, b in zip(chunks, x.split([1, 2, 7])))
+
+
+def test_scatter_kwargs_passes_chunk_sizes_to_inputs_and_kwargs(generator):
+    x, m = torch.randn(6, 2, generator=generator), torch.randn(6, 1, generator=generator)
+    inputs, kwargs = minidp.scatter_kwargs((x,), {"mask": m}, cpu_ids(2), chunk_sizes=[5, 1])
+    assert [i[0].shape[0] for i in inputs] == [5, 1] and [k["mask"].shape[0] for k in kwargs] == [5, 1]
+
+
+@pytest.mark.parametrize("dim", [1, -1])
+def test_scatter_along_another_dim(dim, generator):
+    """S4.4: ``dim`` may be negative; it is wrapped."""
+    x = torch.randn(2, 9, generator=generator)
+    chunks = minidp.scatter(x, cpu_ids(2), dim=dim)
+    assert [c.shape for c in chunks] == [torch.Size([2, 5]), torch.Size([2, 4])]
+
+
+def test_a_bare_tensor_gives_a_tuple_anything_else_a_list(generator):
+    """S4.2: a top-level tensor scatters into a tuple; any other input into a list."""
+    x = torch.randn(4, 1, generator=generator)
+    assert isinstance(minidp.scatter(x, cpu_ids(2)), tuple)
+    assert isinstance(minidp.scatter((x,), cpu_ids(2)), list)
+    assert isinstance(minidp.scatter([x], cpu_ids(2)), list)
+
+
+def test_chunks_on_the_source_device_are_views_not_copies(generator):
+    """S4.5: a chunk bound for the device the tensor is on shares its storage."""
+    x = torch.randn(6, 2, generator=generator)
+    for chunk in minidp.scatter(x, cpu_ids(3)):
+        assert chunk.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def test_containers_are_scattered_recursively_like_stock(generator):
+    """S4.1: tuples, lists, dicts (OrderedDict keeps its type) and namedtuples, at any depth."""
+    x, y = torch.randn(6, 2, generator=generator), torch.randn(6, generator=generator)
+    inputs = (x, [y, {"a": x}], collections.OrderedDict(b=y), Pair(x, y))
+    ours = minidp.scatter(inputs, cpu_ids(3))
+    with emulated_stock():
+        stock = nn.parallel.scatter(inputs, [0, 1, 2])
+    assert len(ours) == len(stock) == 3
+    for mine, theirs in zip(ours, stock):
+        assert _same_structure_and_values(mine, theirs)
+        assert type(mine[2]) is collections.OrderedDict and type(mine[3]) is Pair
+
+
+def _same_structure_and_values(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_structure_and_values(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_structure_and_values(u, v) for u, v in zip(a, b))
+    return a is b
+
+
+def test_dataclasses_are_scattered_field_by_field(generator):
+    """Beyond stock (which passes a dataclass to every replica whole, S4.1)."""
+    batch = Batch(torch.randn(5, 2, generator=generator), torch.arange(5))
+    pieces = minidp.scatter(batch, cpu_ids(2))
+    assert [type(p) for p in pieces] == [Batch, Batch]
+    assert [p.label.tolist() for p in pieces] == [[0, 1, 2], [3, 4]]
+    assert all(p.note is batch.note for p in pieces)
+    assert batch.label.shape == (5,), "the original dataclass is left as it was"
+
+
+def test_defaultdict_keeps_its_type_and_factory(generator):
+    """Beyond stock: stock raises 'first argument must be callable or None' rebuilding it (S4.1)."""
+    d = collections.defaultdict(list, x=torch.randn(4, 1, generator=generator))
+    pieces = minidp.scatter(d, cpu_ids(2))
+    assert all(type(p) is collections.defaultdict and p.default_factory is list for p in pieces)
+
+
+def test_non_tensors_reach_every_replica_by_reference(generator):
+    """S4.1: an object scatter does not look inside is the same object on every replica, not a copy."""
+    x, opaque, tags = torch.randn(4, 1, generator=generator), object(), {"a", "b"}
+    pieces = minidp.scatter((x, opaque, tags, "text"), cpu_ids(2))
+    assert all(p[1] is opaque and p[2] is tags and p[3] == "text" for p in pieces)
+
+
+def test_inputs_without_tensors_go_to_every_device():
+    """S2.10/S4.1: non-tensor inputs are repeated once per device (all devices are used)."""
+    assert minidp.scatter(("a", 1), cpu_ids(3)) == [("a", 1)] * 3
+
+
+def test_gradient_of_scatter_is_a_gather(generator):
+    """Autograd records split/to: the chunks' gradients flow back, concatenated, to the input."""
+    x = torch.randn(5, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(5, 3, generator=generator, dtype=torch.float64)
+    chunks = minidp.scatter(x, cpu_ids(3))
+    sum((c * w).sum() for c, w in zip(chunks, weights.split([2, 2, 1]))).backward()
+    assert torch.equal(x.grad, weights)
+
+
+# --------------------------------------------------------------------------------------------------
+# scatter_kwargs: padding (S4.6)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_kwargs_only_pads_inputs_with_empty_tuples(generator):
+    """S4.6 (a): kwargs-only calls get ``()`` as positional arguments on every replica, as in stock."""
+    k = torch.randn(4, 1, generator=generator)
+    inputs, kwargs = minidp.scatter_kwargs((), {"k": k}, cpu_ids(2))
+    with emulated_stock():
+        stock_inputs, stock_kwargs = nn.parallel.scatter_gather.scatter_kwargs((), {"k": k}, [0, 1])
+    assert inputs == stock_inputs == ((), ())
+    assert [v["k"].shape[0] for v in kwargs] == [v["k"].shape[0] for v in stock_kwargs] == [2, 2]
+
+
+@pytest.mark.parametrize("kwargs", [None, {}])
+def test_positional_only_pads_kwargs_with_empty_dicts(kwargs, generator):
+    """S4.6 (b): ``kwargs=None`` and ``{}`` are the same; every replica gets ``{}``."""
+    x = torch.randn(5, 1, generator=generator)
+    inputs, out_kwargs = minidp.scatter_kwargs((x,), kwargs, cpu_ids(4))
+    assert len(inputs) == 3 and out_kwargs == ({}, {}, {})
+
+
+def test_kwargs_that_split_into_fewer_chunks_are_padded_where_stock_is_wrong(generator):
+    """S4.6 (c): ``dp(x5, k=x2)`` on 4 devices: 3 input chunks but 2 kwargs chunks.
+
+    Stock does not pad (and DataParallel then fails in parallel_apply); minidp pads the kwargs
+    with ``{}``, so the third replica runs without ``k``.
+    """
+    x5, x2 = torch.randn(5, 1, generator=generator), torch.randn(2, 1, generator=generator)
+    with emulated_stock():
+        stock_inputs, stock_kwargs = nn.parallel.scatter_gather.scatter_kwargs((x5,), {"k": x2}, [0, 1, 2, 3])
+    assert (len(stock_inputs), len(stock_kwargs)) == (3, 2)
+    inputs, kwargs = minidp.scatter_kwargs((x5,), {"k": x2}, cpu_ids(4))
+    assert (len(inputs), len(kwargs)) == (3, 3)
+    assert [set(k) for k in kwargs] == [{"k"}, {"k"}, set()]
