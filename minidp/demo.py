@@ -28,11 +28,18 @@ from .zoo import SmallCNN
 DEFAULT_CPU_REPLICAS = 2
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--epochs", type=int, default=5, help="passes over the training set (default: 5)")
-    parser.add_argument("--batch-size", type=int, default=64, help="images per step, before the split (default: 64)")
+    parser.add_argument("--epochs", type=positive_int, default=5, help="passes over the training set (default: 5)")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="images per step, before the split (default: 64)")
     parser.add_argument(
-        "--replicas", type=int, default=None,
+        "--replicas", type=positive_int, default=None,
         help=f"replicas to run: on the CPU default {DEFAULT_CPU_REPLICAS}; on GPUs default one per visible GPU "
         "(more than the GPUs: ids repeat, several replicas per GPU)",
     )
@@ -43,14 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default: 2e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the data, the weights and the shuffling (default: 0)")
     parser.add_argument(
-        "--samples", type=int, default=6000, help="training images; a quarter as many more are held out (default: 6000)"
+        "--samples", type=positive_int, default=6000, help="training images; a quarter as many more are held out (default: 6000)"
     )
 
 
 def choose_device_ids(device: str, replicas: Optional[int]) -> list[Union[int, str]]:
     """The ``device_ids`` for ``DataParallel``, spelled as a user would write them."""
-    if replicas is not None and replicas < 1:
-        raise SystemExit(f"--replicas must be at least 1, got {replicas}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":

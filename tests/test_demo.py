@@ -77,3 +77,11 @@ def test_more_replicas_than_gpus_repeat_the_gpu_ids():
 def test_learns_on_the_gpus():
     results = demo.train(demo_args(*TINY, "--device", "cuda"))
     assert results[-1].held_out_accuracy > 0.3
+
+
+@pytest.mark.parametrize("option", ["--epochs", "--batch-size", "--replicas", "--samples"])
+def test_counts_below_one_are_rejected_naming_the_option(option, capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", option, "0"])
+    err = capsys.readouterr().err
+    assert option in err and "must be at least 1" in err
