@@ -93,8 +93,8 @@ def main() -> None:
         accuracy = float((pred_y == test_label).astype(int).sum()) / float(len(test_label))
         print(f"epoch {epoch + 1}: mean loss {epoch_loss / (i + 1):.4f}, test accuracy {accuracy:.1%}")
 
-    print("Which devices are these? `python -m minidp devices` lists them with their physical ids;"
-          " `nvidia-smi` shows each GPU busy while this runs.")
+    print("Which devices are these? `python -m minidp devices` (or minidp.devices() in Python) lists them with"
+          " their logical and physical ids; `nvidia-smi` shows each GPU busy while this runs.")
 
 
 if __name__ == "__main__":
