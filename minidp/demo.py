@@ -1,0 +1,154 @@
+"""``python -m minidp demo``: train a small CNN with data parallelism, on data made in code.
+
+The model is the tutorial's kind (``minidp.zoo.SmallCNN``: 1x28x28 images, 10 classes); the data
+are synthetic digits (``minidp.digits``), so nothing is downloaded. The model is wrapped in
+``minidp.DataParallel``: every batch is cut into one chunk per replica, each replica runs on its
+chunk in its own thread, and the backward sums their gradients. By default the replicas are two
+CPU replicas (``device_ids=['cpu', 'cpu']``); with a GPU, one replica per visible GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from .comm import chunk_sizes_for
+from .data_parallel import DataParallel
+from .devices import as_device
+from .digits import SyntheticDigits
+from .zoo import SmallCNN
+
+DEFAULT_CPU_REPLICAS = 2
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--epochs", type=positive_int, default=5, help="passes over the training set (default: 5)")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="images per step, before the split (default: 64)")
+    parser.add_argument(
+        "--replicas", type=positive_int, default=None,
+        help=f"replicas to run: on the CPU default {DEFAULT_CPU_REPLICAS}; on GPUs default one per visible GPU "
+        "(more than the GPUs: ids repeat, several replicas per GPU)",
+    )
+    parser.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto",
+        help="where the replicas run; auto: the GPUs if any, else the CPU (default: auto)",
+    )
+    parser.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default: 2e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the data, the weights and the shuffling (default: 0)")
+    parser.add_argument(
+        "--samples", type=positive_int, default=6000, help="training images; a quarter as many more are held out (default: 6000)"
+    )
+
+
+def choose_device_ids(device: str, replicas: Optional[int]) -> list[Union[int, str]]:
+    """The ``device_ids`` for ``DataParallel``, spelled as a user would write them."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return ["cpu"] * (replicas or DEFAULT_CPU_REPLICAS)
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise SystemExit("--device cuda: this process sees no GPU; use --device cpu to run replicas on the CPU")
+    return [i % gpus for i in range(replicas or gpus)]
+
+
+@dataclass
+class EpochResult:
+    epoch: int
+    train_loss: float
+    train_accuracy: float
+    held_out_loss: float
+    held_out_accuracy: float
+
+
+def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device,
+                description: str) -> tuple[float, float]:
+    """One pass over ``loader``; returns the mean loss and the accuracy seen while training."""
+    model.train()
+    total_loss, correct, seen = 0.0, 0, 0
+    progress = tqdm(loader, desc=description, unit="batch", leave=False)
+    for data in progress:
+        image, label = data["image"], data["label"].to(device)  # DataParallel scatters the images itself
+        output = model(image)  # gathered on device_ids[0]
+        loss = nn.functional.cross_entropy(output, label)
+        optimizer.zero_grad()
+        loss.backward()  # the replicas' gradients are summed into model.module's parameters
+        optimizer.step()
+
+        total_loss += loss.item() * len(label)
+        correct += (output.argmax(dim=1) == label).sum().item()
+        seen += len(label)
+        progress.set_postfix(loss=f"{total_loss / seen:.3f}", acc=f"{correct / seen:.1%}", refresh=False)
+    return total_loss / seen, correct / seen
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
+    """Mean loss and accuracy on ``loader``, without gradients (the replicas are then cut from autograd)."""
+    model.eval()
+    total_loss, correct, seen = 0.0, 0, 0
+    for data in loader:
+        label = data["label"].to(device)
+        output = model(data["image"])
+        total_loss += nn.functional.cross_entropy(output, label, reduction="sum").item()
+        correct += (output.argmax(dim=1) == label).sum().item()
+        seen += len(label)
+    return total_loss / seen, correct / seen
+
+
+def train(args: argparse.Namespace) -> list[EpochResult]:
+    """Build the data and the model, print what runs where, train; returns one result per epoch."""
+    device_ids = choose_device_ids(args.device, args.replicas)
+    torch.manual_seed(args.seed)
+    train_set = SyntheticDigits(args.samples, seed=args.seed)
+    held_out = SyntheticDigits(max(1, args.samples // 4), seed=args.seed + 1)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True,
+                              generator=torch.Generator().manual_seed(args.seed))
+    held_out_loader = DataLoader(held_out, batch_size=args.batch_size)
+
+    device = as_device(device_ids[0])  # the parameters start there, and the outputs are gathered there
+    model = DataParallel(SmallCNN().to(device), device_ids=device_ids)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    print(f"minidp demo: SmallCNN on {len(train_set)} synthetic digits (1x28x28, 10 classes), "
+          f"{len(held_out)} held out")
+    print(f"device_ids={device_ids}: {len(device_ids)} replicas, output on {device}")
+    print(f"batch size {args.batch_size} -> chunk sizes per replica {chunk_sizes_for(args.batch_size, len(device_ids))}"
+          + _last_batch_note(len(train_set), args.batch_size, len(device_ids)))
+
+    results = []
+    for epoch in range(1, args.epochs + 1):
+        start = time.perf_counter()
+        train_loss, train_accuracy = train_epoch(
+            model, train_loader, optimizer, device, f"epoch {epoch}/{args.epochs}"
+        )
+        held_out_loss, held_out_accuracy = evaluate(model, held_out_loader, device)
+        results.append(EpochResult(epoch, train_loss, train_accuracy, held_out_loss, held_out_accuracy))
+        print(f"epoch {epoch}/{args.epochs}: train loss {train_loss:.4f} accuracy {train_accuracy:.1%} | "
+              f"held-out loss {held_out_loss:.4f} accuracy {held_out_accuracy:.1%} | "
+              f"{time.perf_counter() - start:.1f} s")
+    return results
+
+
+def _last_batch_note(samples: int, batch_size: int, replicas: int) -> str:
+    last = samples % batch_size
+    return f" (last batch {last} -> {chunk_sizes_for(last, replicas)})" if last else ""
+
+
+def run(args: argparse.Namespace) -> int:
+    train(args)
+    return 0

@@ -1,0 +1,87 @@
+"""``python -m minidp demo``: it trains, learns, says what it runs on, and its options work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from minidp import demo
+from minidp.__main__ import build_parser, main
+
+TINY = ["--samples", "1000", "--epochs", "3", "--batch-size", "32", "--lr", "5e-3"]
+
+
+def demo_args(*argv: str):
+    return build_parser().parse_args(["demo", *argv])
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    for option in ["--epochs", "--batch-size", "--replicas", "--device", "--lr", "--seed", "--samples"]:
+        assert option in help_text
+
+
+def test_learns_well_above_chance_on_cpu_replicas():
+    results = demo.train(demo_args(*TINY, "--replicas", "2", "--device", "cpu"))
+    assert len(results) == 3
+    assert results[-1].train_loss < results[0].train_loss
+    assert results[-1].held_out_accuracy > 0.3  # chance is 0.1
+
+
+def test_prints_devices_replicas_and_chunk_sizes(capsys):
+    assert main(["demo", "--samples", "100", "--epochs", "1", "--batch-size", "32", "--replicas", "3",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "device_ids=['cpu', 'cpu', 'cpu']: 3 replicas" in out
+    assert "batch size 32 -> chunk sizes per replica [11, 11, 10] (last batch 4 -> [2, 2])" in out
+    assert "epoch 1/1: train loss" in out and "held-out loss" in out
+
+
+def test_same_seed_gives_the_same_run():
+    args = ["--samples", "200", "--epochs", "1", "--batch-size", "50", "--device", "cpu", "--seed", "7"]
+    assert demo.train(demo_args(*args)) == demo.train(demo_args(*args))
+
+
+@pytest.mark.parametrize(
+    "device, replicas, expected",
+    [("cpu", None, ["cpu", "cpu"]), ("cpu", 4, ["cpu"] * 4)],
+)
+def test_cpu_replicas_default_to_two(device, replicas, expected):
+    assert demo.choose_device_ids(device, replicas) == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_asking_for_cuda_without_a_gpu_says_how_to_use_the_cpu():
+    with pytest.raises(SystemExit, match="--device cpu"):
+        demo.choose_device_ids("cuda", None)
+
+
+def test_auto_uses_the_cpu_without_a_gpu_and_every_gpu_with_them():
+    expected = list(range(torch.cuda.device_count())) or ["cpu", "cpu"]
+    assert demo.choose_device_ids("auto", None) == expected
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_more_replicas_than_gpus_repeat_the_gpu_ids():
+    gpus = torch.cuda.device_count()
+    assert demo.choose_device_ids("cuda", 2 * gpus) == list(range(gpus)) * 2
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_learns_on_the_gpus():
+    results = demo.train(demo_args(*TINY, "--device", "cuda"))
+    assert results[-1].held_out_accuracy > 0.3
+
+
+@pytest.mark.parametrize("option", ["--epochs", "--batch-size", "--replicas", "--samples"])
+def test_counts_below_one_are_rejected_naming_the_option(option, capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", option, "0"])
+    err = capsys.readouterr().err
+    assert option in err and "must be at least 1" in err
