@@ -7,6 +7,12 @@
 
 struct CUstream_st;  // cudaStream_t is a CUstream_st*; declared here to keep CUDA headers out.
 
+#ifdef __CUDACC__
+#define MINIDP_HOST_DEVICE __host__ __device__
+#else
+#define MINIDP_HOST_DEVICE
+#endif
+
 namespace minidp {
 
 // Element types the kernels support. Half types accumulate in float32 and round once at the end.
@@ -30,7 +36,7 @@ struct ReduceTable {
   int64_t num_replicas;  // K >= 1
   int64_t total;         // offsets[N], kept here because offsets may live on the GPU
 
-  int64_t record_size() const { return num_replicas + 3; }
+  MINIDP_HOST_DEVICE int64_t record_size() const { return num_replicas + 3; }
 };
 
 // Sums on the calling CPU thread plus ATen's intra-op thread pool. All pointers are host pointers.
