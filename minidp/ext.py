@@ -87,13 +87,6 @@ def load(verbose: bool = False) -> ModuleType:
     raise RuntimeError(f"the minidp extension could not be built: {_failure}")
 
 
-def _reset() -> None:
-    """Forget the loaded module and any failure, so the next load() decides again (for tests)."""
-    global _module, _failure
-    with _lock:
-        _module, _failure = None, None
-
-
 def reduce_add_coalesced(
     inputs: Sequence[Sequence[torch.Tensor]], destination: torch.device
 ) -> list[torch.Tensor]:
