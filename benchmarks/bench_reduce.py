@@ -168,14 +168,17 @@ def test_reduce(benchmark, case, num_replicas, member):
 # --- summary table ------------------------------------------------------------------------
 
 
-def median_seconds(fn: Callable[[], object]) -> float:
-    fn()  # warm-up: first-call costs (allocator, caches) are not what we compare
-    times = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def median_ms(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Median wall time of each callable, in ms. Rounds go round-robin over the members, so a
+    change in machine load during the run hits all of them alike and the ratios stay fair."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(ROUNDS + 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if round_:  # round 0 warms up: first-call costs (allocator, caches) are not compared
+                times[name].append(1e3 * (time.perf_counter() - start))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def summary() -> list[dict]:
@@ -184,7 +187,7 @@ def summary() -> list[dict]:
     for case in CASES:
         for num_replicas in REPLICAS:
             inputs = make_inputs(case, num_replicas)
-            ms = {name: 1e3 * median_seconds(synchronized(fn)) for name, fn in members(inputs).items()}
+            ms = median_ms({name: synchronized(fn) for name, fn in members(inputs).items()})
             elements = sum(t.numel() for t in inputs[0])
             floor_ms = ms["copy"] * (num_replicas + 1) / 2
             rows.append({
@@ -200,7 +203,7 @@ def summary() -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     print(f"device {DEVICE}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"median of {ROUNDS}, quick={QUICK}")
+          f"median of {ROUNDS}, quick={QUICK}, load average {os.getloadavg()[0]:.1f}")
     head = ("case", "K", "ext ms", "into ms", "torch ms", "stock ms", "copy GB/s", "floor ms",
             "ext/torch", "ext/stock", "ext %floor", "into %floor")
     print("  ".join(f"{h:>11}" for h in head))

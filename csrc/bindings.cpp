@@ -9,6 +9,10 @@
 #include <string>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
 #ifdef MINIDP_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -241,6 +245,22 @@ void reduce_add_into(const std::vector<TensorList>& inputs, const TensorList& ou
   reduce_add_checked(inputs, outputs);
 }
 
+// A fresh output's pages are mapped on its first write, inside the kernel, and for a big tensor
+// those 4 KiB page faults cost as much as the sums. Asking for transparent huge pages first
+// (the hint torch gives itself under THP_MEM_ALLOC_ENABLE=1) makes them 512 times fewer. Only
+// whole 2 MiB pages inside the tensor are advised; it does nothing where THP is off.
+void prefer_huge_pages(const at::Tensor& t) {
+#ifdef __linux__
+  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+  const auto start = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (start + t.nbytes()) & ~(kHugePage - 1);
+  if (end > begin) {
+    madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  }
+#endif
+}
+
 // Fresh tensors on `destination` holding the sums, one per position, shaped like replica 0's.
 TensorList reduce_add(const std::vector<TensorList>& inputs, at::Device destination) {
   check_inputs(inputs);
@@ -249,6 +269,9 @@ TensorList reduce_add(const std::vector<TensorList>& inputs, at::Device destinat
   outputs.reserve(inputs[0].size());
   for (const at::Tensor& like : inputs[0]) {
     outputs.push_back(at::empty(like.sizes(), like.options().device(destination)));
+    if (destination.is_cpu()) {
+      prefer_huge_pages(outputs.back());
+    }
   }
   reduce_add_checked(inputs, outputs);
   return outputs;
