@@ -1,5 +1,190 @@
-"""Placeholder until the fused reduction extension lands."""
+"""Optional C++/CUDA extension for the gradient reduction (sources in ``csrc/``).
+
+``reduce_add_coalesced(inputs, destination)`` computes ``out[i] = inputs[0][i] + ... +
+inputs[K-1][i]`` for every tensor position i in one pass over all tensors: each element is read
+once from each replica and written once, instead of the K-1 separate read-read-write passes of
+the plain torch loop. It adds in replica order with the same accumulation types as that loop
+(float16/bfloat16 in float32, rounded once at the end), so the results are bitwise equal.
+
+The extension is compiled on first use with ``torch.utils.cpp_extension.load`` and cached on
+disk by torch. ``MINIDP_EXT`` controls it:
+
+* ``MINIDP_EXT=0``: never build; ``is_available()`` is False.
+* ``MINIDP_EXT=1``: the extension is required; a failed build raises.
+* unset (or anything else): a failed build warns once and ``is_available()`` is False, so
+  callers fall back to the torch backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failure: str | None = None  # why the build failed; a failed build is not retried
+
+
+def _mode() -> str:
+    return os.environ.get("MINIDP_EXT", "").strip()
+
+
+def is_available() -> bool:
+    """Whether the extension can be used (builds it on the first call unless MINIDP_EXT=0).
+
+    With MINIDP_EXT=1 a failed build raises instead of returning False.
+    """
+    if _mode() == "0":
+        return False
+    try:
+        load()
+    except RuntimeError:
+        if _mode() == "1":
+            raise
+        return False
+    return True
 
 
 def is_loaded() -> bool:
-    return False
+    """Whether the extension is built and loaded already; never starts a build.
+
+    The ``"auto"`` reduction backend uses the extension exactly when this is true, so a step never
+    pays for a compile it did not ask for: call :func:`load` once to opt in.
+    """
+    return _module is not None
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """Return the compiled extension module, building it the first time (thread-safe).
+
+    Raises RuntimeError when it is disabled (MINIDP_EXT=0) or cannot be built. A failed build
+    warns once unless MINIDP_EXT=1, where the RuntimeError is the whole report.
+    """
+    global _module, _failure
+    if _mode() == "0":
+        raise RuntimeError("the minidp extension is disabled by MINIDP_EXT=0")
+    with _lock:
+        if _module is None and _failure is None:
+            try:
+                _module = _build(verbose)
+            except Exception as exc:  # compiler errors come in many types; all mean "no extension"
+                # A compiler log can be long; its end says what went wrong.
+                _failure = f"{type(exc).__name__}: " + "\n".join(str(exc).splitlines()[-15:])
+                if _mode() != "1":
+                    warnings.warn(
+                        f"minidp: the C++ extension could not be built, using the torch backend "
+                        f"instead ({_failure}). Set MINIDP_EXT=0 to skip the build.",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+        if _module is not None:
+            return _module
+    raise RuntimeError(f"the minidp extension could not be built: {_failure}")
+
+
+def reduce_add_coalesced(
+    inputs: Sequence[Sequence[torch.Tensor]], destination: torch.device
+) -> list[torch.Tensor]:
+    """Sum tensor i over the replicas, for every i, into fresh tensors on ``destination``.
+
+    ``inputs[k][i]`` is tensor i of replica k (e.g. the gradient of parameter i on GPU k). All
+    replicas hold the same number of tensors, and tensor i has the same shape and dtype (one of
+    SUPPORTED_DTYPES) in each; errors name the tensor and replica that differ. Inputs may be
+    non-contiguous or live on other devices: those are made contiguous, and copied to
+    ``destination`` unless it can read them in place (a GPU with peer access). Returns one new
+    contiguous tensor per position, never an alias of an input; with K = 1 these are copies.
+    """
+    return load().reduce_add([list(replica) for replica in inputs], torch.device(destination))
+
+
+def _build(verbose: bool) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    if not (CSRC / "bindings.cpp").is_file():
+        raise FileNotFoundError(
+            f"the extension's C++ sources are not at {CSRC}; it needs a source checkout of minidp"
+        )
+    sources = [CSRC / "bindings.cpp", CSRC / "reduce_add_cpu.cpp"]
+    cflags = ["-O3", "-fopenmp", *_simd_flags()]
+    cuda_cflags: list[str] = []
+    if torch.version.cuda is not None and torch.cuda.is_available():
+        _check_nvcc()
+        sources.append(CSRC / "reduce_add_cuda.cu")
+        cflags.append("-DMINIDP_WITH_CUDA")
+        cuda_cflags = ["-O3", "-DMINIDP_WITH_CUDA", *_arch_flags()]
+
+    # The name changes whenever the sources or flags do, so torch's on-disk cache never serves
+    # a stale build, and unchanged sources load without recompiling.
+    digest = hashlib.sha256(" ".join(cflags + cuda_cflags + [torch.__version__]).encode())
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    name = f"minidp_ext_{digest.hexdigest()[:12]}"
+
+    start = time.perf_counter()
+    module = cpp_extension.load(
+        name=name,
+        sources=[str(s) for s in sources],
+        extra_cflags=cflags,
+        extra_cuda_cflags=cuda_cflags,
+        extra_ldflags=["-fopenmp"],  # at::parallel_for is inline OpenMP; shares torch's libgomp
+        extra_include_paths=[str(CSRC)],
+        verbose=verbose,
+    )
+    if verbose:
+        print(f"minidp extension {name}: built or loaded in {time.perf_counter() - start:.1f} s")
+    return module
+
+
+def _simd_flags() -> list[str]:
+    """Compiler flags that let ATen's Vectorized use AVX2 when this CPU has it.
+
+    ATen compiles its own kernels once per instruction set and picks one at run time; the
+    extension is built on the machine that runs it, so it is compiled once for that machine.
+    AVX2 is enough: the reduction is limited by memory bandwidth, not by vector width.
+    """
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return []
+
+
+def _check_nvcc() -> None:
+    """Fail early when the local nvcc does not match the CUDA that torch was built with."""
+    from torch.utils import cpp_extension
+
+    nvcc = Path(cpp_extension.CUDA_HOME or "", "bin", "nvcc")
+    if not nvcc.is_file():
+        nvcc = Path(shutil.which("nvcc") or "nvcc")
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise RuntimeError(f"torch has CUDA {torch.version.cuda} but nvcc cannot run: {exc}") from exc
+    found = re.search(r"release (\d+)\.(\d+)", out.stdout)
+    wanted = torch.version.cuda.split(".")[:2]
+    if found is None or list(found.groups()) != wanted:
+        have = ".".join(found.groups()) if found else "an unknown version"
+        raise RuntimeError(
+            f"{nvcc} is CUDA {have} but torch was built with CUDA {torch.version.cuda}; "
+            f"install the matching toolkit or point CUDA_HOME at it"
+        )
+
+
+def _arch_flags() -> list[str]:
+    """nvcc flags for the visible GPUs' architectures, unless TORCH_CUDA_ARCH_LIST chooses."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return []
+    capabilities = sorted({torch.cuda.get_device_capability(d) for d in range(torch.cuda.device_count())})
+    return [f"-gencode=arch=compute_{ma}{mi},code=sm_{ma}{mi}" for ma, mi in capabilities]

@@ -17,10 +17,12 @@ finished: no thread is left running.
 from __future__ import annotations
 
 import contextlib
+import functools
+import queue
 import threading
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional, Sequence
+from concurrent.futures import Future
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -29,19 +31,46 @@ from .devices import DeviceLike, as_devices
 from .scatter import tensors_in
 from .trace import stage
 
-_pool: Optional[ThreadPoolExecutor] = None
-_pool_lock = threading.Lock()
-# Replicas may themselves call parallel_apply (data_parallel inside a forward); a bounded pool
-# whose threads all wait on queued work would deadlock, so the bound is far above any real use.
-_MAX_WORKERS = 256
+
+class _ReplicaThreads:
+    """Worker threads kept across steps; each replica of a call gets a thread of its own.
+
+    A thread is handed out only while idle and comes back when its replica is done, so replicas of
+    one call never queue behind each other (a replica may wait on another, e.g. a nested
+    ``data_parallel``), and a step reuses the threads of the previous one instead of starting new ones.
+    """
+
+    def __init__(self) -> None:
+        self._idle: list[queue.SimpleQueue] = []
+        self._lock = threading.Lock()
+        self._started = 0
+
+    def run_each(self, fns: Sequence[Callable[[], Any]]) -> list[Future]:
+        """Start every ``fns[i]`` on a distinct thread; a future per call, in order."""
+        with self._lock:  # reserve all threads first: none can come back mid-call and take a second fn
+            inboxes = [self._idle.pop() if self._idle else self._start_thread() for _ in fns]
+        futures: list[Future] = []
+        for inbox, fn in zip(inboxes, fns):
+            futures.append(Future())
+            inbox.put((fn, futures[-1]))
+        return futures
+
+    def _start_thread(self) -> queue.SimpleQueue:
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._started += 1
+        name = f"minidp-replica-{self._started}"
+        threading.Thread(target=self._serve, args=(inbox,), name=name, daemon=True).start()
+        return inbox
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            fn, future = inbox.get()
+            future.set_result(fn())  # fn reports its own errors in its result
+            with self._lock:
+                self._idle.append(inbox)
 
 
-def _thread_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=_MAX_WORKERS, thread_name_prefix="minidp-replica")
-        return _pool
+_threads = _ReplicaThreads()
 
 
 _side_streams: dict[tuple[int, int], "torch.cuda.Stream"] = {}
@@ -163,7 +192,7 @@ def parallel_apply(
         except BaseException as error:  # re-raised by the caller once every replica is done
             return _ReplicaFailure(error)
 
-    futures: list[Future] = [_thread_pool().submit(run, i) for i in range(1, n)]
+    futures = _threads.run_each([functools.partial(run, i) for i in range(1, n)])
     results = [run(0)] + [future.result() for future in futures]
 
     for device, stream in zip(devices, streams):

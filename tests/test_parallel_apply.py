@@ -138,3 +138,15 @@ def test_devices_default_to_each_modules_device(generator):
     """Without ``devices``, replica i runs where its parameters live (the CPU here)."""
     outputs = minidp.parallel_apply([nn.Linear(2, 1), nn.Linear(2, 1)], [(torch.randn(1, 2, generator=generator),)] * 2)
     assert [o.device.type for o in outputs] == ["cpu", "cpu"]
+
+
+def test_each_replica_of_a_call_gets_a_thread_of_its_own_and_threads_are_reused_across_calls():
+    """Stock starts one new thread per replica per call (S6.7); minidp keeps its threads."""
+    probes = [Probe(i) for i in range(4)]
+    inputs = [(torch.ones(1),) for _ in probes]
+    minidp.parallel_apply(probes, inputs)  # warm up: the first call may start threads
+    before = threading.active_count()
+    for _ in range(20):
+        minidp.parallel_apply(probes, inputs)
+        assert len({p.seen["thread"] for p in probes}) == len(probes)
+    assert threading.active_count() <= before + len(probes)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One command for a CUDA machine: build the extension, run the CUDA tests and the GPU
+# benchmarks, and write OUTDIR/gpu_check.json and OUTDIR/summary.txt (one screen; also printed).
+# Every step runs, with its own time limit, even when an earlier one fails; each step's exit
+# status and output (OUTDIR/<step>.log) are kept. About 5 minutes on one GPU, 8 at most.
+#
+#   bash benchmarks/gpu_check.sh OUTDIR
+set -u
+
+out=${1:?usage: bash benchmarks/gpu_check.sh OUTDIR}
+mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
+cd "$(dirname "$0")/.." || exit 2
+export PYTHONUNBUFFERED=1
+export MINIDP_EXT=1              # a failed build is an error here, not a silent fallback
+export MINIDP_BENCH_DEVICE=cuda
+py=${PYTHON:-python}
+
+names=() codes=() seconds=()
+
+# step NAME LIMIT_SECONDS COMMAND...: runs COMMAND, output to OUTDIR/NAME.log, records its exit.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+  local code=$?
+  names+=("$name") codes+=("$code") seconds+=($((SECONDS - start)))
+  echo "   exit $code after $((SECONDS - start)) s"
+}
+
+step env 30 bash -c "nvidia-smi; $py -c 'import torch; print(torch.__version__, torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])'"
+step nvcc 30 nvcc --version
+step build 200 "$py" -c "from minidp import ext; ext.load(verbose=True); print('cuda build:', ext.load().has_cuda)"
+step tests 120 "$py" -m pytest -m cuda tests/ -q -rs
+step bench 90 "$py" benchmarks/bench_reduce.py --summary --json "$out/bench.json"
+
+# gpu_check.json: each step's exit status and seconds, and the benchmark rows when there are any.
+{
+  echo '{'
+  echo '  "steps": {'
+  for i in "${!names[@]}"; do
+    sep=','; [ "$i" -eq $((${#names[@]} - 1)) ] && sep=''
+    echo "    \"${names[$i]}\": {\"exit\": ${codes[$i]}, \"seconds\": ${seconds[$i]}}$sep"
+  done
+  echo '  },'
+  if [ -s "$out/bench.json" ]; then printf '  "bench": '; cat "$out/bench.json"; echo; else echo '  "bench": null'; fi
+  echo '}'
+} >"$out/gpu_check.json"
+
+{
+  echo "gpu_check $(date -u +%FT%TZ) at $(git rev-parse --short HEAD 2>/dev/null)"
+  for i in "${!names[@]}"; do printf '  %-6s exit %-3s %4s s\n' "${names[$i]}" "${codes[$i]}" "${seconds[$i]}"; done
+  echo "-- GPUs"; grep -m1 -E '^[0-9]+\.[0-9]+' "$out/env.log"
+  echo "-- tests"; tail -n 1 "$out/tests.log"
+  echo "-- benchmark (ms; ratios < 1 mean the extension is faster)"; sed -n '/^device /,$p' "$out/bench.log"
+  echo "-- failing steps"
+  for i in "${!names[@]}"; do
+    [ "${codes[$i]}" -ne 0 ] && { echo "   ${names[$i]}:"; tail -n 8 "$out/${names[$i]}.log" | sed 's/^/     /'; }
+  done
+  true
+} | tee "$out/summary.txt"
+
+for code in "${codes[@]}"; do [ "$code" -eq 0 ] || exit 1; done

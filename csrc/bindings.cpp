@@ -1,0 +1,297 @@
+// Python binding: checks the inputs, gets every input where the destination's kernel can read
+// it, builds the ReduceTable and runs the CPU or the CUDA kernel.
+//
+// The CUDA half is compiled only with -DMINIDP_WITH_CUDA, so a CPU build needs no CUDA headers.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+#ifdef MINIDP_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/PeerToPeerAccess.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include "reduce_add.h"
+
+namespace minidp {
+namespace {
+
+using TensorList = std::vector<at::Tensor>;
+
+// "(4, 5)", "(7,)", "()": shapes written the way Python prints them.
+std::string shape_str(at::IntArrayRef shape) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t d = 0; d < shape.size(); ++d) {
+    out << (d ? ", " : "") << shape[d];
+  }
+  out << (shape.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+// "torch.float32": the dtype's Python name (needs the GIL).
+std::string dtype_str(at::ScalarType dtype) {
+  return py::str(py::cast(dtype)).cast<std::string>();
+}
+
+bool to_dtype(at::ScalarType dtype, DType* out) {
+  switch (dtype) {
+    case at::kFloat: *out = kFloat32; return true;
+    case at::kDouble: *out = kFloat64; return true;
+    case at::kHalf: *out = kFloat16; return true;
+    case at::kBFloat16: *out = kBFloat16; return true;
+    default: return false;
+  }
+}
+
+// Every replica holds the same number of tensors, and tensor i has one shape and one supported
+// dtype in all replicas. Errors name the tensor and the replica.
+void check_inputs(const std::vector<TensorList>& inputs) {
+  TORCH_CHECK_VALUE(!inputs.empty(), "reduce_add needs at least one replica, got none");
+  const TensorList& first = inputs[0];
+  for (size_t k = 1; k < inputs.size(); ++k) {
+    TORCH_CHECK_VALUE(inputs[k].size() == first.size(), "replica ", k, " has ", inputs[k].size(),
+                      " tensors but replica 0 has ", first.size());
+  }
+  for (size_t i = 0; i < first.size(); ++i) {
+    DType unused;
+    TORCH_CHECK_TYPE(to_dtype(first[i].scalar_type(), &unused), "tensor ", i,
+                     " of replica 0 has dtype ", dtype_str(first[i].scalar_type()),
+                     "; supported are torch.float32, torch.float64, torch.float16 and torch.bfloat16");
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      const at::Tensor& t = inputs[k][i];
+      TORCH_CHECK_VALUE(t.layout() == at::kStrided, "tensor ", i, " of replica ", k,
+                        " is not dense (layout ", t.layout(), ")");
+      TORCH_CHECK_TYPE(t.scalar_type() == first[i].scalar_type(), "tensor ", i, " of replica ", k,
+                       " has dtype ", dtype_str(t.scalar_type()), " but replica 0's has ",
+                       dtype_str(first[i].scalar_type()));
+      TORCH_CHECK_VALUE(t.sizes() == first[i].sizes(), "tensor ", i, " of replica ", k,
+                        " has shape ", shape_str(t.sizes()), " but replica 0's has ",
+                        shape_str(first[i].sizes()));
+    }
+  }
+}
+
+// Whether a kernel running on `reader` may dereference memory of `owner`.
+bool can_read_directly(at::Device owner, at::Device reader) {
+  if (owner == reader) {
+    return true;
+  }
+#ifdef MINIDP_WITH_CUDA
+  if (owner.is_cuda() && reader.is_cuda()) {
+    // Enables peer access from `reader` to `owner` the first time, as torch's own copies do.
+    return at::cuda::get_p2p_access(reader.index(), owner.index());
+  }
+#endif
+  return false;
+}
+
+// A contiguous tensor with t's values that a kernel on `destination` can read: t itself when it
+// already is one, otherwise a copy (torch's copy orders itself after both devices' streams).
+at::Tensor readable_on(const at::Tensor& t, at::Device destination) {
+  at::Tensor dense = t.contiguous();
+  return can_read_directly(dense.device(), destination) ? dense : dense.to(destination);
+}
+
+// Host copy of a ReduceTable (see reduce_add.h), laid out in one buffer so it can be uploaded
+// to the GPU in one copy: records, then offsets.
+struct HostTable {
+  std::vector<int64_t> data;
+  int64_t num_tensors = 0;
+  int64_t num_replicas = 0;
+
+  HostTable(const std::vector<TensorList>& inputs, const TensorList& outputs)
+      : num_tensors(static_cast<int64_t>(outputs.size())),
+        num_replicas(static_cast<int64_t>(inputs.size())) {
+    const int64_t record_size = num_replicas + 3;
+    data.resize(num_tensors * record_size + num_tensors + 1);
+    int64_t* offsets = data.data() + num_tensors * record_size;
+    offsets[0] = 0;
+    for (int64_t i = 0; i < num_tensors; ++i) {
+      int64_t* record = data.data() + i * record_size;
+      DType dtype;
+      to_dtype(outputs[i].scalar_type(), &dtype);
+      record[0] = outputs[i].numel();
+      record[1] = dtype;
+      record[2] = reinterpret_cast<int64_t>(outputs[i].data_ptr());
+      for (int64_t k = 0; k < num_replicas; ++k) {
+        record[3 + k] = reinterpret_cast<int64_t>(inputs[k][i].data_ptr());
+      }
+      const int64_t padded = (record[0] + kGroup - 1) / kGroup * kGroup;
+      offsets[i + 1] = offsets[i] + padded;
+    }
+  }
+
+  // The same table seen through `base`, a copy of `data` (on the host or on the GPU).
+  ReduceTable view(const int64_t* base) const {
+    const int64_t records_size = num_tensors * (num_replicas + 3);
+    return ReduceTable{base, base + records_size, num_tensors, num_replicas,
+                       data[records_size + num_tensors]};
+  }
+};
+
+#ifdef MINIDP_WITH_CUDA
+// Runs the CUDA kernel on the destination's current stream.
+void reduce_add_on_gpu(const std::vector<TensorList>& inputs, const TensorList& outputs,
+                       const HostTable& host) {
+  const at::Device destination = outputs[0].device();
+  c10::cuda::CUDAGuard guard(destination);
+  const at::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream(destination.index());
+
+  // Inputs read in place from another GPU: start after the work already queued on that GPU's
+  // current stream, and keep its allocator from reusing the memory before our kernel is done.
+  std::vector<bool> waited(at::cuda::device_count(), false);
+  for (const TensorList& replica : inputs) {
+    for (const at::Tensor& t : replica) {
+      if (t.device() == destination || t.numel() == 0) {
+        continue;
+      }
+      if (!waited[t.device().index()]) {
+        at::cuda::CUDAEvent ready;
+        ready.record(at::cuda::getCurrentCUDAStream(t.device().index()));
+        ready.block(stream);
+        waited[t.device().index()] = true;
+      }
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+    }
+  }
+
+  // Chunk c covers flat elements [c * kCudaChunk, (c + 1) * kCudaChunk); record the tensor that
+  // holds its first element so a GPU block searches only the few tensors inside its chunk.
+  const ReduceTable on_host = host.view(host.data.data());
+  const int64_t num_chunks = (on_host.total + kCudaChunk - 1) / kCudaChunk;
+  if (num_chunks == 0) {
+    return;
+  }
+  std::vector<int64_t> upload = host.data;
+  const int64_t chunk_table_start = static_cast<int64_t>(upload.size());
+  for (int64_t c = 0, t = 0; c <= num_chunks; ++c) {
+    const int64_t start = std::min(c * kCudaChunk, on_host.total - 1);
+    while (on_host.offsets[t + 1] <= start) {
+      ++t;
+    }
+    upload.push_back(t);
+  }
+
+  // One pinned buffer, one asynchronous copy; torch keeps the pinned block alive until the
+  // copy has run, and the device copy is freed in stream order after the kernel.
+  at::Tensor staging = at::empty({static_cast<int64_t>(upload.size())},
+                                 at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::copy(upload.begin(), upload.end(), staging.data_ptr<int64_t>());
+  at::Tensor on_device = staging.to(destination, /*non_blocking=*/true);
+  const int64_t* base = on_device.const_data_ptr<int64_t>();
+
+  const char* error = reduce_add_cuda(host.view(base), base + chunk_table_start, num_chunks,
+                                      stream.stream());
+  TORCH_CHECK(error == nullptr, "reduce_add: CUDA kernel launch failed: ", error);
+}
+#endif
+
+// Writes outputs[i] = inputs[0][i] + ... + inputs[K-1][i]. Inputs are already checked; outputs
+// are contiguous, on one device, and match replica 0's tensors.
+void reduce_add_checked(const std::vector<TensorList>& inputs, const TensorList& outputs) {
+  if (outputs.empty()) {
+    return;
+  }
+  const at::Device destination = outputs[0].device();
+  std::vector<TensorList> readable(inputs.size());
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    for (const at::Tensor& t : inputs[k]) {
+      readable[k].push_back(readable_on(t, destination));
+    }
+  }
+  const HostTable host(readable, outputs);
+  if (destination.is_cpu()) {
+    reduce_add_cpu(host.view(host.data.data()));
+    return;
+  }
+#ifdef MINIDP_WITH_CUDA
+  if (destination.is_cuda()) {
+    reduce_add_on_gpu(readable, outputs, host);
+    return;
+  }
+#endif
+  TORCH_CHECK_VALUE(false, "reduce_add: this build cannot reduce onto ", destination);
+}
+
+// outputs[i] = sum over replicas k of inputs[k][i], written into existing tensors.
+void reduce_add_into(const std::vector<TensorList>& inputs, const TensorList& outputs) {
+  check_inputs(inputs);
+  TORCH_CHECK_VALUE(outputs.size() == inputs[0].size(), "got ", outputs.size(),
+                    " outputs for ", inputs[0].size(), " tensors per replica");
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const at::Tensor& out = outputs[i];
+    const at::Tensor& like = inputs[0][i];
+    TORCH_CHECK_VALUE(out.device() == outputs[0].device(), "output ", i, " is on ", out.device(),
+                      " but output 0 is on ", outputs[0].device());
+    TORCH_CHECK_TYPE(out.scalar_type() == like.scalar_type(), "output ", i, " has dtype ",
+                     dtype_str(out.scalar_type()), " but tensor ", i, " has ",
+                     dtype_str(like.scalar_type()));
+    TORCH_CHECK_VALUE(out.sizes() == like.sizes(), "output ", i, " has shape ",
+                      shape_str(out.sizes()), " but tensor ", i, " has ", shape_str(like.sizes()));
+    TORCH_CHECK_VALUE(out.is_contiguous(), "output ", i, " is not contiguous");
+  }
+  py::gil_scoped_release no_gil;
+  reduce_add_checked(inputs, outputs);
+}
+
+// A fresh output's pages are mapped on its first write, inside the kernel, and for a big tensor
+// those 4 KiB page faults cost as much as the sums. Asking for transparent huge pages first
+// (the hint torch gives itself under THP_MEM_ALLOC_ENABLE=1) makes them 512 times fewer. Only
+// whole 2 MiB pages inside the tensor are advised; it does nothing where THP is off.
+void prefer_huge_pages(const at::Tensor& t) {
+#ifdef __linux__
+  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+  const auto start = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (start + t.nbytes()) & ~(kHugePage - 1);
+  if (end > begin) {
+    madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  }
+#endif
+}
+
+// Fresh tensors on `destination` holding the sums, one per position, shaped like replica 0's.
+TensorList reduce_add(const std::vector<TensorList>& inputs, at::Device destination) {
+  check_inputs(inputs);
+  py::gil_scoped_release no_gil;
+  TensorList outputs;
+  outputs.reserve(inputs[0].size());
+  for (const at::Tensor& like : inputs[0]) {
+    outputs.push_back(at::empty(like.sizes(), like.options().device(destination)));
+    if (destination.is_cpu()) {
+      prefer_huge_pages(outputs.back());
+    }
+  }
+  reduce_add_checked(inputs, outputs);
+  return outputs;
+}
+
+}  // namespace
+}  // namespace minidp
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Fused gradient reduction: out[i] = sum over replicas k of inputs[k][i].";
+  m.def("reduce_add", &minidp::reduce_add, py::arg("inputs"), py::arg("destination"),
+        "Sums inputs[k][i] over replicas k into fresh tensors on `destination`, "
+        "adding in replica order (half types accumulate in float32).");
+  m.def("reduce_add_into", &minidp::reduce_add_into, py::arg("inputs"), py::arg("outputs"),
+        "Like reduce_add, but writes into existing contiguous `outputs`.");
+  m.attr("has_cuda") = py::bool_(
+#ifdef MINIDP_WITH_CUDA
+      true
+#else
+      false
+#endif
+  );
+}

@@ -1,0 +1,278 @@
+"""The csrc extension's reduce_add_coalesced: bitwise equal to the plain torch reduction.
+
+Every case compares against torch_reduce (tests/_ext_helpers.py), which is the arithmetic of the
+core's "torch" backend: add replica by replica, half types accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import warnings
+import zlib
+
+import pytest
+import torch
+
+from _ext_helpers import assert_bitwise_equal, random_replicas, torch_reduce
+from minidp import ext
+
+CPU = torch.device("cpu")
+ODD_SIZES = [(1,), (3,), (17,), (1023,), (1025,), (4097,), (65537,), (3, 5, 7)]
+
+
+@pytest.fixture(scope="module")
+def built():
+    """Skips the test where the extension cannot be built (it must build wherever CI runs)."""
+    try:
+        ext.load()
+    except RuntimeError as exc:
+        pytest.skip(f"the minidp extension cannot be built here: {exc}")
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A generator seeded from the test's id: repeatable, but different values per case."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def check(inputs, destination=CPU):
+    assert_bitwise_equal(ext.reduce_add_coalesced(inputs, destination), torch_reduce(inputs, destination))
+
+
+# --- same results as the torch reduction --------------------------------------------------
+
+
+@pytest.mark.parametrize("num_replicas", range(1, 9))
+def test_matches_reference_for_each_replica_count(built, gen, num_replicas):
+    check(random_replicas(ODD_SIZES, num_replicas, torch.float32, gen))
+
+
+@pytest.mark.parametrize("dtype", ext.SUPPORTED_DTYPES, ids=str)
+def test_matches_reference_for_each_dtype(built, gen, dtype):
+    check(random_replicas(ODD_SIZES, 3, dtype, gen))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matches_reference_on_one_huge_tensor(built, gen, dtype):
+    check(random_replicas([(8 * 2**20,)], 4, dtype, gen))
+
+
+def test_matches_reference_on_thousands_of_tiny_tensors(built, gen):
+    sizes = torch.randint(1, 8, (3000,), generator=gen).tolist()
+    check(random_replicas([(n,) for n in sizes], 4, torch.float32, gen))
+
+
+def test_matches_reference_with_mixed_dtypes_across_positions(built, gen):
+    inputs = [[] for _ in range(3)]
+    for dtype in ext.SUPPORTED_DTYPES:
+        for k, replica in enumerate(random_replicas([(33,), (5000,)], 3, dtype, gen)):
+            inputs[k] += replica
+    check(inputs)
+
+
+def test_empty_tensors_give_empty_results(built, gen):
+    check(random_replicas([(0,), (5,), (3, 0), (0,), (9,), (0, 4)], 2, torch.float32, gen))
+
+
+def test_only_empty_tensors(built, gen):
+    check(random_replicas([(0,), (2, 0)], 3, torch.float16, gen))
+
+
+def test_zero_dimensional_tensors(built, gen):
+    check(random_replicas([(), (4,), ()], 5, torch.float64, gen))
+
+
+def test_replicas_without_tensors_give_no_results(built):
+    assert ext.reduce_add_coalesced([[], [], []], CPU) == []
+
+
+def test_non_contiguous_inputs(built, gen):
+    base = random_replicas([(64, 48), (300,)], 3, torch.float32, gen)
+    inputs = [[matrix.t(), vector[::3]] for matrix, vector in base]
+    assert not inputs[0][0].is_contiguous() and not inputs[0][1].is_contiguous()
+    check(inputs)
+
+
+def test_infinities_and_nans_propagate_like_the_reference(built):
+    values = torch.tensor([float("inf"), float("-inf"), float("nan"), 1.0, float("inf")])
+    inputs = [[values], [values.flip(0)], [values.roll(1)]]
+    torch.testing.assert_close(
+        ext.reduce_add_coalesced(inputs, CPU), torch_reduce(inputs, CPU), rtol=0, atol=0, equal_nan=True
+    )
+
+
+# --- what comes back ----------------------------------------------------------------------
+
+
+def test_one_replica_gives_copies_not_aliases(built, gen):
+    inputs = random_replicas([(10,), (2, 3)], 1, torch.float32, gen)
+    outputs = ext.reduce_add_coalesced(inputs, CPU)
+    for out, original in zip(outputs, inputs[0]):
+        assert torch.equal(out, original)
+        assert out.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
+
+
+def test_results_are_contiguous_with_replica_zero_shapes_and_dtypes(built, gen):
+    inputs = random_replicas([(4, 5), (7,)], 2, torch.bfloat16, gen)
+    outputs = ext.reduce_add_coalesced(inputs, CPU)
+    assert [(o.shape, o.dtype, o.device, o.is_contiguous()) for o in outputs] == [
+        (t.shape, t.dtype, CPU, True) for t in inputs[0]
+    ]
+
+
+def test_reduce_add_into_writes_the_given_outputs(built, gen):
+    inputs = random_replicas([(100,), (3, 3)], 4, torch.float16, gen)
+    outputs = [torch.empty_like(t) for t in inputs[0]]
+    ext.load().reduce_add_into(inputs, outputs)
+    assert_bitwise_equal(outputs, torch_reduce(inputs, CPU))
+
+
+# --- errors name the tensor and the replica -----------------------------------------------
+
+
+def test_shape_mismatch_names_tensor_and_replica(built, gen):
+    inputs = random_replicas([(2,), (3,), (1,), (4, 6)], 3, torch.float32, gen)
+    inputs[2][3] = torch.zeros(4, 5)
+    with pytest.raises(ValueError, match=r"tensor 3 of replica 2 has shape \(4, 5\) but replica 0's has \(4, 6\)"):
+        ext.reduce_add_coalesced(inputs, CPU)
+
+
+def test_dtype_mismatch_names_tensor_and_replica(built, gen):
+    inputs = random_replicas([(2,), (3,)], 2, torch.float32, gen)
+    inputs[1][1] = inputs[1][1].half()
+    with pytest.raises(TypeError, match="tensor 1 of replica 1 has dtype torch.float16 but replica 0's has torch.float32"):
+        ext.reduce_add_coalesced(inputs, CPU)
+
+
+def test_tensor_count_mismatch_names_replica(built, gen):
+    inputs = random_replicas([(2,), (3,), (4,)], 2, torch.float32, gen)
+    inputs[1].pop()
+    with pytest.raises(ValueError, match="replica 1 has 2 tensors but replica 0 has 3"):
+        ext.reduce_add_coalesced(inputs, CPU)
+
+
+def test_unsupported_dtype_is_rejected(built):
+    with pytest.raises(TypeError, match="tensor 0 of replica 0 has dtype torch.int64; supported are"):
+        ext.reduce_add_coalesced([[torch.ones(3, dtype=torch.int64)]] * 2, CPU)
+
+
+def test_no_replicas_is_rejected(built):
+    with pytest.raises(ValueError, match="at least one replica"):
+        ext.reduce_add_coalesced([], CPU)
+
+
+# --- building and switching it off --------------------------------------------------------
+
+
+@pytest.fixture
+def unloaded(monkeypatch):
+    """The extension module as if not built yet; the real one comes back after the test."""
+    monkeypatch.setattr(ext, "_module", None)
+    monkeypatch.setattr(ext, "_failure", None)
+    monkeypatch.delenv("MINIDP_EXT", raising=False)
+    return monkeypatch
+
+
+def fail_build(verbose):
+    raise RuntimeError("compiler exploded")
+
+
+def test_minidp_ext_0_disables_without_building(unloaded):
+    unloaded.setenv("MINIDP_EXT", "0")
+    unloaded.setattr(ext, "_build", lambda verbose: pytest.fail("built although disabled"))
+    assert not ext.is_available()
+    with pytest.raises(RuntimeError, match="disabled by MINIDP_EXT=0"):
+        ext.load()
+
+
+def test_failed_build_warns_once_and_reports_unavailable(unloaded):
+    unloaded.setattr(ext, "_build", fail_build)
+    with pytest.warns(RuntimeWarning, match="compiler exploded"):
+        assert not ext.is_available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not ext.is_available()
+
+
+def test_failed_build_raises_when_minidp_ext_is_1(unloaded):
+    unloaded.setenv("MINIDP_EXT", "1")
+    unloaded.setattr(ext, "_build", fail_build)
+    with pytest.raises(RuntimeError, match="compiler exploded"):
+        ext.is_available()
+
+
+def test_missing_sources_are_reported_with_their_path(unloaded, tmp_path):
+    unloaded.setattr(ext, "CSRC", tmp_path)
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        ext._build(verbose=False)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_cuda_kernel_compiles_with_nvcc(tmp_path):
+    source = ext.CSRC / "reduce_add_cuda.cu"
+    result = subprocess.run(
+        ["nvcc", "-c", "-std=c++17", str(source), "-o", str(tmp_path / "reduce_add_cuda.o")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# --- on GPUs ------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+class TestCuda:
+    GPU0 = torch.device("cuda", 0)
+
+    @pytest.mark.parametrize("dtype", ext.SUPPORTED_DTYPES, ids=str)
+    def test_matches_reference_for_each_dtype(self, built, gen, dtype):
+        check(random_replicas(ODD_SIZES, 3, dtype, gen, self.GPU0), self.GPU0)
+
+    @pytest.mark.parametrize("num_replicas", [1, 2, 5, 8])
+    def test_replicas_on_the_same_gpu(self, built, gen, num_replicas):
+        check(random_replicas(ODD_SIZES, num_replicas, torch.float32, gen, self.GPU0), self.GPU0)
+
+    def test_one_huge_tensor(self, built, gen):
+        check(random_replicas([(32 * 2**20,)], 4, torch.float32, gen, self.GPU0), self.GPU0)
+
+    def test_thousands_of_tiny_tensors(self, built, gen):
+        sizes = torch.randint(1, 8, (3000,), generator=gen).tolist()
+        check(random_replicas([(n,) for n in sizes], 4, torch.float16, gen, self.GPU0), self.GPU0)
+
+    def test_empty_and_zero_dimensional_tensors(self, built, gen):
+        check(random_replicas([(0,), (), (5,), (2, 0), ()], 3, torch.float64, gen, self.GPU0), self.GPU0)
+
+    def test_misaligned_inputs(self, built, gen):
+        # Contiguous views one element into their storage: not 16-byte aligned.
+        base = random_replicas([(1 + 1000,)], 3, torch.float32, gen, self.GPU0)
+        check([[t[1:]] for (t,) in base], self.GPU0)
+
+    def test_non_contiguous_inputs(self, built, gen):
+        base = random_replicas([(64, 48)], 3, torch.bfloat16, gen, self.GPU0)
+        check([[t.t()] for (t,) in base], self.GPU0)
+
+    def test_inputs_on_the_host(self, built, gen):
+        inputs = random_replicas(ODD_SIZES, 3, torch.float32, gen)
+        inputs[0] = [t.to(self.GPU0) for t in inputs[0]]
+        check(inputs, self.GPU0)
+
+    def test_runs_on_the_current_stream(self, built, gen):
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            inputs = random_replicas(ODD_SIZES, 3, torch.float32, gen, self.GPU0)
+            outputs = ext.reduce_add_coalesced(inputs, self.GPU0)
+            expected = torch_reduce(inputs, self.GPU0)
+        side.synchronize()
+        assert_bitwise_equal(outputs, expected)
+
+    @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+    @pytest.mark.parametrize("destination", [0, 1])
+    def test_inputs_on_a_second_gpu(self, built, gen, destination):
+        inputs = [
+            [t.to(torch.device("cuda", k % 2)) for t in replica]
+            for k, replica in enumerate(random_replicas(ODD_SIZES + [(4 * 2**20,)], 4, torch.float16, gen))
+        ]
+        check(inputs, torch.device("cuda", destination))
