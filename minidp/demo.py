@@ -23,6 +23,7 @@ from .comm import chunk_sizes_for
 from .data_parallel import DataParallel
 from .devices import as_device
 from .digits import SyntheticDigits
+from .trace import trace, write_trace_artifacts
 from .zoo import SmallCNN
 
 DEFAULT_CPU_REPLICAS = 2
@@ -51,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds the data, the weights and the shuffling (default: 0)")
     parser.add_argument(
         "--samples", type=positive_int, default=6000, help="training images; a quarter as many more are held out (default: 6000)"
+    )
+    parser.add_argument(
+        "--trace", metavar="DIR", default=None,
+        help="after training, trace one more training step and write its table, Chrome trace and timeline PNG to DIR",
     )
 
 
@@ -141,7 +146,23 @@ def train(args: argparse.Namespace) -> list[EpochResult]:
         print(f"epoch {epoch}/{args.epochs}: train loss {train_loss:.4f} accuracy {train_accuracy:.1%} | "
               f"held-out loss {held_out_loss:.4f} accuracy {held_out_accuracy:.1%} | "
               f"{time.perf_counter() - start:.1f} s")
+    if args.trace:
+        trace_one_step(model, next(iter(train_loader)), optimizer, device, args.trace)
     return results
+
+
+def trace_one_step(model: nn.Module, data: dict, optimizer: torch.optim.Optimizer, device: torch.device,
+                   directory: str) -> None:
+    """One more training step under ``minidp.trace()``; prints its table and writes the artifacts."""
+    model.train()
+    with trace() as step:
+        loss = nn.functional.cross_entropy(model(data["image"]), data["label"].to(device))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    print(step.table())
+    for kind, path in write_trace_artifacts(step, directory).items():
+        print(f"{kind}: {path}")
 
 
 def _last_batch_note(samples: int, batch_size: int, replicas: int) -> str:

@@ -21,7 +21,7 @@ def test_help_lists_every_option(capsys):
         main(["demo", "--help"])
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
-    for option in ["--epochs", "--batch-size", "--replicas", "--device", "--lr", "--seed", "--samples"]:
+    for option in ["--epochs", "--batch-size", "--replicas", "--device", "--lr", "--seed", "--samples", "--trace"]:
         assert option in help_text
 
 
@@ -85,3 +85,12 @@ def test_counts_below_one_are_rejected_naming_the_option(option, capsys):
         main(["demo", option, "0"])
     err = capsys.readouterr().err
     assert option in err and "must be at least 1" in err
+
+
+def test_trace_writes_the_table_chrome_trace_and_timeline_of_one_step(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["demo", "--samples", "100", "--epochs", "1", "--batch-size", "32", "--replicas", "2",
+                 "--device", "cpu", "--trace", str(tmp_path)]) == 0
+    assert "one traced step" in capsys.readouterr().out
+    assert {p.name for p in tmp_path.iterdir()} == {"table.txt", "trace.json", "timeline.png"}
+    assert "forward" in (tmp_path / "table.txt").read_text()
