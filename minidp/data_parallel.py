@@ -119,13 +119,13 @@ class DataParallel(nn.Module):
         with torch.autograd.profiler.record_function("minidp.DataParallel.forward"):
             if not self.device_ids:
                 return self.module(*inputs, **kwargs)
-            check_module_device(self.module, self.source_device)
-
             inputs, kwargs = self.scatter(inputs, kwargs, self.device_ids)
             if not inputs:  # no arguments at all: one call on device_ids[0]
                 inputs, kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
+                check_module_device(self.module, self.source_device)
                 return self.gather([self.module(*inputs[0], **kwargs[0])], self.output_device)
+            # replicate checks where the module is (a cached replicate, only when its tree changed)
             used = self.device_ids[: len(inputs)]
             replicas = self.replicate(self.module, used)
             outputs = self.parallel_apply(replicas, inputs, kwargs)
