@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 # command -> (module that implements it, one-line help)
 COMMANDS = {
     "demo": ("minidp.demo", "train a small CNN with data parallelism on built-in data"),
+    "bench": ("minidp.bench", "time minidp against stock PyTorch and a single device, as ratios"),
 }
 
 
