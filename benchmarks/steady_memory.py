@@ -1,6 +1,6 @@
 """Steady memory over 1,000 training steps: live tensors and process memory (RSS) must not grow.
 
-    python benchmarks/steady_memory.py [--steps 1000] [--device cpu|cuda] [--replicas 2]
+    python -m benchmarks.steady_memory [--steps 1000] [--device cpu|cuda] [--replicas 2]
 
 Trains the demo CNN (batch 64) with minidp.DataParallel and prints, every 100 steps, the number of
 live ``torch.Tensor`` objects (via gc) and the resident set size (from /proc/self/statm). Exits 1
