@@ -176,6 +176,8 @@ def data_parallel(
     """
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
-    cache = replica_cache_for(module) if cache_replicas else False
+    # A replica (this call inside another DataParallel's forward) is itself re-bound at every step,
+    # so a cache of its replicas would rebuild every time: build them directly.
+    cache = replica_cache_for(module) if cache_replicas and not getattr(module, "_is_replica", False) else False
     wrapper = DataParallel(module, device_ids, output_device, dim, cache_replicas=cache)
     return wrapper(*inputs, **(module_kwargs or {}))

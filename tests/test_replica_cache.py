@@ -269,6 +269,16 @@ def test_data_parallel_reuses_one_cache_per_module(generator):
     assert (info.hits, info.misses) == (2, 1)
 
 
+def test_data_parallel_inside_a_replica_keeps_no_cache(generator):
+    entry = ZOO["vgg_split"]
+    model = entry.build()
+    model.device_ids = cpu_ids(2)
+    wrapper = minidp.DataParallel(model, cpu_ids(2))
+    for _ in range(2):
+        wrapper(*entry.batch(4, generator)[0])
+    assert not any(getattr(m, "_is_replica", False) for m in list(minidp.replica_cache._caches.keys()))
+
+
 def test_concurrent_forwards_on_one_wrapper_do_not_share_replicas(generator):
     model = Scaled()
     wrapper = minidp.DataParallel(model, cpu_ids(2))
