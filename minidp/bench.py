@@ -41,13 +41,17 @@ def side_by_side(variants: dict[str, Callable[[], object]], rounds: int, number:
     """Median seconds per call of each variant; the variants take turns, ``number`` calls per block."""
     for run in variants.values():  # warm-up: first-call costs (allocations, caches) are not steps
         run()
+    # GPU work is asynchronous: a block ends when its kernels do.
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, run in variants.items():
             gc.collect()  # a collection triggered by one variant's garbage lands in its own block
+            synchronize()
             start = time.perf_counter()
             for _ in range(number):
                 run()
+            synchronize()
             times[name].append((time.perf_counter() - start) / number)
     return {name: statistics.median(values) for name, values in times.items()}
 
