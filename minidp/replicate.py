@@ -159,9 +159,9 @@ def bind(
             # `Module.__setattr__` does, done as a dict write. Classes with their own __setattr__
             # (RNN's keeps `_flat_weights` in step) get a real setattr.
             state = replica.__dict__
-            plain = type(replica).__setattr__ is _module_setattr
+            direct = type(replica).__setattr__ is _module_setattr
             for key, i in module_params:
-                if plain:
+                if direct:
                     state[key] = None if i is None else params[i]
                 else:
                     setattr(replica, key, None if i is None else params[i])
