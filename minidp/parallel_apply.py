@@ -69,6 +69,12 @@ def _module_device(module: nn.Module, inputs: Any) -> torch.device:
     return torch.device("cpu")
 
 
+# `torch.set_num_threads` sets the calling thread's count under ATen's OpenMP backend (measured:
+# other threads keep theirs); under the native thread pool it is process-wide, and K replicas
+# setting and restoring it at once would race, so there the replicas keep the caller's count.
+PER_THREAD_INTRA_OP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 class _CallerState:
     """The thread-local state of the calling thread that every worker re-enters.
 
@@ -79,7 +85,8 @@ class _CallerState:
     """
 
     def __init__(self, cpu_replicas: int) -> None:
-        self.cpu_threads = max(1, torch.get_num_threads() // cpu_replicas) if cpu_replicas > 1 else None
+        split = cpu_replicas > 1 and PER_THREAD_INTRA_OP
+        self.cpu_threads = max(1, torch.get_num_threads() // cpu_replicas) if split else None
         self.grad_enabled = torch.is_grad_enabled()
         self.autocast = {
             device_type: (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))

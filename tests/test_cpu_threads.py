@@ -6,12 +6,21 @@ team on the same cores.
 
 from __future__ import annotations
 
+import importlib
+
+import pytest
 import torch
 from torch import nn
 
 import minidp
 
 from conftest import cpu_ids
+
+
+per_thread = pytest.mark.skipif(
+    not importlib.import_module("minidp.parallel_apply").PER_THREAD_INTRA_OP,
+    reason="torch.set_num_threads is process-wide in this build (no OpenMP): replicas keep the caller's count",
+)
 
 
 class RecordsThreads(nn.Module):
@@ -24,6 +33,7 @@ class RecordsThreads(nn.Module):
         return x
 
 
+@per_thread
 def test_each_cpu_replica_gets_its_share_of_the_callers_threads():
     seen: list[int] = []
     previous = torch.get_num_threads()
@@ -42,6 +52,7 @@ def test_a_single_cpu_replica_keeps_the_callers_threads():
     assert seen == [torch.get_num_threads()]
 
 
+@per_thread
 def test_more_cpu_replicas_than_threads_get_one_thread_each():
     seen: list[int] = []
     previous = torch.get_num_threads()
