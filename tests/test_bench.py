@@ -1,4 +1,4 @@
-"""The benchmark helpers: side-by-side timing, and the ResNet trees the benchmarks name."""
+"""The benchmark building blocks: side-by-side timing, and the ResNet trees the benchmarks name."""
 
 from __future__ import annotations
 
