@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine: build the extension, run the CUDA tests and the GPU
-# benchmarks, and write OUTDIR/gpu_check.json and OUTDIR/summary.txt (one screen; also printed).
+# benchmarks (the reduction of BENCHMARKS.md and the runtime ratios of its second part), and write
+# OUTDIR/gpu_check.json and OUTDIR/summary.txt (one screen; also printed).
 # Every step runs, with its own time limit, even when an earlier one fails; each step's exit
 # status and output (OUTDIR/<step>.log) are kept. About 5 minutes on one GPU, 8 at most.
 #
@@ -31,9 +32,12 @@ step() {
 
 step env 30 bash -c "nvidia-smi; $py -c 'import torch; print(torch.__version__, torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])'"
 step nvcc 30 nvcc --version
-step build 200 "$py" -c "from minidp import ext; ext.load(verbose=True); print('cuda build:', ext.load().has_cuda)"
-step tests 120 "$py" -m pytest -m cuda tests/ -q -rs
-step bench 90 "$py" benchmarks/bench_reduce.py --summary --json "$out/bench.json"
+step build 180 "$py" -c "from minidp import ext; ext.load(verbose=True); print('cuda build:', ext.load().has_cuda)"
+step tests 100 "$py" -m pytest -m cuda tests/ -q -rs
+step bench 80 "$py" benchmarks/bench_reduce.py --summary --json "$out/bench.json"
+step ratios 60 "$py" -m minidp bench --device cuda
+step groups 60 env MINIDP_BENCH_QUICK=1 "$py" -m pytest benchmarks/ -m cuda -q -p no:cacheprovider --benchmark-columns=median,min,rounds --benchmark-sort=name
+step memory 40 "$py" -m benchmarks.steady_memory --device cuda --steps 1000
 
 # gpu_check.json: each step's exit status and seconds, and the benchmark rows when there are any.
 {
@@ -53,7 +57,9 @@ step bench 90 "$py" benchmarks/bench_reduce.py --summary --json "$out/bench.json
   for i in "${!names[@]}"; do printf '  %-6s exit %-3s %4s s\n' "${names[$i]}" "${codes[$i]}" "${seconds[$i]}"; done
   echo "-- GPUs"; grep -m1 -E '^[0-9]+\.[0-9]+' "$out/env.log"
   echo "-- tests"; tail -n 1 "$out/tests.log"
-  echo "-- benchmark (ms; ratios < 1 mean the extension is faster)"; sed -n '/^device /,$p' "$out/bench.log"
+  echo "-- reduction (ms; ratios < 1 mean the extension is faster)"; sed -n '/^device /,$p' "$out/bench.log"
+  echo "-- runtime ratios"; tail -n 25 "$out/ratios.log"
+  echo "-- steady memory"; tail -n 4 "$out/memory.log"
   echo "-- failing steps"
   for i in "${!names[@]}"; do
     [ "${codes[$i]}" -ne 0 ] && { echo "   ${names[$i]}:"; tail -n 8 "$out/${names[$i]}.log" | sed 's/^/     /'; }

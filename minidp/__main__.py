@@ -18,6 +18,7 @@ COMMANDS = {
     "devices": ("minidp.cli_devices", "list the devices this process sees: ids, names, memory, utilisation"),
     "verify": ("minidp.cli_verify", "check minidp against a single-device reference on every zoo model"),
     "trace": ("minidp.cli_trace", "trace one training step of a zoo model: table, Chrome trace, timeline PNG"),
+    "bench": ("minidp.bench", "time minidp against stock PyTorch and a single device, as ratios"),
 }
 
 

@@ -26,6 +26,8 @@ def as_device(device: DeviceLike, argument: str = "device") -> torch.device:
     ``torch.device`` are taken as they are, and ``"cuda"`` without an index means the current GPU.
     ``argument`` names the caller's argument in error messages.
     """
+    if type(device) is torch.device and device.type != "cuda":
+        return device  # already parsed, nothing to check: the hot path passes these every step
     if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
         raise TypeError(
             f"{argument}: expected an int (CUDA ordinal), a string such as 'cuda:0' or 'cpu', "

@@ -99,10 +99,24 @@ def _module_device(module: nn.Module, inputs: Any) -> torch.device:
     return torch.device("cpu")
 
 
-class _CallerState:
-    """The thread-local state of the calling thread that every worker re-enters."""
+# `torch.set_num_threads` sets the calling thread's count under ATen's OpenMP backend (measured:
+# other threads keep theirs); under the native thread pool it is process-wide, and K replicas
+# setting and restoring it at once would race, so there the replicas keep the caller's count.
+PER_THREAD_INTRA_OP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
-    def __init__(self) -> None:
+
+class _CallerState:
+    """The thread-local state of the calling thread that every worker re-enters.
+
+    ``cpu_replicas`` CPU replicas share the caller's intra-op threads: each runs with
+    ``caller's threads // cpu_replicas`` (at least 1), so that K replicas do not start K full
+    OpenMP teams on the same cores. The count is per thread (measured: ``torch.set_num_threads``
+    in one thread leaves the others' as they are) and restored when the replica is done.
+    """
+
+    def __init__(self, cpu_replicas: int) -> None:
+        split = cpu_replicas > 1 and PER_THREAD_INTRA_OP
+        self.cpu_threads = max(1, torch.get_num_threads() // cpu_replicas) if split else None
         self.grad_enabled = torch.is_grad_enabled()
         self.autocast = {
             device_type: (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
@@ -116,6 +130,9 @@ class _CallerState:
             for device_type, (enabled, dtype) in self.autocast.items():
                 if enabled:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            if device.type == "cpu" and self.cpu_threads is not None:
+                stack.callback(torch.set_num_threads, torch.get_num_threads())
+                torch.set_num_threads(self.cpu_threads)
             if device.type == "cuda":
                 stack.enter_context(torch.cuda.device(device))
                 stack.enter_context(torch.cuda.stream(stream))
@@ -182,7 +199,7 @@ def parallel_apply(
         if stream is not None and stream != torch.cuda.current_stream(device):
             # The replica's inputs were produced on the current stream: wait for them.
             stream.wait_stream(torch.cuda.current_stream(device))
-    caller = _CallerState()
+    caller = _CallerState(sum(d.type == "cpu" for d in devices))
 
     def run(i: int) -> Any:
         args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)

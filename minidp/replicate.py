@@ -20,7 +20,7 @@ whose updates are dropped. That is stock's behaviour: running statistics come fr
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from torch import nn
 from . import comm
 from .devices import DeviceLike, as_devices
 from .trace import traced
+
+if TYPE_CHECKING:
+    from .replica_cache import ReplicaCache
 
 
 class Broadcast(torch.autograd.Function):
@@ -92,47 +95,107 @@ def replicate(
     detach: bool = False,
     *,
     reduce_backend: Optional[str] = None,
+    cache: Optional["ReplicaCache"] = None,
 ) -> list[nn.Module]:
     """Return one replica of ``network`` per entry of ``devices`` (repeats allowed), in order.
 
     ``network``'s parameters and buffers must be on ``devices[0]``. With ``detach=True`` (what
     ``DataParallel`` uses under ``torch.no_grad()``) the replicas are cut from autograd.
     ``reduce_backend`` picks how the backward sums gradients (see :func:`minidp.comm.set_reduce_backend`).
+    With a ``cache`` (:class:`minidp.replica_cache.ReplicaCache`) the replica modules are kept between
+    calls and only given this call's tensors; the replicas of the previous call with that cache (in
+    this thread, for these devices) are the same objects, re-bound.
     """
     devices = as_devices(devices, "devices")
     if not devices:
         return []
-    source_device = devices[0]
-    check_module_device(network, source_device)
-
-    params = list(network.parameters())
-    param_copies = _broadcast_parameters(params, devices, detach, reduce_backend)
-
-    buffers = list(network.buffers())
-    differentiable = [b for b in buffers if b.requires_grad and not detach]
-    plain = [b for b in buffers if not (b.requires_grad and not detach)]
-    buffer_copies = {id(b): [] for b in buffers}
-    for group, copies in (
-        (differentiable, _broadcast_parameters(differentiable, devices, detach, reduce_backend)),
-        (plain, _copy_buffers(plain, devices, source_device)),
-    ):
-        for b_index, b in enumerate(group):
-            buffer_copies[id(b)] = [copies[d][b_index] for d in range(len(devices))]
-
+    if cache is not None:
+        return cache.replicate(network, devices, detach, reduce_backend)
+    check_module_device(network, devices[0])
     modules = list(network.modules())
-    module_index = {id(m): i for i, m in enumerate(modules)}
-    param_index = {id(p): i for i, p in enumerate(params)}
-    replicas = [[m._replicate_for_data_parallel() for m in modules] for _ in devices]
-    for d, replica_modules in enumerate(replicas):
+    params, buffers = list(network.parameters()), list(network.buffers())
+    replicas = build_skeletons(modules, len(devices))
+    bind(
+        replicas,
+        tensor_slots(modules, "_parameters", params),
+        tensor_slots(modules, "_buffers", buffers),
+        *replica_tensors(params, buffers, devices, detach, reduce_backend),
+    )
+    return [replica_modules[0] for replica_modules in replicas]
+
+
+Slots = list[list[tuple[str, Optional[int]]]]
+_module_setattr = nn.Module.__setattr__
+
+
+def tensor_slots(modules: list[nn.Module], registry: str, tensors: list[torch.Tensor]) -> Slots:
+    """For each module, ``(name, index into tensors)`` of each entry of its ``registry`` dict
+    (``"_parameters"`` or ``"_buffers"``); the index is ``None`` for an entry set to ``None``."""
+    index = {id(t): i for i, t in enumerate(tensors)}
+    return [[(key, None if t is None else index[id(t)]) for key, t in getattr(m, registry).items()] for m in modules]
+
+
+def build_skeletons(modules: list[nn.Module], count: int) -> list[list[nn.Module]]:
+    """``count`` copies of the tree ``modules`` (``network.modules()``): shallow copies of every module
+    (``_replicate_for_data_parallel``), wired to each other as the originals are, holding no tensors yet."""
+    index = {id(m): i for i, m in enumerate(modules)}
+    replicas = [[m._replicate_for_data_parallel() for m in modules] for _ in range(count)]
+    for replica_modules in replicas:
         for module, replica in zip(modules, replica_modules):
             for key, child in module._modules.items():
-                setattr(replica, key, None if child is None else replica_modules[module_index[id(child)]])
-            for key, param in module._parameters.items():
-                # A plain tensor set under a name no longer in `_parameters` becomes an attribute.
-                setattr(replica, key, None if param is None else param_copies[d][param_index[id(param)]])
-            for key, buf in module._buffers.items():
-                replica._buffers[key] = None if buf is None else buffer_copies[id(buf)][d]
-    return [replica_modules[0] for replica_modules in replicas]
+                setattr(replica, key, None if child is None else replica_modules[index[id(child)]])
+    return replicas
+
+
+def bind(
+    replicas: list[list[nn.Module]],
+    param_slots: Slots,
+    buffer_slots: Slots,
+    param_copies: list[list[torch.Tensor]],
+    buffer_copies: list[list[torch.Tensor]],
+) -> None:
+    """Give the replica modules of each device (``replicas[device]``) that device's tensors."""
+    for replica_modules, params, buffers in zip(replicas, param_copies, buffer_copies):
+        for replica, module_params, module_buffers in zip(replica_modules, param_slots, buffer_slots):
+            # A plain tensor set under a name not in `_parameters` becomes a plain attribute: what
+            # `Module.__setattr__` does, done as a dict write. Classes with their own __setattr__
+            # (RNN's keeps `_flat_weights` in step) get a real setattr.
+            state = replica.__dict__
+            direct = type(replica).__setattr__ is _module_setattr
+            for key, i in module_params:
+                if direct:
+                    state[key] = None if i is None else params[i]
+                else:
+                    setattr(replica, key, None if i is None else params[i])
+            registry = state["_buffers"]
+            for key, i in module_buffers:
+                registry[key] = None if i is None else buffers[i]
+
+
+def replica_tensors(
+    params: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    devices: list[torch.device],
+    detach: bool,
+    reduce_backend: Optional[str],
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Per device, the parameters and the buffers its replica holds, in the order given.
+
+    Parameters, and buffers that require grad, come through one :class:`Broadcast` each (unless
+    ``detach``); other buffers are the originals on replica 0 and private copies elsewhere.
+    """
+    param_copies = _broadcast_parameters(params, devices, detach, reduce_backend)
+    differentiable = [i for i, b in enumerate(buffers) if b.requires_grad and not detach]
+    plain = [i for i, b in enumerate(buffers) if not (b.requires_grad and not detach)]
+    buffer_copies: list[list[torch.Tensor]] = [[None] * len(buffers) for _ in devices]  # type: ignore[list-item]
+    for indices, copies in (
+        (differentiable, _broadcast_parameters([buffers[i] for i in differentiable], devices, detach, reduce_backend)),
+        (plain, _copy_buffers([buffers[i] for i in plain], devices, devices[0])),
+    ):
+        for row, device_copies in zip(buffer_copies, copies):
+            for i, copy in zip(indices, device_copies):
+                row[i] = copy
+    return param_copies, buffer_copies
 
 
 def _broadcast_parameters(

@@ -141,3 +141,91 @@ ZOO: dict[str, ZooEntry] = {
         ),
     ]
 }
+
+
+# --------------------------------------------------------------------------------------------------
+# ResNet-shaped networks for the benchmarks (not in ZOO: too slow for the tests). Built in code, the
+# layout of torchvision's resnet18 / resnet50: the same module tree, parameter and buffer counts.
+# --------------------------------------------------------------------------------------------------
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, inputs: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inputs, width, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = _shortcut(inputs, width, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return self.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, inputs: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inputs, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, width * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(width * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = _shortcut(inputs, width * 4, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return self.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+
+def _shortcut(inputs: int, outputs: int, stride: int) -> Optional[nn.Module]:
+    if inputs == outputs and stride == 1:
+        return None
+    return nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs))
+
+
+class ResNet(nn.Module):
+    """A ResNet for ``channels``-channel images; ``base`` scales every width (64 in the original)."""
+
+    def __init__(self, block: type, layers: Sequence[int], classes: int = 10, channels: int = 3, base: int = 64) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, base, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(base)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        inputs, stages = base, []
+        for stage, count in enumerate(layers):
+            width = base * 2**stage
+            blocks = []
+            for i in range(count):
+                blocks.append(block(inputs, width, 2 if i == 0 and stage > 0 else 1))
+                inputs = width * block.expansion
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(inputs, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet18(classes: int = 10, channels: int = 3, base: int = 64) -> ResNet:
+    """ResNet-18's tree: 62 parameters, 60 buffers, 68 modules (``base=64``: 11M parameters)."""
+    return ResNet(BasicBlock, [2, 2, 2, 2], classes, channels, base)
+
+
+def resnet50(classes: int = 10, channels: int = 3, base: int = 64) -> ResNet:
+    """ResNet-50's tree: 161 parameters, 159 buffers, 151 modules."""
+    return ResNet(Bottleneck, [3, 4, 6, 3], classes, channels, base)

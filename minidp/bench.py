@@ -1,0 +1,183 @@
+"""``python -m minidp bench``: how minidp compares with stock PyTorch, as ratios measured in one run.
+
+Every row times a few variants of one thing *side by side*: the variants take turns, block by
+block, for several rounds, and each variant's time is the median of its blocks. Only ratios of
+times from the same run are printed, so a busy or slow machine shifts all variants alike.
+
+Rows:
+
+* ``step <model>``: a full training step (forward, loss, backward, optimizer) of one model,
+  single device vs stock ``nn.DataParallel`` vs minidp with 1, 2 and 4 replicas. Without a GPU,
+  stock ``DataParallel`` calls the module directly (it has no CPU replicas), so its column there
+  is the single-device step; on a GPU, stock and minidp both run K replicas on GPU 0.
+* ``replicate resnet50``: replicating a ResNet-50-shaped tree (161 parameters, 159 buffers,
+  151 modules) with minidp's cache vs without it (vs stock ``replicate`` on a GPU).
+* ``overhead``: step time minus the single-device step time of the same batch, for minidp and
+  for stock (GPU only): the cost of everything that is not the replicas' own compute.
+
+The benchmarks in ``benchmarks/`` measure the same things with pytest-benchmark, more rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .data_parallel import DataParallel
+from .replica_cache import ReplicaCache
+from .replicate import replicate
+from .zoo import MLP, SmallCNN, resnet18, resnet50
+
+
+def side_by_side(variants: dict[str, Callable[[], object]], rounds: int, number: int) -> dict[str, float]:
+    """Median seconds per call of each variant; the variants take turns, ``number`` calls per block."""
+    for run in variants.values():  # warm-up: first-call costs (allocations, caches) are not steps
+        run()
+    # GPU work is asynchronous: a block ends when its kernels do.
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            gc.collect()  # a collection triggered by one variant's garbage lands in its own block
+            synchronize()
+            start = time.perf_counter()
+            for _ in range(number):
+                run()
+            synchronize()
+            times[name].append((time.perf_counter() - start) / number)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+@dataclass
+class StepCase:
+    """A model and a batch for a full training step."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batch: int
+    input_shape: tuple[int, ...]
+    classes: int
+
+
+STEP_CASES = {
+    "mlp": StepCase("mlp", MLP, 256, (16,), 4),
+    "cnn": StepCase("cnn", SmallCNN, 256, (1, 28, 28), 10),
+    "resnet18": StepCase("resnet18", lambda: resnet18(base=16), 32, (3, 32, 32), 10),
+}
+
+
+def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float = 1e-3) -> Callable[[], None]:
+    """One SGD step of ``model`` on ``(x, y)``, as a function of no arguments."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    loss = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def step_variants(case: StepCase, device: torch.device, replicas: tuple[int, ...]) -> dict[str, Callable[[], None]]:
+    """Training steps of ``case`` on ``device``: single, stock DataParallel, minidp with each replica count."""
+    torch.manual_seed(0)
+    x = torch.randn(case.batch, *case.input_shape, device=device)
+    y = torch.randint(0, case.classes, (case.batch,), device=device)
+    ids = (lambda k: [device.index or 0] * k) if device.type == "cuda" else (lambda k: ["cpu"] * k)
+    variants = {"single": training_step(case.build().to(device), x, y)}
+    if device.type == "cuda":
+        variants["stock"] = training_step(nn.DataParallel(case.build().to(device), ids(max(replicas))), x, y)
+    else:  # stock DataParallel without a GPU: a direct call of the module
+        variants["stock"] = training_step(nn.DataParallel(case.build()), x, y)
+    for k in replicas:
+        variants[f"minidp x{k}"] = training_step(DataParallel(case.build().to(device), ids(k)), x, y)
+    return variants
+
+
+def replicate_variants(device: torch.device, replicas: int) -> dict[str, Callable[[], object]]:
+    """Replicating a ResNet-50-shaped tree ``replicas`` times: uncached, cached, and stock on a GPU."""
+    network = resnet50(base=8).to(device)
+    devices = [device] * replicas
+    cache = ReplicaCache()
+
+    def cached() -> None:
+        replicate(network, devices, cache=cache)
+        cache.release(devices)  # what DataParallel does after each forward: part of a step's cost
+
+    variants: dict[str, Callable[[], object]] = {"uncached": lambda: replicate(network, devices), "cached": cached}
+    if device.type == "cuda":
+        variants["stock"] = lambda: nn.parallel.replicate(network, [device.index or 0] * replicas)
+    return variants
+
+
+@dataclass
+class Row:
+    name: str
+    seconds: float
+    vs_stock: Optional[float]
+    vs_single: Optional[float]
+    note: str = ""
+
+
+def run_bench(device: torch.device, quick: bool) -> list[Row]:
+    rounds, number = (3, 2) if quick else (7, 5)
+    rows: list[Row] = []
+    stock_note = "stock: K replicas on GPU" if device.type == "cuda" else "stock: direct call (no GPU)"
+    for case in STEP_CASES.values():
+        times = side_by_side(step_variants(case, device, (1, 2, 4)), rounds, number)
+        for name, seconds in times.items():
+            if name.startswith("minidp"):
+                rows.append(
+                    Row(f"step {case.name} b{case.batch} {name}", seconds, seconds / times["stock"], seconds / times["single"], stock_note)
+                )
+        if device.type == "cuda":
+            minidp_overhead = times["minidp x4"] - times["single"]
+            stock_overhead = times["stock"] - times["single"]
+            rows.append(Row(f"overhead {case.name} x4", minidp_overhead, minidp_overhead / stock_overhead, None, "step - single"))
+    for k in (2, 4):
+        times = side_by_side(replicate_variants(device, k), rounds, 5 * number)
+        rows.append(
+            Row(
+                f"replicate resnet50 x{k} cached",
+                times["cached"],
+                times["cached"] / times["stock"] if "stock" in times else None,
+                None,
+                f"uncached {times['uncached'] * 1e3:.2f} ms, cached/uncached {times['cached'] / times['uncached']:.3f}",
+            )
+        )
+    return rows
+
+
+def format_rows(rows: list[Row]) -> str:
+    def ratio(value: Optional[float]) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = [f"{'benchmark':<34} {'minidp ms':>10} {'/ stock':>8} {'/ single':>9}  note", "-" * 90]
+    for row in rows:
+        lines.append(f"{row.name:<34} {row.seconds * 1e3:>10.2f} {ratio(row.vs_stock):>8} {ratio(row.vs_single):>9}  {row.note}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible, else cpu)")
+    parser.add_argument("--full", action="store_true", help="more rounds (default: a short run of about a minute)")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    load = ", load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()) if hasattr(os, "getloadavg") else ""
+    print(f"minidp bench on {device}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}{load}")
+    print("times are medians of interleaved blocks; ratios compare variants measured in this run\n")
+    print(format_rows(run_bench(device, quick=not args.full)))
+    return 0

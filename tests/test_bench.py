@@ -1,0 +1,30 @@
+"""The benchmark building blocks: side-by-side timing, and the ResNet trees the benchmarks name."""
+
+from __future__ import annotations
+
+import pytest
+
+from minidp import bench
+from minidp.zoo import resnet18, resnet50
+
+
+def test_side_by_side_takes_turns_and_reports_every_variant():
+    calls: list[str] = []
+    times = bench.side_by_side({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, number=2)
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3  # one warm-up call each, then blocks in turn
+
+
+@pytest.mark.parametrize(
+    "build, params, buffers, modules", [(resnet18, 62, 60, 68), (resnet50, 161, 159, 151)], ids=["resnet18", "resnet50"]
+)
+def test_resnet_trees_have_torchvisions_counts(build, params, buffers, modules):
+    network = build(base=8)
+    counts = (len(list(network.parameters())), len(list(network.buffers())), len(list(network.modules())))
+    assert counts == (params, buffers, modules)
+
+
+def test_the_table_has_a_row_per_measurement():
+    rows = [bench.Row("step cnn b256 minidp x2", 0.01, 1.1, 1.05, "stock: direct call (no GPU)")]
+    table = bench.format_rows(rows)
+    assert "step cnn b256 minidp x2" in table and "1.100" in table and "1.050" in table

@@ -1,0 +1,64 @@
+"""CPU replicas share the machine's cores: each runs with its share of the caller's intra-op threads.
+
+Stock DataParallel has no CPU replicas; without this, K replicas would each start a full OpenMP
+team on the same cores.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+import minidp
+
+from conftest import cpu_ids
+
+
+per_thread = pytest.mark.skipif(
+    not importlib.import_module("minidp.parallel_apply").PER_THREAD_INTRA_OP,
+    reason="torch.set_num_threads is process-wide in this build (no OpenMP): replicas keep the caller's count",
+)
+
+
+class RecordsThreads(nn.Module):
+    def __init__(self, seen: list[int]) -> None:
+        super().__init__()
+        self.seen = seen  # shared by reference with every replica
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        return x
+
+
+@per_thread
+def test_each_cpu_replica_gets_its_share_of_the_callers_threads():
+    seen: list[int] = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        minidp.parallel_apply([RecordsThreads(seen)] * 2, [(torch.ones(1),)] * 2, devices=cpu_ids(2))
+        assert seen == [2, 2]
+        assert torch.get_num_threads() == 4  # the caller's count is restored
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_single_cpu_replica_keeps_the_callers_threads():
+    seen: list[int] = []
+    minidp.parallel_apply([RecordsThreads(seen)], [(torch.ones(1),)], devices=cpu_ids(1))
+    assert seen == [torch.get_num_threads()]
+
+
+@per_thread
+def test_more_cpu_replicas_than_threads_get_one_thread_each():
+    seen: list[int] = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        minidp.parallel_apply([RecordsThreads(seen)] * 3, [(torch.ones(1),)] * 3, devices=cpu_ids(3))
+        assert seen == [1, 1, 1]
+    finally:
+        torch.set_num_threads(previous)

@@ -1,0 +1,319 @@
+"""Cached replicas (minidp.replica_cache): the same numbers as replicas built anew at every step.
+
+Stock DataParallel rebuilds its replicas at every forward; minidp keeps them and re-binds tensors.
+Every test runs the same steps twice, on two identical models: once with ``cache_replicas=False``
+(what stock does) and once with the cache, and asserts bitwise-equal outputs, gradients and
+buffers (float64). The structural-change tests change both models between steps and assert that
+the cache noticed (a rebuild, with its reason) and still agrees.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import minidp
+from minidp.replica_cache import replica_cache_for
+from minidp.zoo import ZOO, LSTMModel, ResNetBlockBN
+
+from conftest import RTOL_FLOAT64, cpu_ids, max_relative_error
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+@pytest.fixture
+def float64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _flat(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        return [t for v in output.values() for t in _flat(v)]
+    if isinstance(output, (list, tuple)):
+        return [t for v in output for t in _flat(v)]
+    return []
+
+
+class Pair:
+    """The same model twice: wrapped without the cache (``fresh``) and with it (``cached``)."""
+
+    def __init__(self, model: nn.Module, devices: list, dim: int = 0, loss: Callable = lambda o: o.pow(2).mean()):
+        self.models = [model, copy.deepcopy(model)]
+        self.fresh = minidp.DataParallel(self.models[0], devices, dim=dim, cache_replicas=False)
+        self.cached = minidp.DataParallel(self.models[1], devices, dim=dim)
+        self.loss = loss
+
+    def change(self, edit: Callable[[nn.Module], None]) -> None:
+        for model in self.models:
+            edit(model)
+
+    def step(self, *inputs: Any, **kwargs: Any) -> None:
+        """One forward and backward on both; asserts equal outputs, gradients and buffers."""
+        outputs = []
+        for wrapper in (self.fresh, self.cached):
+            output = wrapper(*inputs, **kwargs)
+            if torch.is_grad_enabled():
+                self.loss(output).backward()
+            outputs.append(output)
+        for a, b in zip(_flat(outputs[0]), _flat(outputs[1]), strict=True):
+            assert torch.equal(a, b)
+        fresh, cached = self.models
+        for (name, a), b in zip(fresh.named_parameters(), cached.parameters(), strict=True):
+            assert (a.grad is None) == (b.grad is None), name
+            assert a.grad is None or torch.equal(a.grad, b.grad), name
+        for (name, a), b in zip(fresh.named_buffers(), cached.buffers(), strict=True):
+            assert torch.equal(a, b), name
+
+    @property
+    def info(self) -> minidp.replica_cache.ReplicaCacheInfo:
+        return self.cached.replica_cache_info()
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_cached_replicas_match_fresh_replicas_on_every_zoo_model(name, generator):
+    entry = ZOO[name]
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=generator)))
+    model = entry.build()
+    if name == "vgg_split":  # its forward calls minidp.data_parallel on its parts: nested replicas
+        model.device_ids = cpu_ids(2)
+    pair = Pair(model, cpu_ids(3), entry.dim, entry.loss)
+    for _ in range(3):
+        inputs, kwargs = entry.batch(7, generator)
+        pair.step(*inputs, **kwargs)
+    assert (pair.info.hits, pair.info.misses) == (2, 1)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_cached_replicas_match_the_single_device_reference(name, generator):
+    entry = ZOO[name]
+    model = entry.build()
+    if name == "resnet_bn":  # in training BatchNorm normalises each chunk by its own statistics
+        model.eval()
+    reference = copy.deepcopy(model)
+    wrapper = minidp.DataParallel(model, cpu_ids(2), dim=entry.dim)
+    for _ in range(2):
+        inputs, kwargs = entry.batch(6, generator)
+        entry.loss(wrapper(*inputs, **kwargs)).backward()
+        entry.loss(reference(*inputs, **kwargs)).backward()
+    for (name_, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
+        assert max_relative_error(q.grad, p.grad) <= RTOL_FLOAT64, name_
+    assert wrapper.replica_cache_info().hits == 1
+
+
+def test_cached_replicas_match_under_no_grad(generator):
+    pair = Pair(ResNetBlockBN(), cpu_ids(2))
+    with torch.no_grad():
+        for _ in range(2):
+            pair.step(torch.randn(4, 3, 8, 8, generator=generator))
+    assert pair.info.hits == 1
+
+
+# --- structural changes: each one is noticed, rebuilds, and the results still agree -------------------
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _changed(pair: Pair, edit: Callable[[nn.Module], None], make_input: Callable[[], torch.Tensor]) -> str:
+    """Step, apply ``edit`` to both models, step again; returns the reason of the rebuild."""
+    pair.step(make_input())
+    misses = pair.info.misses
+    pair.change(edit)
+    pair.step(make_input())
+    assert pair.info.misses == misses + 1, "the change was not noticed"
+    pair.step(make_input())  # and the rebuilt skeletons are reused afterwards
+    assert pair.info.misses == misses + 1
+    return pair.info.last_rebuild_reason
+
+
+@pytest.mark.parametrize(
+    "edit, reason",
+    [
+        (lambda m: m.append(nn.Tanh()), "sub-modules ['3'] of the root module"),
+        (lambda m: m.__delitem__(1), "['_modules'] of the root module"),  # Sequential makes a new dict
+        (lambda m: m.__setitem__(1, nn.Sigmoid()), "sub-modules ['1'] of the root module"),
+        (lambda m: setattr(m[0], "weight", nn.Parameter(torch.ones(6, 5) / 4)), "parameters ['weight'] of module '0'"),
+        (lambda m: setattr(m[2], "bias", None), "parameters ['bias'] of module '2'"),
+    ],
+    ids=["sub-module added", "sub-module removed", "sub-module replaced", "parameter replaced", "parameter set to None"],
+)
+def test_tree_changes_rebuild_the_replicas(edit, reason, generator):
+    pair = Pair(_mlp(), cpu_ids(2))
+    assert reason in _changed(pair, edit, lambda: torch.randn(6, 5, generator=generator))
+
+
+def test_a_replaced_buffer_rebuilds_the_replicas(generator):
+    pair = Pair(ResNetBlockBN(), cpu_ids(2))
+    new_mean = torch.randn(8, generator=generator)
+    reason = _changed(pair, lambda m: setattr(m.bn1, "running_mean", new_mean.clone()), lambda: torch.randn(4, 3, 8, 8, generator=generator))
+    assert "buffers ['running_mean'] of module 'bn1'" in reason
+
+
+def test_a_buffer_set_to_none_rebuilds_the_replicas(generator):
+    pair = Pair(ResNetBlockBN(), cpu_ids(2))
+    pair.change(lambda m: m.eval())  # eval BatchNorm without running_var would fail; drop the counter instead
+    reason = _changed(pair, lambda m: setattr(m.bn1, "num_batches_tracked", None), lambda: torch.randn(4, 3, 8, 8, generator=generator))
+    assert "buffers ['num_batches_tracked'] of module 'bn1'" in reason
+
+
+def test_train_and_eval_rebuild_the_replicas(generator):
+    model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Dropout(0.0), nn.Linear(6, 2))
+    pair = Pair(model, cpu_ids(2))
+    make_input = lambda: torch.randn(8, 5, generator=generator)  # noqa: E731
+    assert "attributes ['training'] of the root module" in _changed(pair, lambda m: m.eval(), make_input)
+    assert "attributes ['training']" in _changed(pair, lambda m: m.train(), make_input)
+
+
+def test_moving_to_another_dtype_rebuilds_the_replicas(generator):
+    pair = Pair(_mlp(), cpu_ids(2))
+    pair.step(torch.randn(6, 5, generator=generator))
+    pair.change(lambda m: m.to(torch.float32))
+    pair.step(torch.randn(6, 5, generator=generator, dtype=torch.float32))
+    assert "device or dtype" in pair.info.last_rebuild_reason
+
+
+class Scaled(nn.Module):
+    """Reads a plain attribute of the original module at every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def test_a_plain_attribute_set_later_reaches_the_replicas(generator):
+    pair = Pair(Scaled(), cpu_ids(2))
+    reason = _changed(pair, lambda m: setattr(m, "scale", 3.0), lambda: torch.randn(6, 4, generator=generator))
+    assert "attributes ['scale'] of the root module" in reason
+
+
+class CountsCalls(nn.Module):
+    """Writes on itself in forward: a fresh replica always starts from the original's count (0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.linear(x) * self.calls
+
+
+def test_what_a_replica_writes_on_itself_is_gone_at_the_next_step(generator):
+    pair = Pair(CountsCalls(), cpu_ids(2))
+    for _ in range(3):
+        pair.step(torch.randn(6, 4, generator=generator))
+    assert pair.info.hits == 2
+    assert pair.models[1].calls == 0  # as in stock: replicas write on their own copy
+
+
+def test_a_hook_added_later_runs_without_a_rebuild(generator):
+    pair = Pair(_mlp(), cpu_ids(2))
+    pair.step(torch.randn(6, 5, generator=generator))
+    pair.change(lambda m: m[1].register_forward_hook(lambda module, args, output: output * 2))
+    pair.step(torch.randn(6, 5, generator=generator))
+    assert (pair.info.hits, pair.info.misses) == (1, 1)  # hook dicts are shared with the original
+
+
+def test_a_replaced_lstm_weight_reaches_the_replicas_flat_weights(generator):
+    loss = ZOO["lstm"].loss
+    pair = Pair(LSTMModel(), cpu_ids(2), dim=1, loss=loss)
+    make_input = lambda: torch.randn(5, 6, 6, generator=generator)  # noqa: E731
+    reason = _changed(pair, lambda m: setattr(m.lstm, "weight_hh_l0", nn.Parameter(torch.full((48, 12), 0.05))), make_input)
+    assert "weight_hh_l0" in reason
+
+
+def test_a_different_device_list_gets_its_own_replicas(generator):
+    model = _mlp()
+    cache = minidp.replica_cache.ReplicaCache()
+    for devices in (cpu_ids(2), cpu_ids(3), cpu_ids(2)):
+        wrapper = minidp.DataParallel(model, devices, cache_replicas=cache)
+        wrapper(torch.randn(6, 5, generator=generator)).sum().backward()
+    info = cache.info()
+    assert (info.hits, info.misses, info.entries) == (1, 2, 2)
+
+
+# --- the switch, the functional form, threads, pickling ------------------------------------------------
+
+
+def test_cache_replicas_false_builds_every_step(generator):
+    wrapper = minidp.DataParallel(_mlp(), cpu_ids(2), cache_replicas=False)
+    wrapper(torch.randn(4, 5, generator=generator))
+    wrapper.cache_replicas = True
+    wrapper(torch.randn(4, 5, generator=generator))
+    wrapper(torch.randn(4, 5, generator=generator))
+    assert (wrapper.replica_cache_info().hits, wrapper.replica_cache_info().misses) == (1, 1)
+
+
+def test_data_parallel_reuses_one_cache_per_module(generator):
+    model = _mlp()
+    for _ in range(3):
+        minidp.data_parallel(model, torch.randn(4, 5, generator=generator), cpu_ids(2)).sum().backward()
+    info = replica_cache_for(model).info()
+    assert (info.hits, info.misses) == (2, 1)
+
+
+def test_data_parallel_inside_a_replica_keeps_no_cache(generator):
+    entry = ZOO["vgg_split"]
+    model = entry.build()
+    model.device_ids = cpu_ids(2)
+    wrapper = minidp.DataParallel(model, cpu_ids(2))
+    for _ in range(2):
+        wrapper(*entry.batch(4, generator)[0])
+    assert not any(getattr(m, "_is_replica", False) for m in list(minidp.replica_cache._caches.keys()))
+
+
+def test_concurrent_forwards_on_one_wrapper_do_not_share_replicas(generator):
+    model = Scaled()
+    wrapper = minidp.DataParallel(model, cpu_ids(2))
+    inputs = [torch.randn(6, 4, generator=generator) for _ in range(4)]
+    fresh = minidp.DataParallel(model, cpu_ids(2), cache_replicas=False)
+    expected = [fresh(x) for x in inputs]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(20):
+                assert torch.equal(wrapper(inputs[i]), expected[i])
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
+
+
+def test_a_pickled_wrapper_starts_with_an_empty_cache(generator):
+    wrapper = minidp.DataParallel(_mlp(), cpu_ids(2))
+    wrapper(torch.randn(4, 5, generator=generator))
+    restored = pickle.loads(pickle.dumps(wrapper))
+    x = torch.randn(4, 5, generator=generator)
+    assert torch.equal(restored(x), wrapper(x))
+    assert (restored.replica_cache_info().hits, restored.replica_cache_info().misses) == (0, 1)
+
+
+def test_replicas_hold_no_tensors_between_steps(generator):
+    wrapper = minidp.DataParallel(_mlp(), cpu_ids(2))
+    wrapper(torch.randn(4, 5, generator=generator)).sum().backward()
+    (entry,) = wrapper.replica_cache._entries.values()
+    held = [m for replica_modules in entry.replicas for m in replica_modules for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    assert held == []
