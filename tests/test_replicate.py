@@ -63,8 +63,9 @@ def test_batchnorm_running_stats_come_from_chunk_zero(generator):
     chunks = minidp.scatter(x, cpu_ids(3))
     minidp.parallel_apply(minidp.replicate(model, cpu_ids(3)), [(c,) for c in chunks])
     alone(chunks[0])
+    # Equal up to rounding: a replica's thread may use fewer intra-op threads, which splits the sums differently.
     for name, buffer in alone.named_buffers():
-        assert torch.equal(dict(model.named_buffers())[name], buffer), name
+        assert max_relative_error(dict(model.named_buffers())[name].double(), buffer.double()) <= RTOL_FLOAT64, name
 
 
 def test_replica_parameters_are_not_listed_and_not_leaves():
