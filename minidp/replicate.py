@@ -207,7 +207,7 @@ def replica_tensors(
 def _broadcast_parameters(
     tensors: list[torch.Tensor], devices: list[torch.device], detach: bool, reduce_backend: Optional[str]
 ) -> list[list[torch.Tensor]]:
-    """Per device, a copy (or a view, on the source device) of each tensor; differentiable unless ``detach``."""
+    """Per device, a copy (or, on the source device, an alias) of each tensor; differentiable unless ``detach``."""
     if not tensors:
         return [[] for _ in devices]
     if detach:
