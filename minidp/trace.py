@@ -293,13 +293,38 @@ class MemoryPeak:
     measure: str  # what was measured, in words
 
 
-def _rss_bytes() -> Optional[int]:
-    """This process's resident set size, from ``/proc/self/statm`` (Linux); ``None`` elsewhere."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
+class _PeakResidentMemory:
+    """The most resident memory (RSS) the process held since :meth:`start`, as the kernel counts it.
+
+    Linux keeps a high-water mark of every process's RSS (``VmHWM`` in ``/proc/self/status``), and
+    writing ``5`` to ``/proc/self/clear_refs`` resets it to the current RSS. So the peak is exact, not
+    sampled, and costs nothing while the step runs. Elsewhere (or where the reset is refused) there is
+    no CPU figure.
+    """
+
+    def __init__(self) -> None:
+        self.start_bytes: Optional[int] = None
+
+    @staticmethod
+    def _status(field: str) -> int:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(field.encode()):
+                    return int(line.split()[1]) * 1024  # reported in kB
+        raise ValueError(f"no {field} in /proc/self/status")
+
+    def start(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")
+            self.start_bytes = self._status("VmRSS")
+        except (OSError, ValueError):
+            self.start_bytes = None
+
+    def peak_above_start(self) -> Optional[int]:
+        if self.start_bytes is None:
+            return None
+        return self._status("VmHWM") - self.start_bytes
 
 
 class Trace:
@@ -320,8 +345,7 @@ class Trace:
         self._cuda_origin: dict[int, tuple[float, "torch.cuda.Event"]] = {}
         self._groups: list[dict[int, dict[str, list[_Mark]]]] = []
         self._last_group = threading.local()
-        self._rss_start: Optional[int] = None
-        self._rss_peak = 0
+        self._resident = _PeakResidentMemory()
         self._gpu_start: dict[int, int] = {}
 
     # -- the with block -----------------------------------------------------------------------------
@@ -335,7 +359,7 @@ class Trace:
                 torch.cuda.synchronize(index)
                 torch.cuda.reset_peak_memory_stats(index)
                 self._gpu_start[index] = torch.cuda.memory_allocated(index)
-        self._rss_start = self._rss_peak = _rss_bytes()
+        self._resident.start()
         self._origin = time.perf_counter()
         _active_tracer = self
         return self
@@ -347,7 +371,6 @@ class Trace:
             for index in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(index)
         self.duration = time.perf_counter() - self._origin
-        self._sample_rss()
         for span, cuda_end, event in self._pending:
             if span.cuda_start is not None:
                 event.start = self._cuda_time(span.cuda_start)
@@ -383,7 +406,6 @@ class Trace:
         return time.perf_counter() - self._origin
 
     def _open(self, timing_device: Optional[torch.device]) -> _Span:
-        self._sample_rss()
         return _Span(self._now(), timing_device, self._cuda_event(timing_device), threading.current_thread().name)
 
     def _close(self, span: _Span, stage_name: str, served: Sequence[tuple[int, Any, int, str]]) -> None:
@@ -397,12 +419,6 @@ class Trace:
         with self._lock:
             self.events.extend(events)
             self._pending.extend((span, cuda_end, event) for event in events)
-        self._sample_rss()
-
-    def _sample_rss(self) -> None:
-        rss = _rss_bytes()
-        if rss is not None and self._rss_peak is not None:
-            self._rss_peak = max(self._rss_peak, rss)
 
     # -- backward, seen through autograd hooks -------------------------------------------------------
 
@@ -449,11 +465,12 @@ class Trace:
                 )
 
     def _measure_memory(self) -> None:
-        if self._rss_start is not None:
+        peak = self._resident.peak_above_start()
+        if peak is not None:
             self.memory.append(MemoryPeak(
-                "cpu", self._rss_peak - self._rss_start,
-                "process resident memory (RSS), highest value sampled at stage boundaries, above its value at "
-                "the start; one number for all CPU replicas, which share the process",
+                "cpu", peak,
+                "process resident memory (RSS): the kernel's high-water mark, reset when the trace began, above "
+                "the RSS at that moment; one number for all CPU replicas, which share the process",
             ))
         for index, start in self._gpu_start.items():
             self.memory.append(MemoryPeak(

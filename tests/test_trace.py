@@ -126,6 +126,15 @@ def test_table_has_a_row_for_every_stage_and_the_memory_peak(cnn_step):
     assert all(0 <= s <= 1 for s in shares)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU peak is the kernel's RSS high-water mark")
+def test_cpu_memory_peak_sees_memory_held_only_inside_the_step():
+    with minidp.trace() as step:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed before the trace ends
+        del block
+    (cpu,) = [peak for peak in step.memory if peak.device == "cpu"]
+    assert cpu.bytes >= 60 * 2**20
+
+
 def test_chrome_trace_loads_and_has_complete_events_on_one_track_per_replica(cnn_step, tmp_path):
     data = json.loads(cnn_step.to_chrome(tmp_path / "trace.json").read_text())
     complete = [e for e in data["traceEvents"] if e["ph"] == "X"]
