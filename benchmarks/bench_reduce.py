@@ -152,7 +152,7 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("member", MEMBERS)
 
 
-def test_reduce(benchmark, case, num_replicas, member):
+def bench_reduce(benchmark, case, num_replicas, member):
     import pytest
 
     if not ext.is_available():
