@@ -13,21 +13,10 @@ import torch
 from torch import nn
 
 import minidp
+from minidp.bench import training_step
 
 from conftest import DEVICES, device_ids, run
 from models import STEP_MODELS, batch
-
-
-def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    loss = nn.CrossEntropyLoss()
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss(model(x), y).backward()
-        optimizer.step()
-
-    return step
 
 
 def wrap(variant: str, module: nn.Module, device: str) -> nn.Module:
