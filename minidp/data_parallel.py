@@ -124,8 +124,11 @@ class DataParallel(nn.Module):
             if not inputs:  # no arguments at all: one call on device_ids[0]
                 inputs, kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
+                # One device: the module itself is the only replica, and its output is returned as it
+                # is (as stock), unless it must move to another output_device (stock leaves it).
                 check_module_device(self.module, self.source_device)
-                return self.gather([self.module(*inputs[0], **kwargs[0])], self.output_device)
+                output = self.module(*inputs[0], **kwargs[0])
+                return output if self.output_device == self.source_device else self.gather([output], self.output_device)
             # replicate checks where the module is (a cached replicate, only when its tree changed)
             used = self.device_ids[: len(inputs)]
             replicas = self.replicate(self.module, used)
@@ -177,6 +180,10 @@ def data_parallel(
     """
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
+    device_ids = resolve_device_ids(device_ids)
+    if not device_ids:  # no GPU and no CPU ids: a plain call, where stock raises
+        return module(*inputs, **(module_kwargs or {}))
+    check_module_device(module, device_ids[0])  # as stock (DataParallel would move a module on one device)
     # A replica (this call inside another DataParallel's forward) is itself re-bound at every step,
     # so a cache of its replicas would rebuild every time: build them directly.
     cache = replica_cache_for(module) if cache_replicas and not getattr(module, "_is_replica", False) else False

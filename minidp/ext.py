@@ -162,7 +162,11 @@ def _simd_flags() -> list[str]:
 
 
 def _check_nvcc() -> None:
-    """Fail early when the local nvcc does not match the CUDA that torch was built with."""
+    """Fail early when the local nvcc's CUDA major version differs from torch's.
+
+    A different major version cannot link against torch's CUDA runtime; a different minor version
+    works (torch's own extension builder only warns), so that only warns here too.
+    """
     from torch.utils import cpp_extension
 
     nvcc = Path(cpp_extension.CUDA_HOME or "", "bin", "nvcc")
@@ -174,12 +178,14 @@ def _check_nvcc() -> None:
         raise RuntimeError(f"torch has CUDA {torch.version.cuda} but nvcc cannot run: {exc}") from exc
     found = re.search(r"release (\d+)\.(\d+)", out.stdout)
     wanted = torch.version.cuda.split(".")[:2]
-    if found is None or list(found.groups()) != wanted:
-        have = ".".join(found.groups()) if found else "an unknown version"
+    have = ".".join(found.groups()) if found else "an unknown version"
+    if found is None or found.group(1) != wanted[0]:
         raise RuntimeError(
             f"{nvcc} is CUDA {have} but torch was built with CUDA {torch.version.cuda}; "
-            f"install the matching toolkit or point CUDA_HOME at it"
+            f"install a CUDA {wanted[0]}.x toolkit or point CUDA_HOME at one"
         )
+    if list(found.groups()) != wanted:
+        warnings.warn(f"minidp: building with nvcc CUDA {have} for torch built with CUDA {torch.version.cuda}", stacklevel=3)
 
 
 def _arch_flags() -> list[str]:

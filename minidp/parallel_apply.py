@@ -21,6 +21,7 @@ import functools
 import queue
 import threading
 import traceback
+from itertools import chain
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Sequence
 
@@ -73,27 +74,36 @@ class _ReplicaThreads:
 _threads = _ReplicaThreads()
 
 
-_side_streams: dict[tuple[int, int], "torch.cuda.Stream"] = {}
+_side_streams: dict[tuple[int, int, int], "torch.cuda.Stream"] = {}
 
 
 def _replica_stream(device: torch.device, occurrence: int) -> Optional["torch.cuda.Stream"]:
-    """The stream replica number ``occurrence`` on ``device`` runs on: the current one for the first."""
+    """The stream replica number ``occurrence`` on ``device`` runs on: the current one for the first.
+
+    Side streams are kept per current stream too, so that a parallel_apply nested in a replica
+    that already runs on a side stream gets side streams of its own, not that same one again.
+    """
     if device.type != "cuda":
         return None
+    current = torch.cuda.current_stream(device)
     if occurrence == 0:
-        return torch.cuda.current_stream(device)
-    key = (device.index, occurrence)
+        return current
+    key = (device.index, current.stream_id, occurrence)
     if key not in _side_streams:
         _side_streams[key] = torch.cuda.Stream(device)
     return _side_streams[key]
 
 
 def _module_device(module: nn.Module, inputs: Any) -> torch.device:
-    """Where a replica runs when ``devices`` is not given: its parameters', else its input's, device."""
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
+    """Where a module runs when ``devices`` is not given: where its tensors are, else its inputs.
+
+    A replica's parameters are plain attributes (``parameters()`` is empty), so the attributes of
+    its sub-modules are searched too.
+    """
+    for submodule in module.modules():
+        for tensor in chain(submodule._parameters.values(), submodule._buffers.values(), submodule.__dict__.values()):
+            if isinstance(tensor, torch.Tensor):
+                return tensor.device
     for _, tensor in tensors_in(inputs, "inputs"):
         return tensor.device
     return torch.device("cpu")
@@ -212,9 +222,15 @@ def parallel_apply(
     futures = _threads.run_each([functools.partial(run, i) for i in range(1, n)])
     results = [run(0)] + [future.result() for future in futures]
 
-    for device, stream in zip(devices, streams):
+    for device, stream, result in zip(devices, streams, results):
         if stream is not None and stream != torch.cuda.current_stream(device):
-            torch.cuda.current_stream(device).wait_stream(stream)
+            current = torch.cuda.current_stream(device)
+            current.wait_stream(stream)
+            # The output was allocated on the side stream and is used next on the current one: tell
+            # the allocator, or it could hand the memory to the side stream's next work too early.
+            for _, tensor in tensors_in(result, "output"):
+                if tensor.device == device:
+                    tensor.record_stream(current)
     for i, result in enumerate(results):
         if isinstance(result, _ReplicaFailure):
             result.reraise(i, devices[i])

@@ -81,10 +81,10 @@ def tensors_in(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from tensors_in(child, path + suffix)
 
 
-def batch_size_of(obj: Any, dim: int, name: str) -> Optional[int]:
-    """The common size along ``dim`` of all tensors in ``obj``; ``None`` if it holds no tensor."""
+def batch_size_of(roots: Sequence[tuple[str, Any]], dim: int) -> Optional[int]:
+    """The common size along ``dim`` of all tensors in the ``(name, object)`` roots; ``None`` if none holds a tensor."""
     first_path, batch_size = None, None
-    for path, tensor in tensors_in(obj, name):
+    for path, tensor in (found for name, obj in roots for found in tensors_in(obj, name)):
         if tensor.dim() == 0:
             raise ValueError(f"{path} is a 0-dim tensor and has no dim {dim} to split; give it a batch dimension")
         if not -tensor.dim() <= dim < tensor.dim():
@@ -116,14 +116,17 @@ def scatter(
     devices can come back (2 rows on 4 devices: 2 pieces, and only 2 replicas will run); or as
     ``chunk_sizes`` says, one size per device.
     """
-    return _scatter(inputs, target_devices, dim, chunk_sizes, "inputs")
+    return _scatter(inputs, target_devices, dim, chunk_sizes, [("inputs", inputs)])
 
 
-def _scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int, chunk_sizes, name: str) -> Any:
+def _scatter(
+    inputs: Any, target_devices: Sequence[DeviceLike], dim: int, chunk_sizes, roots: Sequence[tuple[str, Any]]
+) -> Any:
+    """:func:`scatter`, with ``roots`` naming the parts of ``inputs`` in error messages."""
     devices = as_devices(target_devices, "target_devices")
     if not devices:
         raise ValueError("target_devices is empty: give at least one device")
-    batch_size = batch_size_of(inputs, dim, name)
+    batch_size = batch_size_of(roots, dim)
     if batch_size is None:
         return [inputs for _ in devices]
     if chunk_sizes is None:
@@ -155,14 +158,16 @@ def scatter_kwargs(
 ) -> tuple[tuple[tuple, ...], tuple[dict[str, Any], ...]]:
     """Scatter positional and keyword arguments; returns ``(inputs per replica, kwargs per replica)``.
 
-    Both tuples have the same length: if one side cut into fewer pieces than the other, it is padded
-    with ``()`` or ``{}``, so the last replicas then receive no positional or no keyword arguments.
-    (Stock pads by comparing with the number of positional arguments instead, and fails or drops
-    kwargs when the two sides cut differently.)
+    Both are cut together, as one batch: every tensor among them must have the same size along
+    ``dim`` (the error names the two that differ), and non-tensor arguments reach as many replicas
+    as the tensors were cut into. So ``model(x2, flag=True)`` on 4 devices runs 2 replicas, both
+    with ``flag=True``. (Stock scatters the two sides separately and pads by comparing with the
+    number of positional arguments: that call fails there, and kwargs with fewer rows than the
+    inputs silently reach only the first replicas.)
     """
-    scattered_inputs = list(_scatter(tuple(inputs), target_devices, dim, chunk_sizes, "inputs")) if inputs else []
-    scattered_kwargs = list(_scatter(kwargs, target_devices, dim, chunk_sizes, "kwargs")) if kwargs else []
-    count = max(len(scattered_inputs), len(scattered_kwargs))
-    scattered_inputs += [()] * (count - len(scattered_inputs))
-    scattered_kwargs += [{}] * (count - len(scattered_kwargs))
-    return tuple(scattered_inputs), tuple(scattered_kwargs)
+    if not inputs and not kwargs:
+        return (), ()
+    pieces = _scatter(
+        (tuple(inputs), kwargs or {}), target_devices, dim, chunk_sizes, [("inputs", inputs), ("kwargs", kwargs)]
+    )
+    return tuple(inputs_i for inputs_i, _ in pieces), tuple(kwargs_i for _, kwargs_i in pieces)

@@ -343,6 +343,7 @@ class Trace:
         self._origin = 0.0
         self._pending: list[tuple[_Span, Optional["torch.cuda.Event"], Event]] = []
         self._cuda_origin: dict[int, tuple[float, "torch.cuda.Event"]] = {}
+        self._event_gpu: dict[int, int] = {}  # id(event) -> index of the GPU it was recorded on
         self._groups: list[dict[int, dict[str, list[_Mark]]]] = []
         self._last_group = threading.local()
         self._resident = _PeakResidentMemory()
@@ -384,23 +385,22 @@ class Trace:
     def _cuda_event(self, device: Optional[torch.device]) -> Optional["torch.cuda.Event"]:
         if device is None or device.type != "cuda":
             return None
-        if device.index not in self._cuda_origin:  # first use of this GPU in the trace: pin its clock
-            torch.cuda.synchronize(device)
-            origin = torch.cuda.Event(enable_timing=True)
-            origin.record(torch.cuda.current_stream(device))
-            torch.cuda.synchronize(device)
-            self._cuda_origin[device.index] = (time.perf_counter() - self._origin, origin)
-        event = torch.cuda.Event(enable_timing=True)
+        with self._lock:  # replicas' threads may meet a GPU for the first time together
+            if device.index not in self._cuda_origin:  # first use of this GPU in the trace: pin its clock
+                torch.cuda.synchronize(device)
+                origin = torch.cuda.Event(enable_timing=True)
+                origin.record(torch.cuda.current_stream(device))
+                torch.cuda.synchronize(device)
+                self._cuda_origin[device.index] = (time.perf_counter() - self._origin, origin)
+            event = torch.cuda.Event(enable_timing=True)
+            self._event_gpu[id(event)] = device.index  # the trace keeps every event alive: ids stay unique
         event.record(torch.cuda.current_stream(device))
         return event
 
     def _cuda_time(self, event: "torch.cuda.Event") -> float:
-        for host, origin in self._cuda_origin.values():
-            try:
-                return host + origin.elapsed_time(event) / 1e3
-            except RuntimeError:  # an event of another GPU
-                continue
-        raise RuntimeError("minidp.trace: a CUDA event without a reference event on its GPU")
+        """Seconds since the trace began: the event's time on its GPU, from that GPU's reference event."""
+        host, origin = self._cuda_origin[self._event_gpu[id(event)]]
+        return host + origin.elapsed_time(event) / 1e3
 
     def _now(self) -> float:
         return time.perf_counter() - self._origin

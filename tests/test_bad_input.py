@@ -54,6 +54,15 @@ def test_a_buffer_off_device_ids_0_says_how_to_move_the_model(model, generator):
     assert_untouched(model, before)
 
 
+def test_data_parallel_on_one_device_checks_the_module_and_does_not_move_it(generator):
+    """S3.3/S3.6: stock ``data_parallel`` raises when the module is not on ``device_ids[0]``; minidp
+    too, even for one id (where ``DataParallel``'s constructor would move the module, S1.9)."""
+    elsewhere = nn.Linear(4, 2, device="meta")
+    with pytest.raises(RuntimeError, match=r"'weight' is on meta.*model\.to\('cpu'\)"):
+        minidp.data_parallel(elsewhere, torch.randn(6, 4, generator=generator), cpu_ids(1))
+    assert elsewhere.weight.device.type == "meta"
+
+
 @pytest.mark.cuda
 @requires_cuda
 def test_a_model_left_on_the_cpu_for_gpu_replicas_says_how_to_move_it(model, generator):

@@ -113,12 +113,25 @@ def test_no_grad_replicates_detached(generator):
 
 
 def test_one_device_calls_the_module_without_replicas(generator):
-    """S2.6: a single device id runs the module itself."""
+    """S2.6: a single device id runs the module itself and returns its output as it is."""
     model = bn_model()
     dp = Recording(model, cpu_ids(1))
     x = torch.randn(4, 4, generator=generator)
     assert torch.equal(dp(x), model(x))
-    assert [c[0] for c in dp.calls] == ["scatter", "gather"]
+    assert [c[0] for c in dp.calls] == ["scatter"]
+
+
+def test_one_device_returns_a_scalar_output_unchanged_as_stock():
+    """S2.6/Q5: no gather with one device, so a 0-dim loss stays 0-dim (no warning, no vector)."""
+
+    class Loss(nn.Module):
+        def forward(self, x):
+            return x.sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = minidp.DataParallel(Loss(), cpu_ids(1))(torch.ones(3))
+    assert out.shape == () and out.item() == 3.0
 
 
 def test_a_module_without_arguments_runs_once():
@@ -153,21 +166,19 @@ def test_output_device_cpu_works(generator):
         assert out.device.type == "cpu"
 
 
-def test_kwargs_with_fewer_chunks_than_inputs_run_where_stock_fails(generator):
-    """S4.6 (c): ``dp(x5, k=x2)`` on 4 devices. Stock (emulated) fails in parallel_apply with
-    'The number of modules 3 is not equal to the number of kwargs_tup 2'; minidp runs the third
-    replica without ``k``."""
+def test_non_tensor_kwargs_with_a_small_batch_run_where_stock_fails(generator):
+    """S4.6 (a): ``dp(x2, scale=3.0)`` on 4 devices. Stock (emulated) pads the 2 input chunks with
+    ``()`` to match 4 copies of the kwargs, so replica 2 is called without ``x`` and fails; minidp
+    runs 2 replicas, each with its rows and ``scale``."""
 
-    class AddOptional(nn.Module):
-        def forward(self, x, k=None):
-            return x if k is None else x + k.sum()
+    class Scale(nn.Module):
+        def forward(self, x, scale=1.0):
+            return x * scale
 
-    x5, x2 = torch.randn(5, 1, generator=generator), torch.randn(2, 1, generator=generator)
-    with emulated_stock(), pytest.raises(AssertionError, match="number of kwargs_tup 2"):
-        nn.DataParallel(AddOptional(), [0, 1, 2, 3])(x5, k=x2)
-    out = minidp.DataParallel(AddOptional(), cpu_ids(4))(x5, k=x2)
-    expected = torch.cat([x5[0:2] + x2[0], x5[2:4] + x2[1], x5[4:]])
-    assert torch.equal(out, expected)
+    x2 = torch.randn(2, 3, generator=generator)
+    with emulated_stock(), pytest.raises(TypeError, match="in replica 2"):
+        nn.DataParallel(Scale(), [0, 1, 2, 3])(x2, scale=3.0)
+    assert torch.equal(minidp.DataParallel(Scale(), cpu_ids(4))(x2, scale=3.0), x2 * 3.0)
 
 
 # --------------------------------------------------------------------------------------------------

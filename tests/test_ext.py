@@ -276,3 +276,22 @@ class TestCuda:
             for k, replica in enumerate(random_replicas(ODD_SIZES + [(4 * 2**20,)], 4, torch.float16, gen))
         ]
         check(inputs, torch.device("cuda", destination))
+
+
+@pytest.mark.parametrize(
+    "nvcc_release, outcome",
+    [("13.0", "ok"), ("13.2", "warns"), ("12.8", "raises")],
+)
+def test_nvcc_must_match_torchs_cuda_major_version(monkeypatch, nvcc_release, outcome):
+    """torch links extensions across CUDA minor versions; a different major version cannot work."""
+    fake = subprocess.CompletedProcess([], 0, stdout=f"Cuda compilation tools, release {nvcc_release}, V{nvcc_release}.1")
+    monkeypatch.setattr(ext.subprocess, "run", lambda *args, **kwargs: fake)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if outcome == "raises":
+            with pytest.raises(RuntimeError, match="install a CUDA 13.x toolkit"):
+                ext._check_nvcc()
+        else:
+            ext._check_nvcc()
+    assert any("nvcc CUDA 13.2" in str(w.message) for w in caught) == (outcome == "warns")

@@ -161,16 +161,25 @@ def test_positional_only_pads_kwargs_with_empty_dicts(kwargs, generator):
     assert len(inputs) == 3 and out_kwargs == ({}, {}, {})
 
 
-def test_kwargs_that_split_into_fewer_chunks_are_padded_where_stock_is_wrong(generator):
-    """S4.6 (c): ``dp(x5, k=x2)`` on 4 devices: 3 input chunks but 2 kwargs chunks.
-
-    Stock does not pad (and DataParallel then fails in parallel_apply); minidp pads the kwargs
-    with ``{}``, so the third replica runs without ``k``.
-    """
+def test_kwargs_with_another_batch_size_than_the_inputs_is_an_error_naming_both(generator):
+    """S4.6 (c)/(d): stock scatters ``(x5,)`` and ``{'k': x2}`` separately on 4 devices (3 chunks
+    against 2) and does not pad, or pads so that trailing replicas silently lose ``k``. minidp cuts
+    both as one batch, so rows of ``x`` are never paired with the wrong rows of ``k``."""
     x5, x2 = torch.randn(5, 1, generator=generator), torch.randn(2, 1, generator=generator)
     with emulated_stock():
         stock_inputs, stock_kwargs = nn.parallel.scatter_gather.scatter_kwargs((x5,), {"k": x2}, [0, 1, 2, 3])
     assert (len(stock_inputs), len(stock_kwargs)) == (3, 2)
-    inputs, kwargs = minidp.scatter_kwargs((x5,), {"k": x2}, cpu_ids(4))
-    assert (len(inputs), len(kwargs)) == (3, 3)
-    assert [set(k) for k in kwargs] == [{"k"}, {"k"}, set()]
+    with pytest.raises(ValueError, match=r"kwargs\['k'\] has 2 rows along dim 0 but inputs\[0\] has 5"):
+        minidp.scatter_kwargs((x5,), {"k": x2}, cpu_ids(4))
+
+
+def test_non_tensor_kwargs_reach_as_many_replicas_as_the_inputs_where_stock_is_wrong(generator):
+    """S4.6 (a): ``(x2,)`` with ``{'flag': True}`` on 4 devices: stock cuts 2 input chunks but makes 4
+    kwargs copies, then pads the inputs with ``()``, so replicas 2 and 3 get no ``x``; minidp gives 2
+    of each."""
+    x2 = torch.randn(2, 3, generator=generator)
+    with emulated_stock():
+        stock_inputs, stock_kwargs = nn.parallel.scatter_gather.scatter_kwargs((x2,), {"flag": True}, [0, 1, 2, 3])
+    assert [len(i) for i in stock_inputs] == [1, 1, 0, 0] and len(stock_kwargs) == 4
+    inputs, kwargs = minidp.scatter_kwargs((x2,), {"flag": True}, cpu_ids(4))
+    assert [i[0].shape[0] for i in inputs] == [1, 1] and kwargs == ({"flag": True}, {"flag": True})
