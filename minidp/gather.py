@@ -43,7 +43,12 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
         for replica, value in enumerate(values[1:], start=1):
             _check_same_kind(first, value, path, replica)
         if isinstance(first, torch.Tensor):
-            if dim == 0 and all(v.dim() == 0 for v in values):
+            if all(v.dim() == 0 for v in values):
+                if dim != 0:
+                    raise ValueError(
+                        f"{path}: every replica returned a 0-dim tensor, which has no dim {dim} to join along; "
+                        f"gather with dim=0 (a vector, one entry per replica) or return tensors with a batch dimension"
+                    )
                 warnings.warn(
                     "Was asked to gather along dimension 0, but all input tensors were scalars; "
                     "will instead unsqueeze and return a vector.",

@@ -115,3 +115,10 @@ def test_gradient_of_gather_is_a_scatter(generator):
     weights = torch.randn(4, 2, generator=generator)
     (minidp.gather(parts, "cpu") * weights).sum().backward()
     assert torch.equal(parts[0].grad, weights[:3]) and torch.equal(parts[1].grad, weights[3:])
+
+
+def test_0_dim_outputs_along_another_dim_are_a_clear_error():
+    """S7.2: stock fails with 'Dimension specified as -1 but tensor has no dimensions'; minidp says
+    what to do instead."""
+    with pytest.raises(ValueError, match="0-dim tensor, which has no dim 1"):
+        minidp.gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu", dim=1)
