@@ -47,8 +47,8 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from itertools import chain
-from operator import attrgetter, is_, itemgetter
+from itertools import chain, repeat
+from operator import attrgetter, eq, is_, itemgetter
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -100,11 +100,13 @@ def _module_parts(module: nn.Module) -> dict[str, dict[str, int]]:
     return parts
 
 
-_tensor_placement_of = attrgetter("device", "dtype")
+_device_of = attrgetter("device")
+_dtype_of = attrgetter("dtype")
 
 
-def _tensor_placement(tensors: list[torch.Tensor]) -> tuple:
-    return tuple(map(_tensor_placement_of, tensors))
+def _same_placement(tensors: list[torch.Tensor], device: torch.device, dtypes: tuple) -> bool:
+    """Every tensor on ``device`` and of its dtype in ``dtypes`` (dtypes are singletons: ``is``)."""
+    return all(map(is_, map(_dtype_of, tensors), dtypes)) and all(map(eq, map(_device_of, tensors), repeat(device)))
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,9 @@ class _Entry:
         self.buffer_slots: Slots = tensor_slots(modules, "_buffers", self.buffers)
         self.signature = _Signature(modules)
         self.parts = [_module_parts(m) for m in modules]
-        self.placement = _tensor_placement(self.params + self.buffers)
+        self.tensors = self.params + self.buffers
+        self.device = devices[0]  # where check_module_device found them all
+        self.dtypes = tuple(map(_dtype_of, self.tensors))
         self.replicas = build_skeletons(modules, len(devices))
         self.clean = False  # True from a reset until the next bind: the replicas hold nothing to reset
         # A fresh replica's __dict__, and the containers it owns (not shared with the original: its
@@ -159,7 +163,7 @@ class _Entry:
         modules = self.modules(network)
         if not self.signature.matches(modules):
             return self._describe(modules)
-        if _tensor_placement(self.params + self.buffers) != self.placement:
+        if not _same_placement(self.tensors, self.device, self.dtypes):
             return "a parameter or buffer changed device or dtype (.to())"
         return None
 
