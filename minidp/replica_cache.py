@@ -37,7 +37,7 @@ shares with the original by reference: hook dicts (a hook added later is seen at
 fresh replica) and any mutable attribute changed in place.
 
 Limits: the replicas returned by one call are the objects the next call (same thread, same
-devices) re-binds; :meth:`ReplicaCache.release` empties them once a forward is done, so they hold
+devices) re-binds, down to their empty registries (checked still empty, not replaced); :meth:`ReplicaCache.release` empties them once a forward is done, so they hold
 no tensors between steps. Each thread gets its own skeletons, so concurrent forwards never share
 replicas.
 """
@@ -144,7 +144,7 @@ class _Entry:
         for device_templates in self.templates:
             for template in device_templates:
                 template["_buffers"] = dict.fromkeys(template["_buffers"])  # no tensor kept between steps
-        self.owned = [
+        owned = [
             [
                 key
                 for key, value in replica.__dict__.items()
@@ -152,6 +152,19 @@ class _Entry:
             ]
             for module, replica in zip(modules, self.replicas[0])
         ]
+        # Most owned containers are empty (every `_parameters`, the `_buffers` and `_modules` of most
+        # modules). An empty container is as good as a new one, so those are handed to the replicas
+        # as they are and only checked to be still empty at each reset (one C call for all of them);
+        # the others are copied.
+        self.copied = [[key for key in keys if self.templates[0][i][key]] for i, keys in enumerate(owned)]
+        self.shared = [
+            (template, key)
+            for device_templates in self.templates
+            for template, keys in zip(device_templates, owned)
+            for key in keys
+            if not template[key]
+        ]
+        self.shared_containers = [template[key] for template, key in self.shared]
 
     def modules(self, network: nn.Module) -> list[nn.Module]:
         return [network, *self.submodules]
@@ -182,12 +195,17 @@ class _Entry:
         """Every replica's ``__dict__`` as freshly built: no tensors, nothing a forward wrote."""
         if self.clean:
             return
+        if any(map(len, self.shared_containers)):  # a forward filled one: it is no longer a fresh one
+            for template, key in self.shared:
+                if template[key]:
+                    template[key] = type(template[key])()
+            self.shared_containers = [template[key] for template, key in self.shared]
         for replica_modules, device_templates in zip(self.replicas, self.templates):
-            for replica, template, owned in zip(replica_modules, device_templates, self.owned):
+            for replica, template, copied in zip(replica_modules, device_templates, self.copied):
                 state = replica.__dict__
                 state.clear()
                 state.update(template)
-                for key in owned:
+                for key in copied:
                     state[key] = template[key].copy()
         self.clean = True
 

@@ -244,6 +244,27 @@ def test_what_a_replica_writes_on_itself_is_gone_at_the_next_step(generator):
     assert pair.models[1].calls == 0  # as in stock: replicas write on their own copy
 
 
+class RegistersInForward(nn.Module):
+    """Registers a buffer on itself in forward: a fresh replica never has it, so never adds 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x) + (1 if "last" in self._buffers else 0)
+        self.register_buffer("last", out.detach())
+        return out
+
+
+def test_a_buffer_a_replica_registers_on_itself_is_gone_at_the_next_step(generator):
+    pair = Pair(RegistersInForward(), cpu_ids(2))
+    for _ in range(3):
+        pair.step(torch.randn(6, 4, generator=generator))
+    assert pair.info.hits == 2
+    assert "last" not in pair.models[1]._buffers
+
+
 def test_a_hook_added_later_runs_without_a_rebuild(generator):
     pair = Pair(_mlp(), cpu_ids(2))
     pair.step(torch.randn(6, 5, generator=generator))
