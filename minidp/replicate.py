@@ -191,8 +191,10 @@ def replica_tensors(
     ``detach``); other buffers are the originals on replica 0 and private copies elsewhere.
     """
     param_copies = _broadcast_parameters(params, devices, detach, reduce_backend)
-    differentiable = [i for i, b in enumerate(buffers) if b.requires_grad and not detach]
-    plain = [i for i, b in enumerate(buffers) if not (b.requires_grad and not detach)]
+    differentiable = [] if detach else [i for i, b in enumerate(buffers) if b.requires_grad]
+    if not differentiable:  # the usual case, taken without sorting the copies back into place
+        return param_copies, _copy_buffers(buffers, devices, devices[0])
+    plain = [i for i, b in enumerate(buffers) if not b.requires_grad]
     buffer_copies: list[list[torch.Tensor]] = [[None] * len(buffers) for _ in devices]  # type: ignore[list-item]
     for indices, copies in (
         (differentiable, _broadcast_parameters([buffers[i] for i in differentiable], devices, detach, reduce_backend)),

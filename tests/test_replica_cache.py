@@ -202,6 +202,27 @@ def test_a_plain_attribute_set_later_reaches_the_replicas(generator):
     assert "attributes ['scale'] of the root module" in reason
 
 
+class ScaledByList(nn.Module):
+    """Reads a mutable attribute of the original module at every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scales = [1.0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scales[0]
+
+
+def test_an_equal_but_new_attribute_rebuilds_the_replicas(generator):
+    # A fresh replica shares the new list; a stale skeleton would keep reading the old one.
+    pair = Pair(ScaledByList(), cpu_ids(2))
+    make_input = lambda: torch.randn(6, 4, generator=generator)  # noqa: E731
+    assert "attributes ['scales'] of the root module" in _changed(pair, lambda m: setattr(m, "scales", [1.0]), make_input)
+    pair.change(lambda m: m.scales.__setitem__(0, 3.0))
+    pair.step(make_input())
+
+
 class CountsCalls(nn.Module):
     """Writes on itself in forward: a fresh replica always starts from the original's count (0)."""
 
@@ -221,6 +242,27 @@ def test_what_a_replica_writes_on_itself_is_gone_at_the_next_step(generator):
         pair.step(torch.randn(6, 4, generator=generator))
     assert pair.info.hits == 2
     assert pair.models[1].calls == 0  # as in stock: replicas write on their own copy
+
+
+class RegistersInForward(nn.Module):
+    """Registers a buffer on itself in forward: a fresh replica never has it, so never adds 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x) + (1 if "last" in self._buffers else 0)
+        self.register_buffer("last", out.detach())
+        return out
+
+
+def test_a_buffer_a_replica_registers_on_itself_is_gone_at_the_next_step(generator):
+    pair = Pair(RegistersInForward(), cpu_ids(2))
+    for _ in range(3):
+        pair.step(torch.randn(6, 4, generator=generator))
+    assert pair.info.hits == 2
+    assert "last" not in pair.models[1]._buffers
 
 
 def test_a_hook_added_later_runs_without_a_rebuild(generator):
