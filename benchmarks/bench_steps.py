@@ -50,7 +50,7 @@ def bench_replicate(benchmark, device, replicas, variant):
 
         def replicate() -> None:
             minidp.replicate(network, devices, cache=cache)
-            cache.release(devices)  # as DataParallel does after each forward
+            cache.release(devices)  # what a training step's backward leaves: replicas free to re-bind
 
     else:
         replicate = lambda: minidp.replicate(network, ids)  # noqa: E731

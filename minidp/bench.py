@@ -111,7 +111,7 @@ def replicate_variants(device: torch.device, replicas: int) -> dict[str, Callabl
 
     def cached() -> None:
         replicate(network, devices, cache=cache)
-        cache.release(devices)  # what DataParallel does after each forward: part of a step's cost
+        cache.release(devices)  # what a training step's backward leaves: replicas free to re-bind
 
     variants: dict[str, Callable[[], object]] = {"uncached": lambda: replicate(network, devices), "cached": cached}
     if device.type == "cuda":

@@ -133,8 +133,6 @@ class DataParallel(nn.Module):
             used = self.device_ids[: len(inputs)]
             replicas = self.replicate(self.module, used)
             outputs = self.parallel_apply(replicas, inputs, kwargs)
-            if self.cache_replicas:  # autograd holds what backward needs; the cached replicas need nothing
-                self.replica_cache.release(used)
             return self.gather(outputs, self.output_device)
 
     def scatter(

@@ -37,9 +37,12 @@ shares with the original by reference: hook dicts (a hook added later is seen at
 fresh replica) and any mutable attribute changed in place.
 
 Limits: the replicas returned by one call are the objects the next call (same thread, same
-devices) re-binds, down to their empty registries (checked still empty, not replaced); :meth:`ReplicaCache.release` empties them once a forward is done, so they hold
-no tensors between steps. Each thread gets its own skeletons, so concurrent forwards never share
-replicas.
+devices) re-binds, down to their empty registries (checked still empty, not replaced). They keep
+their tensors until then, because autograd may still run them: activation checkpointing re-runs a
+replica's forward during the backward. So skeletons are re-bound only once the backward of their
+last binding has run (a hook on its ``Broadcast`` node says so; without autograd there is nothing to
+wait for); until then a call builds new ones. Each thread gets its own skeletons, so concurrent
+forwards never share replicas.
 """
 
 from __future__ import annotations
@@ -50,11 +53,12 @@ from collections import OrderedDict
 from itertools import chain, repeat
 from operator import attrgetter, eq, is_, itemgetter
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
+from .devices import DeviceLike, as_devices
 from .replicate import Slots, bind, build_skeletons, check_module_device, replica_tensors, tensor_slots
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
@@ -137,6 +141,7 @@ class _Entry:
         self.device = devices[0]  # where check_module_device found them all
         self.dtypes = tuple(map(_dtype_of, self.tensors))
         self.replicas = build_skeletons(modules, len(devices))
+        self.backward_pending = 0  # backward passes of the last binding that autograd may still run
         self.clean = False  # True from a reset until the next bind: the replicas hold nothing to reset
         # A fresh replica's __dict__, and the containers it owns (not shared with the original: its
         # registries, an RNN's `_flat_weights`): copied at each reset, since binding and forward fill them.
@@ -191,6 +196,19 @@ class _Entry:
                     return f"{kind} {changed} of {where} changed"
         return "the module tree changed"
 
+    def watch_backward(self, tensors: list[torch.Tensor]) -> None:
+        """Count the autograd nodes that made ``tensors`` (one ``Broadcast`` per step) until each has run backward."""
+        nodes = {id(t.grad_fn): t.grad_fn for t in tensors if t.grad_fn is not None}
+        self.backward_pending = len(nodes)
+        entry = weakref.ref(self)  # the node must not keep the skeletons alive: they hold its outputs
+
+        def backward_done(grad_inputs: Any, grad_outputs: Any) -> None:
+            if entry() is not None:
+                entry().backward_pending -= 1
+
+        for node in nodes.values():
+            node.register_hook(backward_done)
+
     def reset(self) -> None:
         """Every replica's ``__dict__`` as freshly built: no tensors, nothing a forward wrote."""
         if self.clean:
@@ -233,7 +251,15 @@ class ReplicaCache:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
-        reason = "first call for these devices in this thread" if entry is None else entry.change(network)
+        if entry is None:
+            reason: Optional[str] = "first call for these devices in this thread"
+        elif entry.backward_pending:
+            reason = (
+                "the last replicas' backward has not run yet, and autograd may still run them (checkpointing); "
+                "run forwards you do not backpropagate under torch.no_grad() to keep the cache"
+            )
+        else:
+            reason = entry.change(network)
         if reason is not None:
             check_module_device(network, devices[0])
             entry = _Entry(network, devices)
@@ -249,18 +275,17 @@ class ReplicaCache:
                 self._hits += 1
         entry.reset()
         entry.clean = False
-        bind(
-            entry.replicas,
-            entry.param_slots,
-            entry.buffer_slots,
-            *replica_tensors(entry.params, entry.buffers, devices, detach, reduce_backend),
-        )
+        param_copies, buffer_copies = replica_tensors(entry.params, entry.buffers, devices, detach, reduce_backend)
+        bind(entry.replicas, entry.param_slots, entry.buffer_slots, param_copies, buffer_copies)
+        entry.watch_backward(param_copies[0] + buffer_copies[0])
         return [replica_modules[0] for replica_modules in entry.replicas]
 
-    def release(self, devices: list[torch.device]) -> None:
-        """Empty the replicas this thread was last given for ``devices``: they hold no tensors until the next call."""
-        entry = self._entries.get((threading.get_ident(), tuple(devices)))
+    def release(self, devices: Sequence[DeviceLike]) -> None:
+        """Declare the replicas this thread was last given for ``devices`` finished: no backward or
+        checkpoint will run them again. They are emptied now and re-bound by the next call, as after a backward."""
+        entry = self._entries.get((threading.get_ident(), tuple(as_devices(devices, "devices"))))
         if entry is not None:
+            entry.backward_pending = 0
             entry.reset()
 
     def info(self) -> ReplicaCacheInfo:

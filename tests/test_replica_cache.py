@@ -296,10 +296,10 @@ def test_a_different_device_list_gets_its_own_replicas(generator):
 
 def test_cache_replicas_false_builds_every_step(generator):
     wrapper = minidp.DataParallel(_mlp(), cpu_ids(2), cache_replicas=False)
-    wrapper(torch.randn(4, 5, generator=generator))
+    wrapper(torch.randn(4, 5, generator=generator)).sum().backward()
     wrapper.cache_replicas = True
-    wrapper(torch.randn(4, 5, generator=generator))
-    wrapper(torch.randn(4, 5, generator=generator))
+    wrapper(torch.randn(4, 5, generator=generator)).sum().backward()
+    wrapper(torch.randn(4, 5, generator=generator)).sum().backward()
     assert (wrapper.replica_cache_info().hits, wrapper.replica_cache_info().misses) == (1, 1)
 
 
@@ -353,9 +353,60 @@ def test_a_pickled_wrapper_starts_with_an_empty_cache(generator):
     assert (restored.replica_cache_info().hits, restored.replica_cache_info().misses) == (0, 1)
 
 
-def test_replicas_hold_no_tensors_between_steps(generator):
+class Checkpointed(nn.Module):
+    """Two layers, the first under activation checkpointing: its forward runs again in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(5, 5), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.utils.checkpoint.checkpoint(self.first, x, use_reentrant=False).tanh())
+
+
+def _grads_after(steps, cache: bool, model: nn.Module, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    model = copy.deepcopy(model)
+    wrapper = minidp.DataParallel(model, cpu_ids(2), cache_replicas=cache)
+    steps(wrapper, batches)
+    return [p.grad for p in model.parameters()]
+
+
+def _one_forward_per_backward(wrapper, batches):
+    for x in batches:
+        wrapper(x).pow(2).sum().backward()
+
+
+def _two_forwards_then_one_backward(wrapper, batches):
+    for first, second in zip(batches[::2], batches[1::2]):
+        (wrapper(first).pow(2).sum() + wrapper(second).pow(2).sum()).backward()
+
+
+@pytest.mark.parametrize("steps", [_one_forward_per_backward, _two_forwards_then_one_backward])
+def test_checkpointed_replicas_rerun_with_their_own_step_s_parameters(steps, generator):
+    """Checkpointing re-runs a replica's forward during the backward: cached replicas must still hold
+    that step's tensors then, and must not be re-bound by a later forward before their backward ran."""
+    model = Checkpointed().double()
+    batches = [torch.randn(6, 5, generator=generator, dtype=torch.float64) for _ in range(4)]
+    for cached, uncached in zip(_grads_after(steps, True, model, batches), _grads_after(steps, False, model, batches)):
+        assert torch.equal(cached, uncached)
+
+
+def test_replicas_whose_backward_has_not_run_are_not_re_bound(generator):
     wrapper = minidp.DataParallel(_mlp(), cpu_ids(2))
-    wrapper(torch.randn(4, 5, generator=generator)).sum().backward()
+    first = wrapper(torch.randn(4, 5, generator=generator))
+    wrapper(torch.randn(4, 5, generator=generator))
+    info = wrapper.replica_cache_info()
+    assert (info.hits, info.misses) == (0, 2) and "backward has not run" in info.last_rebuild_reason
+    first.sum().backward()
+
+
+def test_release_declares_the_last_replicas_finished_and_empties_them(generator):
+    wrapper = minidp.DataParallel(_mlp(), cpu_ids(2))
+    wrapper(torch.randn(4, 5, generator=generator))  # no backward: e.g. an evaluation with grad enabled
+    wrapper.replica_cache.release(cpu_ids(2))
     (entry,) = wrapper.replica_cache._entries.values()
     held = [m for replica_modules in entry.replicas for m in replica_modules for v in vars(m).values() if isinstance(v, torch.Tensor)]
     assert held == []
+    wrapper(torch.randn(4, 5, generator=generator))
+    assert wrapper.replica_cache_info().hits == 1
+
