@@ -100,22 +100,24 @@ def broadcast_coalesced(
     for i, t in enumerate(tensors):
         if t.device != source_device:
             raise ValueError(f"broadcast_coalesced: tensors[{i}] is on {t.device}, but tensors[0] is on {source_device}")
+    unique = list({id(t): t for t in tensors}.values())  # a tensor listed twice is copied once
     per_device = []
     for device in devices:
         if device == source_device:
             per_device.append(tuple(tensors))
             continue
         copies: dict[int, torch.Tensor] = {}
-        positions = {id(t): i for i, t in enumerate(tensors)}
-        for bucket in _take_tensors(tensors, buffer_size):
+        for bucket in _take_tensors(unique, buffer_size):  # buckets group tensors by type
             if bucket[0].is_sparse:
                 moved = [move(t, device) for t in bucket]
             else:
                 flat = move(_flatten_dense_tensors(bucket), device)
-                moved = _unflatten_dense_tensors(flat, bucket)
+                # `.data`: each copy gets a version counter of its own, not the flat buffer's, so an
+                # in-place update of one (a BatchNorm statistic) does not invalidate the others.
+                moved = [view.data for view in _unflatten_dense_tensors(flat, bucket)]
             for original, copy in zip(bucket, moved):
-                copies[positions[id(original)]] = copy
-        per_device.append(tuple(copies[i] for i in range(len(tensors))))
+                copies[id(original)] = copy
+        per_device.append(tuple(copies[id(t)] for t in tensors))
     return per_device
 
 

@@ -114,3 +114,19 @@ def test_the_original_module_is_left_unchanged():
     minidp.replicate(model, cpu_ids(3))
     after = model.state_dict(keep_vars=True)
     assert all(after[k] is obj and torch.equal(obj, saved) for k, (obj, saved) in before.items())
+
+
+def test_broadcast_coalesced_copies_a_tensor_listed_twice(generator):
+    """``tensors`` may repeat an object (two modules sharing a parameter): each slot gets its copy."""
+    t, u = torch.randn(3, generator=generator), torch.randn(2, generator=generator)
+    (copies,) = minidp.comm.broadcast_coalesced([t, u, t], ["meta"])
+    assert [tuple(c.shape) for c in copies] == [(3,), (2,), (3,)] and all(c.device.type == "meta" for c in copies)
+
+
+def test_broadcast_coalesced_copies_have_version_counters_of_their_own(generator):
+    """Copies unflattened from one buffer must not share its version counter (stock: fresh ones)."""
+    a, b = torch.randn(3, generator=generator), torch.randn(2, generator=generator)
+    (copies,) = minidp.comm.broadcast_coalesced([a, b], ["meta"])
+    before = copies[1]._version
+    copies[0].add_(1)
+    assert copies[1]._version == before
