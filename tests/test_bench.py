@@ -24,7 +24,7 @@ def test_resnet_trees_have_torchvisions_counts(build, params, buffers, modules):
     assert counts == (params, buffers, modules)
 
 
-def test_the_table_has_a_row_per_measurement():
+def test_the_table_prints_each_row_with_its_ratios():
     rows = [bench.Row("step cnn b256 minidp x2", 0.01, 1.1, 1.05, "stock: direct call (no GPU)")]
     table = bench.format_rows(rows)
     assert "step cnn b256 minidp x2" in table and "1.100" in table and "1.050" in table
