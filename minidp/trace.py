@@ -159,13 +159,20 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for _, t in tensors_in(obj, "")]
 
 
-def _storage(t: torch.Tensor) -> tuple[str, int]:
-    return str(t.device), t.untyped_storage().data_ptr()
+def _storage(t: torch.Tensor) -> tuple[torch.device, int]:
+    return t.device, t.untyped_storage().data_ptr()
+
+
+def _storages(tensors: Sequence[torch.Tensor]) -> set[tuple[torch.device, int]]:
+    return {_storage(t) for t in tensors}
 
 
 def _copied_bytes(tensors: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> int:
     """Bytes of ``tensors`` that live in memory none of ``sources`` owns (so they were copied)."""
-    owned = {_storage(t) for t in sources}
+    return _bytes_outside(tensors, _storages(sources))
+
+
+def _bytes_outside(tensors: Sequence[torch.Tensor], owned: set[tuple[torch.device, int]]) -> int:
     return sum(t.nbytes for t in tensors if _storage(t) not in owned)
 
 
@@ -203,11 +210,11 @@ def _replica_pairs(network: torch.nn.Module, replica: torch.nn.Module) -> Iterat
 def _describe_replicate(tracer: "Trace", arguments: dict, result: list):
     network = arguments["network"]
     group = tracer._new_backward_group()
+    originals = _storages(list(network.parameters()) + list(network.buffers()))
     for replica, module in enumerate(result):
         pairs = list(_replica_pairs(network, module))
         params = [copy for kind, _, copy in pairs if kind == "parameter"]
-        originals = [original for _, original, _ in pairs]
-        copied = {kind: _copied_bytes([c for k, _, c in pairs if k == kind], originals) for kind in ("parameter", "buffer")}
+        copied = {kind: _bytes_outside([c for k, _, c in pairs if k == kind], originals) for kind in ("parameter", "buffer")}
         device = _device_of([c for _, _, c in pairs], arguments["devices"][replica])
         tracer._watch_backward_end(group, replica, [p for p in params if p.requires_grad])
         yield replica, device, copied["parameter"] + copied["buffer"], (
@@ -317,7 +324,8 @@ class _PeakResidentMemory:
         try:
             with open("/proc/self/clear_refs", "w") as clear_refs:
                 clear_refs.write("5")
-            self.start_bytes = self._status("VmRSS")
+            with open("/proc/self/statm", "rb") as statm:  # RSS in pages: cheaper than /proc/self/status
+                self.start_bytes = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError):
             self.start_bytes = None
 
