@@ -142,6 +142,7 @@ class _Entry:
         self.dtypes = tuple(map(_dtype_of, self.tensors))
         self.replicas = build_skeletons(modules, len(devices))
         self.backward_pending = 0  # backward passes of the last binding that autograd may still run
+        self.buffer_copies: Optional[list[list[torch.Tensor]]] = None  # the last binding's, refilled by the next
         self.clean = False  # True from a reset until the next bind: the replicas hold nothing to reset
         # A fresh replica's __dict__, and the containers it owns (not shared with the original: its
         # registries, an RNN's `_flat_weights`): copied at each reset, since binding and forward fill them.
@@ -275,7 +276,10 @@ class ReplicaCache:
                 self._hits += 1
         entry.reset()
         entry.clean = False
-        param_copies, buffer_copies = replica_tensors(entry.params, entry.buffers, devices, detach, reduce_backend)
+        param_copies, buffer_copies = replica_tensors(
+            entry.params, entry.buffers, devices, detach, reduce_backend, entry.buffer_copies
+        )
+        entry.buffer_copies = buffer_copies
         bind(entry.replicas, entry.param_slots, entry.buffer_slots, param_copies, buffer_copies)
         entry.watch_backward(param_copies[0] + buffer_copies[0])
         return [replica_modules[0] for replica_modules in entry.replicas]

@@ -84,9 +84,18 @@ def check_module_device(network: nn.Module, source_device: torch.device) -> None
 
 
 def _copy_buffers(
-    buffers: list[torch.Tensor], devices: list[torch.device], source_device: torch.device
+    buffers: list[torch.Tensor], devices: list[torch.device], reuse: Optional[list[list[torch.Tensor]]] = None
 ) -> list[list[torch.Tensor]]:
-    """Per device, the buffers to install: the originals for replica 0, private copies for the rest."""
+    """Per device, the buffers to install: the originals for replica 0, private copies for the rest.
+
+    ``reuse``: what an earlier call returned for the same buffers and devices. Its private copies
+    are refilled in place by one multi-tensor copy instead of being allocated anew; the values are
+    the same as fresh copies' (a cached replicate uses this once the earlier step's backward ran).
+    """
+    if reuse is not None and all(c.shape == b.shape for c, b in zip(reuse[-1], buffers)):
+        if len(reuse) > 1 and buffers:
+            torch._foreach_copy_([c for copies in reuse[1:] for c in copies], buffers * (len(reuse) - 1))
+        return [list(buffers), *reuse[1:]]
     per_device = comm.broadcast_coalesced(buffers, devices)
     return [
         list(buffers) if replica == 0 else [b.clone() if b is original else b for b, original in zip(copies, buffers)]
@@ -184,21 +193,23 @@ def replica_tensors(
     devices: list[torch.device],
     detach: bool,
     reduce_backend: Optional[str],
+    reuse_buffers: Optional[list[list[torch.Tensor]]] = None,
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Per device, the parameters and the buffers its replica holds, in the order given.
 
     Parameters, and buffers that require grad, come through one :class:`Broadcast` each (unless
-    ``detach``); other buffers are the originals on replica 0 and private copies elsewhere.
+    ``detach``); other buffers are the originals on replica 0 and private copies elsewhere
+    (refilled in place from ``reuse_buffers``, an earlier result's buffers, when given).
     """
     param_copies = _broadcast_parameters(params, devices, detach, reduce_backend)
     differentiable = [] if detach else [i for i, b in enumerate(buffers) if b.requires_grad]
     if not differentiable:  # the usual case, taken without sorting the copies back into place
-        return param_copies, _copy_buffers(buffers, devices, devices[0])
+        return param_copies, _copy_buffers(buffers, devices, reuse_buffers)
     plain = [i for i, b in enumerate(buffers) if not b.requires_grad]
     buffer_copies: list[list[torch.Tensor]] = [[None] * len(buffers) for _ in devices]  # type: ignore[list-item]
     for indices, copies in (
         (differentiable, _broadcast_parameters([buffers[i] for i in differentiable], devices, detach, reduce_backend)),
-        (plain, _copy_buffers([buffers[i] for i in plain], devices, devices[0])),
+        (plain, _copy_buffers([buffers[i] for i in plain], devices)),
     ):
         for row, device_copies in zip(buffer_copies, copies):
             for i, copy in zip(indices, device_copies):

@@ -410,3 +410,17 @@ def test_release_declares_the_last_replicas_finished_and_empties_them(generator)
     wrapper(torch.randn(4, 5, generator=generator))
     assert wrapper.replica_cache_info().hits == 1
 
+
+
+def test_cached_replicas_start_each_step_with_the_originals_buffers(generator):
+    """Replica 1's BatchNorm updates its private statistics in every forward; the next step must
+    start from the original's (what a fresh copy holds), whether the copy is new or refilled."""
+    model = ResNetBlockBN()
+    wrapper = minidp.DataParallel(model, cpu_ids(2))
+    for _ in range(3):
+        wrapper(torch.randn(6, 3, 8, 8, generator=generator)).sum().backward()
+        replica = minidp.replicate(model, cpu_ids(2), cache=wrapper.replica_cache)[1]
+        for name, buffer in model.named_buffers():
+            copy_ = replica.get_buffer(name)
+            assert copy_ is not buffer and torch.equal(copy_, buffer), name
+        wrapper.replica_cache.release(cpu_ids(2))
