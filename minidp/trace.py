@@ -113,7 +113,7 @@ def stage(stage_name: str, replica: int, device: torch.device) -> Iterator[None]
         try:
             yield
         finally:
-            tracer._close(span, stage_name, [(replica, device, 0, "")])
+            tracer._close(span, stage_name, lambda: [(replica, device, 0, "")])
 
 
 def traced(stage_name: str) -> Callable[[Callable], Callable]:
@@ -124,28 +124,47 @@ def traced(stage_name: str) -> Callable[[Callable], Callable]:
     """
 
     def decorate(function: Callable) -> Callable:
-        signature = inspect.signature(function)
+        arguments_of = _binder(function)
+        describe = _DESCRIBE[stage_name]
+        timing_device_of = _TIMING_DEVICE.get(stage_name, lambda arguments: None)
 
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not _observed() and not _uses_cuda():
-                return function(*args, **kwargs)
             tracer = _active_tracer
-            with _ranges(stage_name, _uses_cuda()):
+            cuda = _uses_cuda()
+            if tracer is None and not cuda and not _profiler._is_profiler_enabled:
+                return function(*args, **kwargs)
+            with _ranges(stage_name, cuda) if cuda or _profiler._is_profiler_enabled else contextlib.nullcontext():
                 if tracer is None:
                     return function(*args, **kwargs)
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
-                arguments = bound.arguments
-                timing_device = _TIMING_DEVICE.get(stage_name, lambda a: None)(arguments)
-                span = tracer._open(timing_device)
+                arguments = arguments_of(args, kwargs)
+                span = tracer._open(timing_device_of(arguments))
                 result = function(*args, **kwargs)
-                tracer._close(span, stage_name, list(_DESCRIBE[stage_name](tracer, arguments, result)))
+                tracer._close(span, stage_name, describe(tracer, arguments, result))
                 return result
 
         return wrapper
 
     return decorate
+
+
+def _binder(function: Callable) -> Callable[[tuple, dict], dict[str, Any]]:
+    """``(args, kwargs) -> {parameter name: value}``, defaults filled in: what ``inspect.Signature.bind``
+    and ``apply_defaults`` give for a valid call, at a fraction of their cost per call. (An invalid
+    call is left to the function itself to reject.)"""
+    parameters = inspect.signature(function).parameters.values()
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        raise TypeError(f"traced: {function.__name__} takes *args or **kwargs; name its parameters")
+    names = [p.name for p in parameters if p.kind != p.KEYWORD_ONLY]
+    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+
+    def arguments_of(args: tuple, kwargs: dict) -> dict[str, Any]:
+        arguments = dict(defaults)
+        arguments.update(zip(names, args))
+        arguments.update(kwargs)
+        return arguments
+
+    return arguments_of
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,71 +199,115 @@ def _device_of(tensors: Sequence[torch.Tensor], default: Any) -> str:
     return str(tensors[0].device) if tensors else str(default)
 
 
-def _describe_scatter(tracer: "Trace", arguments: dict, result: Any):
-    if "kwargs" in arguments:  # scatter_kwargs: (inputs per replica, kwargs per replica)
-        sources = _tensors((arguments["inputs"], arguments["kwargs"]))
-        pieces = list(zip(*result))
-    else:
-        sources = _tensors(arguments["inputs"])
-        pieces = list(result)
-    from .devices import as_devices
-
-    devices = as_devices(arguments["target_devices"])
-    for replica, piece in enumerate(pieces):
-        chunk = _tensors(piece)
-        shapes = ", ".join(str(tuple(t.shape)) for t in chunk)
-        yield replica, str(devices[replica]), _copied_bytes(chunk, sources), f"chunks {shapes}"
+# Each describer runs when its primitive returns: it does there what needs the live call (registering
+# the backward's hooks, reading modules the replica cache re-binds on its next call) and returns the
+# rest as a function the tracer calls in ``__exit__``: counting bytes and writing details is pure
+# bookkeeping, kept out of the step and out of the stage's own time. Until then the trace holds the
+# call's arguments and results (inputs, chunks, replicas' tensors, gradients): the ``with`` block is
+# the step, and they are released with the trace's record at its end.
+Served = Iterator[tuple[int, Any, int, str]]  # (replica, device, bytes, detail)
 
 
-def _replica_pairs(network: torch.nn.Module, replica: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``(kind, original, replica's copy)`` for every parameter and buffer, walking both trees in step."""
-    for original, copy in zip(network.modules(), replica.modules()):
+def _describe_scatter(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served]:
+    def served() -> Served:
+        if "kwargs" in arguments:  # scatter_kwargs: (inputs per replica, kwargs per replica)
+            sources = _tensors((arguments["inputs"], arguments["kwargs"]))
+            pieces = list(zip(*result))
+        else:
+            sources = _tensors(arguments["inputs"])
+            pieces = list(result)
+        from .devices import as_devices
+
+        devices = as_devices(arguments["target_devices"])
+        for replica, piece in enumerate(pieces):
+            chunk = _tensors(piece)
+            shapes = ", ".join(str(tuple(t.shape)) for t in chunk)
+            yield replica, str(devices[replica]), _copied_bytes(chunk, sources), f"chunks {shapes}"
+
+    return served
+
+
+def _replica_tensors(
+    network: torch.nn.Module, replica: torch.nn.Module
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """``(originals, replica's parameters, replica's buffers)``: walks both module trees in step, each
+    module once (as ``modules()`` does, without its generators). A replica keeps its parameters as
+    plain attributes, under the names the original's ``_parameters`` holds them."""
+    originals: list[torch.Tensor] = []
+    params: list[torch.Tensor] = []
+    buffers: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [(network, replica)]
+    while stack:
+        original, copy = stack.pop()
+        if id(original) in seen:
+            continue
+        seen.add(id(original))
         for key, param in original._parameters.items():
             if param is not None:
-                yield "parameter", param, getattr(copy, key)
+                originals.append(param)
+                params.append(getattr(copy, key))
+        copy_buffers = copy._buffers
         for key, buf in original._buffers.items():
             if buf is not None:
-                yield "buffer", buf, copy._buffers[key]
+                originals.append(buf)
+                buffers.append(copy_buffers[key])
+        copy_children = copy._modules
+        stack.extend((child, copy_children[key]) for key, child in original._modules.items() if child is not None)
+    return originals, params, buffers
 
 
-def _describe_replicate(tracer: "Trace", arguments: dict, result: list):
+def _describe_replicate(tracer: "Trace", arguments: dict, result: list) -> Callable[[], Served]:
     network = arguments["network"]
     group = tracer._new_backward_group()
-    originals = _storages(list(network.parameters()) + list(network.buffers()))
-    for replica, module in enumerate(result):
-        pairs = list(_replica_pairs(network, module))
-        params = [copy for kind, _, copy in pairs if kind == "parameter"]
-        copied = {kind: _bytes_outside([c for k, _, c in pairs if k == kind], originals) for kind in ("parameter", "buffer")}
-        device = _device_of([c for _, _, c in pairs], arguments["devices"][replica])
+    walked = [_replica_tensors(network, module) for module in result]  # now: a cache re-binds these modules
+    for replica, (_, params, _) in enumerate(walked):
         tracer._watch_backward_end(group, replica, [p for p in params if p.requires_grad])
-        yield replica, device, copied["parameter"] + copied["buffer"], (
-            f"parameters {copied['parameter']} B copied, buffers {copied['buffer']} B copied"
-            + (" (parameters alias the original's storage)" if params and copied["parameter"] == 0 else "")
-        )
+
+    def served() -> Served:
+        originals = _storages(walked[0][0]) if walked else set()
+        for replica, (_, params, buffers) in enumerate(walked):
+            copied = {"parameter": _bytes_outside(params, originals), "buffer": _bytes_outside(buffers, originals)}
+            device = _device_of(params + buffers, arguments["devices"][replica])
+            yield replica, device, copied["parameter"] + copied["buffer"], (
+                f"parameters {copied['parameter']} B copied, buffers {copied['buffer']} B copied"
+                + (" (parameters alias the original's storage)" if params and copied["parameter"] == 0 else "")
+            )
+
+    return served
 
 
-def _describe_gather(tracer: "Trace", arguments: dict, result: Any):
-    gathered = _tensors(result)
+def _describe_gather(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served]:
     group = tracer._current_backward_group()
-    for replica, output in enumerate(arguments["outputs"]):
-        tensors = _tensors(output)
-        if group is not None:
+    outputs = [_tensors(output) for output in arguments["outputs"]]
+    if group is not None:
+        for replica, tensors in enumerate(outputs):
             tracer._watch_backward_start(group, replica, [t for t in tensors if t.requires_grad])
-        yield replica, _device_of(tensors, arguments["target_device"]), _copied_bytes(tensors, gathered), (
-            f"into {arguments['target_device']}"
-        )
+
+    def served() -> Served:
+        gathered = _tensors(result)
+        for replica, tensors in enumerate(outputs):
+            yield replica, _device_of(tensors, arguments["target_device"]), _copied_bytes(tensors, gathered), (
+                f"into {arguments['target_device']}"
+            )
+
+    return served
 
 
-def _describe_reduce(tracer: "Trace", arguments: dict, result: Any):
+def _describe_reduce(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served]:
     from .comm import resolve_reduce_backend
 
-    backend = resolve_reduce_backend(arguments["backend"])
-    destination = _device_of(list(result), arguments["destination"])
-    for replica, grads in enumerate(arguments["inputs"]):
-        grads = list(grads)
-        yield replica, _device_of(grads, destination), sum(g.nbytes for g in grads), (
-            f"{len(grads)} gradients summed onto {destination}, backend={backend}"
-        )
+    backend = resolve_reduce_backend(arguments["backend"])  # now: the default backend is a setting
+
+    def served() -> Served:
+        destination = _device_of(list(result), arguments["destination"])
+        for replica, grads in enumerate(arguments["inputs"]):
+            grads = list(grads)
+            yield replica, _device_of(grads, destination), sum(g.nbytes for g in grads), (
+                f"{len(grads)} gradients summed onto {destination}, backend={backend}"
+            )
+
+    return served
 
 
 _DESCRIBE: dict[str, Callable] = {
@@ -279,6 +342,17 @@ class _Span:
     timing_device: Optional[torch.device]
     cuda_start: Optional["torch.cuda.Event"]
     thread: str
+
+
+@dataclass
+class _Closed:
+    """A stage that has ended, its events still to be written (in ``Trace.__exit__``)."""
+
+    span: _Span
+    host_end: float
+    cuda_end: Optional["torch.cuda.Event"]
+    stage: str
+    served: Callable[[], Served]
 
 
 @dataclass
@@ -349,7 +423,7 @@ class Trace:
         self.memory: list[MemoryPeak] = []
         self._lock = threading.Lock()
         self._origin = 0.0
-        self._pending: list[tuple[_Span, Optional["torch.cuda.Event"], Event]] = []
+        self._pending: list[_Closed] = []
         self._cuda_origin: dict[int, tuple[float, "torch.cuda.Event"]] = {}
         self._event_gpu: dict[int, int] = {}  # id(event) -> index of the GPU it was recorded on
         self._groups: list[dict[int, dict[str, list[_Mark]]]] = []
@@ -380,10 +454,9 @@ class Trace:
             for index in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(index)
         self.duration = time.perf_counter() - self._origin
-        for span, cuda_end, event in self._pending:
-            if span.cuda_start is not None:
-                event.start = self._cuda_time(span.cuda_start)
-                event.duration = span.cuda_start.elapsed_time(cuda_end) / 1e3
+        for closed in self._pending:
+            self._record(closed)
+        self._pending.clear()  # let go of the step's tensors
         self._finish_backward()
         self.events.sort(key=lambda e: (e.start, STAGES.index(e.stage) if e.stage in STAGES else -1))
         self._measure_memory()
@@ -416,17 +489,23 @@ class Trace:
     def _open(self, timing_device: Optional[torch.device]) -> _Span:
         return _Span(self._now(), timing_device, self._cuda_event(timing_device), threading.current_thread().name)
 
-    def _close(self, span: _Span, stage_name: str, served: Sequence[tuple[int, Any, int, str]]) -> None:
-        """Record ``stage_name`` for every ``(replica, device, bytes, detail)`` the span served."""
-        end = self._now()
-        cuda_end = self._cuda_event(span.timing_device)
-        events = [
-            Event(stage_name, replica, str(device), span.host_start, end - span.host_start, nbytes, span.thread, detail)
-            for replica, device, nbytes, detail in served
-        ]
+    def _close(self, span: _Span, stage_name: str, served: Callable[[], "Served"]) -> None:
+        """End ``span`` now; in ``__exit__``, record ``stage_name`` for every ``(replica, device, bytes,
+        detail)`` that ``served()`` lists."""
+        closed = _Closed(span, self._now(), self._cuda_event(span.timing_device), stage_name, served)
         with self._lock:
-            self.events.extend(events)
-            self._pending.extend((span, cuda_end, event) for event in events)
+            self._pending.append(closed)
+
+    def _record(self, closed: "_Closed") -> None:
+        span = closed.span
+        start, duration = span.host_start, closed.host_end - span.host_start
+        if span.cuda_start is not None:
+            start = self._cuda_time(span.cuda_start)
+            duration = span.cuda_start.elapsed_time(closed.cuda_end) / 1e3
+        self.events.extend(
+            Event(closed.stage, replica, str(device), start, duration, nbytes, span.thread, detail)
+            for replica, device, nbytes, detail in closed.served()
+        )
 
     # -- backward, seen through autograd hooks -------------------------------------------------------
 
