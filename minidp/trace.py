@@ -361,8 +361,8 @@ class _Mark:
 
     host: float
     cuda: Optional["torch.cuda.Event"]
-    device: str
-    thread: str
+    device: torch.device
+    thread: threading.Thread
 
 
 @dataclass
@@ -389,10 +389,11 @@ class _PeakResidentMemory:
     @staticmethod
     def _status(field: str) -> int:
         with open("/proc/self/status", "rb") as status:
-            for line in status:
-                if line.startswith(field.encode()):
-                    return int(line.split()[1]) * 1024  # reported in kB
-        raise ValueError(f"no {field} in /proc/self/status")
+            text = status.read()
+        at = text.find(b"\n" + field.encode() + b":")
+        if at < 0:
+            raise ValueError(f"no {field} in /proc/self/status")
+        return int(text[at:].split()[1]) * 1024  # reported in kB
 
     def start(self) -> None:
         try:
@@ -522,10 +523,10 @@ class Trace:
     def _watch(self, group: int, replica: int, tensors: Sequence[torch.Tensor], end: str) -> None:
         marks = self._groups[group].setdefault(replica, {"start": [], "end": []})[end]
 
-        def hook(grad: torch.Tensor) -> None:
+        def hook(grad: torch.Tensor) -> None:  # runs in the backward: the least it can, names made in __exit__
             if _active_tracer is self:
-                cuda = self._cuda_event(grad.device)
-                marks.append(_Mark(self._now(), cuda, str(grad.device), threading.current_thread().name))
+                cuda = self._cuda_event(grad.device) if grad.is_cuda else None
+                marks.append(_Mark(time.perf_counter() - self._origin, cuda, grad.device, threading.current_thread()))
 
         for tensor in tensors:
             tensor.register_hook(hook)
@@ -547,7 +548,7 @@ class Trace:
                 first = min(marks["start"], key=when)
                 start, end = when(first), max(when(m) for m in marks["end"])
                 self.events.append(
-                    Event("backward", replica, first.device, start, max(end - start, 0.0), 0, first.thread,
+                    Event("backward", replica, str(first.device), start, max(end - start, 0.0), 0, first.thread.name,
                           f"{len(marks['end'])} parameter gradients")
                 )
 
