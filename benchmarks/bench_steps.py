@@ -1,7 +1,7 @@
 """The steps of one DataParallel forward and backward, alone: scatter, replicate, parallel_apply,
 gather and the gradient reduction. Groups: ``<step>-<device>``; ``replicate-*`` compares minidp's
 cached and uncached replicate with stock ``torch.nn.parallel.replicate`` (on CUDA, or on the CPU
-with its two CUDA calls stood in for: ``stock_emulation``).
+under the tests' emulation of stock's CUDA-only calls, ``tests/stock_emulation.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from minidp.replica_cache import ReplicaCache
 
 from conftest import DEVICES, device_ids, run
 from models import resnet50_tree
-from stock_emulation import stock_replicate_on_cpu
+from stock_emulation import emulated_stock
 
 REPLICAS = 2
 
@@ -40,9 +40,14 @@ def bench_replicate(benchmark, device, replicas, variant):
     network = resnet50_tree().to(device)
     ids = device_ids(device, replicas)
     if variant == "stock":
-        replicate = (lambda: stock_replicate_on_cpu(network, replicas)) if device == "cpu" else (
-            lambda: torch.nn.parallel.replicate(network, ids)
-        )
+        if device == "cpu":
+
+            def replicate() -> list:
+                with emulated_stock():
+                    return torch.nn.parallel.replicate(network, [0] * replicas)
+
+        else:
+            replicate = lambda: torch.nn.parallel.replicate(network, ids)  # noqa: E731
         x = torch.randn(2, 3, 32, 32, device=device)
         assert torch.allclose(replicate()[1](x), network(x)), "the stock stand-in must give working replicas"
     elif variant == "cached":
