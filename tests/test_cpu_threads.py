@@ -34,14 +34,19 @@ class RecordsThreads(nn.Module):
 
 
 @per_thread
-def test_each_cpu_replica_gets_its_share_of_the_callers_threads():
+@pytest.mark.parametrize(
+    "caller_threads, replicas, expected",
+    [(4, 2, [2, 2]), (2, 3, [1, 1, 1])],
+    ids=["threads split evenly", "more replicas than threads: one each"],
+)
+def test_each_cpu_replica_gets_its_share_of_the_callers_threads(caller_threads, replicas, expected):
     seen: list[int] = []
     previous = torch.get_num_threads()
-    torch.set_num_threads(4)
+    torch.set_num_threads(caller_threads)
     try:
-        minidp.parallel_apply([RecordsThreads(seen)] * 2, [(torch.ones(1),)] * 2, devices=cpu_ids(2))
-        assert seen == [2, 2]
-        assert torch.get_num_threads() == 4  # the caller's count is restored
+        minidp.parallel_apply([RecordsThreads(seen)] * replicas, [(torch.ones(1),)] * replicas, devices=cpu_ids(replicas))
+        assert seen == expected
+        assert torch.get_num_threads() == caller_threads  # the caller's count is restored
     finally:
         torch.set_num_threads(previous)
 
@@ -50,15 +55,3 @@ def test_a_single_cpu_replica_keeps_the_callers_threads():
     seen: list[int] = []
     minidp.parallel_apply([RecordsThreads(seen)], [(torch.ones(1),)], devices=cpu_ids(1))
     assert seen == [torch.get_num_threads()]
-
-
-@per_thread
-def test_more_cpu_replicas_than_threads_get_one_thread_each():
-    seen: list[int] = []
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        minidp.parallel_apply([RecordsThreads(seen)] * 3, [(torch.ones(1),)] * 3, devices=cpu_ids(3))
-        assert seen == [1, 1, 1]
-    finally:
-        torch.set_num_threads(previous)
