@@ -279,10 +279,11 @@ def gather(
         raise ValueError("gather: 'tensors' is empty")
     destination = as_device(destination, "destination") if destination is not None else tensors[0].device
     reference = tensors[0]
+    # torch.cat checks this too, but its message names neither the tensor nor what to compare with.
+    joined = dim % max(reference.dim(), 1)
+    outside = [size for d, size in enumerate(reference.shape) if d != joined]
     for i, t in enumerate(tensors):
-        if t.dim() != reference.dim() or any(
-            a != b for d, (a, b) in enumerate(zip(t.shape, reference.shape)) if d != dim % max(t.dim(), 1)
-        ):
+        if t.dim() != reference.dim() or [size for d, size in enumerate(t.shape) if d != joined] != outside:
             raise ValueError(
                 f"gather: tensor {i} has shape {tuple(t.shape)}, which does not match tensor 0's "
                 f"{tuple(reference.shape)} outside dim {dim}"

@@ -71,7 +71,7 @@ class Broadcast(torch.autograd.Function):
 def check_module_device(network: nn.Module, source_device: torch.device) -> None:
     """Raise unless every parameter and buffer of ``network`` is initialised and on ``source_device``."""
     for name, tensor in list(network.named_parameters()) + list(network.named_buffers()):
-        if isinstance(tensor, nn.parameter.UninitializedParameter) or isinstance(tensor, nn.parameter.UninitializedBuffer):
+        if isinstance(tensor, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)):
             raise RuntimeError(
                 f"'{name}' is not initialized yet (a lazy module): run one forward pass on the original "
                 f"module before replicating it"
