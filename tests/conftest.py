@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 # float64 comparisons: data parallelism only reorders sums, so results agree to rounding.
 RTOL_FLOAT64 = 1e-10
@@ -29,3 +30,17 @@ def generator() -> torch.Generator:
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"generator seed: {seed}")
     return torch.Generator().manual_seed(seed)
+
+
+class CountsCalls(nn.Module):
+    """Counts its forward calls in a plain attribute: the kind of state data parallelism loses, since
+    under DataParallel each replica counts on its own copy and the original's count stays put."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.linear(x)

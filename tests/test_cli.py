@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import CountsCalls
 from minidp.__main__ import COMMANDS, main
 from minidp.cli_devices import parse_device_ids
 from minidp.zoo import ZooEntry
@@ -39,17 +40,6 @@ def test_verify_on_a_subset_prints_a_passing_table(capsys):
     assert "2/2 models pass" in out
     rows = {line.split()[0]: line.split()[-1] for line in out.splitlines() if line.split()[:1] in (["mlp"], ["resnet_bn"])}
     assert rows == {"mlp": "pass", "resnet_bn": "pass"}
-
-
-class CountsCalls(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 2)
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return self.linear(x)
 
 
 def test_verify_exits_1_and_shows_the_report_when_a_model_fails(monkeypatch, capsys):

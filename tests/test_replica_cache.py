@@ -223,7 +223,7 @@ def test_an_equal_but_new_attribute_rebuilds_the_replicas(generator):
     pair.step(make_input())
 
 
-class CountsCalls(nn.Module):
+class ScalesByCallCount(nn.Module):
     """Writes on itself in forward: a fresh replica always starts from the original's count (0)."""
 
     def __init__(self) -> None:
@@ -237,7 +237,7 @@ class CountsCalls(nn.Module):
 
 
 def test_what_a_replica_writes_on_itself_is_gone_at_the_next_step(generator):
-    pair = Pair(CountsCalls(), cpu_ids(2))
+    pair = Pair(ScalesByCallCount(), cpu_ids(2))
     for _ in range(3):
         pair.step(torch.randn(6, 4, generator=generator))
     assert pair.info.hits == 2

@@ -9,20 +9,7 @@ from torch import nn
 import minidp
 from minidp.zoo import ZOO, MLP
 
-from conftest import cpu_ids, requires_cuda
-
-
-class CountsCalls(nn.Module):
-    """Counts its forward calls in a Python attribute: under DataParallel the count lands on replicas."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 3)
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return self.linear(x)
+from conftest import CountsCalls, cpu_ids, requires_cuda
 
 
 class DropsLastChunk(minidp.DataParallel):
