@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import minidp
-from minidp.bench import training_step
+from minidp.cli.bench import training_step
 
 from conftest import DEVICES, device_ids, run
 from models import STEP_MODELS, batch

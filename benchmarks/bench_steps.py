@@ -11,7 +11,7 @@ import torch
 
 import minidp
 from minidp import comm
-from minidp.devices import as_devices
+from minidp.device_ids import as_devices
 from minidp.replica_cache import ReplicaCache
 
 from conftest import DEVICES, device_ids, run

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import minidp  # noqa: E402
-from minidp.trace import traced  # noqa: E402
+from minidp.tracing import traced  # noqa: E402
 from minidp.zoo import ZOO  # noqa: E402
 
 

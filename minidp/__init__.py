@@ -15,14 +15,14 @@ The five steps of ``torch.nn.DataParallel``, each a public function in a module 
 
 from . import comm
 from .comm import get_reduce_backend, set_reduce_backend
-from .data_parallel import DataParallel, data_parallel
-from .devices import DeviceInfo, devices
-from .gather import gather
-from .parallel_apply import parallel_apply
-from .replicate import replicate
-from .scatter import scatter, scatter_kwargs
-from .trace import Trace, trace, write_trace_artifacts
-from .verify import VerifyReport, verify
+from .wrapper import DataParallel, data_parallel
+from .device_ids import DeviceInfo, devices
+from .step4_gather import gather
+from .step3_parallel_apply import parallel_apply
+from .step2_replicate import replicate
+from .step1_scatter import scatter, scatter_kwargs
+from .tracing import Trace, trace, write_trace_artifacts
+from .verification import VerifyReport, verify
 
 __all__ = [
     "DataParallel",

@@ -21,8 +21,8 @@ from typing import Optional, Sequence
 import torch
 from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
 
-from .devices import DeviceLike, as_device, as_devices
-from .trace import traced
+from .device_ids import DeviceLike, as_device, as_devices
+from .tracing import traced
 
 REDUCE_BACKENDS = ("auto", "torch", "ext")
 _default_reduce_backend = "auto"

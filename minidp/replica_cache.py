@@ -58,8 +58,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from .devices import DeviceLike, as_devices
-from .replicate import Slots, bind, build_skeletons, check_module_device, replica_tensors, tensor_slots
+from .device_ids import DeviceLike, as_devices
+from .step2_replicate import Slots, bind, build_skeletons, check_module_device, replica_tensors, tensor_slots
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 _dict_of = attrgetter("__dict__")

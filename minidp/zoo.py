@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .data_parallel import data_parallel
-from .devices import DeviceLike
+from .wrapper import data_parallel
+from .device_ids import DeviceLike
 
 
 class MLP(nn.Module):

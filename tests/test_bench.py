@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minidp import bench
+from minidp.cli import bench
 from minidp.zoo import resnet18, resnet50
 
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from conftest import CountsCalls
-from minidp.__main__ import COMMANDS, main
-from minidp.cli_devices import parse_device_ids
+from minidp.cli import COMMANDS, main
+from minidp.cli.devices import parse_device_ids
 from minidp.zoo import ZooEntry
 
 
@@ -44,7 +44,7 @@ def test_verify_on_a_subset_prints_a_passing_table(capsys):
 
 def test_verify_exits_1_and_shows_the_report_when_a_model_fails(monkeypatch, capsys):
     broken = ZooEntry("counts_calls", CountsCalls, lambda b, g: ((torch.randn(b, 4, generator=g),), {}))
-    monkeypatch.setattr("minidp.cli_verify.ZOO", {"counts_calls": broken})
+    monkeypatch.setattr("minidp.cli.verify.ZOO", {"counts_calls": broken})
     assert main(["verify", "--devices", "cpu,cpu"]) == 1
     out = capsys.readouterr().out
     assert "counts_calls" in out and "FAIL" in out and "failed: counts_calls" in out

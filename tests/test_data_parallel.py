@@ -13,7 +13,7 @@ import minidp
 from conftest import HAS_CUDA, cpu_ids
 from stock_emulation import emulated_stock
 
-data_parallel_module = importlib.import_module("minidp.data_parallel")
+data_parallel_module = importlib.import_module("minidp.wrapper")
 no_gpu_only = pytest.mark.skipif(HAS_CUDA, reason="describes a machine without a GPU")
 
 

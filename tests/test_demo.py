@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from minidp import demo
-from minidp.__main__ import build_parser, main
+from minidp.cli import demo
+from minidp.cli import build_parser, main
 
 TINY = ["--samples", "1000", "--epochs", "3", "--batch-size", "32", "--lr", "5e-3"]
 

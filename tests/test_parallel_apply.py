@@ -155,7 +155,7 @@ def test_each_replica_of_a_call_gets_a_thread_of_its_own_and_threads_are_reused_
 def test_without_devices_a_replica_runs_where_its_parameters_are_though_it_lists_none():
     """S6.3: stock runs every replica on the current device when ``devices`` is None; minidp on the
     replica's own device. A replica's parameters are plain attributes, so they are found there."""
-    from minidp.parallel_apply import _module_device
+    from minidp.step3_parallel_apply import _module_device
 
     (replica,) = minidp.replicate(nn.Linear(2, 2, device="meta"), ["meta"])
     assert list(replica.parameters()) == []

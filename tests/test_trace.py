@@ -1,4 +1,4 @@
-"""minidp.trace: every step of every replica, with the bytes it moved, in a table, a Chrome trace and a PNG."""
+"""minidp.trace (minidp/tracing/): every step of every replica, with the bytes it moved, in a table, a Chrome trace and a PNG."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import minidp
-from minidp.trace import STAGE_COLOURS, STAGES, write_trace_artifacts
+from minidp.tracing import STAGE_COLOURS, STAGES, write_trace_artifacts
 from minidp.zoo import ZOO, ResNetBlockBN
 
 from conftest import cpu_ids
@@ -31,7 +31,7 @@ def cnn_step(generator) -> minidp.Trace:
     return traced_step(ZOO["cnn"].build().double(), tuple(x.double() for x in inputs))
 
 
-def events(step: minidp.Trace, stage: str) -> list[minidp.trace.Event]:
+def events(step: minidp.Trace, stage: str) -> list[minidp.tracing.Event]:
     return [e for e in step.events if e.stage == stage]
 
 

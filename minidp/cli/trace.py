@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .cli_devices import default_device_ids, parse_device_ids
-from .data_parallel import DataParallel
-from .trace import trace, write_trace_artifacts
-from .zoo import ZOO
+from .devices import default_device_ids, parse_device_ids
+from ..wrapper import DataParallel
+from ..tracing import trace, write_trace_artifacts
+from ..zoo import ZOO
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +56,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _first_device(device_ids) -> torch.device:
-    from .devices import as_device
+    from ..device_ids import as_device
 
     return as_device(device_ids[0], "--devices[0]")

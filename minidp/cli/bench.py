@@ -32,10 +32,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .data_parallel import DataParallel
-from .replica_cache import ReplicaCache
-from .replicate import replicate
-from .zoo import MLP, SmallCNN, resnet18, resnet50
+from ..wrapper import DataParallel
+from ..replica_cache import ReplicaCache
+from ..step2_replicate import replicate
+from ..zoo import MLP, SmallCNN, resnet18, resnet50
 
 
 def side_by_side(variants: dict[str, Callable[[], object]], rounds: int, number: int) -> dict[str, float]:

@@ -21,8 +21,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from . import comm
-from .devices import DeviceLike, as_devices
-from .trace import traced
+from .device_ids import DeviceLike, as_devices
+from .tracing import traced
 
 
 def is_namedtuple(obj: Any) -> bool:

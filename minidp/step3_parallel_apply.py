@@ -30,9 +30,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .devices import DeviceLike, as_devices
-from .scatter import tensors_in
-from .trace import stage
+from .device_ids import DeviceLike, as_devices
+from .step1_scatter import tensors_in
+from .tracing import stage
 
 
 class _ReplicaThreads:

@@ -18,12 +18,12 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .devices import DeviceLike, as_device, as_devices, check_device_list
-from .gather import gather
-from .parallel_apply import parallel_apply
+from .device_ids import DeviceLike, as_device, as_devices, check_device_list
+from .step4_gather import gather
+from .step3_parallel_apply import parallel_apply
 from .replica_cache import ReplicaCache, ReplicaCacheInfo, replica_cache_for
-from .replicate import check_module_device, replicate
-from .scatter import scatter_kwargs
+from .step2_replicate import check_module_device, replicate
+from .step1_scatter import scatter_kwargs
 
 _warned_no_gpu = False
 

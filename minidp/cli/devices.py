@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .devices import DeviceInfo, DeviceLike, devices
+from ..device_ids import DeviceInfo, DeviceLike, devices
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

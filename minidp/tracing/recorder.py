@@ -173,7 +173,7 @@ def _binder(function: Callable) -> Callable[[tuple, dict], dict[str, Any]]:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    from .scatter import tensors_in
+    from ..step1_scatter import tensors_in
 
     return [t for _, t in tensors_in(obj, "")]
 
@@ -216,7 +216,7 @@ def _describe_scatter(tracer: "Trace", arguments: dict, result: Any) -> Callable
         else:
             sources = _tensors(arguments["inputs"])
             pieces = list(result)
-        from .devices import as_devices
+        from ..device_ids import as_devices
 
         devices = as_devices(arguments["target_devices"])
         for replica, piece in enumerate(pieces):
@@ -295,7 +295,7 @@ def _describe_gather(tracer: "Trace", arguments: dict, result: Any) -> Callable[
 
 
 def _describe_reduce(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served]:
-    from .comm import resolve_reduce_backend
+    from ..comm import resolve_reduce_backend
 
     backend = resolve_reduce_backend(arguments["backend"])  # now: the default backend is a setting
 
@@ -319,7 +319,7 @@ _DESCRIBE: dict[str, Callable] = {
 
 
 def _reduce_timing_device(arguments: dict) -> Optional[torch.device]:
-    from .devices import as_device
+    from ..device_ids import as_device
 
     if arguments["destination"] is not None:
         return as_device(arguments["destination"], "destination")

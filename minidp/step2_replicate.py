@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from . import comm
-from .devices import DeviceLike, as_devices
-from .trace import traced
+from .device_ids import DeviceLike, as_devices
+from .tracing import traced
 
 if TYPE_CHECKING:
     from .replica_cache import ReplicaCache

@@ -21,9 +21,9 @@ from typing import Any, Sequence
 import torch
 
 from . import comm
-from .devices import DeviceLike, as_device
-from .scatter import children, rebuild, rebuild_dict
-from .trace import traced
+from .device_ids import DeviceLike, as_device
+from .step1_scatter import children, rebuild, rebuild_dict
+from .tracing import traced
 
 
 @traced("gather")

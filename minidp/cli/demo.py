@@ -19,12 +19,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from .comm import chunk_sizes_for
-from .data_parallel import DataParallel
-from .devices import as_device
-from .digits import SyntheticDigits
-from .trace import trace, write_trace_artifacts
-from .zoo import SmallCNN
+from ..comm import chunk_sizes_for
+from ..wrapper import DataParallel
+from ..device_ids import as_device
+from ..digits import SyntheticDigits
+from ..tracing import trace, write_trace_artifacts
+from ..zoo import SmallCNN
 
 DEFAULT_CPU_REPLICAS = 2
 

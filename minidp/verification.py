@@ -31,9 +31,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .data_parallel import DataParallel
-from .devices import DeviceLike, as_devices
-from .scatter import children, rebuild, rebuild_dict
+from .wrapper import DataParallel
+from .device_ids import DeviceLike, as_devices
+from .step1_scatter import children, rebuild, rebuild_dict
 
 REFERENCE = "chunked reference"
 FULL_BATCH = "full batch"

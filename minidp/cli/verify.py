@@ -10,10 +10,10 @@ import argparse
 import torch
 from tqdm import tqdm
 
-from .cli_devices import default_device_ids, parse_device_ids
-from .devices import as_devices
-from .verify import verify
-from .zoo import ZOO
+from .devices import default_device_ids, parse_device_ids
+from ..device_ids import as_devices
+from ..verification import verify
+from ..zoo import ZOO
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
