@@ -14,71 +14,14 @@ batch sizes, minidp raises an error that names both tensors.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from . import comm
 from .device_ids import DeviceLike, as_devices
+from .nested import children, rebuild, tensors_in
 from .tracing import traced
-
-
-def is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
-
-
-def is_dataclass_instance(obj: Any) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-
-
-def replace_fields(obj: Any, values: Sequence[Any]) -> Any:
-    """A shallow copy of the dataclass ``obj`` with its fields set to ``values`` (frozen ones too)."""
-    new = copy.copy(obj)
-    for field, value in zip(dataclasses.fields(obj), values):
-        object.__setattr__(new, field.name, value)
-    return new
-
-
-def rebuild_dict(like: dict, items) -> dict:
-    """A dict of ``like``'s type (OrderedDict, defaultdict, ...) holding ``items``."""
-    if hasattr(like, "default_factory"):
-        return type(like)(like.default_factory, items)
-    return type(like)(items)
-
-
-def children(obj: Any) -> Optional[list[tuple[str, Any]]]:
-    """``(path suffix, child)`` for a container scatter and gather look inside, ``None`` for a leaf."""
-    if isinstance(obj, dict):
-        return [(f"[{k!r}]", v) for k, v in obj.items()]
-    if is_namedtuple(obj):
-        return [(f".{name}", v) for name, v in zip(obj._fields, obj)]
-    if isinstance(obj, (list, tuple)):
-        return [(f"[{i}]", v) for i, v in enumerate(obj)]
-    if is_dataclass_instance(obj):
-        return [(f".{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-    return None
-
-
-def rebuild(like: Any, values: list[Any]) -> Any:
-    """A container of ``like``'s kind and type holding ``values`` in ``children(like)``'s order."""
-    if isinstance(like, dict):
-        return rebuild_dict(like, zip(like.keys(), values))
-    if is_namedtuple(like):
-        return type(like)(*values)
-    if isinstance(like, (list, tuple)):
-        return type(like)(values)
-    return replace_fields(like, values)
-
-
-def tensors_in(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor inside ``obj``, with its path (``inputs[0]['image']``) for error messages."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-        return
-    for suffix, child in children(obj) or ():
-        yield from tensors_in(child, path + suffix)
 
 
 def batch_size_of(roots: Sequence[tuple[str, Any]], dim: int) -> Optional[int]:

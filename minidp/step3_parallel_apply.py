@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .device_ids import DeviceLike, as_devices
-from .step1_scatter import tensors_in
+from .nested import tensors_in
 from .tracing import stage
 
 

@@ -22,7 +22,7 @@ import torch
 
 from . import comm
 from .device_ids import DeviceLike, as_device
-from .step1_scatter import children, rebuild, rebuild_dict
+from .nested import children, rebuild, rebuild_dict
 from .tracing import traced
 
 

@@ -4,12 +4,9 @@
 on its own deep copy, so the model passed in is never touched:
 
 1. **minidp**: wrapped in :class:`minidp.DataParallel` (or the ``wrapper`` given) on ``device_ids``;
-2. **chunked reference**: on one device, the batch cut as ``torch.chunk`` cuts it and run chunk by
-   chunk: chunk 0 on the model itself (so running statistics update from chunk 0 only, as with
-   data parallelism, where replica 0 shares the original's buffers), every other chunk with the
-   same parameters and private copies of the buffers (``torch.func.functional_call``); the chunk
-   outputs are joined along ``dim`` and the gradients of every chunk add up in the parameters.
-   This is what data parallelism *should* compute, batch-dependent layers (BatchNorm) included;
+2. **chunked reference** (:func:`minidp.reference.chunked_reference`): on one device, chunk by
+   chunk, with chunk 0 on the model itself and private buffer copies for the others. This is what
+   data parallelism *should* compute, batch-dependent layers (BatchNorm) included;
 3. **full batch**: one plain call on the whole batch. Where 2 differs from it the model has
    batch-dependent layers: reported as information (``report.info``), not as a failure. Its Python attributes after
    the step are what a user expects: an attribute that ``forward`` changes (a call counter, say)
@@ -33,7 +30,8 @@ from torch import nn
 
 from .wrapper import DataParallel
 from .device_ids import DeviceLike, as_devices
-from .step1_scatter import children, rebuild, rebuild_dict
+from .nested import leaves, map_tensors
+from .reference import chunked_reference
 
 REFERENCE = "chunked reference"
 FULL_BATCH = "full batch"
@@ -97,7 +95,7 @@ class VerifyReport:
 
 def default_loss(output: Any) -> torch.Tensor:
     """The sum of ``mean(t ** 2)`` over every floating-point tensor in ``output``."""
-    return sum(t.pow(2).mean() for t in _leaves(output).values() if _is_float_tensor(t))
+    return sum(t.pow(2).mean() for t in leaves(output).values() if _is_float_tensor(t))
 
 
 def verify(
@@ -135,7 +133,7 @@ def verify(
     loss = loss or default_loss
     rtol = rtol if rtol is not None else (1e-10 if dtype == torch.float64 else 1e-4)
     home = devices[0]
-    inputs, kwargs = _convert((inputs, kwargs), home, dtype)
+    inputs, kwargs = map_tensors(lambda t: t.to(home, dtype if dtype is not None and t.is_floating_point() else None), (inputs, kwargs))
     report = VerifyReport([str(d) for d in devices], rtol)
 
     parallel = _fresh(module, home, dtype)
@@ -144,7 +142,9 @@ def verify(
     runs = {"minidp": (parallel, parallel_output)}
 
     reference = _fresh(module, home, dtype)
-    runs[REFERENCE] = (reference, _run_chunked(reference, inputs, kwargs, len(devices), dim, loss))
+    reference_output = chunked_reference(reference, inputs, kwargs, len(devices), dim)
+    loss(reference_output).backward()
+    runs[REFERENCE] = (reference, reference_output)
     full = _fresh(module, home, dtype)
     full_output = full(*inputs, **kwargs)
     loss(full_output).backward()
@@ -178,88 +178,14 @@ def _is_float_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
-def _convert(obj: Any, device: torch.device, dtype: Optional[torch.dtype]) -> Any:
-    """``obj`` with every tensor on ``device`` and every floating one in ``dtype``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, dtype if dtype is not None and obj.is_floating_point() else None)
-    parts = children(obj)
-    if not parts:
-        return obj
-    return rebuild(obj, [_convert(child, device, dtype) for _, child in parts])
-
-
 def _fresh(module: nn.Module, device: torch.device, dtype: Optional[torch.dtype]) -> nn.Module:
     model = copy.deepcopy(module).to(device)
     return model.to(dtype) if dtype is not None else model
 
 
 # --------------------------------------------------------------------------------------------------
-# The chunked reference
-# --------------------------------------------------------------------------------------------------
-
-
-def _chunk_count(obj: Any, pieces: int, dim: int) -> Optional[int]:
-    for tensor in _leaves(obj).values():
-        if isinstance(tensor, torch.Tensor):
-            return len(tensor.chunk(pieces, dim))
-    return None
-
-
-def _split(obj: Any, pieces: int, count: int, dim: int) -> list[Any]:
-    """``obj`` cut into ``count`` chunks as ``torch.chunk`` cuts; non-tensors go whole to every chunk."""
-    if isinstance(obj, torch.Tensor):
-        return list(obj.chunk(pieces, dim))
-    parts = children(obj)
-    if not parts:
-        return [obj] * count
-    per_child = [_split(child, pieces, count, dim) for _, child in parts]
-    return [rebuild(obj, list(values)) for values in zip(*per_child)]
-
-
-def _join(values: list[Any], dim: int) -> Any:
-    """The chunk outputs joined the way a gather must join them."""
-    first = values[0]
-    if isinstance(first, torch.Tensor):
-        return torch.stack(values) if first.dim() == 0 else torch.cat(values, dim)
-    if first is None:
-        return None
-    if isinstance(first, dict):
-        return rebuild_dict(first, [(k, _join([v[k] for v in values], dim)) for k in first])
-    parts = children(first)
-    if parts is None:
-        return list(values)
-    return rebuild(first, [_join([children(v)[i][1] for v in values], dim) for i in range(len(parts))])
-
-
-def _run_chunked(model: nn.Module, inputs: tuple, kwargs: dict, pieces: int, dim: int, loss: Callable) -> Any:
-    count = _chunk_count((inputs, kwargs), pieces, dim) or 1
-    chunk_inputs, chunk_kwargs = _split(inputs, pieces, count, dim), _split(kwargs, pieces, count, dim)
-    parameters = dict(model.named_parameters())
-    # Copies taken before chunk 0 runs: the other chunks see the buffers as they were at the start.
-    private = [copy.deepcopy(model) for _ in range(count - 1)]
-    outputs = [model(*chunk_inputs[0], **chunk_kwargs[0])]
-    for k, twin in enumerate(private, start=1):
-        state = {**dict(twin.named_buffers()), **parameters}
-        outputs.append(torch.func.functional_call(twin, state, tuple(chunk_inputs[k]), chunk_kwargs[k]))
-    output = _join(outputs, dim)
-    loss(output).backward()
-    return output
-
-
-# --------------------------------------------------------------------------------------------------
 # Comparing
 # --------------------------------------------------------------------------------------------------
-
-
-def _leaves(obj: Any, path: str = "output") -> dict[str, Any]:
-    """Every tensor and plain value inside ``obj``, by path."""
-    parts = None if isinstance(obj, torch.Tensor) else children(obj)
-    if parts is None:
-        return {path: obj}
-    found: dict[str, Any] = {}
-    for suffix, child in parts:
-        found.update(_leaves(child, path + suffix))
-    return found
 
 
 def _compare(kind: str, name: str, actual: Any, expected: Any, against: str, rtol: float) -> Check:
@@ -288,7 +214,7 @@ def _describe(value: Any) -> str:
 
 def _compare_runs(parallel: tuple[nn.Module, Any], other: tuple[nn.Module, Any], against: str, rtol: float) -> list[Check]:
     (model, output), (other_model, other_output) = parallel, other
-    found, expected = _leaves(output), _leaves(other_output)
+    found, expected = leaves(output, "output"), leaves(other_output, "output")
     if against == FULL_BATCH:  # only the numbers: gather turns a replica's string into a list of them
         found = {p: v for p, v in found.items() if isinstance(v, torch.Tensor)}
         expected = {p: v for p, v in expected.items() if isinstance(v, torch.Tensor)}

@@ -1,10 +1,7 @@
-"""The single-device reference that data parallelism must reproduce, and the cases it is checked on.
+"""The cases the differential tests run, and how their results are compared.
 
-What stock ``DataParallel`` computes on n GPUs, written without any parallel machinery: cut the
-batch as ``torch.chunk`` cuts it, run the module on chunk 0 (so buffers such as BatchNorm's running
-statistics update from chunk 0 only), run it on every other chunk with the same parameters but
-private copies of the buffers taken before the step, and concatenate the outputs along ``dim``.
-Gradients then flow from one loss on the concatenated output into the original parameters.
+The reference itself (what stock ``DataParallel`` computes on n GPUs, on one device, chunk by chunk)
+is :func:`minidp.reference.chunked_reference`; ``test_against_stock`` checks it against stock.
 """
 
 from __future__ import annotations
@@ -16,10 +13,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 
 from conftest import RTOL_FLOAT64, max_relative_error
 from minidp import zoo
+from minidp.nested import map_tensors, tensors_in
+from minidp.reference import chunked_reference
 from minidp.zoo import ZOO
 from stock_emulation import swapped
 
@@ -27,17 +25,6 @@ from stock_emulation import swapped
 SPLITS = [(1, 6), (2, 6), (3, 10), (4, 10), (4, 5), (4, 2)]
 
 Call = Callable[[nn.Module, tuple, dict], Any]
-
-
-def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    """``obj`` with ``fn`` applied to every tensor in it (inside dicts, lists and tuples)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(fn, v) for v in obj)
-    return obj
 
 
 def to_float64(t: torch.Tensor) -> torch.Tensor:
@@ -78,45 +65,8 @@ def make_case(name: str, rows: int, generator: torch.Generator, device: str = "c
 
 
 # --------------------------------------------------------------------------------------------------
-# the reference computation
+# the reference, as a call
 # --------------------------------------------------------------------------------------------------
-
-
-def split_arguments(args: tuple, kwargs: dict, replicas: int, dim: int) -> list[tuple[tuple, dict]]:
-    """``(args, kwargs)`` per chunk: every top-level tensor cut by ``torch.chunk``, the rest repeated."""
-    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-    count = len(tensors[0].chunk(replicas, dim)) if tensors else 1
-
-    def piece(value: Any, i: int) -> Any:
-        return value.chunk(replicas, dim)[i] if isinstance(value, torch.Tensor) else value
-
-    return [(tuple(piece(v, i) for v in args), {k: piece(v, i) for k, v in kwargs.items()}) for i in range(count)]
-
-
-def concat(outputs: list[Any], dim: int) -> Any:
-    """Join per-chunk outputs: tensors concatenated, containers rebuilt, ``None`` kept, others listed."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(outputs, dim)
-    if first is None:
-        return None
-    if isinstance(first, dict):
-        return type(first)((k, concat([o[k] for o in outputs], dim)) for k in first)
-    if isinstance(first, (list, tuple)):
-        return type(first)(concat(list(parts), dim) for parts in zip(*outputs))
-    return list(outputs)
-
-
-def chunk_by_chunk(module: nn.Module, args: tuple, kwargs: dict, replicas: int, dim: int = 0) -> Any:
-    """``module`` applied as stock DataParallel applies it on ``replicas`` devices, on one device."""
-    chunks = split_arguments(args, kwargs, replicas, dim)
-    params = dict(module.named_parameters())
-    # Replicas other than the first get their buffers copied before anyone runs.
-    private_buffers = [{n: b.clone() for n, b in module.named_buffers()} for _ in chunks[1:]]
-    outputs = [module(*chunks[0][0], **chunks[0][1])]
-    for (chunk_args, chunk_kwargs), buffers in zip(chunks[1:], private_buffers):
-        outputs.append(functional_call(module, {**params, **buffers}, chunk_args, chunk_kwargs))
-    return outputs[0] if replicas == 1 else concat(outputs, dim)  # one device: no gather (S2.6)
 
 
 def plain_data_parallel(module: nn.Module, inputs: Any, device_ids=None, output_device=None, dim=0, module_kwargs=None):
@@ -129,7 +79,7 @@ def reference_call(replicas: int, dim: int) -> Call:
 
     def call(model, args, kwargs):
         with swapped(zoo, "data_parallel", plain_data_parallel):
-            return chunk_by_chunk(model, args, kwargs, replicas, dim)
+            return chunked_reference(model, args, kwargs, replicas, dim)
 
     return call
 
@@ -160,18 +110,9 @@ def forward_backward(case: Case, call: Call) -> Result:
     return Result(output, grads, {n: b.clone() for n, b in model.named_buffers()})
 
 
-def tensor_leaves(obj: Any, path: str = "output") -> dict[str, torch.Tensor]:
+def tensor_leaves(obj: Any) -> dict[str, torch.Tensor]:
     """Every tensor inside ``obj``, by its path."""
-    if isinstance(obj, torch.Tensor):
-        return {path: obj}
-    found: dict[str, torch.Tensor] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            found.update(tensor_leaves(v, f"{path}[{k!r}]"))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            found.update(tensor_leaves(v, f"{path}[{i}]"))
-    return found
+    return dict(tensors_in(obj, "output"))
 
 
 def assert_tensors_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
@@ -198,10 +139,4 @@ def assert_same_results(actual: Result, expected: Result, compare_non_tensors: b
 
 def _skeleton(obj: Any) -> Any:
     """``obj`` with its tensors replaced by a marker: the structure and non-tensor values."""
-    if isinstance(obj, torch.Tensor):
-        return "<tensor>"
-    if isinstance(obj, dict):
-        return (type(obj), {k: _skeleton(v) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)):
-        return (type(obj), [_skeleton(v) for v in obj])
-    return obj
+    return map_tensors(lambda t: "<tensor>", obj)

@@ -3,7 +3,7 @@
 Three references, every zoo model, float64, fresh random inputs, outputs + every parameter's
 gradient + every buffer, relative error <= ``RTOL_FLOAT64``:
 
-* the single-device chunk-by-chunk reference (``reference.chunk_by_chunk``): what stock computes on
+* the single-device chunk-by-chunk reference (``minidp.reference.chunked_reference``): what stock computes on
   n GPUs (STOCK_SPEC S2, S5, S10.3: per-chunk BatchNorm statistics, running stats from chunk 0);
 * stock itself, its Python code run on the CPU under ``stock_emulation.emulated_stock``;
 * stock unpatched where it runs on a CPU build: ``nn.DataParallel`` without a GPU calls the module

@@ -13,7 +13,8 @@ import torch
 
 import minidp
 from conftest import cpu_ids
-from reference import assert_tensors_close, chunk_by_chunk, make_case
+from reference import assert_tensors_close, make_case
+from minidp.reference import chunked_reference
 
 STEPS = 20
 REPLICAS = 3
@@ -35,7 +36,7 @@ def test_sgd_with_3_replicas_ends_where_single_device_sgd_ends(name, generator):
             optimizer.step()
 
     train(parallel_model, lambda case: wrapped(*case.args, **case.kwargs))
-    train(reference_model, lambda case: chunk_by_chunk(reference_model, case.args, case.kwargs, REPLICAS, case.dim))
+    train(reference_model, lambda case: chunked_reference(reference_model, case.args, case.kwargs, REPLICAS, case.dim))
 
     assert_tensors_close(dict(parallel_model.named_parameters()), dict(reference_model.named_parameters()), "parameter")
     assert_tensors_close(dict(parallel_model.named_buffers()), dict(reference_model.named_buffers()), "buffer")

@@ -50,6 +50,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch.autograd import profiler as _profiler
 
+from ..nested import tensors_in
+
 STAGES = ("scatter", "replicate", "forward", "gather", "backward", "reduce")
 
 # The one flag every instrumented line checks. Set by ``Trace.__enter__``, cleared by ``__exit__``.
@@ -173,8 +175,6 @@ def _binder(function: Callable) -> Callable[[tuple, dict], dict[str, Any]]:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    from ..step1_scatter import tensors_in
-
     return [t for _, t in tensors_in(obj, "")]
 
 

@@ -1,0 +1,93 @@
+"""Walking nested structures: the tensors inside tuples, lists, dicts, namedtuples and dataclasses.
+
+Every step that takes "a batch" or returns "an output" meets arbitrary nesting: scatter cuts every
+tensor inside its inputs, gather joins the replicas' outputs position by position, parallel_apply
+finds the tensors a side stream produced, the tracer counts the bytes each step moved, and the
+reference and verify compare outputs leaf by leaf. They all walk with the two functions below:
+
+* :func:`children` says what a container holds, as ``(path suffix, child)`` pairs, or ``None``
+  for a leaf (a tensor, a number, a string, any other object);
+* :func:`rebuild` makes a container of the same kind and type from new children, in that order.
+
+Everything else here is built from those two.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+
+def is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def rebuild_dict(like: dict, items) -> dict:
+    """A dict of ``like``'s type (OrderedDict, defaultdict, ...) holding ``items``."""
+    if hasattr(like, "default_factory"):
+        return type(like)(like.default_factory, items)
+    return type(like)(items)
+
+
+def children(obj: Any) -> Optional[list[tuple[str, Any]]]:
+    """``(path suffix, child)`` for a container the walkers look inside, ``None`` for a leaf."""
+    if isinstance(obj, dict):
+        return [(f"[{k!r}]", v) for k, v in obj.items()]
+    if is_namedtuple(obj):
+        return [(f".{name}", v) for name, v in zip(obj._fields, obj)]
+    if isinstance(obj, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(obj)]
+    if is_dataclass_instance(obj):
+        return [(f".{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    return None
+
+
+def rebuild(like: Any, values: Sequence[Any]) -> Any:
+    """A container of ``like``'s kind and type holding ``values`` in ``children(like)``'s order."""
+    if isinstance(like, dict):
+        return rebuild_dict(like, zip(like.keys(), values))
+    if is_namedtuple(like):
+        return type(like)(*values)
+    if isinstance(like, (list, tuple)):
+        return type(like)(values)
+    new = copy.copy(like)  # a dataclass: a shallow copy with its fields replaced (frozen ones too)
+    for field, value in zip(dataclasses.fields(like), values):
+        object.__setattr__(new, field.name, value)
+    return new
+
+
+def tensors_in(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor inside ``obj``, with its path (``inputs[0]['image']``) for error messages."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        return
+    for suffix, child in children(obj) or ():
+        yield from tensors_in(child, path + suffix)
+
+
+def leaves(obj: Any, path: str = "") -> dict[str, Any]:
+    """Every leaf inside ``obj`` (tensors and plain values), by path."""
+    parts = None if isinstance(obj, torch.Tensor) else children(obj)
+    if parts is None:
+        return {path: obj}
+    found: dict[str, Any] = {}
+    for suffix, child in parts:
+        found.update(leaves(child, path + suffix))
+    return found
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``obj`` rebuilt with ``fn(tensor)`` in place of every tensor; other leaves kept as they are."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    parts = children(obj)
+    if not parts:
+        return obj
+    return rebuild(obj, [map_tensors(fn, child) for _, child in parts])
