@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import minidp  # noqa: E402
-from minidp.tracing import traced  # noqa: E402
+from minidp.hooks import observed  # noqa: E402
 from minidp.zoo import ZOO  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def main() -> None:
     def bare() -> None:
         return None
 
-    instrumented = traced("scatter")(bare)
+    instrumented = observed("scatter")(bare)
     n = 200000
     off = min(timeit.repeat(instrumented, number=n, repeat=7)) / n
     plain_call = min(timeit.repeat(bare, number=n, repeat=7)) / n

@@ -22,7 +22,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
 
 from .device_ids import DeviceLike, as_device, as_devices
-from .tracing import traced
+from .hooks import observed
 
 REDUCE_BACKENDS = ("auto", "torch", "ext")
 _default_reduce_backend = "auto"
@@ -166,7 +166,7 @@ def _check_reduce_inputs(inputs: Sequence[Sequence[torch.Tensor]]) -> None:
                 raise ValueError(f"reduce: tensor {i} of replica {r} has dtype {t.dtype} but replica 0's has {ref.dtype}")
 
 
-@traced("reduce")
+@observed("reduce")
 def reduce_add_coalesced(
     inputs: Sequence[Sequence[torch.Tensor]],
     destination: Optional[DeviceLike] = None,

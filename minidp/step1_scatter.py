@@ -21,7 +21,7 @@ import torch
 from . import comm
 from .device_ids import DeviceLike, as_devices
 from .nested import children, rebuild, tensors_in
-from .tracing import traced
+from .hooks import observed
 
 
 def batch_size_of(roots: Sequence[tuple[str, Any]], dim: int) -> Optional[int]:
@@ -46,7 +46,7 @@ def batch_size_of(roots: Sequence[tuple[str, Any]], dim: int) -> Optional[int]:
     return batch_size
 
 
-@traced("scatter")
+@observed("scatter")
 def scatter(
     inputs: Any,
     target_devices: Sequence[DeviceLike],
@@ -91,7 +91,7 @@ def _scatter(
     return tuple(pieces) if isinstance(inputs, torch.Tensor) else pieces
 
 
-@traced("scatter")
+@observed("scatter")
 def scatter_kwargs(
     inputs: tuple,
     kwargs: Optional[dict[str, Any]],

@@ -27,7 +27,7 @@ from torch import nn
 
 from . import comm
 from .device_ids import DeviceLike, as_devices
-from .tracing import traced
+from .hooks import observed
 
 if TYPE_CHECKING:
     from .replica_cache import ReplicaCache
@@ -103,7 +103,7 @@ def _copy_buffers(
     ]
 
 
-@traced("replicate")
+@observed("replicate")
 def replicate(
     network: nn.Module,
     devices: Sequence[DeviceLike],

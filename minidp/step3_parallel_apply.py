@@ -32,7 +32,7 @@ from torch import nn
 
 from .device_ids import DeviceLike, as_devices
 from .nested import tensors_in
-from .tracing import stage
+from .hooks import observe_replica
 
 
 class _ReplicaThreads:
@@ -216,8 +216,8 @@ def parallel_apply(
     def run(i: int) -> Any:
         args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
         try:
-            with caller.enter(devices[i], streams[i]), stage("forward", i, devices[i]):
-                return modules[i](*args, **kwargs_tup[i])
+            with caller.enter(devices[i], streams[i]):
+                return observe_replica(i, devices[i], modules[i], lambda: modules[i](*args, **kwargs_tup[i]))
         except BaseException as error:  # re-raised by the caller once every replica is done
             return _ReplicaFailure(error)
 

@@ -23,10 +23,10 @@ import torch
 from . import comm
 from .device_ids import DeviceLike, as_device
 from .nested import children, rebuild, rebuild_dict
-from .tracing import traced
+from .hooks import observed
 
 
-@traced("gather")
+@observed("gather")
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
     """Gather ``outputs`` (one per replica, in replica order) onto ``target_device``.
 

@@ -1,4 +1,16 @@
-"""Seeing every step: the tracer, built on the hooks of :mod:`minidp.hooks`."""
+"""Seeing every step: ``with minidp.trace() as step:`` records what each replica did, when, and what moved.
 
-from .recorder import *  # noqa: F401,F403  (split into recorder, describers, memory and views next)
-from .recorder import Trace, trace, traced, stage, write_trace_artifacts, STAGES, STAGE_COLOURS  # noqa: F401
+Built on :mod:`minidp.hooks`, above the primitives, which never import it:
+
+* ``recorder.py``: :class:`Trace`, the listener that turns calls and autograd hooks into events;
+* ``describers.py``: per stage, what a call moved to each replica (bytes, shapes);
+* ``memory.py``: peak memory per device during the trace;
+* ``views.py``: the table, the Chrome trace and the PNG timeline, and the files they are written to.
+"""
+
+from ..hooks import STAGES
+from .memory import MemoryPeak
+from .recorder import Event, Trace, trace
+from .views import STAGE_COLOURS, write_trace_artifacts
+
+__all__ = ["STAGES", "STAGE_COLOURS", "Event", "MemoryPeak", "Trace", "trace", "write_trace_artifacts"]

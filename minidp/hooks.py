@@ -1,0 +1,96 @@
+"""Where the steps can be watched: the stage names and one listener slot.
+
+The primitives import this module and nothing above them: each public step is wrapped by
+``@observed("scatter")`` (or replicate, gather, reduce), and :func:`minidp.parallel_apply` runs every
+replica's call through :func:`observe_replica`. When nothing listens, that is one check of two flags
+and a direct call: no ``record_function``, no NVTX range, no argument binding.
+
+Something listens when
+
+* a listener is installed with :func:`set_listener` (``minidp.trace()`` installs its recorder), or
+* ``torch.profiler`` is recording: every stage then shows in its trace as ``minidp::<stage>``, and,
+  once CUDA is in use, as an NVTX range of the same name for Nsight Systems.
+
+A listener is any object with the two methods of :class:`Listener`. It receives the primitive's own
+arguments as Python binds them (``inspect.Signature.bind``), runs the call itself (so it can time it)
+and returns its result unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Any, Callable, Iterator, Optional, Protocol
+
+import torch
+from torch.autograd import profiler as _profiler
+
+STAGES = ("scatter", "replicate", "forward", "gather", "backward", "reduce")
+
+
+class Listener(Protocol):
+    def on_call(self, stage: str, function: Callable, arguments: inspect.BoundArguments) -> Any:
+        """Run ``function(*arguments.args, **arguments.kwargs)`` for ``stage`` and return its result."""
+
+    def on_replica(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
+        """Run ``call()``, replica ``replica``'s forward on ``device``, and return its result."""
+
+
+_listener: Optional[Listener] = None
+
+
+def set_listener(listener: Optional[Listener]) -> Optional[Listener]:
+    """Install ``listener`` (``None``: remove it); returns the one it replaces."""
+    global _listener
+    previous, _listener = _listener, listener
+    return previous
+
+
+def current_listener() -> Optional[Listener]:
+    return _listener
+
+
+@contextlib.contextmanager
+def _ranges(stage: str) -> Iterator[None]:
+    """``record_function`` while a profiler records, and an NVTX range once CUDA is in use."""
+    with contextlib.ExitStack() as stack:
+        if torch.cuda.is_initialized():
+            stack.enter_context(torch.cuda.nvtx.range(f"minidp::{stage}"))
+        if _profiler._is_profiler_enabled:
+            stack.enter_context(torch.profiler.record_function(f"minidp::{stage}"))
+        yield
+
+
+def observed(stage: str) -> Callable[[Callable], Callable]:
+    """Decorator: calls of the decorated primitive are ``stage`` for a listener or a profiler."""
+    if stage not in STAGES:
+        raise ValueError(f"observed: unknown stage {stage!r}; the stages are {STAGES}")
+
+    def decorate(function: Callable) -> Callable:
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            listener = _listener
+            if listener is None and not _profiler._is_profiler_enabled:
+                return function(*args, **kwargs)
+            with _ranges(stage):
+                if listener is None:
+                    return function(*args, **kwargs)
+                return listener.on_call(stage, function, signature.bind(*args, **kwargs))
+
+        return wrapper
+
+    return decorate
+
+
+def observe_replica(replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
+    """``call()``, replica ``replica``'s forward on ``device``, seen as the ``forward`` stage."""
+    listener = _listener
+    if listener is None and not _profiler._is_profiler_enabled:
+        return call()
+    with _ranges("forward"):
+        if listener is None:
+            return call()
+        return listener.on_replica(replica, device, module, call)

@@ -1,0 +1,149 @@
+"""What each step moved: one describer per stage, reading the primitive's bound arguments and result.
+
+A describer runs when its primitive returns, with ``arguments`` (the call's arguments by parameter
+name, defaults filled in, as ``inspect.Signature.bind`` and ``apply_defaults`` give them) and the
+result. It does at once only what needs the live call (registering the backward's hooks, walking the
+replica modules that a replica cache re-binds on its next call) and returns the rest as a function,
+``served()``, that the recorder calls when the trace ends: counting bytes and writing details is pure
+bookkeeping, kept out of the step and out of the stage's own time. ``served()`` lists
+``(replica, device, bytes, detail)`` for every replica the call served; ``bytes`` is always "bytes
+written to fresh memory by this step".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import torch
+
+from ..comm import resolve_reduce_backend
+from ..device_ids import as_devices
+from ..nested import tensors_in
+
+if TYPE_CHECKING:
+    from .recorder import Trace
+
+Served = Iterator[tuple[int, Any, int, str]]  # (replica, device, bytes, detail)
+Describer = Callable[["Trace", dict, Any], Callable[[], Served]]
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for _, t in tensors_in(obj)]
+
+
+def _storages(tensors: Sequence[torch.Tensor]) -> set[tuple[torch.device, int]]:
+    return {(t.device, t.untyped_storage().data_ptr()) for t in tensors}
+
+
+def _bytes_outside(tensors: Sequence[torch.Tensor], owned: set[tuple[torch.device, int]]) -> int:
+    """Bytes of ``tensors`` that live in memory none of ``owned`` is (so they were copied)."""
+    return sum(t.nbytes for t in tensors if (t.device, t.untyped_storage().data_ptr()) not in owned)
+
+
+def _device_of(tensors: Sequence[torch.Tensor], default: Any) -> str:
+    return str(tensors[0].device) if tensors else str(default)
+
+
+def scatter(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served]:
+    def served() -> Served:
+        if "kwargs" in arguments:  # scatter_kwargs: (inputs per replica, kwargs per replica)
+            sources = _storages(_tensors((arguments["inputs"], arguments["kwargs"])))
+            pieces = list(zip(*result))
+        else:
+            sources = _storages(_tensors(arguments["inputs"]))
+            pieces = list(result)
+        devices = as_devices(arguments["target_devices"])
+        for replica, piece in enumerate(pieces):
+            chunk = _tensors(piece)
+            shapes = ", ".join(str(tuple(t.shape)) for t in chunk)
+            yield replica, str(devices[replica]), _bytes_outside(chunk, sources), f"chunks {shapes}"
+
+    return served
+
+
+def _replica_tensors(
+    network: torch.nn.Module, replica: torch.nn.Module
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """``(originals, replica's parameters, replica's buffers)``: walks both module trees in step, each
+    module once (as ``modules()`` does, without its generators). A replica keeps its parameters as
+    plain attributes, under the names the original's ``_parameters`` holds them."""
+    originals: list[torch.Tensor] = []
+    params: list[torch.Tensor] = []
+    buffers: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [(network, replica)]
+    while stack:
+        original, copy = stack.pop()
+        if id(original) in seen:
+            continue
+        seen.add(id(original))
+        for key, param in original._parameters.items():
+            if param is not None:
+                originals.append(param)
+                params.append(getattr(copy, key))
+        copy_buffers = copy._buffers
+        for key, buf in original._buffers.items():
+            if buf is not None:
+                originals.append(buf)
+                buffers.append(copy_buffers[key])
+        copy_children = copy._modules
+        stack.extend((child, copy_children[key]) for key, child in original._modules.items() if child is not None)
+    return originals, params, buffers
+
+
+def replicate(tracer: "Trace", arguments: dict, result: list) -> Callable[[], Served]:
+    network = arguments["network"]
+    walked = [_replica_tensors(network, module) for module in result]  # now: a cache re-binds these modules
+    tracer.watch_replicas(result, [[p for p in params if p.requires_grad] for _, params, _ in walked])
+
+    def served() -> Served:
+        originals = _storages(walked[0][0]) if walked else set()
+        for replica, (_, params, buffers) in enumerate(walked):
+            copied = {"parameter": _bytes_outside(params, originals), "buffer": _bytes_outside(buffers, originals)}
+            device = _device_of(params + buffers, arguments["devices"][replica])
+            yield replica, device, copied["parameter"] + copied["buffer"], (
+                f"parameters {copied['parameter']} B copied, buffers {copied['buffer']} B copied"
+                + (" (parameters alias the original's storage)" if params and copied["parameter"] == 0 else "")
+            )
+
+    return served
+
+
+def gather(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served]:
+    outputs = [_tensors(output) for output in arguments["outputs"]]
+
+    def served() -> Served:
+        gathered = _storages(_tensors(result))
+        for replica, tensors in enumerate(outputs):
+            yield replica, _device_of(tensors, arguments["target_device"]), _bytes_outside(tensors, gathered), (
+                f"into {arguments['target_device']}"
+            )
+
+    return served
+
+
+def reduce(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served]:
+    backend = resolve_reduce_backend(arguments["backend"])  # now: the default backend is a setting
+
+    def served() -> Served:
+        destination = _device_of(list(result), arguments["destination"])
+        for replica, grads in enumerate(arguments["inputs"]):
+            grads = list(grads)
+            yield replica, _device_of(grads, destination), sum(g.nbytes for g in grads), (
+                f"{len(grads)} gradients summed onto {destination}, backend={backend}"
+            )
+
+    return served
+
+
+DESCRIBERS: dict[str, Describer] = {"scatter": scatter, "replicate": replicate, "gather": gather, "reduce": reduce}
+
+
+def timing_device(stage: str, arguments: dict) -> "torch.device | None":
+    """Where a stage is timed by CUDA events rather than the host clock: the reduction, on its destination."""
+    if stage != "reduce":
+        return None
+    if arguments["destination"] is not None:
+        return as_devices([arguments["destination"]], "destination")[0]
+    inputs = arguments["inputs"]
+    return inputs[0][0].device if inputs and inputs[0] else None

@@ -1,0 +1,190 @@
+"""Three views of a trace: a text table, the Chrome trace format, a PNG timeline; and the files they go to."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+from ..hooks import STAGES
+
+if TYPE_CHECKING:
+    from .recorder import Trace
+
+STAGE_COLOURS = {
+    "scatter": "#4c72b0", "replicate": "#8172b3", "forward": "#55a868",
+    "gather": "#ccb974", "backward": "#c44e52", "reduce": "#dd8452",
+}
+
+
+def lanes(step: "Trace") -> list[tuple[str, Optional[int]]]:
+    """``(device, replica)`` of every track, in device then replica order."""
+    return sorted({(e.device, e.replica) for e in step.events}, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+
+
+def summary(step: "Trace") -> list[dict[str, Any]]:
+    """One row per stage and device: wall time, busy thread time, share of the step, bytes."""
+    rows = []
+    for name in STAGES:
+        for device in sorted({e.device for e in step.events if e.stage == name}):
+            events = [e for e in step.events if e.stage == name and e.device == device]
+            wall = union_length([(e.start, e.end) for e in events])
+            busy = sum(
+                union_length([(e.start, e.end) for e in events if e.thread == thread])
+                for thread in {e.thread for e in events}
+            )
+            rows.append({
+                "stage": name, "device": device,
+                "replicas": sorted({e.replica for e in events if e.replica is not None}),
+                "wall_s": wall, "busy_s": busy,
+                "share": wall / step.duration if step.duration else 0.0,
+                "bytes": sum(e.bytes for e in events),
+            })
+    return rows
+
+
+def table(step: "Trace") -> str:
+    """The step as text: per stage and device, wall time, its share of the step, thread time, bytes."""
+    lines = [
+        f"one traced step: {step.duration * 1e3:.2f} ms, {len(step.events)} events",
+        f"{'stage':<10} {'device':<8} {'replicas':<9} {'wall ms':>9} {'share':>7} {'busy ms':>9} {'bytes':>12}",
+    ]
+    for row in summary(step):
+        lines.append(
+            f"{row['stage']:<10} {row['device']:<8} {_ranges_text(row['replicas']):<9} {row['wall_s'] * 1e3:>9.3f} "
+            f"{row['share']:>6.1%} {row['busy_s'] * 1e3:>9.3f} {bytes_text(row['bytes']):>12}"
+        )
+    covered = union_length([(e.start, e.end) for e in step.events])
+    lines.append(
+        f"{'(other)':<10} {'':<8} {'':<9} {(step.duration - covered) * 1e3:>9.3f} "
+        f"{(1 - covered / step.duration if step.duration else 0):>6.1%}   outside every stage (loss, optimizer, Python)"
+    )
+    lines.append(
+        "wall: time the stage was running on the device; busy: summed over threads (parallel replicas add up); "
+        "bytes: copied to fresh memory"
+    )
+    for peak in step.memory:
+        lines.append(f"peak memory {peak.device}: {bytes_text(peak.bytes)} ({peak.measure})")
+    return "\n".join(lines)
+
+
+def chrome_trace(step: "Trace") -> dict[str, Any]:
+    """The Chrome trace format: one process per device, one track per replica."""
+    devices = sorted({e.device for e in step.events})
+    pid = {device: number + 1 for number, device in enumerate(devices)}
+    events: list[dict[str, Any]] = []
+    for device in devices:
+        events.append({"ph": "M", "name": "process_name", "pid": pid[device], "tid": 0, "args": {"name": device}})
+    for device, replica in lanes(step):
+        events.append({"ph": "M", "name": "thread_name", "pid": pid[device], "tid": _tid(replica),
+                       "args": {"name": "host" if replica is None else f"replica {replica}"}})
+    first = devices[0] if devices else "cpu"
+    events.append({"ph": "X", "name": "step", "cat": "minidp", "pid": pid.get(first, 1), "tid": 0,
+                   "ts": 0.0, "dur": step.duration * 1e6, "args": {}})
+    for e in step.events:
+        events.append({
+            "ph": "X", "name": e.stage, "cat": "minidp", "pid": pid[e.device], "tid": _tid(e.replica),
+            "ts": e.start * 1e6, "dur": e.duration * 1e6,
+            "args": {"bytes": e.bytes, "replica": e.replica, "thread": e.thread, "detail": e.detail},
+        })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome(step: "Trace", path: Union[str, Path]) -> Path:
+    """Write :func:`chrome_trace` as JSON; open it in https://ui.perfetto.dev or chrome://tracing."""
+    return write_atomically(Path(path), lambda file: file.write(json.dumps(chrome_trace(step), indent=1).encode()))
+
+
+def plot(step: "Trace", path: Union[str, Path]) -> Path:
+    """Draw the step as a PNG timeline: one lane per device and replica, one colour per stage."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as error:
+        raise ImportError("Trace.plot needs matplotlib: pip install 'minidp[plot]'") from error
+    tracks = lanes(step)
+    figure = Figure(figsize=(9, 1.2 + 0.45 * len(tracks)), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for lane, (device, replica) in enumerate(tracks):
+        for e in step.events:
+            if (e.device, e.replica) == (device, replica):
+                axes.broken_barh([(e.start * 1e3, e.duration * 1e3)], (lane - 0.4, 0.8), color=STAGE_COLOURS[e.stage])
+    axes.set_yticks(range(len(tracks)), [f"{d} replica {r}" if r is not None else d for d, r in tracks])
+    axes.invert_yaxis()
+    axes.set_xlim(0, step.duration * 1e3)
+    axes.set_xlabel("ms since the step began")
+    axes.legend(handles=[Patch(color=STAGE_COLOURS[s], label=s) for s in STAGES], ncols=len(STAGES),
+                loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False, fontsize="small")
+    figure.tight_layout()
+    return write_atomically(Path(path), lambda file: figure.savefig(file, format="png"))
+
+
+def write_atomically(path: Path, write: Callable[[Any], Any]) -> Path:
+    """Write ``path`` through a fresh temporary file in the same directory, then ``os.replace`` it.
+
+    A symlink (or any file) planted at ``path`` is replaced, never followed, and a reader never sees
+    a half-written file.
+    """
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            write(file)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    return path
+
+
+def write_trace_artifacts(step: "Trace", directory: Union[str, Path]) -> dict[str, Path]:
+    """Write ``table.txt``, ``trace.json`` (Chrome/Perfetto) and ``timeline.png`` into ``directory``.
+
+    The PNG is skipped (and left out of the result) when matplotlib is not installed.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    text = (table(step) + "\n").encode()
+    written = {
+        "table": write_atomically(directory / "table.txt", lambda file: file.write(text)),
+        "chrome": write_chrome(step, directory / "trace.json"),
+    }
+    try:
+        written["timeline"] = plot(step, directory / "timeline.png")
+    except ImportError:
+        pass
+    return written
+
+
+def _tid(replica: Optional[int]) -> int:
+    return 0 if replica is None else replica + 1
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals`` (overlaps counted once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _ranges_text(replicas: list[int]) -> str:
+    if not replicas:
+        return "-"
+    if replicas == list(range(replicas[0], replicas[-1] + 1)) and len(replicas) > 1:
+        return f"{replicas[0]}-{replicas[-1]}"
+    return ",".join(map(str, replicas))
+
+
+def bytes_text(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024 or unit == "MiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
