@@ -32,7 +32,8 @@ def set_reduce_backend(backend: str) -> None:
     """Choose how gradients are summed everywhere a ``backend`` is not given explicitly.
 
     ``"torch"``: ``Tensor.add_`` in replica order. ``"ext"``: minidp's fused C++/CUDA op
-    (:mod:`minidp.ext`). ``"auto"``: the extension when it is loaded, else ``"torch"``.
+    (:mod:`minidp.ext`). ``"auto"``: the extension, once it is loaded, for every tensor it takes;
+    ``"torch"`` for the rest (see :func:`reduce_backends`).
     """
     global _default_reduce_backend
     _default_reduce_backend = _check_backend(backend)
@@ -43,19 +44,9 @@ def get_reduce_backend() -> str:
     return _default_reduce_backend
 
 
-def _check_backend(backend: str) -> str:
+def _check_backend(backend: str, argument: str = "backend") -> str:
     if backend not in REDUCE_BACKENDS:
-        raise ValueError(f"backend must be one of {REDUCE_BACKENDS}, got {backend!r}")
-    return backend
-
-
-def resolve_reduce_backend(backend: Optional[str] = None) -> str:
-    """The concrete backend (``"torch"`` or ``"ext"``) that a reduction with ``backend`` will use."""
-    backend = _check_backend(backend or _default_reduce_backend)
-    if backend == "auto":
-        from . import ext
-
-        return "ext" if ext.is_loaded() else "torch"
+        raise ValueError(f"{argument} must be one of {REDUCE_BACKENDS}, got {backend!r}")
     return backend
 
 
@@ -166,6 +157,33 @@ def _check_reduce_inputs(inputs: Sequence[Sequence[torch.Tensor]]) -> None:
                 raise ValueError(f"reduce: tensor {i} of replica {r} has dtype {t.dtype} but replica 0's has {ref.dtype}")
 
 
+def reduce_backends(tensors: Sequence[torch.Tensor], backend: Optional[str] = None) -> list[str]:
+    """The concrete backend (``"torch"`` or ``"ext"``) that will sum each position of ``tensors``.
+
+    ``"torch"`` takes everything. ``"ext"`` must take every tensor: one it cannot (a complex or
+    integer dtype, a sparse layout, a device other than the CPU or a GPU) is a ``TypeError`` that names
+    it. ``"auto"`` gives the extension, once it is loaded, exactly the tensors it takes, and the
+    rest to ``"torch"``; both add in replica order, so the sums are bitwise the same either way.
+    """
+    requested = _check_backend(backend or _default_reduce_backend)
+    if requested == "torch":
+        return ["torch"] * len(tensors)
+    from . import ext
+
+    if requested == "ext":
+        ext.load()  # raises, saying why, when the extension is disabled or cannot be built
+        for i, t in enumerate(tensors):
+            if not ext.supports(t):
+                raise TypeError(
+                    f"reduce backend 'ext' cannot sum tensor {i} ({t.dtype}, {t.layout}, on {t.device}); it takes "
+                    f"dense tensors of {', '.join(map(str, ext.SUPPORTED_DTYPES))} on the CPU or a GPU. Use "
+                    f"reduce_backend='auto', which hands such tensors to the torch backend, or 'torch'."
+                )
+        return ["ext"] * len(tensors)
+    loaded = ext.is_loaded()
+    return ["ext" if loaded and ext.supports(t) else "torch" for t in tensors]
+
+
 @observed("reduce")
 def reduce_add_coalesced(
     inputs: Sequence[Sequence[torch.Tensor]],
@@ -179,19 +197,32 @@ def reduce_add_coalesced(
     ``inputs[replica]`` is one replica's list of tensors (e.g. its parameters' gradients); the sums
     are fresh tensors on ``destination`` (default: the device of ``inputs[0][0]``). The sum runs in
     replica order, so every backend gives bitwise the same result; half-precision inputs are summed
-    in float32 and rounded once. ``buffer_size`` is accepted for compatibility with
-    ``torch.nn.parallel.comm`` and unused: no backend packs tensors into flat buffers.
+    in float32 and rounded once. Each position goes to the backend :func:`reduce_backends` picks.
+    ``buffer_size`` is accepted for compatibility with ``torch.nn.parallel.comm`` and unused: no
+    backend packs tensors into flat buffers.
     """
     del buffer_size
     _check_reduce_inputs(inputs)
     if not inputs[0]:
         return ()
     destination = as_device(destination, "destination") if destination is not None else inputs[0][0].device
-    if resolve_reduce_backend(backend) == "ext" and not any(t.is_sparse for t in inputs[0]):
-        from . import ext
+    positions: dict[str, list[int]] = {}
+    for i, name in enumerate(reduce_backends(inputs[0], backend)):
+        positions.setdefault(name, []).append(i)
+    if len(positions) == 1 and "torch" in positions:  # the common case, without re-indexing
+        return tuple(_reduce_add_torch(inputs, destination))
+    sums: list[Optional[torch.Tensor]] = [None] * len(inputs[0])
+    for name, indices in positions.items():
+        subset = [[replica[i] for i in indices] for replica in inputs]
+        if name == "ext":
+            from . import ext
 
-        return tuple(ext.reduce_add_coalesced(inputs, destination))
-    return tuple(_reduce_add_torch(inputs, destination))
+            reduced = ext.reduce_add_coalesced(subset, destination)
+        else:
+            reduced = _reduce_add_torch(subset, destination)
+        for i, total in zip(indices, reduced):
+            sums[i] = total
+    return tuple(sums)  # type: ignore[arg-type]
 
 
 def reduce_add(

@@ -111,6 +111,11 @@ def reduce_add_coalesced(
     return load().reduce_add([list(replica) for replica in inputs], torch.device(destination))
 
 
+def supports(tensor: torch.Tensor) -> bool:
+    """Whether the kernels take ``tensor``: a dense tensor of a SUPPORTED_DTYPES dtype on the CPU or a GPU."""
+    return tensor.dtype in SUPPORTED_DTYPES and tensor.layout == torch.strided and tensor.device.type in ("cpu", "cuda")
+
+
 def _build(verbose: bool) -> ModuleType:
     from torch.utils import cpp_extension
 

@@ -7,10 +7,10 @@ the same tree, with each parameter and buffer replaced by that device's copy.
 What moves: the parameters and buffers, once to every device other than the module's own. A replica
 on the module's own device copies no parameter: it reads the original storage.
 
-What autograd records: the parameters reach the replicas through :class:`Broadcast`, one autograd
-node for all of them. Its backward is step 5, the reduction: it sums the gradient each replica
-produced for each parameter, in replica order, onto the module's device, and autograd adds that
-sum into the original parameter's ``.grad`` once. So replica parameters are not leaves (they have
+What autograd records: the parameters reach the replicas through
+:class:`minidp.step5_reduce.Broadcast`, one autograd node for all of them. Its backward is step 5,
+the reduction: it sums the gradient each replica produced for each parameter, in replica order,
+onto the module's device, and autograd adds that sum into the original parameter's ``.grad`` once. So replica parameters are not leaves (they have
 no ``.grad`` of their own) and ``replica.parameters()`` is empty, as in stock.
 
 Buffers (BatchNorm's running statistics, say) are not differentiated. Replica 0 shares the
@@ -28,44 +28,10 @@ from torch import nn
 from . import comm
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
+from .step5_reduce import Broadcast
 
 if TYPE_CHECKING:
     from .replica_cache import ReplicaCache
-
-
-class Broadcast(torch.autograd.Function):
-    """Forward: ``tensors`` onto each device. Backward: the replicas' gradients summed onto the source.
-
-    Outputs are device-major: ``[device 0: t0, t1, ..., device 1: t0, t1, ...]``.
-    """
-
-    @staticmethod
-    def forward(ctx, devices: list[torch.device], reduce_backend: Optional[str], *tensors: torch.Tensor):
-        ctx.source_device = tensors[0].device
-        ctx.num_tensors = len(tensors)
-        ctx.reduce_backend = reduce_backend
-        # On the source device broadcast returns the tensors themselves. Returned as they are, autograd
-        # would turn each into a view of its input; a detached alias is the same storage (no copy, and
-        # the same version counter, so in-place changes stay visible), takes this node as its grad_fn
-        # just the same, and costs a third of the time to create.
-        outputs = [
-            copy.detach() if copy is original else copy
-            for copies in comm.broadcast_coalesced(tensors, devices)
-            for copy, original in zip(copies, tensors)
-        ]
-        ctx.mark_non_differentiable(*[o for o, t in zip(outputs, tensors * len(devices)) if not t.requires_grad])
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        n = ctx.num_tensors
-        needed = [i for i in range(n) if ctx.needs_input_grad[2 + i]]  # frozen parameters need no sum
-        per_replica = [[grads[start + i] for i in needed] for start in range(0, len(grads), n)]
-        sums = comm.reduce_add_coalesced(per_replica, ctx.source_device, backend=ctx.reduce_backend)
-        result: list[Optional[torch.Tensor]] = [None] * n
-        for i, total in zip(needed, sums):
-            result[i] = total
-        return (None, None, *result)
 
 
 def check_module_device(network: nn.Module, source_device: torch.device) -> None:

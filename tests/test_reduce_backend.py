@@ -40,13 +40,14 @@ def test_unknown_backend_is_a_clear_error():
 
 def test_auto_uses_the_extension_only_once_it_is_loaded(extension):
     assert ext.is_loaded()
-    assert comm.resolve_reduce_backend("auto") == "ext"
-    assert comm.resolve_reduce_backend("torch") == "torch"
+    parameter = torch.ones(2)
+    assert comm.reduce_backends([parameter], "auto") == ["ext"]
+    assert comm.reduce_backends([parameter], "torch") == ["torch"]
 
 
 def test_set_reduce_backend_changes_the_default(default_backend):
     minidp.set_reduce_backend("torch")
-    assert comm.resolve_reduce_backend() == "torch"
+    assert comm.reduce_backends([torch.ones(2)]) == ["torch"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
@@ -91,3 +92,50 @@ def test_the_backward_uses_the_backend_dataparallel_was_given(monkeypatch, gener
     dp = minidp.DataParallel(MLP(), cpu_ids(2), reduce_backend="ext")
     dp(torch.randn(4, 16, generator=generator)).sum().backward()
     assert seen == ["ext"]
+
+
+def _gradient_penalty_grads(model: torch.nn.Module, run, x: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients of ``sum(|d loss / d params|^2)``: a second-order gradient through the reduction."""
+    params = list(model.parameters())
+    first = torch.autograd.grad(run(x).pow(2).sum(), params, create_graph=True)
+    penalty = sum(g.pow(2).sum() for g in first)
+    return list(torch.autograd.grad(penalty, params))
+
+
+@pytest.mark.parametrize("backend", ["torch", "ext", "auto"])
+def test_second_order_gradients_flow_through_the_reduction_with_every_backend(extension, generator, backend):
+    """Stock's ReduceAddCoalesced is an autograd Function whose backward is a broadcast
+    (torch/nn/parallel/_functions.py), so gradients of gradients flow through data parallelism."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2)).double()
+    x = torch.randn(9, 5, generator=generator, dtype=torch.float64)
+    dp = minidp.DataParallel(model, cpu_ids(3), reduce_backend=backend)
+    parallel = _gradient_penalty_grads(model, dp, x)
+    single = _gradient_penalty_grads(model, model, x)
+    for a, b in zip(parallel, single):
+        assert (a - b).abs().max() <= 1e-10 * b.abs().max()
+
+
+def test_auto_hands_what_the_extension_does_not_take_to_the_torch_backend(extension, generator):
+    """A complex parameter next to real ones: "auto" sums it with torch, the rest with the extension."""
+    real = torch.randn(4, 3, generator=generator)
+    complex_grad = torch.randn(4, 3, generator=generator, dtype=torch.complex64)
+    assert comm.reduce_backends([real, complex_grad], "auto") == ["ext", "torch"]
+    inputs = [[real * (k + 1), complex_grad * (k + 1)] for k in range(3)]
+    sums = comm.reduce_add_coalesced(inputs, "cpu", backend="auto")
+    assert torch.equal(sums[0], comm.reduce_add_coalesced(inputs, "cpu", backend="torch")[0])
+    assert torch.equal(sums[1], inputs[0][1] + inputs[1][1] + inputs[2][1])
+
+
+def test_ext_refuses_a_tensor_it_cannot_sum_and_names_it(extension):
+    with pytest.raises(TypeError, match=r"cannot sum tensor 1 \(torch.complex64.*reduce_backend='auto'"):
+        comm.reduce_add_coalesced([[torch.ones(2), torch.ones(2, dtype=torch.complex64)]] * 2, "cpu", backend="ext")
+
+
+def test_dataparallel_trains_a_complex_model_with_auto_once_the_extension_is_loaded(extension, generator):
+    model = torch.nn.Linear(3, 2, dtype=torch.complex128)
+    x = torch.randn(6, 3, generator=generator, dtype=torch.complex128)
+    minidp.DataParallel(model, cpu_ids(2), reduce_backend="auto")(x).abs().sum().backward()
+    parallel = model.weight.grad.clone()
+    model.zero_grad()
+    model(x).abs().sum().backward()
+    assert (parallel - model.weight.grad).abs().max() <= 1e-10 * model.weight.grad.abs().max()

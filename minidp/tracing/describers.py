@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..comm import resolve_reduce_backend
+from ..comm import reduce_backends
 from ..device_ids import as_devices
 from ..nested import tensors_in
 
@@ -123,14 +123,16 @@ def gather(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served
 
 
 def reduce(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served]:
-    backend = resolve_reduce_backend(arguments["backend"])  # now: the default backend is a setting
+    inputs = arguments["inputs"]  # which backend summed what is decided now: the default is a setting
+    chosen = reduce_backends(inputs[0], arguments["backend"]) if inputs and inputs[0] else []
+    backend = ", ".join(f"{name} ({chosen.count(name)})" for name in sorted(set(chosen))) or "-"
 
     def served() -> Served:
         destination = _device_of(list(result), arguments["destination"])
         for replica, grads in enumerate(arguments["inputs"]):
             grads = list(grads)
             yield replica, _device_of(grads, destination), sum(g.nbytes for g in grads), (
-                f"{len(grads)} gradients summed onto {destination}, backend={backend}"
+                f"{len(grads)} gradients summed onto {destination}, backends: {backend}"
             )
 
     return served
