@@ -54,7 +54,7 @@ def bench_replicate(benchmark, device, replicas, variant):
         cache, devices = ReplicaCache(), as_devices(ids)
 
         def replicate() -> None:
-            minidp.replicate(network, devices, cache=cache)
+            cache.replicate(network, devices)
             cache.release(devices)  # what a training step's backward leaves: replicas free to re-bind
 
     else:

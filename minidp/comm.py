@@ -91,25 +91,33 @@ def broadcast_coalesced(
     for i, t in enumerate(tensors):
         if t.device != source_device:
             raise ValueError(f"broadcast_coalesced: tensors[{i}] is on {t.device}, but tensors[0] is on {source_device}")
-    unique = list({id(t): t for t in tensors}.values())  # a tensor listed twice is copied once
-    per_device = []
-    for device in devices:
-        if device == source_device:
-            per_device.append(tuple(tensors))
-            continue
-        copies: dict[int, torch.Tensor] = {}
-        for bucket in _take_tensors(unique, buffer_size):  # buckets group tensors by type
-            if bucket[0].is_sparse:
-                moved = [move(t, device) for t in bucket]
-            else:
-                flat = move(_flatten_dense_tensors(bucket), device)
-                # `.data`: each copy gets a version counter of its own, not the flat buffer's, so an
-                # in-place update of one (a BatchNorm statistic) does not invalidate the others.
-                moved = [view.data for view in _unflatten_dense_tensors(flat, bucket)]
-            for original, copy in zip(bucket, moved):
-                copies[id(original)] = copy
-        per_device.append(tuple(copies[id(t)] for t in tensors))
-    return per_device
+    return [tuple(tensors) if device == source_device else copy_coalesced(tensors, device, buffer_size) for device in devices]
+
+
+def copy_coalesced(
+    tensors: Sequence[torch.Tensor], device: DeviceLike, buffer_size: int = 10485760
+) -> tuple[torch.Tensor, ...]:
+    """Fresh copies of ``tensors`` on ``device`` (their own device too), moved in few large copies.
+
+    Small tensors are packed into flat buffers of at most ``buffer_size`` bytes (one per dtype), so
+    that one copy moves many; each result is a view into such a buffer with a version counter of its
+    own, so an in-place update of one (a BatchNorm statistic) does not invalidate the others.
+    A tensor listed twice is copied once, into both slots.
+    """
+    device = as_device(device, "device")
+    unique = list({id(t): t for t in tensors}.values())
+    copies: dict[int, torch.Tensor] = {}
+    for bucket in _take_tensors(unique, buffer_size):  # buckets group tensors by type
+        if bucket[0].is_sparse:
+            moved = [t.to(device, copy=True) for t in bucket]
+        else:
+            flat = _flatten_dense_tensors(bucket)  # a fresh buffer, except for one tensor: then a view of it
+            flat = flat.to(device, non_blocking=device.type == "cuda", copy=len(bucket) == 1)
+            # `.data`: each copy gets a version counter of its own, not the flat buffer's.
+            moved = [view.data for view in _unflatten_dense_tensors(flat, bucket)]
+        for original, copy in zip(bucket, moved):
+            copies[id(original)] = copy
+    return tuple(copies[id(t)] for t in tensors)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,16 +9,20 @@ each later call only
 1. checks that the tree is unchanged (its *signature*, below), else rebuilds;
 2. resets every replica's ``__dict__`` to what a freshly built replica holds, so whatever a
    replica's ``forward`` wrote on itself in the last step is gone, as it would be with new replicas;
-3. binds this call's tensors (:func:`minidp.replicate.bind`): the parameters through a new
+3. binds this call's tensors (:func:`minidp.step2_replicate.bind`): the parameters through a new
    ``Broadcast`` node (built every call: its backward is this step's gradient reduction) and
-   fresh buffer copies.
+   fresh buffer copies (never refilled in place: an earlier step's graph may have saved them).
 
-Steps 2 and 3 are the same code the uncached ``replicate`` runs, so both give the same replicas.
+Steps 2 and 3 are the same code the uncached :func:`minidp.replicate` runs (its public pieces
+``build_skeletons``, ``replica_tensors`` and ``bind``), so both give the same replicas. The cache
+stands above the primitives: ``replicate`` knows nothing of it, and ``DataParallel.replicate``
+chooses between the two.
 
 What the signature checks, and why. A skeleton is a shallow copy of the original's ``__dict__``
 taken when it was built, plus replica-owned ``_parameters``/``_buffers``/``_modules`` dicts.
 It goes stale when, for any module of the tree:
 
+* its class is replaced (``module.__class__ = Other``: a new ``forward``), checked by identity;
 * a value in its ``__dict__`` is replaced or a key added or removed: a plain attribute set later,
   ``train()``/``eval()`` (the ``training`` flag lives there), ``_is_full_backward_hook``, the
   ``_flat_weights`` list an RNN rebuilds in ``.to()``. Checked as the keys and the identity
@@ -36,17 +40,20 @@ bound anew each call), ``requires_grad`` (read each call), and the contents of o
 shares with the original by reference: hook dicts (a hook added later is seen at once, as by a
 fresh replica) and any mutable attribute changed in place.
 
-Limits: the replicas returned by one call are the objects the next call (same thread, same
-devices) re-binds, down to their empty registries (checked still empty, not replaced). They keep
-their tensors until then, because autograd may still run them: activation checkpointing re-runs a
-replica's forward during the backward. So skeletons are re-bound only once the backward of their
-last binding has run (a hook on its ``Broadcast`` node says so; without autograd there is nothing to
-wait for); until then a call builds new ones. Each thread gets its own skeletons, so concurrent
-forwards never share replicas.
+The life of one entry (:class:`EntryState`): ``CLEAN`` (built or reset, holding no tensor) ->
+``BOUND`` by a call; if that binding is recorded by autograd it is ``BACKWARD_PENDING`` until the
+backward of its ``Broadcast`` node has run (a hook on the node says so), then ``RELEASED``;
+:meth:`ReplicaCache.release` releases it by hand. Only a ``CLEAN``, ``BOUND`` (no graph) or
+``RELEASED`` entry is re-bound; while its backward is pending a call builds new skeletons, because
+autograd may still run the old ones: activation checkpointing re-runs a replica's forward during the
+backward. The replicas returned by one call are the objects the next call (same thread, same
+devices) re-binds, down to their empty registries (checked still empty, not replaced). Each thread
+gets its own skeletons, so concurrent forwards never share replicas.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 import weakref
 from collections import OrderedDict
@@ -59,6 +66,7 @@ import torch
 from torch import nn
 
 from .device_ids import DeviceLike, as_devices
+from .hooks import observed
 from .step2_replicate import Slots, bind, build_skeletons, check_module_device, replica_tensors, tensor_slots
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
@@ -69,7 +77,7 @@ _registries_of = itemgetter(*_REGISTRIES)
 class _Signature:
     """The ``__dict__`` of every module and its three registries, as they were: their sizes, keys and values.
 
-    :meth:`matches` holds when every module still has that ``__dict__`` object and every one of these
+    :meth:`matches` holds when every module still has its class and that ``__dict__`` object and every one of these
     dicts still has those sizes, those keys in that order and those very values (``is``, never
     ``==``: an equal but new list, tensor or module is a change). Since a registry is itself a value
     of its module's ``__dict__``, the registries seen are then the stored ones. The stored values
@@ -80,6 +88,7 @@ class _Signature:
     """
 
     def __init__(self, modules: list[nn.Module]) -> None:
+        self.types = tuple(map(type, modules))
         self.states = list(map(_dict_of, modules))
         self.dicts = self.states + list(chain.from_iterable(map(_registries_of, self.states)))
         self.sizes = tuple(map(len, self.dicts))
@@ -88,7 +97,8 @@ class _Signature:
 
     def matches(self, modules: list[nn.Module]) -> bool:
         return (
-            all(map(is_, map(_dict_of, modules), self.states))
+            all(map(is_, map(type, modules), self.types))
+            and all(map(is_, map(_dict_of, modules), self.states))
             and tuple(map(len, self.dicts)) == self.sizes
             and tuple(chain.from_iterable(self.dicts)) == self.keys
             and all(map(is_, chain.from_iterable(map(dict.values, self.dicts)), self.values))
@@ -98,7 +108,7 @@ class _Signature:
 def _module_parts(module: nn.Module) -> dict[str, dict[str, int]]:
     """One module's part of the signature, by kind, to name what changed."""
     state = module.__dict__
-    parts = {"attributes": {key: id(value) for key, value in state.items()}}
+    parts = {"class": {"__class__": id(type(module))}, "attributes": {key: id(value) for key, value in state.items()}}
     for kind, registry in zip(("parameters", "buffers", "sub-modules"), _REGISTRIES):
         parts[kind] = {key: id(value) for key, value in state[registry].items()}
     return parts
@@ -111,6 +121,15 @@ _dtype_of = attrgetter("dtype")
 def _same_placement(tensors: list[torch.Tensor], device: torch.device, dtypes: tuple) -> bool:
     """Every tensor on ``device`` and of its dtype in ``dtypes`` (dtypes are singletons: ``is``)."""
     return all(map(is_, map(_dtype_of, tensors), dtypes)) and all(map(eq, map(_device_of, tensors), repeat(device)))
+
+
+class EntryState(enum.Enum):
+    """Where one set of skeletons is in its life (see the module docstring)."""
+
+    CLEAN = "clean"  # built or reset: holds no tensor
+    BOUND = "bound"  # holds a call's tensors, and no autograd graph was recorded through them
+    BACKWARD_PENDING = "backward pending"  # holds a call's tensors that autograd may still run
+    RELEASED = "released"  # the binding's backward has run (or release() said none will)
 
 
 @dataclass(frozen=True)
@@ -141,9 +160,8 @@ class _Entry:
         self.device = devices[0]  # where check_module_device found them all
         self.dtypes = tuple(map(_dtype_of, self.tensors))
         self.replicas = build_skeletons(modules, len(devices))
-        self.backward_pending = 0  # backward passes of the last binding that autograd may still run
-        self.buffer_copies: Optional[list[list[torch.Tensor]]] = None  # the last binding's, refilled by the next
-        self.clean = False  # True from a reset until the next bind: the replicas hold nothing to reset
+        self.state = EntryState.BOUND  # built skeletons are not reset yet: the first bind resets them
+        self._pending_nodes = 0  # Broadcast nodes of the current binding whose backward has not run
         # A fresh replica's __dict__, and the containers it owns (not shared with the original: its
         # registries, an RNN's `_flat_weights`): copied at each reset, since binding and forward fill them.
         self.templates = [[dict(r.__dict__) for r in replica_modules] for replica_modules in self.replicas]
@@ -197,22 +215,47 @@ class _Entry:
                     return f"{kind} {changed} of {where} changed"
         return "the module tree changed"
 
-    def watch_backward(self, tensors: list[torch.Tensor]) -> None:
-        """Count the autograd nodes that made ``tensors`` (one ``Broadcast`` per step) until each has run backward."""
+    @property
+    def reusable(self) -> bool:
+        """Whether the skeletons may be re-bound: no autograd graph can still run their current binding."""
+        return self.state is not EntryState.BACKWARD_PENDING
+
+    def bind(
+        self, devices: list[torch.device], detach: bool, reduce_backend: Optional[str]
+    ) -> list[nn.Module]:
+        """Reset the skeletons and give them this call's tensors; the replica roots, one per device."""
+        self.reset()
+        param_copies, buffer_copies = replica_tensors(self.params, self.buffers, devices, detach, reduce_backend)
+        bind(self.replicas, self.param_slots, self.buffer_slots, param_copies, buffer_copies)
+        self._watch_backward(param_copies[0] + buffer_copies[0])
+        return [replica_modules[0] for replica_modules in self.replicas]
+
+    def release(self) -> None:
+        """The current binding is finished (its backward ran, or the caller says none will): empty it."""
+        self._pending_nodes = 0
+        self.state = EntryState.RELEASED
+        self.reset()
+
+    def _watch_backward(self, tensors: list[torch.Tensor]) -> None:
+        """BACKWARD_PENDING until every autograd node that made ``tensors`` (one ``Broadcast`` per step) has run backward."""
         nodes = {id(t.grad_fn): t.grad_fn for t in tensors if t.grad_fn is not None}
-        self.backward_pending = len(nodes)
+        self._pending_nodes = len(nodes)
+        self.state = EntryState.BACKWARD_PENDING if nodes else EntryState.BOUND
         entry = weakref.ref(self)  # the node must not keep the skeletons alive: they hold its outputs
 
         def backward_done(grad_inputs: Any, grad_outputs: Any) -> None:
-            if entry() is not None:
-                entry().backward_pending -= 1
+            live = entry()
+            if live is not None and live.state is EntryState.BACKWARD_PENDING:
+                live._pending_nodes -= 1
+                if live._pending_nodes == 0:
+                    live.state = EntryState.RELEASED
 
         for node in nodes.values():
             node.register_hook(backward_done)
 
     def reset(self) -> None:
-        """Every replica's ``__dict__`` as freshly built: no tensors, nothing a forward wrote."""
-        if self.clean:
+        """Every replica's ``__dict__`` as freshly built: no tensors, nothing a forward wrote (-> CLEAN)."""
+        if self.state is EntryState.CLEAN:
             return
         if any(map(len, self.shared_containers)):  # a forward filled one: it is no longer a fresh one
             for template, key in self.shared:
@@ -226,11 +269,12 @@ class _Entry:
                 state.update(template)
                 for key in copied:
                     state[key] = template[key].copy()
-        self.clean = True
+        self.state = EntryState.CLEAN
 
 
 class ReplicaCache:
-    """Replica skeletons of a module tree, kept between calls of :func:`minidp.replicate`.
+    """Replica skeletons of a module tree, kept between steps: :meth:`replicate` is :func:`minidp.replicate`
+    with the module copies reused.
 
     One skeleton set per (thread, device list), at most ``max_entries`` of them (least recently
     used dropped). :meth:`info` says how often the skeletons were reused and why they were last rebuilt.
@@ -243,10 +287,14 @@ class ReplicaCache:
         self._hits = self._misses = 0
         self._last_rebuild_reason: Optional[str] = None
 
+    @observed("replicate")
     def replicate(
-        self, network: nn.Module, devices: list[torch.device], detach: bool, reduce_backend: Optional[str]
+        self, network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False, reduce_backend: Optional[str] = None
     ) -> list[nn.Module]:
-        """:func:`minidp.replicate` of ``network`` on ``devices`` (already ``torch.device``s), from skeletons."""
+        """:func:`minidp.replicate` of ``network`` on ``devices``, from kept skeletons where they still fit."""
+        devices = as_devices(devices, "devices")
+        if not devices:
+            return []
         key = (threading.get_ident(), tuple(devices))
         with self._lock:
             entry = self._entries.get(key)
@@ -254,7 +302,7 @@ class ReplicaCache:
                 self._entries.move_to_end(key)
         if entry is None:
             reason: Optional[str] = "first call for these devices in this thread"
-        elif entry.backward_pending:
+        elif not entry.reusable:
             reason = (
                 "the last replicas' backward has not run yet, and autograd may still run them (checkpointing); "
                 "run forwards you do not backpropagate under torch.no_grad() to keep the cache"
@@ -274,23 +322,14 @@ class ReplicaCache:
         else:
             with self._lock:
                 self._hits += 1
-        entry.reset()
-        entry.clean = False
-        param_copies, buffer_copies = replica_tensors(
-            entry.params, entry.buffers, devices, detach, reduce_backend, entry.buffer_copies
-        )
-        entry.buffer_copies = buffer_copies
-        bind(entry.replicas, entry.param_slots, entry.buffer_slots, param_copies, buffer_copies)
-        entry.watch_backward(param_copies[0] + buffer_copies[0])
-        return [replica_modules[0] for replica_modules in entry.replicas]
+        return entry.bind(devices, detach, reduce_backend)
 
     def release(self, devices: Sequence[DeviceLike]) -> None:
         """Declare the replicas this thread was last given for ``devices`` finished: no backward or
         checkpoint will run them again. They are emptied now and re-bound by the next call, as after a backward."""
         entry = self._entries.get((threading.get_ident(), tuple(as_devices(devices, "devices"))))
         if entry is not None:
-            entry.backward_pending = 0
-            entry.reset()
+            entry.release()
 
     def info(self) -> ReplicaCacheInfo:
         return ReplicaCacheInfo(self._hits, self._misses, self._last_rebuild_reason, len(self._entries))
@@ -301,16 +340,3 @@ class ReplicaCache:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["max_entries"])
-
-
-_caches: "weakref.WeakKeyDictionary[nn.Module, ReplicaCache]" = weakref.WeakKeyDictionary()
-_caches_lock = threading.Lock()
-
-
-def replica_cache_for(module: nn.Module) -> ReplicaCache:
-    """The cache :func:`minidp.data_parallel` uses for ``module``: one per module, dropped with it."""
-    with _caches_lock:
-        cache = _caches.get(module)
-        if cache is None:
-            cache = _caches[module] = ReplicaCache()
-        return cache

@@ -20,7 +20,7 @@ whose updates are dropped. That is stock's behaviour: running statistics come fr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -29,9 +29,6 @@ from . import comm
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
 from .step5_reduce import Broadcast
-
-if TYPE_CHECKING:
-    from .replica_cache import ReplicaCache
 
 
 def check_module_device(network: nn.Module, source_device: torch.device) -> None:
@@ -49,24 +46,13 @@ def check_module_device(network: nn.Module, source_device: torch.device) -> None
             )
 
 
-def _copy_buffers(
-    buffers: list[torch.Tensor], devices: list[torch.device], reuse: Optional[list[list[torch.Tensor]]] = None
-) -> list[list[torch.Tensor]]:
-    """Per device, the buffers to install: the originals for replica 0, private copies for the rest.
+def _copy_buffers(buffers: list[torch.Tensor], devices: list[torch.device]) -> list[list[torch.Tensor]]:
+    """Per device, the buffers to install: the originals for replica 0, fresh private copies for the rest.
 
-    ``reuse``: what an earlier call returned for the same buffers and devices. Its private copies
-    are refilled in place by one multi-tensor copy instead of being allocated anew; the values are
-    the same as fresh copies' (a cached replicate uses this once the earlier step's backward ran).
+    Fresh at every call, never refilled in place: a graph recorded by an earlier step may have saved
+    an earlier copy (a buffer multiplied with an input that requires grad), and must find it unchanged.
     """
-    if reuse is not None and all(c.shape == b.shape for c, b in zip(reuse[-1], buffers)):
-        if len(reuse) > 1 and buffers:
-            torch._foreach_copy_([c for copies in reuse[1:] for c in copies], buffers * (len(reuse) - 1))
-        return [list(buffers), *reuse[1:]]
-    per_device = comm.broadcast_coalesced(buffers, devices)
-    return [
-        list(buffers) if replica == 0 else [b.clone() if b is original else b for b, original in zip(copies, buffers)]
-        for replica, copies in enumerate(per_device)
-    ]
+    return [list(buffers)] + [list(comm.copy_coalesced(buffers, device)) for device in devices[1:]]
 
 
 @observed("replicate")
@@ -76,22 +62,19 @@ def replicate(
     detach: bool = False,
     *,
     reduce_backend: Optional[str] = None,
-    cache: Optional["ReplicaCache"] = None,
 ) -> list[nn.Module]:
     """Return one replica of ``network`` per entry of ``devices`` (repeats allowed), in order.
 
     ``network``'s parameters and buffers must be on ``devices[0]``. With ``detach=True`` (what
     ``DataParallel`` uses under ``torch.no_grad()``) the replicas are cut from autograd.
     ``reduce_backend`` picks how the backward sums gradients (see :func:`minidp.comm.set_reduce_backend`).
-    With a ``cache`` (:class:`minidp.replica_cache.ReplicaCache`) the replica modules are kept between
-    calls and only given this call's tensors; the replicas of the previous call with that cache (in
-    this thread, for these devices) are the same objects, re-bound.
+    Built from three public pieces, which :class:`minidp.replica_cache.ReplicaCache` reuses:
+    :func:`build_skeletons` (the module copies), :func:`replica_tensors` (what each holds) and
+    :func:`bind` (put them in place).
     """
     devices = as_devices(devices, "devices")
     if not devices:
         return []
-    if cache is not None:
-        return cache.replicate(network, devices, detach, reduce_backend)
     check_module_device(network, devices[0])
     modules = list(network.modules())
     params, buffers = list(network.parameters()), list(network.buffers())
@@ -159,18 +142,16 @@ def replica_tensors(
     devices: list[torch.device],
     detach: bool,
     reduce_backend: Optional[str],
-    reuse_buffers: Optional[list[list[torch.Tensor]]] = None,
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Per device, the parameters and the buffers its replica holds, in the order given.
 
     Parameters, and buffers that require grad, come through one :class:`Broadcast` each (unless
-    ``detach``); other buffers are the originals on replica 0 and private copies elsewhere
-    (refilled in place from ``reuse_buffers``, an earlier result's buffers, when given).
+    ``detach``); other buffers are the originals on replica 0 and fresh private copies elsewhere.
     """
     param_copies = _broadcast_parameters(params, devices, detach, reduce_backend)
     differentiable = [] if detach else [i for i, b in enumerate(buffers) if b.requires_grad]
     if not differentiable:  # the usual case, taken without sorting the copies back into place
-        return param_copies, _copy_buffers(buffers, devices, reuse_buffers)
+        return param_copies, _copy_buffers(buffers, devices)
     plain = [i for i, b in enumerate(buffers) if not b.requires_grad]
     buffer_copies: list[list[torch.Tensor]] = [[None] * len(buffers) for _ in devices]  # type: ignore[list-item]
     for indices, copies in (

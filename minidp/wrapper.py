@@ -21,7 +21,7 @@ from torch import nn
 from .device_ids import DeviceLike, as_device, as_devices, check_device_list
 from .step4_gather import gather
 from .step3_parallel_apply import parallel_apply
-from .replica_cache import ReplicaCache, ReplicaCacheInfo, replica_cache_for
+from .replica_cache import ReplicaCache, ReplicaCacheInfo
 from .step2_replicate import check_module_device, replicate
 from .step1_scatter import scatter_kwargs
 
@@ -143,8 +143,10 @@ class DataParallel(nn.Module):
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         """Step 2: one replica per device; cut from autograd under ``torch.no_grad()``."""
-        cache = self.replica_cache if self.cache_replicas else None
-        return replicate(module, device_ids, not torch.is_grad_enabled(), reduce_backend=self.reduce_backend, cache=cache)
+        detach = not torch.is_grad_enabled()
+        if self.cache_replicas:
+            return self.replica_cache.replicate(module, device_ids, detach, self.reduce_backend)
+        return replicate(module, device_ids, detach, reduce_backend=self.reduce_backend)
 
     def replica_cache_info(self) -> ReplicaCacheInfo:
         """How often the replicas came from the cache, how often they were built, and why last."""
@@ -166,24 +168,33 @@ def data_parallel(
     output_device: Optional[DeviceLike] = None,
     dim: int = 0,
     module_kwargs: Optional[dict[str, Any]] = None,
-    cache_replicas: bool = True,
+    *,
+    replica_cache: Optional[ReplicaCache] = None,
 ) -> Any:
-    """Evaluate ``module(*inputs, **module_kwargs)`` in parallel on ``device_ids``: one forward of
-    :class:`DataParallel`, for use inside another module's ``forward``.
+    """Evaluate ``module(*inputs, **module_kwargs)`` in parallel on ``device_ids``, for use inside
+    another module's ``forward``: the primitives composed as ``torch.nn.parallel.data_parallel`` composes
+    them, with ``DataParallel``'s checks, and no module built per call.
 
     ``inputs`` that is not a tuple is a single argument (a list too, as in stock). Where stock raises
     on a machine without a GPU, this runs: the module is called directly, or on CPU replicas when
-    ``device_ids`` names the CPU. With ``cache_replicas`` the replicas of ``module`` are kept between
-    calls in a cache tied to ``module`` (:func:`minidp.replica_cache.replica_cache_for`).
+    ``device_ids`` names the CPU. The replicas are built anew at every call, as stock does; pass a
+    ``replica_cache`` (a :class:`~minidp.replica_cache.ReplicaCache` you keep) to reuse them between calls.
     """
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
-    device_ids = resolve_device_ids(device_ids)
-    if not device_ids:  # no GPU and no CPU ids: a plain call, where stock raises
+    devices = resolve_device_ids(device_ids)
+    if not devices:  # no GPU and no CPU ids: a plain call, where stock raises
         return module(*inputs, **(module_kwargs or {}))
-    check_module_device(module, device_ids[0])  # as stock (DataParallel would move a module on one device)
-    # A replica (this call inside another DataParallel's forward) is itself re-bound at every step,
-    # so a cache of its replicas would rebuild every time: build them directly.
-    cache = replica_cache_for(module) if cache_replicas and not getattr(module, "_is_replica", False) else False
-    wrapper = DataParallel(module, device_ids, output_device, dim, cache_replicas=cache)
-    return wrapper(*inputs, **(module_kwargs or {}))
+    output_device = as_device(devices[0] if output_device is None else output_device, "output_device")
+    check_module_device(module, devices[0])  # as stock (DataParallel would move a module on one device)
+    chunk_inputs, chunk_kwargs = scatter_kwargs(inputs, module_kwargs, devices, dim=dim)
+    if not chunk_inputs:  # no arguments at all: one call on devices[0]
+        chunk_inputs, chunk_kwargs = ((),), ({},)
+    used = devices[: len(chunk_inputs)]
+    if len(devices) == 1:
+        outputs = [module(*chunk_inputs[0], **chunk_kwargs[0])]
+    else:
+        detach = not torch.is_grad_enabled()
+        replicas = replica_cache.replicate(module, used, detach) if replica_cache else replicate(module, used, detach)
+        outputs = parallel_apply(replicas, chunk_inputs, chunk_kwargs, used)
+    return outputs[0] if len(devices) == 1 and output_device == devices[0] else gather(outputs, output_device, dim=dim)

@@ -10,8 +10,10 @@ the cache noticed (a rebuild, with its reason) and still agrees.
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 import threading
+import weakref
 from typing import Any, Callable
 
 import pytest
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 import minidp
-from minidp.replica_cache import replica_cache_for
+from minidp.replica_cache import ReplicaCache
 from minidp.zoo import ZOO, LSTMModel, ResNetBlockBN
 
 from conftest import RTOL_FLOAT64, cpu_ids, max_relative_error
@@ -303,22 +305,32 @@ def test_cache_replicas_false_builds_every_step(generator):
     assert (wrapper.replica_cache_info().hits, wrapper.replica_cache_info().misses) == (1, 1)
 
 
-def test_data_parallel_reuses_one_cache_per_module(generator):
+def test_data_parallel_builds_replicas_anew_at_every_call_as_stock_does(generator, monkeypatch):
+    """Stock's data_parallel calls replicate at every call (torch/nn/parallel/data_parallel.py: data_parallel)."""
+    built = []
+    monkeypatch.setattr(minidp.wrapper, "replicate", lambda *args, **kwargs: built.append(1) or minidp.replicate(*args, **kwargs))
     model = _mlp()
     for _ in range(3):
         minidp.data_parallel(model, torch.randn(4, 5, generator=generator), cpu_ids(2)).sum().backward()
-    info = replica_cache_for(model).info()
-    assert (info.hits, info.misses) == (2, 1)
+    assert len(built) == 3
 
 
-def test_data_parallel_inside_a_replica_keeps_no_cache(generator):
-    entry = ZOO["vgg_split"]
-    model = entry.build()
-    model.device_ids = cpu_ids(2)
-    wrapper = minidp.DataParallel(model, cpu_ids(2))
-    for _ in range(2):
-        wrapper(*entry.batch(4, generator)[0])
-    assert not any(getattr(m, "_is_replica", False) for m in list(minidp.replica_cache._caches.keys()))
+def test_data_parallel_reuses_replicas_from_a_cache_it_is_given(generator):
+    model, cache = _mlp(), ReplicaCache()
+    for _ in range(3):
+        minidp.data_parallel(model, torch.randn(4, 5, generator=generator), cpu_ids(2), replica_cache=cache).sum().backward()
+    assert (cache.info().hits, cache.info().misses) == (2, 1)
+
+
+@pytest.mark.xfail(strict=True, reason="an idle replica thread still holds its last task, and the replica the module")
+def test_data_parallel_keeps_no_reference_to_a_module_that_references_itself(generator):
+    model = _mlp()
+    model.myself = [model]  # a cycle through a plain attribute
+    minidp.data_parallel(model, torch.randn(4, 5, generator=generator), cpu_ids(2)).sum().backward()
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
 
 
 def test_concurrent_forwards_on_one_wrapper_do_not_share_replicas(generator):
@@ -419,7 +431,7 @@ def test_cached_replicas_start_each_step_with_the_originals_buffers(generator):
     wrapper = minidp.DataParallel(model, cpu_ids(2))
     for _ in range(3):
         wrapper(torch.randn(6, 3, 8, 8, generator=generator)).sum().backward()
-        replica = minidp.replicate(model, cpu_ids(2), cache=wrapper.replica_cache)[1]
+        replica = wrapper.replica_cache.replicate(model, cpu_ids(2))[1]
         for name, buffer in model.named_buffers():
             copy_ = replica.get_buffer(name)
             assert copy_ is not buffer and torch.equal(copy_, buffer), name

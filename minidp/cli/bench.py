@@ -113,7 +113,7 @@ def replicate_variants(device: torch.device, replicas: int) -> dict[str, Callabl
     cache = ReplicaCache()
 
     def cached() -> None:
-        replicate(network, devices, cache=cache)
+        cache.replicate(network, devices)
         cache.release(devices)  # what a training step's backward leaves: replicas free to re-bind
 
     variants: dict[str, Callable[[], object]] = {"uncached": lambda: replicate(network, devices), "cached": cached}
