@@ -116,7 +116,7 @@ def chunk_by_chunk(module: nn.Module, args: tuple, kwargs: dict, replicas: int, 
     outputs = [module(*chunks[0][0], **chunks[0][1])]
     for (chunk_args, chunk_kwargs), buffers in zip(chunks[1:], private_buffers):
         outputs.append(functional_call(module, {**params, **buffers}, chunk_args, chunk_kwargs))
-    return outputs[0] if replicas == 1 else concat(outputs, dim)  # one device: no gather (S2.6)
+    return outputs[0] if replicas == 1 else concat(outputs, dim)  # one device: no gather (docs/stock-behaviour.md B9)
 
 
 def plain_data_parallel(module: nn.Module, inputs: Any, device_ids=None, output_device=None, dim=0, module_kwargs=None):
