@@ -4,10 +4,10 @@ Three references, every zoo model, float64, fresh random inputs, outputs + every
 gradient + every buffer, relative error <= ``RTOL_FLOAT64``:
 
 * the single-device chunk-by-chunk reference (``minidp.reference.chunked_reference``): what stock computes on
-  n GPUs (STOCK_SPEC S2, S5, S10.3: per-chunk BatchNorm statistics, running stats from chunk 0);
+  n GPUs (docs/stock-behaviour.md B7, B19-B21: per-chunk BatchNorm statistics, running stats from chunk 0);
 * stock itself, its Python code run on the CPU under ``stock_emulation.emulated_stock``;
 * stock unpatched where it runs on a CPU build: ``nn.DataParallel`` without a GPU calls the module
-  directly (STOCK_SPEC S1.2, S2.2), and so must minidp's ``DataParallel`` without device ids.
+  directly (docs/stock-behaviour.md B1), and so must minidp's ``DataParallel`` without device ids.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_matches_stock_emulated(name, replicas, rows, generator):
 
 
 def test_matches_stock_emulated_with_repeated_ids(generator):
-    """STOCK_SPEC S11: stock accepts repeated ids; minidp's ``['cpu'] * 3`` matches its ``[0, 0, 0]``."""
+    """docs/stock-behaviour.md B3: stock accepts repeated ids; minidp's ``['cpu'] * 3`` matches its ``[0, 0, 0]``."""
     case = make_case("mlp", 10, generator)
     expected = stock_forward_backward(case, [0, 0, 0])
     actual = minidp_forward_backward(case, cpu_ids(3))
@@ -89,7 +89,7 @@ def test_matches_stock_emulated_with_repeated_ids(generator):
 
 
 def test_stock_data_parallel_functional_matches(generator):
-    """Stock ``data_parallel`` (S3) under emulation equals ``minidp.data_parallel`` with kwargs."""
+    """Stock ``data_parallel`` (B11) under emulation equals ``minidp.data_parallel`` with kwargs."""
     case = make_case("kwargs_dict", 10, generator)
 
     def stock(model, args, kwargs):
@@ -106,7 +106,7 @@ def test_stock_data_parallel_functional_matches(generator):
 @pytest.mark.skipif(HAS_CUDA, reason="stock calls the module directly only on a machine without a GPU")
 @pytest.mark.parametrize("name", [n for n in zoo.ZOO if n != "vgg_split"])
 def test_without_device_ids_matches_unpatched_stock_direct_call(name, generator):
-    """STOCK_SPEC S2.2: without a GPU, ``nn.DataParallel(m)(x)`` is ``m(x)``; so is minidp's."""
+    """docs/stock-behaviour.md B1: without a GPU, ``nn.DataParallel(m)(x)`` is ``m(x)``; so is minidp's."""
     case = make_case(name, 7, generator)
 
     expected = forward_backward(case, wrapped_call(case, nn.DataParallel, None))

@@ -41,7 +41,7 @@ def model(generator) -> nn.Module:
 
 
 def test_a_buffer_off_device_ids_0_says_how_to_move_the_model(model, generator):
-    """S2.3/S10.2: checked on every forward; minidp's message names the tensor and the fix."""
+    """docs/stock-behaviour.md B6: checked on every forward; minidp's message names the tensor and the fix."""
     model[1].register_buffer("scale", torch.ones(6, device="meta"))
     before = snapshot(model)
     with pytest.raises(RuntimeError, match=r"'1\.scale' is on meta.*model\.to\('cpu'\)"):
@@ -55,8 +55,8 @@ def test_a_buffer_off_device_ids_0_says_how_to_move_the_model(model, generator):
 
 
 def test_data_parallel_on_one_device_checks_the_module_and_does_not_move_it(generator):
-    """S3.3/S3.6: stock ``data_parallel`` raises when the module is not on ``device_ids[0]``; minidp
-    too, even for one id (where ``DataParallel``'s constructor would move the module, S1.9)."""
+    """B6/B11: stock ``data_parallel`` raises when the module is not on ``device_ids[0]``; minidp
+    too, even for one id (where ``DataParallel``'s constructor would move the module, B4)."""
     elsewhere = nn.Linear(4, 2, device="meta")
     with pytest.raises(RuntimeError, match=r"'weight' is on meta.*model\.to\('cpu'\)"):
         minidp.data_parallel(elsewhere, torch.randn(6, 4, generator=generator), cpu_ids(1))
@@ -66,7 +66,7 @@ def test_data_parallel_on_one_device_checks_the_module_and_does_not_move_it(gene
 @pytest.mark.cuda
 @requires_cuda
 def test_a_model_left_on_the_cpu_for_gpu_replicas_says_how_to_move_it(model, generator):
-    """S2.3: stock's message names only the devices; minidp's the tensor and ``model.to('cuda:0')``."""
+    """B6: stock's message names only the devices; minidp's the tensor and ``model.to('cuda:0')``."""
     before = snapshot(model)
     with pytest.raises(RuntimeError, match=r"'0\.weight' is on cpu.*model\.to\('cuda:0'\)"):
         minidp.DataParallel(model, [0, 0])(torch.randn(6, 4, generator=generator))
@@ -87,7 +87,7 @@ def test_a_lazy_module_must_run_once_before_replication(generator):
     ],
 )
 def test_parallel_apply_lengths_must_match(model, call, argument, generator):
-    """S6.1: stock asserts; minidp raises a ValueError naming the argument, before any replica runs."""
+    """B23: stock asserts; minidp raises a ValueError naming the argument, before any replica runs."""
     before = snapshot(model)
     with pytest.raises(ValueError, match=rf"2 modules but \d {argument}; give one entry per module"):
         call(model, torch.randn(4, 4, generator=generator))
@@ -101,7 +101,7 @@ def test_no_modules_is_an_error():
 
 @pytest.mark.parametrize("dim", [2, -3])
 def test_dim_out_of_range_names_the_input(model, dim, generator):
-    """S4.4: stock raises an IndexError too; minidp says which input and its shape."""
+    """B15: stock raises an IndexError too; minidp says which input and its shape."""
     before = snapshot(model)
     with pytest.raises(IndexError, match=rf"dim={dim} is out of range for inputs\[0\].*\(6, 4\)"):
         minidp.DataParallel(model, cpu_ids(2), dim=dim)(torch.randn(6, 4, generator=generator))
@@ -109,7 +109,7 @@ def test_dim_out_of_range_names_the_input(model, dim, generator):
 
 
 def test_an_empty_batch_is_an_error(model):
-    """Stock scatters 0 rows into n empty chunks (S4.4) and runs every replica on nothing."""
+    """Stock scatters 0 rows into n empty chunks (B15) and runs every replica on nothing."""
     before = snapshot(model)
     with pytest.raises(ValueError, match=r"inputs\[0\] is an empty batch"):
         minidp.DataParallel(model, cpu_ids(2))(torch.randn(0, 4))
@@ -117,7 +117,7 @@ def test_an_empty_batch_is_an_error(model):
 
 
 def test_a_0_dim_input_has_no_batch_to_split():
-    """S4.4: stock fails inside torch.chunk; minidp names the input."""
+    """B15: stock fails inside torch.chunk; minidp names the input."""
     with pytest.raises(ValueError, match="0-dim tensor and has no dim 0"):
         minidp.scatter(torch.tensor(1.0), cpu_ids(2))
 
@@ -135,7 +135,7 @@ def test_chunk_sizes_must_split_the_batch_exactly(chunk_sizes, message, generato
 
 
 def test_tensors_with_different_batch_sizes_are_an_error(model, generator):
-    """S4.3/Q2: stock zips to the shortest and silently drops rows; minidp names both tensors."""
+    """B14: stock zips to the shortest and silently drops rows; minidp names both tensors."""
     before = snapshot(model)
     with pytest.raises(ValueError, match=r"inputs\[1\]\['mask'\] has 3 rows along dim 0 but inputs\[0\] has 6"):
         minidp.DataParallel(model, cpu_ids(2))(torch.randn(6, 4, generator=generator), {"mask": torch.ones(3, 4)})
@@ -143,7 +143,7 @@ def test_tensors_with_different_batch_sizes_are_an_error(model, generator):
 
 
 def test_empty_device_ids_are_an_error(model):
-    """Stock fails with an IndexError on ``device_ids[0]`` (S1.4)."""
+    """Stock fails with an IndexError on ``device_ids[0]`` (B2)."""
     with pytest.raises(ValueError, match="device_ids is empty"):
         minidp.DataParallel(model, [])
 

@@ -1,4 +1,4 @@
-"""DataParallel and data_parallel: the wrapper module and the function (STOCK_SPEC S1-S3, S9)."""
+"""DataParallel and data_parallel: the wrapper module and the function (docs/stock-behaviour.md B1-B11)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def bn_model() -> nn.Module:
 
 
 class Recording(minidp.DataParallel):
-    """DataParallel whose four overridable steps (S2.11) log their calls."""
+    """DataParallel whose four overridable steps (B7) log their calls."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -48,7 +48,7 @@ class Recording(minidp.DataParallel):
 
 
 # --------------------------------------------------------------------------------------------------
-# the wrapper module (S1.10)
+# the wrapper module (B5)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -86,7 +86,7 @@ def test_eval_propagates_and_running_stats_stay_put(generator):
 
 
 # --------------------------------------------------------------------------------------------------
-# forward: the four steps in order (S2)
+# forward: the four steps in order (B7)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -97,14 +97,14 @@ def test_forward_runs_scatter_replicate_parallel_apply_gather(generator):
 
 
 def test_small_batches_use_the_first_devices_only(generator):
-    """S2.10: 5 rows on 4 devices make 3 chunks, so replicas go to the first 3 devices."""
+    """B7: 5 rows on 4 devices make 3 chunks, so replicas go to the first 3 devices."""
     dp = Recording(nn.Linear(4, 2), cpu_ids(4))
     assert dp(torch.randn(5, 4, generator=generator)).shape == (5, 2)
     assert dp.calls[1:] == [("replicate", 3, True), ("parallel_apply", 3), ("gather", 3)]
 
 
 def test_no_grad_replicates_detached(generator):
-    """S2.7: under ``torch.no_grad()`` the replicas are cut from autograd (``detach=True``)."""
+    """B10: under ``torch.no_grad()`` the replicas are cut from autograd (``detach=True``)."""
     dp = Recording(bn_model(), cpu_ids(2))
     with torch.no_grad():
         out = dp(torch.randn(4, 4, generator=generator))
@@ -113,7 +113,7 @@ def test_no_grad_replicates_detached(generator):
 
 
 def test_one_device_calls_the_module_without_replicas(generator):
-    """S2.6: a single device id runs the module itself and returns its output as it is."""
+    """B9: a single device id runs the module itself and returns its output as it is."""
     model = bn_model()
     dp = Recording(model, cpu_ids(1))
     x = torch.randn(4, 4, generator=generator)
@@ -122,7 +122,7 @@ def test_one_device_calls_the_module_without_replicas(generator):
 
 
 def test_one_device_returns_a_scalar_output_unchanged_as_stock():
-    """S2.6/Q5: no gather with one device, so a 0-dim loss stays 0-dim (no warning, no vector)."""
+    """B9: no gather with one device, so a 0-dim loss stays 0-dim (no warning, no vector)."""
 
     class Loss(nn.Module):
         def forward(self, x):
@@ -135,7 +135,7 @@ def test_one_device_returns_a_scalar_output_unchanged_as_stock():
 
 
 def test_a_module_without_arguments_runs_once():
-    """S2.5: no inputs at all: one call, on ``device_ids[0]``."""
+    """B8: no inputs at all: one call, on ``device_ids[0]``."""
 
     class Constant(nn.Module):
         def forward(self):
@@ -147,7 +147,7 @@ def test_a_module_without_arguments_runs_once():
 
 
 def test_scalar_outputs_become_one_entry_per_replica(generator):
-    """S10.5: a 0-dim output gathers into a vector, one entry per replica used, with a warning."""
+    """B30: a 0-dim output gathers into a vector, one entry per replica used, with a warning."""
 
     class Total(nn.Module):
         def forward(self, x):
@@ -160,14 +160,14 @@ def test_scalar_outputs_become_one_entry_per_replica(generator):
 
 
 def test_output_device_cpu_works(generator):
-    """S1.6/Q4: stock refuses ``output_device='cpu'``; minidp gathers there."""
+    """B2: stock refuses ``output_device='cpu'``; minidp gathers there."""
     for output_device in ("cpu", torch.device("cpu"), -1):
         out = minidp.DataParallel(bn_model(), cpu_ids(2), output_device=output_device)(torch.randn(4, 4))
         assert out.device.type == "cpu"
 
 
 def test_non_tensor_kwargs_with_a_small_batch_run_where_stock_fails(generator):
-    """S4.6 (a): ``dp(x2, scale=3.0)`` on 4 devices. Stock (emulated) pads the 2 input chunks with
+    """B17 (a): ``dp(x2, scale=3.0)`` on 4 devices. Stock (emulated) pads the 2 input chunks with
     ``()`` to match 4 copies of the kwargs, so replica 2 is called without ``x`` and fails; minidp
     runs 2 replicas, each with its rows and ``scale``."""
 
@@ -182,13 +182,13 @@ def test_non_tensor_kwargs_with_a_small_batch_run_where_stock_fails(generator):
 
 
 # --------------------------------------------------------------------------------------------------
-# device ids (S1.3, S1.5, S9)
+# device ids (B1, B2)
 # --------------------------------------------------------------------------------------------------
 
 
 @no_gpu_only
 def test_no_device_ids_without_a_gpu_calls_the_module_directly(generator):
-    """S1.2/S2.2: as stock on a machine without a GPU: ``device_ids == []``, a plain call."""
+    """B1: as stock on a machine without a GPU: ``device_ids == []``, a plain call."""
     model = bn_model()
     dp = Recording(model)
     x = torch.randn(4, 4, generator=generator)
@@ -199,7 +199,7 @@ def test_no_device_ids_without_a_gpu_calls_the_module_directly(generator):
 
 @no_gpu_only
 def test_integer_ids_without_a_gpu_call_directly_and_warn_once(monkeypatch):
-    """Stock silently ignores ``[0, 1]`` here (S9); minidp does the same but says how to get CPU replicas."""
+    """Stock silently ignores ``[0, 1]`` here (B1); minidp does the same but says how to get CPU replicas."""
     monkeypatch.setattr(data_parallel_module, "_warned_no_gpu", False)
     with pytest.warns(UserWarning, match=r"\['cpu', 'cpu'\]"):
         dp = minidp.DataParallel(bn_model(), [0, 1])
@@ -228,13 +228,13 @@ def test_repeated_cpu_ids_give_that_many_replicas(generator):
 
 
 # --------------------------------------------------------------------------------------------------
-# the function data_parallel (S3)
+# the function data_parallel (B11)
 # --------------------------------------------------------------------------------------------------
 
 
 @no_gpu_only
 def test_data_parallel_runs_without_a_gpu_where_stock_raises(generator):
-    """S3.2: stock raises 'device type could not be determined'; minidp calls the module."""
+    """B11: stock raises 'device type could not be determined'; minidp calls the module."""
     model, x = bn_model(), torch.randn(4, 4, generator=generator)
     with pytest.raises(RuntimeError, match="device type could not be determined"):
         nn.parallel.data_parallel(model, x)
@@ -248,7 +248,7 @@ def test_data_parallel_on_cpu_replicas(generator):
 
 
 def test_data_parallel_takes_a_list_as_one_argument_and_a_tuple_as_several(generator):
-    """S3.1: only a tuple is unpacked into positional arguments."""
+    """B11: only a tuple is unpacked into positional arguments."""
 
     class CountArguments(nn.Module):
         def forward(self, *args):

@@ -1,4 +1,4 @@
-"""Step 4, gather: joining the replicas' outputs into one (STOCK_SPEC S7)."""
+"""Step 4, gather: joining the replicas' outputs into one (docs/stock-behaviour.md B28-B30)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ class Prediction:
 
 @pytest.mark.parametrize("target", ["cpu", -1, torch.device("cpu")])
 def test_tensors_are_concatenated_on_the_target_device(target, generator):
-    """S7.2: ``'cpu'`` and ``-1`` both mean the CPU; minidp also takes ``torch.device('cpu')``,
-    which stock refuses, and does not emit stock's FutureWarning for ``-1`` (S7.3)."""
+    """B29: ``'cpu'`` and ``-1`` both mean the CPU; minidp also takes ``torch.device('cpu')``,
+    which stock refuses, and does not emit stock's FutureWarning for ``-1`` (B29)."""
     parts = [torch.randn(n, 3, generator=generator) for n in (4, 4, 2)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -39,7 +39,7 @@ def test_gather_along_dim(generator):
 
 
 def test_containers_are_rebuilt_like_stock(generator):
-    """S7.1: dicts (type kept), lists, tuples and namedtuples are gathered element by element."""
+    """B28: dicts (type kept), lists, tuples and namedtuples are gathered element by element."""
     def output(n):
         t = torch.randn(n, 2, generator=generator)
         return {"a": [t, (t * 2,)], "b": collections.OrderedDict(c=t), "p": Pair(t, t + 1)}
@@ -70,7 +70,7 @@ def test_dataclasses_are_gathered_field_by_field(generator):
 
 
 def test_scalars_become_a_vector_with_stocks_warning(generator):
-    """S7.2/S10.5: 0-dim outputs (a per-replica loss) gather into a vector with one entry per
+    """B30: 0-dim outputs (a per-replica loss) gather into a vector with one entry per
     replica, with the warning text of stock's ``Gather.forward`` (run here on meta tensors)."""
     losses = [torch.randn((), generator=generator) for _ in range(3)]
     with pytest.warns(UserWarning) as ours:
@@ -90,14 +90,14 @@ def test_gradient_of_a_scalar_gather_goes_back_to_each_scalar(generator):
 
 
 def test_none_gathers_to_none():
-    """S7.1/S9: ``None`` stays ``None``, in containers too."""
+    """B28: ``None`` stays ``None``, in containers too."""
     assert minidp.gather([None, None], "cpu") is None
     assert minidp.gather([(None,), (None,)], "cpu") == (None,)
     assert minidp.gather([{"k": None}, {"k": None}], "cpu") == {"k": None}
 
 
 def test_strings_become_a_list_not_a_map_object():
-    """Where stock silently returns ``'<map object at ...>'`` (S7.1, Q3), minidp lists the values."""
+    """Where stock silently returns ``'<map object at ...>'`` (B28), minidp lists the values."""
     with emulated_stock():
         stock = nn.parallel.gather(["train", "train"], 0)
     assert stock.startswith("<map object")
@@ -105,7 +105,7 @@ def test_strings_become_a_list_not_a_map_object():
 
 
 def test_numbers_become_a_list():
-    """Where stock raises ``'int' object is not iterable`` (S7.1)."""
+    """Where stock raises ``'int' object is not iterable`` (B28)."""
     assert minidp.gather([1, 2, 3], "cpu") == [1, 2, 3]
 
 
@@ -118,7 +118,7 @@ def test_gradient_of_gather_is_a_scatter(generator):
 
 
 def test_0_dim_outputs_along_another_dim_are_a_clear_error():
-    """S7.2: stock fails with 'Dimension specified as -1 but tensor has no dimensions'; minidp says
+    """B30: stock fails with 'Dimension specified as -1 but tensor has no dimensions'; minidp says
     what to do instead."""
     with pytest.raises(ValueError, match="0-dim tensor, which has no dim 1"):
         minidp.gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu", dim=1)

@@ -1,4 +1,4 @@
-"""Step 3, parallel_apply: every replica on its chunk at once, one thread each (STOCK_SPEC S6)."""
+"""Step 3, parallel_apply: every replica on its chunk at once, one thread each (docs/stock-behaviour.md B23-B27)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class Slow(nn.Module):
 
 
 def test_outputs_come_back_in_replica_order(generator):
-    """S6: ``outputs[i]`` is ``modules[i](*inputs[i], **kwargs_tup[i])``, as in stock."""
+    """B25: ``outputs[i]`` is ``modules[i](*inputs[i], **kwargs_tup[i])``, as in stock."""
     modules = [Probe(tag) for tag in range(4)]
     inputs = [(torch.randn(2, generator=generator),) for _ in modules]
     kwargs = [{"offset": float(i)} for i in range(4)]
@@ -60,7 +60,7 @@ def test_outputs_come_back_in_replica_order(generator):
 
 
 def test_a_non_tuple_input_is_one_argument(generator):
-    """S6: a tensor input is passed whole, not unpacked row by row."""
+    """B24: a tensor input is passed whole, not unpacked row by row."""
     x = torch.randn(3, 2, generator=generator)
     out = minidp.parallel_apply([Probe(1), Probe(1)], [x, x])
     assert all(torch.equal(o, x) for o in out)
@@ -93,7 +93,7 @@ def test_a_single_module_runs_in_the_calling_thread(generator):
 
 @pytest.mark.parametrize("grad_enabled", [True, False])
 def test_grad_mode_is_carried_into_every_thread(grad_enabled, generator):
-    """S6.10: threads start with grad mode on; each worker re-enters the caller's."""
+    """B27: threads start with grad mode on; each worker re-enters the caller's."""
     modules = [nn.Linear(2, 2) for _ in range(3)]
     probes = [Probe(1) for _ in range(3)]
     with torch.set_grad_enabled(grad_enabled):
@@ -104,7 +104,7 @@ def test_grad_mode_is_carried_into_every_thread(grad_enabled, generator):
 
 
 def test_autocast_and_its_dtype_are_carried_into_every_thread():
-    """S6.10/Q9: stock re-enters autocast without its dtype; minidp keeps the caller's dtype."""
+    """B27: stock re-enters autocast without its dtype; minidp keeps the caller's dtype."""
     probes = [Probe(1) for _ in range(3)]
     with torch.autocast("cpu", dtype=torch.float16):
         minidp.parallel_apply(probes, [(torch.zeros(1),)] * 3)
@@ -112,7 +112,7 @@ def test_autocast_and_its_dtype_are_carried_into_every_thread():
 
 
 def test_an_exception_is_reraised_with_its_type_replica_device_and_traceback(generator):
-    """S6.9: 'Caught KeyError in replica 1 on device cpu', with the replica's traceback."""
+    """B26: 'Caught KeyError in replica 1 on device cpu', with the replica's traceback."""
     x = torch.randn(2, generator=generator)
     with pytest.raises(KeyError) as caught:
         minidp.parallel_apply([Probe(), Fails(), Probe()], [(x,)] * 3, devices=cpu_ids(3))
@@ -141,7 +141,7 @@ def test_devices_default_to_each_modules_device(generator):
 
 
 def test_each_replica_of_a_call_gets_a_thread_of_its_own_and_threads_are_reused_across_calls():
-    """Stock starts one new thread per replica per call (S6.7); minidp keeps its threads."""
+    """Stock starts one new thread per replica per call (B25); minidp keeps its threads."""
     probes = [Probe(i) for i in range(4)]
     inputs = [(torch.ones(1),) for _ in probes]
     minidp.parallel_apply(probes, inputs)  # warm up: the first call may start threads
@@ -153,7 +153,7 @@ def test_each_replica_of_a_call_gets_a_thread_of_its_own_and_threads_are_reused_
 
 
 def test_without_devices_a_replica_runs_where_its_parameters_are_though_it_lists_none():
-    """S6.3: stock runs every replica on the current device when ``devices`` is None; minidp on the
+    """B24: stock runs every replica on the current device when ``devices`` is None; minidp on the
     replica's own device. A replica's parameters are plain attributes, so they are found there."""
     from minidp.step3_parallel_apply import _module_device
 

@@ -1,6 +1,6 @@
 """Choosing the gradient reduction: minidp.comm's backends, and DataParallel(reduce_backend=...).
 
-Stock reduces with ``comm.reduce_add_coalesced`` inside ``ReduceAddCoalesced`` (STOCK_SPEC S8.4);
+Stock reduces with ``comm.reduce_add_coalesced`` inside ``ReduceAddCoalesced`` (docs/stock-behaviour.md B31);
 minidp lets the user pick the arithmetic's engine, and every engine must give the same bits.
 """
 

@@ -1,4 +1,4 @@
-"""Step 2, replicate: one copy of the module per device (STOCK_SPEC S5, S8, S10.3)."""
+"""Step 2, replicate: one copy of the module per device (docs/stock-behaviour.md B18-B21, B31)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_one_replica_per_device_with_the_same_tree():
 
 
 def test_no_devices_gives_no_replicas():
-    """S5.2: ``replicate(m, [])`` is ``[]``."""
+    """B18: ``replicate(m, [])`` is ``[]``."""
     assert minidp.replicate(bn_model(), []) == []
 
 
@@ -45,7 +45,7 @@ def _replica_params(replica: nn.Module) -> list[torch.Tensor]:
 
 
 def test_replica_zero_shares_buffers_the_others_get_copies():
-    """S5.10/S10.3: replica 0's in-place buffer updates reach the original; the others' are dropped."""
+    """B21: replica 0's in-place buffer updates reach the original; the others' are dropped."""
     model = bn_model()
     replicas = minidp.replicate(model, cpu_ids(3))
     assert replicas[0][1].running_mean is model[1].running_mean
@@ -56,7 +56,7 @@ def test_replica_zero_shares_buffers_the_others_get_copies():
 
 
 def test_batchnorm_running_stats_come_from_chunk_zero(generator):
-    """S10.3: after a parallel forward, running statistics are those of chunk 0 alone, as in stock."""
+    """B21: after a parallel forward, running statistics are those of chunk 0 alone, as in stock."""
     model = bn_model()
     alone = copy.deepcopy(model)
     x = torch.randn(10, 4, generator=generator, dtype=torch.float64)
@@ -69,7 +69,7 @@ def test_batchnorm_running_stats_come_from_chunk_zero(generator):
 
 
 def test_replica_parameters_are_not_listed_and_not_leaves():
-    """S5.9/S10.7: ``replica.parameters()`` is empty; the copies are non-leaf outputs of Broadcast."""
+    """B20: ``replica.parameters()`` is empty; the copies are non-leaf outputs of Broadcast."""
     model = bn_model()
     with emulated_stock():
         stock = nn.parallel.replicate(model, [0, 1])
@@ -80,7 +80,7 @@ def test_replica_parameters_are_not_listed_and_not_leaves():
 
 
 def test_backward_sums_every_replicas_gradient_into_the_original(generator):
-    """S8.2/S8.6: one backward puts sum_j dL/dp_j into each original parameter's ``.grad``."""
+    """B31: one backward puts sum_j dL/dp_j into each original parameter's ``.grad``."""
     model = nn.Linear(3, 2).double()
     x = torch.randn(3, 4, 3, generator=generator, dtype=torch.float64)
     replicas = minidp.replicate(model, cpu_ids(3))
@@ -93,7 +93,7 @@ def test_backward_sums_every_replicas_gradient_into_the_original(generator):
 
 
 def test_detach_cuts_gradients():
-    """S5.4: ``detach=True`` (DataParallel under no_grad) gives replicas outside autograd."""
+    """B19: ``detach=True`` (DataParallel under no_grad) gives replicas outside autograd."""
     model = bn_model()
     for replica in minidp.replicate(model, cpu_ids(2), detach=True):
         assert all(not p.requires_grad and p.grad_fn is None for p in _replica_params(replica))

@@ -1,4 +1,4 @@
-"""Step 1, scatter: how a batch is cut into one chunk per replica (STOCK_SPEC S4)."""
+"""Step 1, scatter: how a batch is cut into one chunk per replica (docs/stock-behaviour.md B12-B17)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Batch:
     [(10, 3, [4, 4, 2]), (10, 4, [3, 3, 3, 1]), (5, 4, [2, 2, 1]), (6, 4, [2, 2, 2]), (4, 3, [2, 2]), (2, 4, [1, 1]), (7, 1, [7])],
 )
 def test_chunks_follow_torch_chunk(rows, replicas, sizes, generator):
-    """S4.4: sizes are torch.chunk's (ceil(B/n) each, so fewer chunks than devices can come back)."""
+    """B15: sizes are torch.chunk's (ceil(B/n) each, so fewer chunks than devices can come back)."""
     x = torch.randn(rows, 3, generator=generator)
     chunks = minidp.scatter(x, cpu_ids(replicas))
     assert [c.shape[0] for c in chunks] == sizes == [c.shape[0] for c in x.chunk(replicas)]
@@ -54,14 +54,14 @@ def test_scatter_kwargs_passes_chunk_sizes_to_inputs_and_kwargs(generator):
 
 @pytest.mark.parametrize("dim", [1, -1])
 def test_scatter_along_another_dim(dim, generator):
-    """S4.4: ``dim`` may be negative; it is wrapped."""
+    """B15: ``dim`` may be negative; it is wrapped."""
     x = torch.randn(2, 9, generator=generator)
     chunks = minidp.scatter(x, cpu_ids(2), dim=dim)
     assert [c.shape for c in chunks] == [torch.Size([2, 5]), torch.Size([2, 4])]
 
 
 def test_a_bare_tensor_gives_a_tuple_anything_else_a_list(generator):
-    """S4.2: a top-level tensor scatters into a tuple; any other input into a list."""
+    """B13: a top-level tensor scatters into a tuple; any other input into a list."""
     x = torch.randn(4, 1, generator=generator)
     assert isinstance(minidp.scatter(x, cpu_ids(2)), tuple)
     assert isinstance(minidp.scatter((x,), cpu_ids(2)), list)
@@ -69,14 +69,14 @@ def test_a_bare_tensor_gives_a_tuple_anything_else_a_list(generator):
 
 
 def test_chunks_on_the_source_device_are_views_not_copies(generator):
-    """S4.5: a chunk bound for the device the tensor is on shares its storage."""
+    """B16: a chunk bound for the device the tensor is on shares its storage."""
     x = torch.randn(6, 2, generator=generator)
     for chunk in minidp.scatter(x, cpu_ids(3)):
         assert chunk.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
 def test_containers_are_scattered_recursively_like_stock(generator):
-    """S4.1: tuples, lists, dicts (OrderedDict keeps its type) and namedtuples, at any depth."""
+    """B12: tuples, lists, dicts (OrderedDict keeps its type) and namedtuples, at any depth."""
     x, y = torch.randn(6, 2, generator=generator), torch.randn(6, generator=generator)
     inputs = (x, [y, {"a": x}], collections.OrderedDict(b=y), Pair(x, y))
     ours = minidp.scatter(inputs, cpu_ids(3))
@@ -101,7 +101,7 @@ def _same_structure_and_values(a, b) -> bool:
 
 
 def test_dataclasses_are_scattered_field_by_field(generator):
-    """Beyond stock (which passes a dataclass to every replica whole, S4.1)."""
+    """Beyond stock (which passes a dataclass to every replica whole, B12)."""
     batch = Batch(torch.randn(5, 2, generator=generator), torch.arange(5))
     pieces = minidp.scatter(batch, cpu_ids(2))
     assert [type(p) for p in pieces] == [Batch, Batch]
@@ -111,21 +111,21 @@ def test_dataclasses_are_scattered_field_by_field(generator):
 
 
 def test_defaultdict_keeps_its_type_and_factory(generator):
-    """Beyond stock: stock raises 'first argument must be callable or None' rebuilding it (S4.1)."""
+    """Beyond stock: stock raises 'first argument must be callable or None' rebuilding it (B12)."""
     d = collections.defaultdict(list, x=torch.randn(4, 1, generator=generator))
     pieces = minidp.scatter(d, cpu_ids(2))
     assert all(type(p) is collections.defaultdict and p.default_factory is list for p in pieces)
 
 
 def test_non_tensors_reach_every_replica_by_reference(generator):
-    """S4.1: an object scatter does not look inside is the same object on every replica, not a copy."""
+    """B12: an object scatter does not look inside is the same object on every replica, not a copy."""
     x, opaque, tags = torch.randn(4, 1, generator=generator), object(), {"a", "b"}
     pieces = minidp.scatter((x, opaque, tags, "text"), cpu_ids(2))
     assert all(p[1] is opaque and p[2] is tags and p[3] == "text" for p in pieces)
 
 
 def test_inputs_without_tensors_go_to_every_device():
-    """S2.10/S4.1: non-tensor inputs are repeated once per device (all devices are used)."""
+    """B7/B12: non-tensor inputs are repeated once per device (all devices are used)."""
     assert minidp.scatter(("a", 1), cpu_ids(3)) == [("a", 1)] * 3
 
 
@@ -139,12 +139,12 @@ def test_gradient_of_scatter_is_a_gather(generator):
 
 
 # --------------------------------------------------------------------------------------------------
-# scatter_kwargs: padding (S4.6)
+# scatter_kwargs: padding (B17)
 # --------------------------------------------------------------------------------------------------
 
 
 def test_kwargs_only_pads_inputs_with_empty_tuples(generator):
-    """S4.6 (a): kwargs-only calls get ``()`` as positional arguments on every replica, as in stock."""
+    """B17 (a): kwargs-only calls get ``()`` as positional arguments on every replica, as in stock."""
     k = torch.randn(4, 1, generator=generator)
     inputs, kwargs = minidp.scatter_kwargs((), {"k": k}, cpu_ids(2))
     with emulated_stock():
@@ -155,14 +155,14 @@ def test_kwargs_only_pads_inputs_with_empty_tuples(generator):
 
 @pytest.mark.parametrize("kwargs", [None, {}])
 def test_positional_only_pads_kwargs_with_empty_dicts(kwargs, generator):
-    """S4.6 (b): ``kwargs=None`` and ``{}`` are the same; every replica gets ``{}``."""
+    """B17 (b): ``kwargs=None`` and ``{}`` are the same; every replica gets ``{}``."""
     x = torch.randn(5, 1, generator=generator)
     inputs, out_kwargs = minidp.scatter_kwargs((x,), kwargs, cpu_ids(4))
     assert len(inputs) == 3 and out_kwargs == ({}, {}, {})
 
 
 def test_kwargs_with_another_batch_size_than_the_inputs_is_an_error_naming_both(generator):
-    """S4.6 (c)/(d): stock scatters ``(x5,)`` and ``{'k': x2}`` separately on 4 devices (3 chunks
+    """B17 (c)/(d): stock scatters ``(x5,)`` and ``{'k': x2}`` separately on 4 devices (3 chunks
     against 2) and does not pad, or pads so that trailing replicas silently lose ``k``. minidp cuts
     both as one batch, so rows of ``x`` are never paired with the wrong rows of ``k``."""
     x5, x2 = torch.randn(5, 1, generator=generator), torch.randn(2, 1, generator=generator)
@@ -174,7 +174,7 @@ def test_kwargs_with_another_batch_size_than_the_inputs_is_an_error_naming_both(
 
 
 def test_non_tensor_kwargs_reach_as_many_replicas_as_the_inputs_where_stock_is_wrong(generator):
-    """S4.6 (a): ``(x2,)`` with ``{'flag': True}`` on 4 devices: stock cuts 2 input chunks but makes 4
+    """B17 (a): ``(x2,)`` with ``{'flag': True}`` on 4 devices: stock cuts 2 input chunks but makes 4
     kwargs copies, then pads the inputs with ``()``, so replicas 2 and 3 get no ``x``; minidp gives 2
     of each."""
     x2 = torch.randn(2, 3, generator=generator)
