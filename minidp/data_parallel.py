@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from . import comm
 from .devices import DeviceLike, as_device, as_devices, check_device_list
 from .gather import gather
 from .parallel_apply import parallel_apply
@@ -88,6 +89,10 @@ class DataParallel(nn.Module):
             (:mod:`minidp.replica_cache`); same results, less Python per step. ``True``: a cache of
             its own; a :class:`~minidp.replica_cache.ReplicaCache`: that one; ``False``: build the
             replicas anew at every forward, as stock does. Switchable later through ``self.cache_replicas``.
+        chunk_weights: split each batch in proportion to these, one positive weight per device
+            (e.g. from :func:`minidp.calibrate`), instead of evenly as ``torch.chunk`` does. Rounding:
+            largest remainder, ties to the lower index, every device at least one row while rows remain
+            (:func:`minidp.comm.chunk_sizes_for_weights`). The results are those of an even split.
     """
 
     def __init__(
@@ -99,10 +104,14 @@ class DataParallel(nn.Module):
         *,
         reduce_backend: Optional[str] = None,
         cache_replicas: Union[bool, ReplicaCache] = True,
+        chunk_weights: Optional[Sequence[float]] = None,
     ) -> None:
         super().__init__()
         self.module = module
         self.device_ids = resolve_device_ids(device_ids)
+        if chunk_weights is not None:  # checked here, before a batch arrives; count only where replicas run
+            chunk_weights = comm.check_chunk_weights(chunk_weights, len(self.device_ids) or None)
+        self.chunk_weights = chunk_weights
         self.dim = dim
         self.reduce_backend = reduce_backend
         self.cache_replicas = bool(cache_replicas)
@@ -139,7 +148,7 @@ class DataParallel(nn.Module):
         self, inputs: tuple, kwargs: Optional[dict[str, Any]], device_ids: Sequence[DeviceLike]
     ) -> tuple[tuple[tuple, ...], tuple[dict[str, Any], ...]]:
         """Step 1: one chunk of the arguments per device (see :func:`minidp.scatter_kwargs`)."""
-        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim, chunk_weights=self.chunk_weights)
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         """Step 2: one replica per device; cut from autograd under ``torch.no_grad()``."""
@@ -167,6 +176,7 @@ def data_parallel(
     dim: int = 0,
     module_kwargs: Optional[dict[str, Any]] = None,
     cache_replicas: bool = True,
+    chunk_weights: Optional[Sequence[float]] = None,
 ) -> Any:
     """Evaluate ``module(*inputs, **module_kwargs)`` in parallel on ``device_ids``: one forward of
     :class:`DataParallel`, for use inside another module's ``forward``.
@@ -175,6 +185,7 @@ def data_parallel(
     on a machine without a GPU, this runs: the module is called directly, or on CPU replicas when
     ``device_ids`` names the CPU. With ``cache_replicas`` the replicas of ``module`` are kept between
     calls in a cache tied to ``module`` (:func:`minidp.replica_cache.replica_cache_for`).
+    ``chunk_weights``: split the batch in proportion to them, as in :class:`DataParallel`.
     """
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
@@ -185,5 +196,5 @@ def data_parallel(
     # A replica (this call inside another DataParallel's forward) is itself re-bound at every step,
     # so a cache of its replicas would rebuild every time: build them directly.
     cache = replica_cache_for(module) if cache_replicas and not getattr(module, "_is_replica", False) else False
-    wrapper = DataParallel(module, device_ids, output_device, dim, cache_replicas=cache)
+    wrapper = DataParallel(module, device_ids, output_device, dim, cache_replicas=cache, chunk_weights=chunk_weights)
     return wrapper(*inputs, **(module_kwargs or {}))
