@@ -10,6 +10,7 @@ The five steps of ``torch.nn.DataParallel``, each a public function in a module 
    every replica's gradients summed into the original parameters.
 
 :class:`DataParallel` and :func:`data_parallel` compose them (``minidp.data_parallel``).
+:func:`parallel_criterion` computes the loss on the replicas, without gathering their outputs.
 :func:`trace` records every step of every replica; :func:`verify` checks a model's numbers.
 """
 
@@ -23,6 +24,7 @@ from .replicate import replicate
 from .scatter import scatter, scatter_kwargs
 from .trace import Trace, trace, write_trace_artifacts
 from .verify import VerifyReport, verify
+from .criterion import parallel_criterion
 
 __all__ = [
     "DataParallel",
@@ -35,6 +37,7 @@ __all__ = [
     "gather",
     "get_reduce_backend",
     "parallel_apply",
+    "parallel_criterion",
     "replicate",
     "scatter",
     "scatter_kwargs",

@@ -93,6 +93,9 @@ class DataParallel(nn.Module):
             (e.g. from :func:`minidp.calibrate`), instead of evenly as ``torch.chunk`` does. Rounding:
             largest remainder, ties to the lower index, every device at least one row while rows remain
             (:func:`minidp.comm.chunk_sizes_for_weights`). The results are those of an even split.
+        gather_output: ``False``: ``forward`` returns the list of the replicas' outputs, each left on
+            its replica's device, nothing gathered (one replica, or a direct call: a list of one);
+            pass it to :func:`minidp.parallel_criterion` to compute the loss on the replicas.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class DataParallel(nn.Module):
         reduce_backend: Optional[str] = None,
         cache_replicas: Union[bool, ReplicaCache] = True,
         chunk_weights: Optional[Sequence[float]] = None,
+        gather_output: bool = True,
     ) -> None:
         super().__init__()
         self.module = module
@@ -112,6 +116,7 @@ class DataParallel(nn.Module):
         if chunk_weights is not None:  # checked here, before a batch arrives; count only where replicas run
             chunk_weights = comm.check_chunk_weights(chunk_weights, len(self.device_ids) or None)
         self.chunk_weights = chunk_weights
+        self.gather_output = gather_output
         self.dim = dim
         self.reduce_backend = reduce_backend
         self.cache_replicas = bool(cache_replicas)
@@ -128,7 +133,8 @@ class DataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("minidp.DataParallel.forward"):
             if not self.device_ids:
-                return self.module(*inputs, **kwargs)
+                output = self.module(*inputs, **kwargs)
+                return output if self.gather_output else [output]
             inputs, kwargs = self.scatter(inputs, kwargs, self.device_ids)
             if not inputs:  # no arguments at all: one call on device_ids[0]
                 inputs, kwargs = ((),), ({},)
@@ -137,12 +143,14 @@ class DataParallel(nn.Module):
                 # is (as stock), unless it must move to another output_device (stock leaves it).
                 check_module_device(self.module, self.source_device)
                 output = self.module(*inputs[0], **kwargs[0])
+                if not self.gather_output:
+                    return [output]
                 return output if self.output_device == self.source_device else self.gather([output], self.output_device)
             # replicate checks where the module is (a cached replicate, only when its tree changed)
             used = self.device_ids[: len(inputs)]
             replicas = self.replicate(self.module, used)
             outputs = self.parallel_apply(replicas, inputs, kwargs)
-            return self.gather(outputs, self.output_device)
+            return self.gather(outputs, self.output_device) if self.gather_output else outputs
 
     def scatter(
         self, inputs: tuple, kwargs: Optional[dict[str, Any]], device_ids: Sequence[DeviceLike]
