@@ -10,7 +10,8 @@ The five steps of ``torch.nn.DataParallel``, each a public function in a module 
    every replica's gradients summed into the original parameters.
 
 :class:`DataParallel` and :func:`data_parallel` compose them (``minidp.data_parallel``).
-:func:`parallel_criterion` computes the loss on the replicas, without gathering their outputs.
+:func:`parallel_criterion` computes the loss on the replicas, without gathering their outputs;
+:func:`calibrate` measures the devices and returns ``chunk_weights`` for uneven splits.
 :func:`trace` records every step of every replica; :func:`verify` checks a model's numbers.
 """
 
@@ -25,12 +26,14 @@ from .scatter import scatter, scatter_kwargs
 from .trace import Trace, trace, write_trace_artifacts
 from .verify import VerifyReport, verify
 from .criterion import parallel_criterion
+from .calibrate import calibrate
 
 __all__ = [
     "DataParallel",
     "DeviceInfo",
     "Trace",
     "VerifyReport",
+    "calibrate",
     "comm",
     "data_parallel",
     "devices",
