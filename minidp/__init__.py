@@ -10,6 +10,8 @@ The five steps of ``torch.nn.DataParallel``, each a public function in a module 
    every replica's gradients summed into the original parameters.
 
 :class:`DataParallel` and :func:`data_parallel` compose them (``minidp.data_parallel``).
+:func:`parallel_criterion` computes the loss on the replicas, without gathering their outputs;
+:func:`calibrate` measures the devices and returns ``chunk_weights`` for uneven splits.
 :func:`trace` records every step of every replica; :func:`verify` checks a model's numbers.
 """
 
@@ -23,18 +25,22 @@ from .step2_replicate import replicate
 from .step1_scatter import scatter, scatter_kwargs
 from .tracing import Trace, trace, write_trace_artifacts
 from .verification import VerifyReport, verify
+from .criterion import parallel_criterion
+from .calibration import calibrate
 
 __all__ = [
     "DataParallel",
     "DeviceInfo",
     "Trace",
     "VerifyReport",
+    "calibrate",
     "comm",
     "data_parallel",
     "devices",
     "gather",
     "get_reduce_backend",
     "parallel_apply",
+    "parallel_criterion",
     "replicate",
     "scatter",
     "scatter_kwargs",

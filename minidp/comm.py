@@ -16,6 +16,8 @@ Two rules hold throughout:
 from __future__ import annotations
 
 import math
+import numbers
+from fractions import Fraction
 from typing import Optional, Sequence
 
 import torch
@@ -255,6 +257,59 @@ def chunk_sizes_for(batch_size: int, num_devices: int) -> list[int]:
     sizes = [step] * (batch_size // step)
     if batch_size % step:
         sizes.append(batch_size % step)
+    return sizes
+
+
+def check_chunk_weights(chunk_weights: Sequence[float], num_devices: Optional[int] = None) -> list[float]:
+    """Validate ``chunk_weights``: positive finite numbers, one per device (when ``num_devices`` is given)."""
+    if isinstance(chunk_weights, (str, bytes)) or not isinstance(chunk_weights, Sequence):
+        raise TypeError(f"chunk_weights must be a list of numbers, one per device, got {chunk_weights!r}")
+    chunk_weights = list(chunk_weights)
+    if not chunk_weights:
+        raise ValueError("chunk_weights is empty; give one weight per device, e.g. [2, 1]: twice the rows on the first")
+    for i, weight in enumerate(chunk_weights):
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) or weight <= 0:
+            raise ValueError(
+                f"chunk_weights[{i}] is {weight!r}: every weight must be a positive finite number; "
+                f"drop a device from the device list to give it no rows"
+            )
+    if num_devices is not None and len(chunk_weights) != num_devices:
+        raise ValueError(
+            f"chunk_weights has {len(chunk_weights)} entries but there are {num_devices} devices; give one weight per device"
+        )
+    return [float(weight) for weight in chunk_weights]
+
+
+def chunk_sizes_for_weights(batch_size: int, chunk_weights: Sequence[float]) -> list[int]:
+    """Split ``batch_size`` rows over the devices in proportion to ``chunk_weights``.
+
+    The rule, in exact rational arithmetic (``fractions.Fraction`` of each weight, so no float
+    rounding decides a tie):
+
+    1. device i's quota is ``batch_size * w_i / sum(w)``; it gets ``floor(quota)`` rows;
+    2. the rows left over go one each to the largest remainders ``quota - floor(quota)``, ties to the
+       lower index (Hamilton's largest-remainder method);
+    3. a device left with 0 rows takes one from the device with the most rows (ties: the lower
+       index), until every device has at least one.
+
+    With fewer rows than devices, the first ``batch_size`` devices get one row each (fewer chunks
+    than devices, as :func:`chunk_sizes_for` gives). ``[3, 1]`` on 10 rows -> [8, 2] (quotas 7.5, 2.5:
+    the tie goes to device 0); ``[1, 1, 1]`` on 10 -> [4, 3, 3]; ``[100, 1]`` on 10 -> [9, 1] (step 3).
+    """
+    weights = [Fraction(w) for w in check_chunk_weights(chunk_weights)]
+    if batch_size < len(weights):
+        return [1] * batch_size
+    total = sum(weights)
+    quotas = [batch_size * w / total for w in weights]
+    sizes = [math.floor(q) for q in quotas]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: (-(quotas[i] - sizes[i]), i))
+    for i in by_remainder[: batch_size - sum(sizes)]:
+        sizes[i] += 1
+    for i in range(len(sizes)):
+        if sizes[i] == 0:  # the device with the most rows loses the smallest share by giving one up
+            largest = max(range(len(sizes)), key=lambda j: (sizes[j], -j))
+            sizes[largest] -= 1
+            sizes[i] = 1
     return sizes
 
 

@@ -52,27 +52,41 @@ def scatter(
     target_devices: Sequence[DeviceLike],
     dim: int = 0,
     chunk_sizes: Optional[Sequence[int]] = None,
+    *,
+    chunk_weights: Optional[Sequence[float]] = None,
 ) -> Any:
     """Split ``inputs`` into one piece per device; returns a list (a tuple for a bare tensor).
 
     The batch is cut as ``torch.chunk`` cuts it (10 rows on 3 devices: 4, 4, 2), so fewer pieces than
     devices can come back (2 rows on 4 devices: 2 pieces, and only 2 replicas will run); or as
-    ``chunk_sizes`` says, one size per device.
+    ``chunk_sizes`` says, one size per device; or in proportion to ``chunk_weights``, one weight per
+    device (rounding: :func:`minidp.comm.chunk_sizes_for_weights`).
     """
-    return _scatter(inputs, target_devices, dim, chunk_sizes, [("inputs", inputs)])
+    return _scatter(inputs, target_devices, dim, chunk_sizes, chunk_weights, [("inputs", inputs)])
 
 
 def _scatter(
-    inputs: Any, target_devices: Sequence[DeviceLike], dim: int, chunk_sizes, roots: Sequence[tuple[str, Any]]
+    inputs: Any,
+    target_devices: Sequence[DeviceLike],
+    dim: int,
+    chunk_sizes: Optional[Sequence[int]],
+    chunk_weights: Optional[Sequence[float]],
+    roots: Sequence[tuple[str, Any]],
 ) -> Any:
     """:func:`scatter`, with ``roots`` naming the parts of ``inputs`` in error messages."""
     devices = as_devices(target_devices, "target_devices")
     if not devices:
         raise ValueError("target_devices is empty: give at least one device")
+    if chunk_sizes is not None and chunk_weights is not None:
+        raise ValueError("give chunk_sizes or chunk_weights, not both: the sizes are the split, the weights ask for one")
+    if chunk_weights is not None:
+        comm.check_chunk_weights(chunk_weights, len(devices))
     batch_size = batch_size_of(roots, dim)
     if batch_size is None:
         return [inputs for _ in devices]
-    if chunk_sizes is None:
+    if chunk_weights is not None:
+        chunk_sizes = comm.chunk_sizes_for_weights(batch_size, chunk_weights)
+    elif chunk_sizes is None:
         chunk_sizes = comm.chunk_sizes_for(batch_size, len(devices))
     else:
         chunk_sizes = comm.check_chunk_sizes(chunk_sizes, batch_size, len(devices))
@@ -98,6 +112,8 @@ def scatter_kwargs(
     target_devices: Sequence[DeviceLike],
     dim: int = 0,
     chunk_sizes: Optional[Sequence[int]] = None,
+    *,
+    chunk_weights: Optional[Sequence[float]] = None,
 ) -> tuple[tuple[tuple, ...], tuple[dict[str, Any], ...]]:
     """Scatter positional and keyword arguments; returns ``(inputs per replica, kwargs per replica)``.
 
@@ -106,11 +122,17 @@ def scatter_kwargs(
     as the tensors were cut into. So ``model(x2, flag=True)`` on 4 devices runs 2 replicas, both
     with ``flag=True``. (Stock scatters the two sides separately and pads by comparing with the
     number of positional arguments: that call fails there, and kwargs with fewer rows than the
-    inputs silently reach only the first replicas.)
+    inputs silently reach only the first replicas.) ``chunk_sizes`` and ``chunk_weights``: as in
+    :func:`scatter`.
     """
     if not inputs and not kwargs:
         return (), ()
     pieces = _scatter(
-        (tuple(inputs), kwargs or {}), target_devices, dim, chunk_sizes, [("inputs", inputs), ("kwargs", kwargs)]
+        (tuple(inputs), kwargs or {}),
+        target_devices,
+        dim,
+        chunk_sizes,
+        chunk_weights,
+        [("inputs", inputs), ("kwargs", kwargs)],
     )
     return tuple(inputs_i for inputs_i, _ in pieces), tuple(kwargs_i for _, kwargs_i in pieces)

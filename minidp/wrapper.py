@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from . import comm
 from .device_ids import DeviceLike, as_device, as_devices, check_device_list
 from .step4_gather import gather
 from .step3_parallel_apply import parallel_apply
@@ -88,6 +89,13 @@ class DataParallel(nn.Module):
             (:mod:`minidp.replica_cache`); same results, less Python per step. ``True``: a cache of
             its own; a :class:`~minidp.replica_cache.ReplicaCache`: that one; ``False``: build the
             replicas anew at every forward, as stock does. Switchable later through ``self.cache_replicas``.
+        chunk_weights: split each batch in proportion to these, one positive weight per device
+            (e.g. from :func:`minidp.calibrate`), instead of evenly as ``torch.chunk`` does. Rounding:
+            largest remainder, ties to the lower index, every device at least one row while rows remain
+            (:func:`minidp.comm.chunk_sizes_for_weights`). The results are those of an even split.
+        gather_output: ``False``: ``forward`` returns the list of the replicas' outputs, each left on
+            its replica's device, nothing gathered (one replica, or a direct call: a list of one);
+            pass it to :func:`minidp.parallel_criterion` to compute the loss on the replicas.
     """
 
     def __init__(
@@ -99,10 +107,16 @@ class DataParallel(nn.Module):
         *,
         reduce_backend: Optional[str] = None,
         cache_replicas: Union[bool, ReplicaCache] = True,
+        chunk_weights: Optional[Sequence[float]] = None,
+        gather_output: bool = True,
     ) -> None:
         super().__init__()
         self.module = module
         self.device_ids = resolve_device_ids(device_ids)
+        if chunk_weights is not None:  # checked here, before a batch arrives; count only where replicas run
+            chunk_weights = comm.check_chunk_weights(chunk_weights, len(self.device_ids) or None)
+        self.chunk_weights = chunk_weights
+        self.gather_output = gather_output
         self.dim = dim
         self.reduce_backend = reduce_backend
         self.cache_replicas = bool(cache_replicas)
@@ -119,7 +133,8 @@ class DataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("minidp.DataParallel.forward"):
             if not self.device_ids:
-                return self.module(*inputs, **kwargs)
+                output = self.module(*inputs, **kwargs)
+                return output if self.gather_output else [output]
             inputs, kwargs = self.scatter(inputs, kwargs, self.device_ids)
             if not inputs:  # no arguments at all: one call on device_ids[0]
                 inputs, kwargs = ((),), ({},)
@@ -128,18 +143,20 @@ class DataParallel(nn.Module):
                 # is (as stock), unless it must move to another output_device (stock leaves it).
                 check_module_device(self.module, self.source_device)
                 output = self.module(*inputs[0], **kwargs[0])
+                if not self.gather_output:
+                    return [output]
                 return output if self.output_device == self.source_device else self.gather([output], self.output_device)
             # replicate checks where the module is (a cached replicate, only when its tree changed)
             used = self.device_ids[: len(inputs)]
             replicas = self.replicate(self.module, used)
             outputs = self.parallel_apply(replicas, inputs, kwargs)
-            return self.gather(outputs, self.output_device)
+            return self.gather(outputs, self.output_device) if self.gather_output else outputs
 
     def scatter(
         self, inputs: tuple, kwargs: Optional[dict[str, Any]], device_ids: Sequence[DeviceLike]
     ) -> tuple[tuple[tuple, ...], tuple[dict[str, Any], ...]]:
         """Step 1: one chunk of the arguments per device (see :func:`minidp.scatter_kwargs`)."""
-        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim, chunk_weights=self.chunk_weights)
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         """Step 2: one replica per device; cut from autograd under ``torch.no_grad()``."""
@@ -170,6 +187,7 @@ def data_parallel(
     module_kwargs: Optional[dict[str, Any]] = None,
     *,
     replica_cache: Optional[ReplicaCache] = None,
+    chunk_weights: Optional[Sequence[float]] = None,
 ) -> Any:
     """Evaluate ``module(*inputs, **module_kwargs)`` in parallel on ``device_ids``, for use inside
     another module's ``forward``: the primitives composed as ``torch.nn.parallel.data_parallel`` composes
@@ -179,6 +197,7 @@ def data_parallel(
     on a machine without a GPU, this runs: the module is called directly, or on CPU replicas when
     ``device_ids`` names the CPU. The replicas are built anew at every call, as stock does; pass a
     ``replica_cache`` (a :class:`~minidp.replica_cache.ReplicaCache` you keep) to reuse them between calls.
+    ``chunk_weights``: split the batch in proportion to them, as in :class:`DataParallel`.
     """
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
@@ -187,7 +206,7 @@ def data_parallel(
         return module(*inputs, **(module_kwargs or {}))
     output_device = as_device(devices[0] if output_device is None else output_device, "output_device")
     check_module_device(module, devices[0])  # as stock (DataParallel would move a module on one device)
-    chunk_inputs, chunk_kwargs = scatter_kwargs(inputs, module_kwargs, devices, dim=dim)
+    chunk_inputs, chunk_kwargs = scatter_kwargs(inputs, module_kwargs, devices, dim=dim, chunk_weights=chunk_weights)
     if not chunk_inputs:  # no arguments at all: one call on devices[0]
         chunk_inputs, chunk_kwargs = ((),), ({},)
     used = devices[: len(chunk_inputs)]

@@ -1,0 +1,303 @@
+"""The loss on the replicas: :func:`parallel_criterion`.
+
+Stock ``nn.DataParallel`` gathers every replica's output onto one device, where the loss is then
+computed on the whole batch: that device holds the full output, the per-element losses and their
+gradients on top of its own replica. With ``DataParallel(..., gather_output=False)`` each replica's output stays on its
+device, and
+
+    loss = minidp.parallel_criterion(criterion, outputs, targets)
+
+cuts ``targets`` into the same chunks as the outputs (the sizes of the outputs along ``dim``),
+computes each replica's part of the loss on that replica's device, all at once
+(:func:`minidp.parallel_apply`), and gathers only what makes the full-batch loss: one or two
+scalars per replica instead of its whole output.
+
+What each replica computes, and why it is exact. ``torch``'s ``reduction="mean"`` is a ratio: the
+sum of the per-element losses over a *denominator*, and for several criteria that denominator is
+not the number of rows. So every replica returns its chunk's ``reduction="sum"`` loss (the sum of
+its ``reduction="none"`` losses) and its chunk's share of the denominator; the loss is
+``sum of numerators / sum of denominators``, which is the full batch's ratio, summed in a
+different order. The denominators, as ``torch`` defines them:
+
+* ``nn.CrossEntropyLoss``, ``nn.NLLLoss`` with class-index targets: the total ``weight[t]`` of the
+  targets ``t != ignore_index`` (without ``weight``: their count). For cross-entropy this holds
+  with ``label_smoothing`` too: torch divides the smoothing term by the same total.
+* ``nn.CrossEntropyLoss`` with probability targets (shaped like the input): ``input.numel() / C``,
+  the number of rows of an ``(N, C)`` input; ``weight`` and ``label_smoothing`` do not enter it.
+* ``nn.MSELoss``, ``nn.L1Loss``, ``nn.BCEWithLogitsLoss``: the number of per-element losses
+  (``weight`` and ``pos_weight`` scale the numerator only).
+
+``reduction="sum"``: the numerators alone. ``reduction="none"``: the per-element losses themselves,
+gathered along the batch dimension. Targets that are all ``ignore_index`` give ``nan`` for
+``mean``, as ``torch`` does (0 / 0), with zero gradients. A ``weight`` or ``pos_weight`` of
+``nn.BCEWithLogitsLoss`` that has a batch axis (its size along ``dim``, aligned from the right as
+broadcasting aligns it, is the batch size) is cut with the targets; one that broadcasts over the
+batch, and the class weights of the other criteria, go whole to each replica's device.
+
+Any other callable is called as ``criterion(output_i, targets_i)`` in replica i's thread, on its
+device (tensors of its own must work there); it must return a 0-dim loss per replica, and the
+result is their mean weighted by the replicas' rows, ``sum(rows_i * loss_i) / sum(rows_i)``: exact
+for a loss that is a plain mean over rows, different for anything else (a sum, a mean with a
+data-dependent denominator, a loss that couples rows). A warning says so, once per criterion type.
+
+What autograd records: each replica's loss on its device, the gather (``to``, ``cat``) of the
+scalars, and the final sums and division, so ``loss.backward()`` sends each replica's gradient to
+its output and on through its replica to the parameters. In :func:`minidp.trace`, the replicas'
+loss computations show as a second ``forward`` stage and the scalars as a ``gather`` of a few bytes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import minidp
+
+from .device_ids import DeviceLike, as_device
+
+REDUCTIONS = ("mean", "sum", "none")
+
+_warned_row_weighted: set[str] = set()
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """How one criterion type splits: its per-element loss and the denominator of its mean.
+
+    ``per_element(criterion, output, target, tensors)`` is the criterion with ``reduction="none"``,
+    ``tensors`` its weight tensors on the replica's device. ``denominator(criterion, output, target,
+    tensors, per_element)`` is the chunk's share of what ``reduction="mean"`` divides by.
+    ``tensors``: the names of the criterion's weight tensors; ``batched_tensors``: whether they
+    broadcast against the output (so one may carry a batch axis to cut) or are indexed by class.
+    ``class_targets``: the input is ``(N, C, ...)`` with the batch along dim 0.
+    """
+
+    per_element: Callable[..., torch.Tensor]
+    denominator: Callable[..., Any]
+    tensors: tuple[str, ...] = ()
+    batched_tensors: bool = False
+    class_targets: bool = False
+
+
+def _is_probabilities(output: torch.Tensor, target: torch.Tensor) -> bool:
+    # torch's own test (cross_entropy_loss in aten): a target shaped like the input holds probabilities.
+    return target.shape == output.shape
+
+
+# The denominators: (criterion, output, target, its weight tensors, per-element loss) -> the chunk's share.
+
+
+def _weight_of_counted_targets(criterion, output, target: torch.Tensor, tensors: dict, per_element) -> Any:
+    counted = target != criterion.ignore_index
+    weight = tensors["weight"]
+    return counted.sum() if weight is None else weight[target[counted]].sum()
+
+
+def _cross_entropy_denominator(criterion, output: torch.Tensor, target: torch.Tensor, tensors, per_element) -> Any:
+    if _is_probabilities(output, target):
+        return per_element.numel()
+    return _weight_of_counted_targets(criterion, output, target, tensors, per_element)
+
+
+def _elements(criterion, output, target, tensors, per_element: torch.Tensor) -> int:
+    return per_element.numel()
+
+
+_RULES: dict[type, _Rule] = {
+    nn.CrossEntropyLoss: _Rule(
+        lambda c, o, t, ts: F.cross_entropy(
+            o, t, weight=ts["weight"], ignore_index=c.ignore_index, reduction="none", label_smoothing=c.label_smoothing
+        ),
+        _cross_entropy_denominator,
+        tensors=("weight",),
+        class_targets=True,
+    ),
+    nn.NLLLoss: _Rule(
+        lambda c, o, t, ts: F.nll_loss(o, t, weight=ts["weight"], ignore_index=c.ignore_index, reduction="none"),
+        _weight_of_counted_targets,
+        tensors=("weight",),
+        class_targets=True,
+    ),
+    nn.MSELoss: _Rule(lambda c, o, t, ts: F.mse_loss(o, t, reduction="none"), _elements),
+    nn.L1Loss: _Rule(lambda c, o, t, ts: F.l1_loss(o, t, reduction="none"), _elements),
+    nn.BCEWithLogitsLoss: _Rule(
+        lambda c, o, t, ts: F.binary_cross_entropy_with_logits(
+            o, t, weight=ts["weight"], pos_weight=ts["pos_weight"], reduction="none"
+        ),
+        _elements,
+        tensors=("weight", "pos_weight"),
+        batched_tensors=True,
+    ),
+}
+
+
+def _rule_for(criterion: Callable) -> Optional[_Rule]:
+    """The rule for ``criterion``'s class, if it is one of them (or a subclass that keeps its ``forward``)."""
+    for cls, rule in _RULES.items():
+        if isinstance(criterion, cls) and type(criterion).forward is cls.forward:
+            return rule
+    return None
+
+
+def parallel_criterion(
+    criterion: Callable[[Any, Any], torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    targets: Any,
+    dim: int = 0,
+    *,
+    output_device: Optional[DeviceLike] = None,
+) -> torch.Tensor:
+    """The loss ``criterion(gathered outputs, targets)``, computed on the replicas.
+
+    ``outputs``: one tensor per replica, in replica order, each on its replica's device (what
+    ``DataParallel(..., gather_output=False)`` returns). ``targets``: the whole batch's targets, on
+    any device; they are cut along ``dim`` into the outputs' sizes along ``dim`` and each chunk is
+    sent to its output's device. ``output_device``: where the loss goes (default ``outputs[0]``'s
+    device). The rule per criterion is in this module's docstring.
+    """
+    if not callable(criterion):
+        raise TypeError(f"criterion must be callable, e.g. nn.CrossEntropyLoss(), got {type(criterion).__name__}")
+    dim, rows, devices = _check_outputs(outputs, dim)
+    rule = _rule_for(criterion)
+    reduction = criterion.reduction if rule is not None else "mean"  # no rule: the row-weighted mean
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"criterion.reduction is {reduction!r}; parallel_criterion knows {REDUCTIONS}")
+    if rule is not None and rule.class_targets and dim != 0:
+        raise ValueError(
+            f"dim={dim}: {type(criterion).__name__} takes an (N, C, ...) input whose batch is dim 0; "
+            f"parallel_criterion cuts its targets along dim 0 only"
+        )
+    destination = devices[0] if output_device is None else as_device(output_device, "output_device")
+    chunks = _scatter_targets(targets, devices, dim, rows)
+    if rule is None:
+        _warn_row_weighted(criterion)
+        per_replica = [_row_weighted_terms(criterion, i, n) for i, n in enumerate(rows)]
+    else:
+        tensors = _criterion_tensors(criterion, rule, outputs[0].dim(), dim, rows, devices)
+        per_replica = [_rule_terms(criterion, rule, tensors_i) for tensors_i in tensors]
+    terms = minidp.parallel_apply(per_replica, list(zip(outputs, chunks)), None, devices)
+    if reduction == "none":
+        # The batch axis of the per-element loss, counted from the right: broadcasting may add
+        # leading axes to it. (Class criteria: dim 0, their class axis 1 is gone.)
+        return minidp.gather(terms, destination, dim=0 if rule.class_targets else dim - outputs[0].dim())
+    gathered = minidp.gather(terms, destination)
+    return gathered.sum() if reduction == "sum" else _ratio(gathered)
+
+
+def _check_outputs(outputs: Sequence[torch.Tensor], dim: int) -> tuple[int, list[int], list[torch.device]]:
+    """``(dim made non-negative, rows per replica, device per replica)``, or an error naming the output."""
+    if isinstance(outputs, torch.Tensor) or not isinstance(outputs, (list, tuple)) or not outputs:
+        raise TypeError(
+            "outputs must be a non-empty list of per-replica output tensors, as "
+            "DataParallel(..., gather_output=False) returns; for a gathered output call the criterion directly"
+        )
+    for i, output in enumerate(outputs):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"outputs[{i}] is a {type(output).__name__}, not a tensor: pass one tensor per replica "
+                f"(for models that return several, e.g. [out[0] for out in outputs])"
+            )
+        if output.dim() != outputs[0].dim():
+            raise ValueError(f"outputs[{i}] has {output.dim()} dimensions but outputs[0] has {outputs[0].dim()}")
+    if not -outputs[0].dim() <= dim < outputs[0].dim():
+        raise IndexError(f"dim={dim} is out of range for outputs of shape {tuple(outputs[0].shape)}")
+    dim %= outputs[0].dim()
+    rows = [output.shape[dim] for output in outputs]
+    for i, n in enumerate(rows):
+        if n == 0:
+            raise ValueError(f"outputs[{i}] has no rows along dim {dim}: each replica's output holds part of the batch")
+    return dim, rows, [output.device for output in outputs]
+
+
+def _scatter_targets(targets: Any, devices: list[torch.device], dim: int, rows: list[int]) -> list[Any]:
+    """``targets`` cut into ``rows`` along ``dim``, chunk i on ``devices[i]``."""
+    if isinstance(targets, torch.Tensor) and (targets.dim() <= dim or targets.shape[dim] != sum(rows)):
+        raise ValueError(
+            f"targets of shape {tuple(targets.shape)} do not match the outputs: they hold {sum(rows)} rows "
+            f"along dim {dim} ({rows} per replica); pass the targets of the whole batch"
+        )
+    try:
+        return list(minidp.scatter(targets, devices, dim, chunk_sizes=rows))
+    except ValueError as error:
+        raise ValueError(f"targets do not split into the outputs' rows {rows} along dim {dim}: {error}") from error
+
+
+def _criterion_tensors(
+    criterion: nn.Module, rule: _Rule, output_dims: int, dim: int, rows: list[int], devices: list[torch.device]
+) -> list[dict[str, Optional[torch.Tensor]]]:
+    """Per replica, the criterion's weight tensors on its device: cut where they have a batch axis."""
+    per_replica: list[dict[str, Optional[torch.Tensor]]] = [{} for _ in devices]
+    for name in rule.tensors:
+        tensor = getattr(criterion, name)
+        if tensor is None:
+            pieces = [None] * len(devices)
+        else:
+            axis = dim - output_dims + tensor.dim()  # broadcasting aligns shapes from the right
+            if rule.batched_tensors and 0 <= axis < tensor.dim() and tensor.shape[axis] != 1:
+                if tensor.shape[axis] != sum(rows):
+                    raise ValueError(
+                        f"criterion.{name} of shape {tuple(tensor.shape)} has {tensor.shape[axis]} rows where the "
+                        f"batch has {sum(rows)}: it does not broadcast against the output"
+                    )
+                pieces = list(minidp.scatter(tensor, devices, axis, chunk_sizes=rows))
+            else:
+                pieces = [tensor.to(device) for device in devices]
+        for tensors_i, piece in zip(per_replica, pieces):
+            tensors_i[name] = piece
+    return per_replica
+
+
+def _rule_terms(criterion: nn.Module, rule: _Rule, tensors: dict) -> Callable[..., torch.Tensor]:
+    """One replica's part: its per-element losses (``none``), its numerator (``sum``), or both terms (``mean``)."""
+
+    def terms(output: torch.Tensor, target: Any) -> torch.Tensor:
+        per_element = rule.per_element(criterion, output, target, tensors)
+        if criterion.reduction == "none":
+            return per_element
+        numerator = per_element.sum()
+        if criterion.reduction == "sum":
+            return numerator.view(1)
+        denominator = rule.denominator(criterion, output, target, tensors, per_element)
+        return torch.stack([numerator, torch.as_tensor(denominator, dtype=numerator.dtype, device=numerator.device)])
+
+    return terms
+
+
+def _row_weighted_terms(criterion: Callable, replica: int, rows: int) -> Callable[..., torch.Tensor]:
+    """One replica's ``[rows * loss, rows]`` for a criterion without a rule."""
+
+    def terms(output: torch.Tensor, target: Any) -> torch.Tensor:
+        loss = criterion(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"criterion returned {shape} for replica {replica}: parallel_criterion needs a 0-dim loss "
+                f"per replica from a criterion it has no rule for"
+            )
+        return torch.stack([loss * rows, torch.as_tensor(rows, dtype=loss.dtype, device=loss.device)])
+
+    return terms
+
+
+def _ratio(gathered: torch.Tensor) -> torch.Tensor:
+    """``[num_0, den_0, num_1, den_1, ...]`` -> ``sum(num) / sum(den)``."""
+    numerator, denominator = gathered.view(-1, 2).sum(0)
+    return numerator / denominator
+
+
+def _warn_row_weighted(criterion: Callable) -> None:
+    name = getattr(criterion, "__qualname__", type(criterion).__qualname__)
+    if name in _warned_row_weighted:
+        return
+    _warned_row_weighted.add(name)
+    warnings.warn(
+        f"parallel_criterion has no rule for {name}: the loss is the mean of the replicas' losses weighted by "
+        f"their rows, which equals {name} on the gathered output only if it is a plain mean over rows "
+        f"(rules exist for {', '.join(cls.__name__ for cls in _RULES)})",
+        stacklevel=3,
+    )

@@ -1,0 +1,329 @@
+"""parallel_criterion and DataParallel(gather_output=False): the loss on the replicas equals the
+criterion on the gathered output, loss and gradients (torch's documented reductions; float64)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import minidp
+from conftest import RTOL_FLOAT64, cpu_ids, max_relative_error
+
+FEATURES, CLASSES = 6, 5
+# (replicas, batch): every split uneven (torch.chunk: 9 -> 5, 4; 11 -> 4, 4, 3; 7 -> 2, 2, 2, 1)
+SPLITS = [pytest.param(2, 9, id="2x(5,4)"), pytest.param(3, 11, id="3x(4,4,3)"), pytest.param(4, 7, id="4x(2,2,2,1)")]
+REDUCTIONS = ["mean", "sum", "none"]
+
+
+def model(generator: torch.Generator, outputs: int = CLASSES) -> nn.Module:
+    net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, outputs)).double()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64))
+    return net
+
+
+def class_targets(generator: torch.Generator, batch: int, ignore: int = -100, ignored: float = 0.0) -> torch.Tensor:
+    targets = torch.randint(0, CLASSES, (batch,), generator=generator)
+    targets[torch.rand(batch, generator=generator) < ignored] = ignore
+    return targets
+
+
+def class_weight(generator: torch.Generator) -> torch.Tensor:
+    return torch.rand(CLASSES, generator=generator, dtype=torch.float64) + 0.1
+
+
+def probabilities(generator: torch.Generator, batch: int) -> torch.Tensor:
+    return torch.randn(batch, CLASSES, generator=generator, dtype=torch.float64).softmax(1)
+
+
+def values(generator: torch.Generator, batch: int) -> torch.Tensor:
+    return torch.randn(batch, CLASSES, generator=generator, dtype=torch.float64)
+
+
+def bits(generator: torch.Generator, batch: int) -> torch.Tensor:
+    return torch.rand(batch, CLASSES, generator=generator, dtype=torch.float64).round()
+
+
+# name -> (criterion for a reduction, targets for a batch), drawn from one generator
+CASES: dict[str, Callable] = {
+    "CE": lambda g, r, n: (nn.CrossEntropyLoss(reduction=r), class_targets(g, n)),
+    "CE weight": lambda g, r, n: (nn.CrossEntropyLoss(class_weight(g), reduction=r), class_targets(g, n)),
+    "CE ignore_index": lambda g, r, n: (nn.CrossEntropyLoss(reduction=r), class_targets(g, n, ignored=0.3)),
+    "CE label_smoothing": lambda g, r, n: (nn.CrossEntropyLoss(reduction=r, label_smoothing=0.15), class_targets(g, n)),
+    "CE weight+ignore_index+label_smoothing": lambda g, r, n: (
+        nn.CrossEntropyLoss(class_weight(g), ignore_index=2, reduction=r, label_smoothing=0.15),
+        class_targets(g, n, ignore=2, ignored=0.3),
+    ),
+    "CE probabilities": lambda g, r, n: (nn.CrossEntropyLoss(reduction=r), probabilities(g, n)),
+    "CE probabilities weight+label_smoothing": lambda g, r, n: (
+        nn.CrossEntropyLoss(class_weight(g), reduction=r, label_smoothing=0.2),
+        probabilities(g, n),
+    ),
+    "NLL": lambda g, r, n: (nn.NLLLoss(reduction=r), class_targets(g, n)),
+    "NLL weight+ignore_index": lambda g, r, n: (
+        nn.NLLLoss(class_weight(g), ignore_index=1, reduction=r),
+        class_targets(g, n, ignore=1, ignored=0.3),
+    ),
+    "MSE": lambda g, r, n: (nn.MSELoss(reduction=r), values(g, n)),
+    "L1": lambda g, r, n: (nn.L1Loss(reduction=r), values(g, n)),
+    "BCEWithLogits": lambda g, r, n: (nn.BCEWithLogitsLoss(reduction=r), bits(g, n)),
+    "BCEWithLogits weight+pos_weight": lambda g, r, n: (
+        nn.BCEWithLogitsLoss(
+            weight=torch.rand(CLASSES, generator=g, dtype=torch.float64),
+            pos_weight=torch.rand(CLASSES, generator=g, dtype=torch.float64) * 3,
+            reduction=r,
+        ),
+        bits(g, n),
+    ),
+    "BCEWithLogits per-row weight": lambda g, r, n: (
+        nn.BCEWithLogitsLoss(weight=torch.rand(n, 1, generator=g, dtype=torch.float64), reduction=r),
+        bits(g, n),
+    ),
+}
+
+
+def full_batch_reference(net: nn.Module, criterion, x: torch.Tensor, targets, generator: torch.Generator):
+    """The criterion on a plain single-device run of the whole batch: ``((loss, parameter gradients),
+    the gradient its backward started from)``: none for a scalar, random for per-element losses."""
+    net.zero_grad()
+    loss = criterion(net(x), targets)
+    grad = None if loss.dim() == 0 else torch.randn(loss.shape, generator=generator, dtype=loss.dtype)
+    loss.backward(grad)
+    return (loss.detach(), [p.grad.clone() for p in net.parameters()]), grad
+
+
+def on_the_replicas(net: nn.Module, criterion, x: torch.Tensor, targets, replicas: int, grad, **options):
+    """The same with DataParallel(gather_output=False) and parallel_criterion, backward from ``grad``."""
+    net.zero_grad()
+    outputs = minidp.DataParallel(net, cpu_ids(replicas), gather_output=False, **options)(x)
+    loss = minidp.parallel_criterion(criterion, outputs, targets)
+    loss.backward(grad)
+    return loss.detach(), [p.grad.clone() for p in net.parameters()]
+
+
+def assert_same(actual, expected) -> None:
+    (loss, grads), (ref_loss, ref_grads) = actual, expected
+    assert loss.shape == ref_loss.shape
+    assert max_relative_error(loss, ref_loss) < RTOL_FLOAT64
+    for grad, ref in zip(grads, ref_grads):
+        assert max_relative_error(grad, ref) < RTOL_FLOAT64
+
+
+# --------------------------------------------------------------------------------------------------
+# the known criteria: exact, loss and gradients
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicas,batch", SPLITS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_and_gradients_equal_the_criterion_on_the_gathered_output(case, reduction, replicas, batch, generator):
+    criterion, targets = CASES[case](generator, reduction, batch)
+    net, x = model(generator), torch.randn(batch, FEATURES, generator=generator, dtype=torch.float64)
+    expected, grad = full_batch_reference(net, criterion, x, targets, generator)
+    assert_same(on_the_replicas(net, criterion, x, targets, replicas, grad), expected)
+
+
+@pytest.mark.parametrize("chunk_weights", [[5, 1, 1], [1, 1, 6]], ids=str)
+@pytest.mark.parametrize("case", ["CE weight+ignore_index+label_smoothing", "NLL weight+ignore_index", "MSE"])
+def test_very_uneven_chunks_from_chunk_weights_give_the_full_batch_loss(case, chunk_weights, generator):
+    criterion, targets = CASES[case](generator, "mean", 13)
+    net, x = model(generator), torch.randn(13, FEATURES, generator=generator, dtype=torch.float64)
+    expected, grad = full_batch_reference(net, criterion, x, targets, generator)
+    actual = on_the_replicas(net, criterion, x, targets, 3, grad, chunk_weights=chunk_weights)
+    assert_same(actual, expected)
+
+
+def test_a_replica_whose_targets_are_all_ignored_still_counts_the_others_only(generator):
+    # torch's mean divides by the weight of the targets that count; the unweighted mean of the
+    # replicas' means (a replica of ignored targets contributes nan, or 0 if skipped) would not.
+    criterion = nn.CrossEntropyLoss(class_weight(generator), label_smoothing=0.1)
+    targets = class_targets(generator, 8)
+    targets[4:] = -100  # replica 1 of 2: nothing counts
+    net, x = model(generator), torch.randn(8, FEATURES, generator=generator, dtype=torch.float64)
+    expected, grad = full_batch_reference(net, criterion, x, targets, generator)
+    assert_same(on_the_replicas(net, criterion, x, targets, 2, grad), expected)
+
+
+@pytest.mark.parametrize("criterion", [nn.CrossEntropyLoss(label_smoothing=0.1), nn.NLLLoss()], ids=["CE", "NLL"])
+def test_all_targets_ignored_gives_nan_and_zero_gradients_as_torch(criterion, generator):
+    net, x = model(generator), torch.randn(7, FEATURES, generator=generator, dtype=torch.float64)
+    targets = torch.full((7,), -100)
+    (ref_loss, ref_grads), grad = full_batch_reference(net, criterion, x, targets, generator)
+    loss, grads = on_the_replicas(net, criterion, x, targets, 3, grad)
+    assert ref_loss.isnan() and loss.isnan()
+    for grad, ref in zip(grads, ref_grads):
+        assert torch.equal(grad, ref) and not grad.any()
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_elementwise_losses_split_along_dim(reduction, generator):
+    # The batch along dim 1, as for DataParallel(dim=1): the per-element losses gather along it too.
+    full = torch.randn(3, 10, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randn(3, 10, 4, generator=generator, dtype=torch.float64)
+    criterion = nn.MSELoss(reduction=reduction)
+    grad = torch.randn(criterion(full, targets).shape, generator=generator, dtype=torch.float64)
+    expected = criterion(full, targets)
+    (expected_grad,) = torch.autograd.grad(expected, full, grad)
+    loss = minidp.parallel_criterion(criterion, list(torch.split(full, [4, 3, 3], dim=1)), targets, dim=1)
+    (actual_grad,) = torch.autograd.grad(loss, full, grad)
+    assert max_relative_error(loss, expected) < RTOL_FLOAT64
+    assert max_relative_error(actual_grad, expected_grad) < RTOL_FLOAT64
+
+
+def test_a_subclass_that_keeps_forward_uses_its_base_classes_rule(generator):
+    class Labelled(nn.CrossEntropyLoss):
+        pass
+
+    criterion = Labelled(ignore_index=0)
+    net, x, targets = model(generator), torch.randn(9, FEATURES, generator=generator, dtype=torch.float64), class_targets(generator, 9)
+    expected, grad = full_batch_reference(net, criterion, x, targets, generator)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no rule" warning
+        actual = on_the_replicas(net, criterion, x, targets, 2, grad)
+    assert_same(actual, expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# any other callable: the row-weighted mean, with a warning
+# --------------------------------------------------------------------------------------------------
+
+
+def test_other_callables_get_the_row_weighted_mean_of_the_replicas_losses(generator):
+    # The rule, spelled out: sum(rows_i * loss_i) / sum(rows_i); here a sum, where it is not the full batch's.
+    criterion = nn.SmoothL1Loss(reduction="sum")
+    full = torch.randn(11, 3, generator=generator, dtype=torch.float64)
+    targets = torch.randn(11, 3, generator=generator, dtype=torch.float64)
+    sizes = [4, 4, 3]
+    expected = sum(n * criterion(o, t) for n, o, t in zip(sizes, full.split(sizes), targets.split(sizes))) / 11
+    with pytest.warns(UserWarning, match="row"):
+        loss = minidp.parallel_criterion(criterion, list(full.split(sizes)), targets)
+    assert max_relative_error(loss, expected) < RTOL_FLOAT64
+
+
+def test_the_row_weighted_mean_is_exact_for_a_plain_mean_over_rows(generator):
+    def mean_squared_error(output, target):
+        return ((output - target) ** 2).mean()
+
+    net, x = model(generator), torch.randn(11, FEATURES, generator=generator, dtype=torch.float64)
+    targets = values(generator, 11)
+    expected, grad = full_batch_reference(net, mean_squared_error, x, targets, generator)
+    with pytest.warns(UserWarning, match="no rule for"):
+        actual = on_the_replicas(net, mean_squared_error, x, targets, 3, grad)
+    assert_same(actual, expected)
+
+
+def test_the_warning_for_a_callable_without_rule_comes_once(generator):
+    def once_only(output, target):
+        return F.mse_loss(output, target)
+
+    outputs, targets = [torch.randn(2, 3, generator=generator)] * 2, torch.randn(4, 3, generator=generator)
+    with pytest.warns(UserWarning, match="once_only"):
+        minidp.parallel_criterion(once_only, outputs, targets)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        minidp.parallel_criterion(once_only, outputs, targets)
+
+
+def test_a_subclass_that_overrides_forward_is_treated_as_any_callable(generator):
+    class Doubled(nn.MSELoss):
+        def forward(self, output, target):
+            return 2 * super().forward(output, target)
+
+    with pytest.warns(UserWarning, match="Doubled"):
+        minidp.parallel_criterion(Doubled(), [torch.randn(2, 3, generator=generator)] * 2, torch.randn(4, 3, generator=generator))
+
+
+# --------------------------------------------------------------------------------------------------
+# what moves: only scalars reach the output device
+# --------------------------------------------------------------------------------------------------
+
+
+def test_only_two_scalars_per_replica_are_gathered_where_stock_gathers_the_output(generator):
+    net, x = model(generator), torch.randn(12, FEATURES, generator=generator, dtype=torch.float64)
+    targets, criterion = class_targets(generator, 12), nn.CrossEntropyLoss()
+
+    def gathered_bytes(gather_output: bool) -> list[int]:
+        wrapper = minidp.DataParallel(net, cpu_ids(3), gather_output=gather_output)
+        with minidp.trace() as step:
+            output = wrapper(x)
+            loss = minidp.parallel_criterion(criterion, output, targets) if not gather_output else criterion(output, targets)
+            loss.backward()
+        return [e.bytes for e in step.events if e.stage == "gather"]
+
+    assert gathered_bytes(True) == [4 * CLASSES * 8] * 3  # each replica's (4, 5) float64 output
+    assert gathered_bytes(False) == [2 * 8] * 3  # numerator and denominator
+
+
+# --------------------------------------------------------------------------------------------------
+# DataParallel(gather_output=False)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_gather_output_false_returns_each_replicas_output_on_its_device(replicas, generator):
+    net, x = model(generator), torch.randn(10, FEATURES, generator=generator, dtype=torch.float64)
+    outputs = minidp.DataParallel(net, cpu_ids(replicas), gather_output=False)(x)
+    expected = net(x).split(torch.chunk(x, replicas)[0].shape[0])
+    assert isinstance(outputs, list) and len(outputs) == replicas
+    for output, chunk in zip(outputs, expected):
+        assert output.device == torch.device("cpu")
+        assert max_relative_error(output, chunk) < RTOL_FLOAT64
+
+
+# --------------------------------------------------------------------------------------------------
+# bad input: errors that name the argument
+# --------------------------------------------------------------------------------------------------
+
+
+def test_targets_with_other_rows_than_the_outputs_are_refused(generator):
+    outputs = [torch.randn(3, CLASSES, generator=generator), torch.randn(2, CLASSES, generator=generator)]
+    with pytest.raises(ValueError, match=r"targets of shape \(6,\).*5 rows.*\[3, 2\]"):
+        minidp.parallel_criterion(nn.CrossEntropyLoss(), outputs, torch.zeros(6, dtype=torch.long))
+
+
+def test_a_gathered_output_is_refused_with_a_pointer_to_gather_output(generator):
+    with pytest.raises(TypeError, match="gather_output=False"):
+        minidp.parallel_criterion(nn.MSELoss(), torch.randn(4, 2, generator=generator), torch.zeros(4, 2))
+
+
+def test_an_output_that_is_not_a_tensor_is_named(generator):
+    outputs = [torch.randn(2, 3, generator=generator), (torch.randn(2, 3, generator=generator),)]
+    with pytest.raises(TypeError, match=r"outputs\[1\] is a tuple"):
+        minidp.parallel_criterion(nn.MSELoss(), outputs, torch.zeros(4, 3))
+
+
+def test_class_criteria_refuse_a_split_other_than_the_batch_dim(generator):
+    outputs = [torch.randn(2, CLASSES, 3, generator=generator)] * 2
+    with pytest.raises(ValueError, match="dim=2.*CrossEntropyLoss.*dim 0"):
+        minidp.parallel_criterion(nn.CrossEntropyLoss(), outputs, torch.zeros(2, 6, dtype=torch.long), dim=2)
+
+
+def test_a_per_row_weight_that_does_not_match_the_batch_is_named(generator):
+    criterion = nn.BCEWithLogitsLoss(weight=torch.ones(5, 1))
+    with pytest.raises(ValueError, match=r"criterion.weight of shape \(5, 1\) has 5 rows where the batch has 4"):
+        minidp.parallel_criterion(criterion, [torch.randn(2, 3, generator=generator)] * 2, torch.zeros(4, 3))
+
+
+def test_a_callable_without_rule_must_return_a_scalar_per_replica(generator):
+    def per_row(output, target):
+        return (output - target).pow(2).sum(1)
+
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="replica 0.*0-dim loss"):
+        minidp.parallel_criterion(per_row, [torch.randn(2, 3, generator=generator)] * 2, torch.zeros(4, 3))
+
+
+def test_an_unknown_reduction_is_named():
+    with pytest.raises(ValueError, match="criterion.reduction is 'average'"):
+        minidp.parallel_criterion(nn.L1Loss(reduction="average"), [torch.zeros(2, 3)] * 2, torch.zeros(4, 3))
+
+
+def test_an_output_device_that_does_not_exist_is_named():
+    with pytest.raises((ValueError, RuntimeError), match="output_device"):
+        minidp.parallel_criterion(nn.L1Loss(), [torch.zeros(2, 3)] * 2, torch.zeros(4, 3), output_device="cuda:99")
