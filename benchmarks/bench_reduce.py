@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,11 +36,7 @@ from pathlib import Path
 import torch
 from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
 
-# Run from a checkout: minidp from this tree.
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from minidp import comm, ext  # noqa: E402
+from minidp import comm, ext
 
 QUICK = os.environ.get("MINIDP_BENCH_QUICK") == "1"
 DEVICE = torch.device(os.environ.get("MINIDP_BENCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -15,8 +15,8 @@ from torch import nn
 import minidp
 from minidp.cli.bench import training_step
 
-from conftest import DEVICES, device_ids, run
-from models import STEP_MODELS, batch
+from .common import DEVICES, device_ids, run
+from .models import STEP_MODELS, batch
 
 
 def wrap(variant: str, module: nn.Module, device: str) -> nn.Module:

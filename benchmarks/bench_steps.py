@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import minidp
-from minidp import comm
+from minidp import comm, ext
 from minidp.device_ids import as_devices
 from minidp.replica_cache import ReplicaCache
 
-from conftest import DEVICES, device_ids, run
-from models import resnet50_tree
-from stock_emulation import emulated_stock
+from .common import DEVICES, device_ids, run
+from .models import resnet50_tree
+from tests.stock_emulation import emulated_stock  # stock's replicate, timed on the CPU
 
 REPLICAS = 2
 
@@ -96,7 +96,7 @@ def bench_gradient_reduction(benchmark, device, variant):
             pytest.skip(f"stock reduce_add_coalesced with every replica on GPU 0: {error}")
     else:
         backend = variant.removeprefix("minidp-")
-        if backend == "ext" and comm.resolve_reduce_backend("auto") != "ext":
+        if backend == "ext" and not ext.is_loaded():
             pytest.skip("the reduction extension is not loaded")
         reduce = lambda: comm.reduce_add_coalesced(grads, device, backend=backend)  # noqa: E731
     run(benchmark, reduce, rounds=30, iterations=5)

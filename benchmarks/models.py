@@ -13,7 +13,7 @@ from torch import nn
 
 from minidp.zoo import MLP, SmallCNN, resnet18, resnet50
 
-from conftest import QUICK
+from .common import QUICK
 
 # name -> (build, batch size, input shape, classes)
 STEP_MODELS: dict[str, tuple[Callable[[], nn.Module], int, tuple[int, ...], int]] = {

@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import timeit
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-import minidp  # noqa: E402
-from minidp.hooks import observed  # noqa: E402
-from minidp.zoo import ZOO  # noqa: E402
+import minidp
+from minidp.hooks import observed
+from minidp.zoo import ZOO
 
 
 def main() -> None:

@@ -1,46 +1,56 @@
-"""Shared fixtures: device lists, tolerances and helpers used across the test suite."""
+"""Shared fixtures: the random generator, the extension, and the configurations the whole suite runs under.
+
+Every test runs twice, under two configurations of :class:`minidp.DataParallel`'s defaults:
+
+* ``cached-torch``: what a user gets by default: the replica cache on, and the ``"torch"`` backend (what
+  ``"auto"`` is until the extension is loaded; pinned, since an earlier test may have loaded it);
+* ``uncached-ext``: both features the other way: replicas built anew at every step, as stock does, and
+  ``"auto"`` with the extension loaded, so the extension sums every gradient it takes (``"torch"`` alone
+  where it cannot be built).
+
+Features that are on by default must be exactly as safe as the stock path: both must pass. A test
+module about one of the features pins it with :func:`configure_dataparallel`.
+"""
 
 from __future__ import annotations
 
+import os
+import random
+
 import pytest
 import torch
-from torch import nn
 
-# float64 comparisons: data parallelism only reorders sums, so results agree to rounding.
-RTOL_FLOAT64 = 1e-10
+from minidp import ext
 
-HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+from .helpers import CONFIGURATIONS, configure_dataparallel
 
-
-def cpu_ids(n: int) -> list[str]:
-    """``n`` replicas on the CPU."""
-    return ["cpu"] * n
-
-
-def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``max|a - e| / max(max|e|, tiny)``: one number per tensor, robust to zeros."""
-    scale = expected.detach().abs().max().clamp_min(1e-300)
-    return ((actual.detach() - expected.detach()).abs().max() / scale).item() if expected.numel() else 0.0
+SEED_VARIABLE = "MINIDP_TEST_SEED"
 
 
 @pytest.fixture
-def generator() -> torch.Generator:
-    """A fresh, randomly seeded generator: every run draws new inputs; the seed is printed on failure."""
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    print(f"generator seed: {seed}")
+def generator(request) -> torch.Generator:
+    """A generator with a fresh random seed per test, or the seed in ``MINIDP_TEST_SEED`` to replay one.
+
+    The seed is printed, so a failing test's report shows it: rerun with
+    ``MINIDP_TEST_SEED=<seed> python -m pytest -q '<test id>'`` to draw the same inputs.
+    """
+    seed = int(os.environ[SEED_VARIABLE]) if os.environ.get(SEED_VARIABLE) else random.SystemRandom().randrange(2**31)
+    print(f"generator seed: {seed} (replay: {SEED_VARIABLE}={seed} python -m pytest -q '{request.node.nodeid}')")
     return torch.Generator().manual_seed(seed)
 
 
-class CountsCalls(nn.Module):
-    """Counts its forward calls in a plain attribute: the kind of state data parallelism loses, since
-    under DataParallel each replica counts on its own copy and the original's count stays put."""
+@pytest.fixture(scope="session")
+def extension():
+    """The compiled extension; skips the test where it cannot be built (it must build wherever CI runs)."""
+    try:
+        return ext.load()
+    except RuntimeError as exc:
+        pytest.skip(f"the minidp extension cannot be built here: {exc}")
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 3)
-        self.calls = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return self.linear(x)
+@pytest.fixture(autouse=True, params=list(CONFIGURATIONS))
+def dataparallel_configuration(request, monkeypatch):
+    """Run the test under one configuration of DataParallel's defaults (see the module docstring)."""
+    configuration = CONFIGURATIONS[request.param]
+    configure_dataparallel(monkeypatch, configuration["cache_replicas"], configuration["backend"])
+    return request.param

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import RTOL_FLOAT64, max_relative_error
+from .helpers import RTOL_FLOAT64, max_relative_error
 from minidp import zoo
 from minidp.nested import map_tensors, tensors_in
 from minidp.reference import chunked_reference
 from minidp.zoo import ZOO
-from stock_emulation import swapped
+from .stock_emulation import swapped
 
 # (replicas, rows): even and uneven batches; 5 rows on 4 replicas use 3, 2 rows on 4 use 2.
 SPLITS = [(1, 6), (2, 6), (3, 10), (4, 10), (4, 5), (4, 2)]

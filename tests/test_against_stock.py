@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 import minidp
-from conftest import HAS_CUDA, cpu_ids, requires_cuda
+from .helpers import HAS_CUDA, cpu_ids, requires_cuda
 from minidp import zoo
-from reference import (
+from .reference import (
     SPLITS,
     Case,
     Result,
@@ -30,7 +30,7 @@ from reference import (
     make_case,
     reference_call,
 )
-from stock_emulation import swapped, emulated_stock, stock_comm
+from .stock_emulation import swapped, emulated_stock, stock_comm
 
 
 def wrapped_call(case: Case, wrapper: type, device_ids: list):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import minidp
-from conftest import cpu_ids, requires_cuda
+from .helpers import cpu_ids, requires_cuda
 
 
 def trained_bn_model(generator: torch.Generator) -> nn.Module:

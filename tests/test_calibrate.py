@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import minidp
-from conftest import RTOL_FLOAT64, cpu_ids, max_relative_error, requires_cuda
+from .helpers import RTOL_FLOAT64, cpu_ids, max_relative_error, requires_cuda
 from minidp.calibration import weights_from_measurements
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import minidp
-from conftest import RTOL_FLOAT64, cpu_ids, max_relative_error
+from .helpers import RTOL_FLOAT64, cpu_ids, max_relative_error
 from minidp import comm
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import CountsCalls
+from .helpers import CountsCalls
 from minidp.cli import COMMANDS, main
 from minidp.cli.devices import parse_device_ids
 from minidp.zoo import ZooEntry

@@ -14,7 +14,7 @@ from torch import nn
 
 import minidp
 
-from conftest import cpu_ids
+from .helpers import cpu_ids
 
 
 per_thread = pytest.mark.skipif(

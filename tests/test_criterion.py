@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import minidp
-from conftest import RTOL_FLOAT64, cpu_ids, max_relative_error
+from .helpers import RTOL_FLOAT64, cpu_ids, max_relative_error
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """The warning for a criterion without a rule comes once per type and process: once per test here."""
+    monkeypatch.setattr(minidp.criterion, "_warned_row_weighted", set())
 
 FEATURES, CLASSES = 6, 5
 # (replicas, batch): every split uneven (torch.chunk: 9 -> 5, 4; 11 -> 4, 4, 3; 7 -> 2, 2, 2, 1)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import minidp
-from conftest import HAS_CUDA, cpu_ids
-from stock_emulation import emulated_stock
+from .helpers import HAS_CUDA, cpu_ids
+from .stock_emulation import emulated_stock
 
 data_parallel_module = importlib.import_module("minidp.wrapper")
 no_gpu_only = pytest.mark.skipif(HAS_CUDA, reason="describes a machine without a GPU")

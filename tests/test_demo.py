@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import requires_cuda
+from .helpers import requires_cuda
 from minidp.cli import demo
 from minidp.cli import build_parser, main
 

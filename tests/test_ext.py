@@ -9,31 +9,15 @@ from __future__ import annotations
 import shutil
 import subprocess
 import warnings
-import zlib
 
 import pytest
 import torch
 
-from _ext_helpers import assert_bitwise_equal, random_replicas, torch_reduce
+from ._ext_helpers import assert_bitwise_equal, random_replicas, torch_reduce
 from minidp import ext
 
 CPU = torch.device("cpu")
 ODD_SIZES = [(1,), (3,), (17,), (1023,), (1025,), (4097,), (65537,), (3, 5, 7)]
-
-
-@pytest.fixture(scope="module")
-def built():
-    """Skips the test where the extension cannot be built (it must build wherever CI runs)."""
-    try:
-        ext.load()
-    except RuntimeError as exc:
-        pytest.skip(f"the minidp extension cannot be built here: {exc}")
-
-
-@pytest.fixture
-def gen(request) -> torch.Generator:
-    """A generator seeded from the test's id: repeatable, but different values per case."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def check(inputs, destination=CPU):
@@ -44,57 +28,57 @@ def check(inputs, destination=CPU):
 
 
 @pytest.mark.parametrize("num_replicas", range(1, 9))
-def test_matches_reference_for_each_replica_count(built, gen, num_replicas):
-    check(random_replicas(ODD_SIZES, num_replicas, torch.float32, gen))
+def test_matches_reference_for_each_replica_count(extension, generator, num_replicas):
+    check(random_replicas(ODD_SIZES, num_replicas, torch.float32, generator))
 
 
 @pytest.mark.parametrize("dtype", ext.SUPPORTED_DTYPES, ids=str)
-def test_matches_reference_for_each_dtype(built, gen, dtype):
-    check(random_replicas(ODD_SIZES, 3, dtype, gen))
+def test_matches_reference_for_each_dtype(extension, generator, dtype):
+    check(random_replicas(ODD_SIZES, 3, dtype, generator))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_matches_reference_on_one_huge_tensor(built, gen, dtype):
-    check(random_replicas([(8 * 2**20,)], 4, dtype, gen))
+def test_matches_reference_on_one_huge_tensor(extension, generator, dtype):
+    check(random_replicas([(8 * 2**20,)], 4, dtype, generator))
 
 
-def test_matches_reference_on_thousands_of_tiny_tensors(built, gen):
-    sizes = torch.randint(1, 8, (3000,), generator=gen).tolist()
-    check(random_replicas([(n,) for n in sizes], 4, torch.float32, gen))
+def test_matches_reference_on_thousands_of_tiny_tensors(extension, generator):
+    sizes = torch.randint(1, 8, (3000,), generator=generator).tolist()
+    check(random_replicas([(n,) for n in sizes], 4, torch.float32, generator))
 
 
-def test_matches_reference_with_mixed_dtypes_across_positions(built, gen):
+def test_matches_reference_with_mixed_dtypes_across_positions(extension, generator):
     inputs = [[] for _ in range(3)]
     for dtype in ext.SUPPORTED_DTYPES:
-        for k, replica in enumerate(random_replicas([(33,), (5000,)], 3, dtype, gen)):
+        for k, replica in enumerate(random_replicas([(33,), (5000,)], 3, dtype, generator)):
             inputs[k] += replica
     check(inputs)
 
 
-def test_empty_tensors_give_empty_results(built, gen):
-    check(random_replicas([(0,), (5,), (3, 0), (0,), (9,), (0, 4)], 2, torch.float32, gen))
+def test_empty_tensors_give_empty_results(extension, generator):
+    check(random_replicas([(0,), (5,), (3, 0), (0,), (9,), (0, 4)], 2, torch.float32, generator))
 
 
-def test_only_empty_tensors(built, gen):
-    check(random_replicas([(0,), (2, 0)], 3, torch.float16, gen))
+def test_only_empty_tensors(extension, generator):
+    check(random_replicas([(0,), (2, 0)], 3, torch.float16, generator))
 
 
-def test_zero_dimensional_tensors(built, gen):
-    check(random_replicas([(), (4,), ()], 5, torch.float64, gen))
+def test_zero_dimensional_tensors(extension, generator):
+    check(random_replicas([(), (4,), ()], 5, torch.float64, generator))
 
 
-def test_replicas_without_tensors_give_no_results(built):
+def test_replicas_without_tensors_give_no_results(extension):
     assert ext.reduce_add_coalesced([[], [], []], CPU) == []
 
 
-def test_non_contiguous_inputs(built, gen):
-    base = random_replicas([(64, 48), (300,)], 3, torch.float32, gen)
+def test_non_contiguous_inputs(extension, generator):
+    base = random_replicas([(64, 48), (300,)], 3, torch.float32, generator)
     inputs = [[matrix.t(), vector[::3]] for matrix, vector in base]
     assert not inputs[0][0].is_contiguous() and not inputs[0][1].is_contiguous()
     check(inputs)
 
 
-def test_infinities_and_nans_propagate_like_the_reference(built):
+def test_infinities_and_nans_propagate_like_the_reference(extension):
     values = torch.tensor([float("inf"), float("-inf"), float("nan"), 1.0, float("inf")])
     inputs = [[values], [values.flip(0)], [values.roll(1)]]
     torch.testing.assert_close(
@@ -105,24 +89,24 @@ def test_infinities_and_nans_propagate_like_the_reference(built):
 # --- what comes back ----------------------------------------------------------------------
 
 
-def test_one_replica_gives_copies_not_aliases(built, gen):
-    inputs = random_replicas([(10,), (2, 3)], 1, torch.float32, gen)
+def test_one_replica_gives_copies_not_aliases(extension, generator):
+    inputs = random_replicas([(10,), (2, 3)], 1, torch.float32, generator)
     outputs = ext.reduce_add_coalesced(inputs, CPU)
     for out, original in zip(outputs, inputs[0]):
         assert torch.equal(out, original)
         assert out.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
 
 
-def test_results_are_contiguous_with_replica_zero_shapes_and_dtypes(built, gen):
-    inputs = random_replicas([(4, 5), (7,)], 2, torch.bfloat16, gen)
+def test_results_are_contiguous_with_replica_zero_shapes_and_dtypes(extension, generator):
+    inputs = random_replicas([(4, 5), (7,)], 2, torch.bfloat16, generator)
     outputs = ext.reduce_add_coalesced(inputs, CPU)
     assert [(o.shape, o.dtype, o.device, o.is_contiguous()) for o in outputs] == [
         (t.shape, t.dtype, CPU, True) for t in inputs[0]
     ]
 
 
-def test_reduce_add_into_writes_the_given_outputs(built, gen):
-    inputs = random_replicas([(100,), (3, 3)], 4, torch.float16, gen)
+def test_reduce_add_into_writes_the_given_outputs(extension, generator):
+    inputs = random_replicas([(100,), (3, 3)], 4, torch.float16, generator)
     outputs = [torch.empty_like(t) for t in inputs[0]]
     ext.load().reduce_add_into(inputs, outputs)
     assert_bitwise_equal(outputs, torch_reduce(inputs, CPU))
@@ -131,33 +115,33 @@ def test_reduce_add_into_writes_the_given_outputs(built, gen):
 # --- errors name the tensor and the replica -----------------------------------------------
 
 
-def test_shape_mismatch_names_tensor_and_replica(built, gen):
-    inputs = random_replicas([(2,), (3,), (1,), (4, 6)], 3, torch.float32, gen)
+def test_shape_mismatch_names_tensor_and_replica(extension, generator):
+    inputs = random_replicas([(2,), (3,), (1,), (4, 6)], 3, torch.float32, generator)
     inputs[2][3] = torch.zeros(4, 5)
     with pytest.raises(ValueError, match=r"tensor 3 of replica 2 has shape \(4, 5\) but replica 0's has \(4, 6\)"):
         ext.reduce_add_coalesced(inputs, CPU)
 
 
-def test_dtype_mismatch_names_tensor_and_replica(built, gen):
-    inputs = random_replicas([(2,), (3,)], 2, torch.float32, gen)
+def test_dtype_mismatch_names_tensor_and_replica(extension, generator):
+    inputs = random_replicas([(2,), (3,)], 2, torch.float32, generator)
     inputs[1][1] = inputs[1][1].half()
     with pytest.raises(TypeError, match="tensor 1 of replica 1 has dtype torch.float16 but replica 0's has torch.float32"):
         ext.reduce_add_coalesced(inputs, CPU)
 
 
-def test_tensor_count_mismatch_names_replica(built, gen):
-    inputs = random_replicas([(2,), (3,), (4,)], 2, torch.float32, gen)
+def test_tensor_count_mismatch_names_replica(extension, generator):
+    inputs = random_replicas([(2,), (3,), (4,)], 2, torch.float32, generator)
     inputs[1].pop()
     with pytest.raises(ValueError, match="replica 1 has 2 tensors but replica 0 has 3"):
         ext.reduce_add_coalesced(inputs, CPU)
 
 
-def test_unsupported_dtype_is_rejected(built):
+def test_unsupported_dtype_is_rejected(extension):
     with pytest.raises(TypeError, match="tensor 0 of replica 0 has dtype torch.int64; supported are"):
         ext.reduce_add_coalesced([[torch.ones(3, dtype=torch.int64)]] * 2, CPU)
 
 
-def test_no_replicas_is_rejected(built):
+def test_no_replicas_is_rejected(extension):
     with pytest.raises(ValueError, match="at least one replica"):
         ext.reduce_add_coalesced([], CPU)
 
@@ -167,7 +151,7 @@ def test_no_replicas_is_rejected(built):
 
 @pytest.fixture
 def unloaded(monkeypatch):
-    """The extension module as if not built yet; the real one comes back after the test."""
+    """The extension module as if not extension yet; the real one comes back after the test."""
     monkeypatch.setattr(ext, "_module", None)
     monkeypatch.setattr(ext, "_failure", None)
     monkeypatch.delenv("MINIDP_EXT", raising=False)
@@ -180,7 +164,7 @@ def fail_build(verbose):
 
 def test_minidp_ext_0_disables_without_building(unloaded):
     unloaded.setenv("MINIDP_EXT", "0")
-    unloaded.setattr(ext, "_build", lambda verbose: pytest.fail("built although disabled"))
+    unloaded.setattr(ext, "_build", lambda verbose: pytest.fail("extension although disabled"))
     assert not ext.is_available()
     with pytest.raises(RuntimeError, match="disabled by MINIDP_EXT=0"):
         ext.load()
@@ -228,41 +212,41 @@ class TestCuda:
     GPU0 = torch.device("cuda", 0)
 
     @pytest.mark.parametrize("dtype", ext.SUPPORTED_DTYPES, ids=str)
-    def test_matches_reference_for_each_dtype(self, built, gen, dtype):
-        check(random_replicas(ODD_SIZES, 3, dtype, gen, self.GPU0), self.GPU0)
+    def test_matches_reference_for_each_dtype(self, extension, generator, dtype):
+        check(random_replicas(ODD_SIZES, 3, dtype, generator, self.GPU0), self.GPU0)
 
     @pytest.mark.parametrize("num_replicas", [1, 2, 5, 8])
-    def test_replicas_on_the_same_gpu(self, built, gen, num_replicas):
-        check(random_replicas(ODD_SIZES, num_replicas, torch.float32, gen, self.GPU0), self.GPU0)
+    def test_replicas_on_the_same_gpu(self, extension, generator, num_replicas):
+        check(random_replicas(ODD_SIZES, num_replicas, torch.float32, generator, self.GPU0), self.GPU0)
 
-    def test_one_huge_tensor(self, built, gen):
-        check(random_replicas([(32 * 2**20,)], 4, torch.float32, gen, self.GPU0), self.GPU0)
+    def test_one_huge_tensor(self, extension, generator):
+        check(random_replicas([(32 * 2**20,)], 4, torch.float32, generator, self.GPU0), self.GPU0)
 
-    def test_thousands_of_tiny_tensors(self, built, gen):
-        sizes = torch.randint(1, 8, (3000,), generator=gen).tolist()
-        check(random_replicas([(n,) for n in sizes], 4, torch.float16, gen, self.GPU0), self.GPU0)
+    def test_thousands_of_tiny_tensors(self, extension, generator):
+        sizes = torch.randint(1, 8, (3000,), generator=generator).tolist()
+        check(random_replicas([(n,) for n in sizes], 4, torch.float16, generator, self.GPU0), self.GPU0)
 
-    def test_empty_and_zero_dimensional_tensors(self, built, gen):
-        check(random_replicas([(0,), (), (5,), (2, 0), ()], 3, torch.float64, gen, self.GPU0), self.GPU0)
+    def test_empty_and_zero_dimensional_tensors(self, extension, generator):
+        check(random_replicas([(0,), (), (5,), (2, 0), ()], 3, torch.float64, generator, self.GPU0), self.GPU0)
 
-    def test_misaligned_inputs(self, built, gen):
+    def test_misaligned_inputs(self, extension, generator):
         # Contiguous views one element into their storage: not 16-byte aligned.
-        base = random_replicas([(1 + 1000,)], 3, torch.float32, gen, self.GPU0)
+        base = random_replicas([(1 + 1000,)], 3, torch.float32, generator, self.GPU0)
         check([[t[1:]] for (t,) in base], self.GPU0)
 
-    def test_non_contiguous_inputs(self, built, gen):
-        base = random_replicas([(64, 48)], 3, torch.bfloat16, gen, self.GPU0)
+    def test_non_contiguous_inputs(self, extension, generator):
+        base = random_replicas([(64, 48)], 3, torch.bfloat16, generator, self.GPU0)
         check([[t.t()] for (t,) in base], self.GPU0)
 
-    def test_inputs_on_the_host(self, built, gen):
-        inputs = random_replicas(ODD_SIZES, 3, torch.float32, gen)
+    def test_inputs_on_the_host(self, extension, generator):
+        inputs = random_replicas(ODD_SIZES, 3, torch.float32, generator)
         inputs[0] = [t.to(self.GPU0) for t in inputs[0]]
         check(inputs, self.GPU0)
 
-    def test_runs_on_the_current_stream(self, built, gen):
+    def test_runs_on_the_current_stream(self, extension, generator):
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
-            inputs = random_replicas(ODD_SIZES, 3, torch.float32, gen, self.GPU0)
+            inputs = random_replicas(ODD_SIZES, 3, torch.float32, generator, self.GPU0)
             outputs = ext.reduce_add_coalesced(inputs, self.GPU0)
             expected = torch_reduce(inputs, self.GPU0)
         side.synchronize()
@@ -270,10 +254,10 @@ class TestCuda:
 
     @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
     @pytest.mark.parametrize("destination", [0, 1])
-    def test_inputs_on_a_second_gpu(self, built, gen, destination):
+    def test_inputs_on_a_second_gpu(self, extension, generator, destination):
         inputs = [
             [t.to(torch.device("cuda", k % 2)) for t in replica]
-            for k, replica in enumerate(random_replicas(ODD_SIZES + [(4 * 2**20,)], 4, torch.float16, gen))
+            for k, replica in enumerate(random_replicas(ODD_SIZES + [(4 * 2**20,)], 4, torch.float16, generator))
         ]
         check(inputs, torch.device("cuda", destination))
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import minidp
-from stock_emulation import swapped, emulated_stock, stock_functions
+from .stock_emulation import swapped, emulated_stock, stock_functions
 
 Pair = collections.namedtuple("Pair", "left right")
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import minidp
-from conftest import cpu_ids
-from stock_emulation import emulated_stock
+from .helpers import cpu_ids
+from .stock_emulation import emulated_stock
 
 
 class Probe(nn.Module):

@@ -12,17 +12,9 @@ import pytest
 import torch
 
 import minidp
-from conftest import cpu_ids
+from .helpers import cpu_ids
 from minidp import comm, ext
 from minidp.zoo import MLP
-
-
-@pytest.fixture(scope="module")
-def extension():
-    try:
-        return ext.load()
-    except RuntimeError as exc:
-        pytest.skip(f"the minidp extension cannot be built here: {exc}")
 
 
 @pytest.fixture

@@ -24,9 +24,16 @@ import minidp
 from minidp.replica_cache import ReplicaCache
 from minidp.zoo import ZOO, LSTMModel, ResNetBlockBN
 
-from conftest import RTOL_FLOAT64, cpu_ids, max_relative_error
+from .helpers import RTOL_FLOAT64, configure_dataparallel, cpu_ids, max_relative_error
 
 pytestmark = pytest.mark.usefixtures("float64")
+
+
+@pytest.fixture(autouse=True, params=["torch", "auto-with-ext"])
+def dataparallel_configuration(request, monkeypatch):
+    """These tests are about the cache: it stays on, under both reduce backends (tests/conftest.py)."""
+    configure_dataparallel(monkeypatch, True, request.param)
+    return request.param
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import minidp
-from conftest import RTOL_FLOAT64, cpu_ids, max_relative_error
-from stock_emulation import emulated_stock
+from .helpers import RTOL_FLOAT64, cpu_ids, max_relative_error
+from .stock_emulation import emulated_stock
 
 
 def bn_model() -> nn.Module:

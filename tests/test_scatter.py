@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import minidp
-from conftest import cpu_ids
-from stock_emulation import emulated_stock
+from .helpers import cpu_ids
+from .stock_emulation import emulated_stock
 
 Pair = collections.namedtuple("Pair", "left right")
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import minidp
 
-from conftest import cpu_ids
+from .helpers import cpu_ids
 
 
 def live_tensors() -> int:
@@ -38,4 +38,5 @@ def test_live_tensors_do_not_grow_over_200_training_steps(generator):
     before = live_tensors()
     steps(200)
     assert live_tensors() <= before
-    assert wrapper.replica_cache_info().misses == 1
+    if wrapper.cache_replicas:  # the skeletons too were built once
+        assert wrapper.replica_cache_info().misses == 1

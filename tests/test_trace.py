@@ -14,7 +14,7 @@ import minidp
 from minidp.tracing import STAGE_COLOURS, STAGES, write_trace_artifacts
 from minidp.zoo import ZOO, ResNetBlockBN
 
-from conftest import cpu_ids
+from .helpers import cpu_ids
 
 REPLICAS = 3
 

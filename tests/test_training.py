@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import minidp
-from conftest import cpu_ids
-from reference import assert_tensors_close, make_case
+from .helpers import cpu_ids
+from .reference import assert_tensors_close, make_case
 from minidp.reference import chunked_reference
 
 STEPS = 20

@@ -39,7 +39,7 @@ from torch import nn
 from torch.autograd import gradcheck, gradgradcheck
 
 import minidp
-from conftest import cpu_ids
+from .helpers import cpu_ids
 
 # Upstream's two GPUs.
 TWO = cpu_ids(2)

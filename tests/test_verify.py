@@ -9,7 +9,7 @@ from torch import nn
 import minidp
 from minidp.zoo import ZOO, MLP
 
-from conftest import CountsCalls, cpu_ids, requires_cuda
+from .helpers import CountsCalls, cpu_ids, requires_cuda
 
 
 class DropsLastChunk(minidp.DataParallel):

@@ -1,16 +1,11 @@
-"""Shared settings for the benchmarks: quick mode, rounds, devices."""
+"""Shared settings for the benchmarks: quick mode, rounds, devices, and the timing helper."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-# Stock's own replicate is timed on the CPU under the tests' emulation of its CUDA-only calls.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 # MINIDP_BENCH_QUICK=1: a few rounds each, so that CI runs every benchmark in well under two minutes.
 QUICK = os.environ.get("MINIDP_BENCH_QUICK", "") not in ("", "0")
