@@ -12,7 +12,7 @@ written to fresh memory by this step".
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -20,11 +20,16 @@ from ..comm import reduce_backends
 from ..device_ids import as_devices
 from ..nested import tensors_in
 
-if TYPE_CHECKING:
-    from .recorder import Trace
-
 Served = Iterator[tuple[int, Any, int, str]]  # (replica, device, bytes, detail)
-Describer = Callable[["Trace", dict, Any], Callable[[], Served]]
+
+
+class Recorder(Protocol):
+    """What a describer may ask of the recorder: to watch the backward of the replicas a call made."""
+
+    def watch_replicas(self, replicas: Sequence[Any], parameters: Sequence[Sequence[torch.Tensor]]) -> None: ...
+
+
+Describer = Callable[[Recorder, dict, Any], Callable[[], Served]]
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -44,7 +49,7 @@ def _device_of(tensors: Sequence[torch.Tensor], default: Any) -> str:
     return str(tensors[0].device) if tensors else str(default)
 
 
-def scatter(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served]:
+def scatter(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Served]:
     def served() -> Served:
         if "kwargs" in arguments:  # scatter_kwargs: (inputs per replica, kwargs per replica)
             sources = _storages(_tensors((arguments["inputs"], arguments["kwargs"])))
@@ -91,7 +96,7 @@ def _replica_tensors(
     return originals, params, buffers
 
 
-def replicate(tracer: "Trace", arguments: dict, result: list) -> Callable[[], Served]:
+def replicate(tracer: Recorder, arguments: dict, result: list) -> Callable[[], Served]:
     network = arguments["network"]
     walked = [_replica_tensors(network, module) for module in result]  # now: a cache re-binds these modules
     tracer.watch_replicas(result, [[p for p in params if p.requires_grad] for _, params, _ in walked])
@@ -109,7 +114,7 @@ def replicate(tracer: "Trace", arguments: dict, result: list) -> Callable[[], Se
     return served
 
 
-def gather(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served]:
+def gather(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Served]:
     outputs = [_tensors(output) for output in arguments["outputs"]]
 
     def served() -> Served:
@@ -122,7 +127,7 @@ def gather(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served
     return served
 
 
-def reduce(tracer: "Trace", arguments: dict, result: Any) -> Callable[[], Served]:
+def reduce(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Served]:
     inputs = arguments["inputs"]  # which backend summed what is decided now: the default is a setting
     chosen = reduce_backends(inputs[0], arguments["backend"]) if inputs and inputs[0] else []
     backend = ", ".join(f"{name} ({chosen.count(name)})" for name in sorted(set(chosen))) or "-"

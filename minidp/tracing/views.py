@@ -6,12 +6,18 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 from ..hooks import STAGES
+from .memory import MemoryPeak
 
-if TYPE_CHECKING:
-    from .recorder import Trace
+
+class Recorded(Protocol):
+    """What the views read of a :class:`~minidp.tracing.Trace`."""
+
+    events: list  # of minidp.tracing.Event
+    duration: float
+    memory: list[MemoryPeak]
 
 STAGE_COLOURS = {
     "scatter": "#4c72b0", "replicate": "#8172b3", "forward": "#55a868",
@@ -19,12 +25,12 @@ STAGE_COLOURS = {
 }
 
 
-def lanes(step: "Trace") -> list[tuple[str, Optional[int]]]:
+def lanes(step: Recorded) -> list[tuple[str, Optional[int]]]:
     """``(device, replica)`` of every track, in device then replica order."""
     return sorted({(e.device, e.replica) for e in step.events}, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
 
 
-def summary(step: "Trace") -> list[dict[str, Any]]:
+def summary(step: Recorded) -> list[dict[str, Any]]:
     """One row per stage and device: wall time, busy thread time, share of the step, bytes."""
     rows = []
     for name in STAGES:
@@ -45,7 +51,7 @@ def summary(step: "Trace") -> list[dict[str, Any]]:
     return rows
 
 
-def table(step: "Trace") -> str:
+def table(step: Recorded) -> str:
     """The step as text: per stage and device, wall time, its share of the step, thread time, bytes."""
     lines = [
         f"one traced step: {step.duration * 1e3:.2f} ms, {len(step.events)} events",
@@ -70,7 +76,7 @@ def table(step: "Trace") -> str:
     return "\n".join(lines)
 
 
-def chrome_trace(step: "Trace") -> dict[str, Any]:
+def chrome_trace(step: Recorded) -> dict[str, Any]:
     """The Chrome trace format: one process per device, one track per replica."""
     devices = sorted({e.device for e in step.events})
     pid = {device: number + 1 for number, device in enumerate(devices)}
@@ -92,12 +98,12 @@ def chrome_trace(step: "Trace") -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_chrome(step: "Trace", path: Union[str, Path]) -> Path:
+def write_chrome(step: Recorded, path: Union[str, Path]) -> Path:
     """Write :func:`chrome_trace` as JSON; open it in https://ui.perfetto.dev or chrome://tracing."""
     return write_atomically(Path(path), lambda file: file.write(json.dumps(chrome_trace(step), indent=1).encode()))
 
 
-def plot(step: "Trace", path: Union[str, Path]) -> Path:
+def plot(step: Recorded, path: Union[str, Path]) -> Path:
     """Draw the step as a PNG timeline: one lane per device and replica, one colour per stage."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -141,7 +147,7 @@ def write_atomically(path: Path, write: Callable[[Any], Any]) -> Path:
     return path
 
 
-def write_trace_artifacts(step: "Trace", directory: Union[str, Path]) -> dict[str, Path]:
+def write_trace_artifacts(step: Recorded, directory: Union[str, Path]) -> dict[str, Path]:
     """Write ``table.txt``, ``trace.json`` (Chrome/Perfetto) and ``timeline.png`` into ``directory``.
 
     The PNG is skipped (and left out of the result) when matplotlib is not installed.

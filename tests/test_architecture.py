@@ -1,0 +1,133 @@
+"""The layers of minidp, as README.md's "Architecture" section draws them, kept true by reading the imports.
+
+Every ``import`` in ``minidp/`` counts, inside functions too. The rules:
+
+* no import circle anywhere in the package;
+* the primitives (the five steps and what they stand on) reach nothing above them, directly or through
+  another module: not the tracer, the replica cache, verify, the wrapper or the command line;
+* the tracer and the command line are imported by nothing below them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import minidp
+
+PACKAGE = Path(minidp.__file__).resolve().parent
+
+# The bottom floor: the steps, the tensor-level copies, and what they stand on.
+PRIMITIVES = {
+    "hooks", "nested", "device_ids", "ext", "comm",
+    "step1_scatter", "step2_replicate", "step3_parallel_apply", "step4_gather", "step5_reduce",
+}
+
+
+def module_name(path: Path) -> str:
+    """``minidp/tracing/views.py`` -> ``tracing.views``; a package's ``__init__.py`` -> the package."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def resolve(importer: str, node: ast.AST) -> set[str]:
+    """The minidp modules an import statement in module ``importer`` loads (the package root excluded)."""
+    found: set[str] = set()
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if alias.name.startswith("minidp."):
+                found.add(alias.name.removeprefix("minidp."))
+        return found & MODULES.keys()
+    assert isinstance(node, ast.ImportFrom)
+    if node.level == 0:
+        if not (node.module or "").startswith("minidp"):
+            return set()
+        base = (node.module or "").removeprefix("minidp").lstrip(".")
+    else:
+        is_package = MODULES[importer].name == "__init__.py"
+        anchor = importer.split(".") if importer else []
+        anchor = anchor if is_package else anchor[:-1]
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join(anchor + ([node.module] if node.module else []))
+    if base and not (importer == base or importer.startswith(base + ".")):
+        found.add(base)  # a module's own packages are loaded before it: not an edge
+    for alias in node.names:  # `from . import comm` and `from .tracing import views` load modules too
+        candidate = f"{base}.{alias.name}" if base else alias.name
+        if candidate in MODULES:
+            found.add(candidate)
+    return {name for name in found if name in MODULES and name != ""}
+
+
+def imports_of(name: str) -> set[str]:
+    tree = ast.parse(MODULES[name].read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found |= resolve(name, node)
+    return found - {name}
+
+
+GRAPH = {name: imports_of(name) for name in MODULES if name}  # the root __init__ re-exports everything
+
+
+def reachable(start: str) -> set[str]:
+    seen: set[str] = set()
+    stack = list(GRAPH[start])
+    while stack:
+        name = stack.pop()
+        if name not in seen:
+            seen.add(name)
+            stack.extend(GRAPH.get(name, ()))
+    return seen
+
+
+def test_the_import_graph_is_read_from_the_sources():
+    """A check that finds nothing proves nothing: the graph must see the edges everyone knows are there."""
+    assert "comm" in GRAPH["step1_scatter"]
+    assert "step5_reduce" in GRAPH["step2_replicate"]
+    assert "tracing.recorder" in GRAPH["tracing"]
+    assert "hooks" in GRAPH["tracing.recorder"]
+
+
+def test_there_is_no_import_circle_in_minidp():
+    circles = sorted(name for name in GRAPH if name in reachable(name))
+    assert not circles, f"modules that import themselves through others: {circles}"
+
+
+@pytest.mark.parametrize("primitive", sorted(PRIMITIVES))
+def test_a_primitive_reaches_nothing_above_the_primitives(primitive):
+    above = sorted(reachable(primitive) - PRIMITIVES)
+    assert not above, f"{primitive} reaches {above}, which stand above the primitives"
+
+
+# Who may import the tracer and the command line: the layers above them.
+ABOVE = {"tracing": ("cli", "__main__"), "cli": ("__main__",)}
+
+
+@pytest.mark.parametrize("top", sorted(ABOVE))
+def test_the_tracer_and_the_command_line_are_imported_by_nothing_below_them(top):
+    def inside(name: str, package: str) -> bool:
+        return name == package or name.startswith(package + ".")
+
+    importers = sorted(
+        name for name, imported in GRAPH.items()
+        if not inside(name, top) and not any(inside(name, allowed) for allowed in ABOVE[top])
+        and any(inside(i, top) for i in imported)
+    )
+    assert not importers, f"{importers} import {top}"
+
+
+def test_no_module_is_hidden_by_a_function_of_the_same_name():
+    """``minidp.<name>`` for a module file ``minidp/<name>.py`` is that module, not a function re-exported over it."""
+    hidden = sorted(
+        name for name in MODULES if name and "." not in name and not hasattr(getattr(minidp, name, None), "__file__")
+        and hasattr(minidp, name)
+    )
+    assert not hidden, f"minidp.<name> is not the module minidp/<name>.py for {hidden}"
