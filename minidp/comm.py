@@ -38,7 +38,7 @@ def set_reduce_backend(backend: str) -> None:
     ``"torch"`` for the rest (see :func:`reduce_backends`).
     """
     global _default_reduce_backend
-    _default_reduce_backend = _check_backend(backend)
+    _default_reduce_backend = check_reduce_backend(_check_backend(backend))
 
 
 def get_reduce_backend() -> str:
@@ -49,6 +49,23 @@ def get_reduce_backend() -> str:
 def _check_backend(backend: str, argument: str = "backend") -> str:
     if backend not in REDUCE_BACKENDS:
         raise ValueError(f"{argument} must be one of {REDUCE_BACKENDS}, got {backend!r}")
+    return backend
+
+
+def check_reduce_backend(backend: Optional[str], argument: str = "backend") -> Optional[str]:
+    """``backend`` (``None``: the global default) if a reduction can use it; checked when it is chosen,
+    before any step runs: an unknown name is a ``ValueError``, ``"ext"`` loads the extension (and raises,
+    saying why, where it is disabled or cannot be built)."""
+    if backend is None:
+        return None
+    _check_backend(backend, argument)
+    if backend == "ext":
+        from . import ext
+
+        try:
+            ext.load()
+        except RuntimeError as error:
+            raise RuntimeError(f"{argument}='ext' needs the minidp extension: {error}. Use 'auto' or 'torch'.") from error
     return backend
 
 

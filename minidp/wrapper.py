@@ -12,8 +12,9 @@ may repeat: ``DataParallel(model, device_ids=["cpu"] * 4)`` runs four replicas i
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -74,6 +75,30 @@ def _warn_if_imbalanced(devices: list[torch.device]) -> None:
             return
 
 
+@contextlib.contextmanager
+def buffers_restored_on_failure(module: nn.Module) -> Iterator[None]:
+    """A step that fails changes nothing: ``module``'s buffers are put back as they were if the body raises.
+
+    Replica 0 shares the original's buffers, so its BatchNorm updates land in them during the step
+    (stock's behaviour: the running statistics come from chunk 0). If another replica then fails,
+    stock keeps replica 0's half of the step. Here the buffers are copied before the replicas run (one
+    flat copy per dtype), and on an exception every buffer is written back from the copy (all of them:
+    BatchNorm's kernel updates its running statistics without moving their version counters). On
+    success nothing more happens, and the buffers are the very tensors stock would leave.
+    """
+    buffers = [b for b in module.buffers() if not b.requires_grad]  # buffers in autograd reach replica 0 as copies
+    if not buffers:
+        yield
+        return
+    saved = comm.copy_coalesced(buffers, buffers[0].device)
+    try:
+        yield
+    except BaseException:
+        with torch.no_grad():
+            torch._foreach_copy_(buffers, list(saved))
+        raise
+
+
 class DataParallel(nn.Module):
     """Run ``module`` on several devices at once, splitting each batch along ``dim``.
 
@@ -118,7 +143,7 @@ class DataParallel(nn.Module):
         self.chunk_weights = chunk_weights
         self.gather_output = gather_output
         self.dim = dim
-        self.reduce_backend = reduce_backend
+        self.reduce_backend = comm.check_reduce_backend(reduce_backend, "reduce_backend")
         self.cache_replicas = bool(cache_replicas)
         self.replica_cache = cache_replicas if isinstance(cache_replicas, ReplicaCache) else ReplicaCache()
         if not self.device_ids:
@@ -149,7 +174,8 @@ class DataParallel(nn.Module):
             # replicate checks where the module is (a cached replicate, only when its tree changed)
             used = self.device_ids[: len(inputs)]
             replicas = self.replicate(self.module, used)
-            outputs = self.parallel_apply(replicas, inputs, kwargs)
+            with buffers_restored_on_failure(self.module):  # a replica that fails leaves no half-updated statistics
+                outputs = self.parallel_apply(replicas, inputs, kwargs)
             return self.gather(outputs, self.output_device) if self.gather_output else outputs
 
     def scatter(
@@ -215,5 +241,6 @@ def data_parallel(
     else:
         detach = not torch.is_grad_enabled()
         replicas = replica_cache.replicate(module, used, detach) if replica_cache else replicate(module, used, detach)
-        outputs = parallel_apply(replicas, chunk_inputs, chunk_kwargs, used)
+        with buffers_restored_on_failure(module):
+            outputs = parallel_apply(replicas, chunk_inputs, chunk_kwargs, used)
     return outputs[0] if len(devices) == 1 and output_device == devices[0] else gather(outputs, output_device, dim=dim)

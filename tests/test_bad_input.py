@@ -6,6 +6,8 @@ parameters, gradients and buffers are exactly as they were: no replica ran, noth
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -182,4 +184,81 @@ def test_outputs_must_have_the_same_structure_in_every_replica(odd_output, messa
     before = snapshot(model)
     with pytest.raises(ValueError, match=message):
         minidp.DataParallel(model, cpu_ids(3))(torch.randn(5, 4, generator=generator))  # chunks 2, 2, 1
+    assert_untouched(model, before)
+
+
+# --------------------------------------------------------------------------------------------------
+# a step that fails part way
+# --------------------------------------------------------------------------------------------------
+
+
+class FailsOnShortChunks(nn.Module):
+    """BatchNorm, then an error in every replica whose chunk has fewer than 4 rows (the last of 11 on 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(x)
+        if x.shape[0] < 4:
+            raise ValueError("a planted fault in the replica with the short chunk")
+        return y
+
+
+def test_a_step_that_fails_in_one_replica_leaves_the_running_statistics_as_they_were(generator):
+    """Stock keeps replica 0's BatchNorm update when replica 2 fails (replica 0 shares the original's
+    buffers, docs/stock-behaviour.md B21, and B26: the error is re-raised after every thread ended).
+    minidp puts them back: a failed step changes nothing."""
+    model = FailsOnShortChunks()
+    model.bn.running_mean.normal_(generator=generator)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="replica 2"):
+        minidp.DataParallel(model, cpu_ids(3))(torch.randn(11, 4, generator=generator))
+    assert_untouched(model, before)
+    with pytest.raises(ValueError, match="replica 2"):
+        minidp.data_parallel(model, torch.randn(11, 4, generator=generator), cpu_ids(3))
+    assert_untouched(model, before)
+
+
+def test_stock_keeps_half_of_a_failed_step(generator):
+    """The behaviour the test above improves on, measured on stock under the emulation of its CUDA calls."""
+    from .stock_emulation import emulated_stock
+
+    model = FailsOnShortChunks()
+    before = model.bn.num_batches_tracked.clone()
+    with emulated_stock(), pytest.raises(ValueError):
+        torch.nn.DataParallel(model, [0, 1, 2])(torch.randn(11, 4, generator=generator))
+    assert not torch.equal(model.bn.num_batches_tracked, before)
+
+
+def test_the_step_after_a_failed_one_computes_what_one_device_computes(generator):
+    model = FailsOnShortChunks().double()
+    wrapper = minidp.DataParallel(model, cpu_ids(3))
+    with pytest.raises(ValueError):
+        wrapper(torch.randn(11, 4, generator=generator, dtype=torch.float64))
+    twin = copy.deepcopy(model)
+    x = torch.randn(12, 4, generator=generator, dtype=torch.float64)
+    assert torch.allclose(wrapper(x), minidp.reference.chunked_reference(twin, (x,), replicas=3), rtol=1e-12, atol=0)
+    assert torch.allclose(model.bn.running_mean, twin.bn.running_mean, rtol=1e-12, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# what is checked when DataParallel is built
+# --------------------------------------------------------------------------------------------------
+
+
+def test_an_unknown_reduce_backend_is_refused_when_dataparallel_is_built(model):
+    with pytest.raises(ValueError, match=r"reduce_backend must be one of \('auto', 'torch', 'ext'\), got 'bogus'"):
+        minidp.DataParallel(model, cpu_ids(2), reduce_backend="bogus")
+
+
+def test_ext_where_the_extension_is_disabled_is_refused_when_dataparallel_is_built(model, monkeypatch, generator):
+    """Refused before the forward, which would already have updated the BatchNorm statistics."""
+    monkeypatch.setenv("MINIDP_EXT", "0")
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match=r"reduce_backend='ext' needs the minidp extension.*MINIDP_EXT=0"):
+        minidp.DataParallel(model, cpu_ids(2), reduce_backend="ext")(torch.randn(6, 4, generator=generator))
+    with pytest.raises(RuntimeError, match=r"backend='ext' needs the minidp extension"):
+        minidp.set_reduce_backend("ext")
     assert_untouched(model, before)

@@ -443,3 +443,56 @@ def test_cached_replicas_start_each_step_with_the_originals_buffers(generator):
             copy_ = replica.get_buffer(name)
             assert copy_ is not buffer and torch.equal(copy_, buffer), name
         wrapper.replica_cache.release(cpu_ids(2))
+
+
+class ScaledByBuffer(nn.Module):
+    """Multiplies by a buffer: autograd saves the buffer for the input's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def test_a_frozen_model_runs_two_forwards_then_one_backward(generator):
+    """Siamese nets, adversarial inputs, frozen backbones: no parameter requires grad, the inputs do.
+    The second forward must not overwrite the buffer copies the first forward's graph saved."""
+    model = ScaledByBuffer().requires_grad_(False)
+    wrapper = minidp.DataParallel(model, cpu_ids(3))
+    x1 = torch.randn(6, 4, generator=generator, requires_grad=True)
+    x2 = torch.randn(6, 4, generator=generator, requires_grad=True)
+    (wrapper(x1) - wrapper(x2)).pow(2).sum().backward()
+    expected1, expected2 = x1.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
+    (model(expected1) - model(expected2)).pow(2).sum().backward()
+    assert max_relative_error(x1.grad, expected1.grad) <= RTOL_FLOAT64
+    assert max_relative_error(x2.grad, expected2.grad) <= RTOL_FLOAT64
+
+
+def test_a_graph_kept_with_retain_graph_runs_backward_again_after_another_step(generator):
+    model = ScaledByBuffer()
+    wrapper = minidp.DataParallel(model, cpu_ids(2))
+    x = torch.randn(4, 4, generator=generator, requires_grad=True)
+    first = wrapper(x).sum()
+    first.backward(retain_graph=True)
+    wrapper(torch.randn(4, 4, generator=generator)).sum().backward()
+    first.backward()  # the first step's saved buffer copies are untouched by the second step
+
+
+class Doubled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_a_sub_module_whose_class_is_replaced_rebuilds_the_replicas(generator):
+    """``module.__class__ = Other`` changes ``forward`` without touching ``__dict__``: the class is in the signature."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    wrapper = minidp.DataParallel(model, cpu_ids(2))
+    x = torch.randn(4, 4, generator=generator)
+    with torch.no_grad():
+        wrapper(x)
+        model[0].__class__ = Doubled
+        assert torch.allclose(wrapper(x), model(x), rtol=1e-12, atol=0)
+    assert "class" in wrapper.replica_cache_info().last_rebuild_reason
