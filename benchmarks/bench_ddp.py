@@ -48,9 +48,10 @@ def deep_mlp() -> nn.Module:
 
 
 CASES = {
-    # name: (model, one rank's batch)
-    "demo CNN, batch 32/rank": (SmallCNN, lambda g: torch.randn(32, 1, 28, 28, generator=g)),
-    "MLP 8x1024 (32 MiB), batch 64/rank": (deep_mlp, lambda g: torch.randn(64, 1024, generator=g)),
+    # name: (model, one rank's batch, DDP options)
+    "demo CNN, batch 32/rank": (SmallCNN, lambda g: torch.randn(32, 1, 28, 28, generator=g), {}),
+    "MLP 8x1024 (32 MiB), batch 64/rank": (deep_mlp, lambda g: torch.randn(64, 1024, generator=g), {}),
+    "same, bucket_cap_mb=4": (deep_mlp, lambda g: torch.randn(64, 1024, generator=g), {"bucket_cap_mb": 4}),
 }
 
 
@@ -103,13 +104,14 @@ def run_case(name: str, rounds: int, warmup: int, device_kind: str) -> dict:
     """One rank's part of a case; returns its step times and hidden shares."""
     rank = dist.get_rank()
     device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
-    build, batch = CASES[name]
+    build, batch, options = CASES[name]
     torch.manual_seed(0)
     theirs_module = build().to(device)
     ours_module = build().to(device)
     ours_module.load_state_dict(theirs_module.state_dict())
     ids = [rank] if device_kind == "cuda" else None
-    wrapped = {"torch": TorchDDP(theirs_module, device_ids=ids), "minidp": md.DistributedDataParallel(ours_module, device_ids=ids)}
+    wrapped = {"torch": TorchDDP(theirs_module, device_ids=ids, **options),
+               "minidp": md.DistributedDataParallel(ours_module, device_ids=ids, **options)}
     optimizers = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in wrapped.items()}
     generator = torch.Generator().manual_seed(rank)
     inputs = [batch(generator).to(device) for _ in range(4)]
@@ -124,7 +126,7 @@ def run_case(name: str, rounds: int, warmup: int, device_kind: str) -> dict:
                 if key == "minidp":
                     shares["minidp"].append(md.hidden_share(wrapped["minidp"].timeline()))
     # torch DDP's per-bucket times: separate rounds, with the timing hook
-    timed_theirs = TorchDDP(build().to(device), device_ids=ids)
+    timed_theirs = TorchDDP(build().to(device), device_ids=ids, **options)
     stock = _StockTimeline(timed_theirs)
     for r in range(warmup + max(3, rounds // 2)):
         stock.events = []

@@ -4,10 +4,19 @@ One machine, two processes on the CPU (Gloo)::
 
     torchrun --nproc_per_node=2 examples/ddp_train.py --epochs 2
 
-Two machines (run on each, with its own --node_rank; HOST is the first machine's address)::
+Two machines, four processes each: run on both, ``--node_rank=0`` on the machine at HOST and
+``--node_rank=1`` on the other (static rendezvous, ranks 0-3 on node 0)::
 
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \\
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=4 --master_addr=HOST --master_port=29500 examples/ddp_train.py
+
+or let the machines find each other through HOST's store, ranks in the order they join (the same
+command on both; ``--rdzv_id`` names the job)::
+
+    torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 --rdzv_id=digits \\
         examples/ddp_train.py
+
+Gloo picks the network interface from the host name; if that is the wrong one, name it:
+``GLOO_SOCKET_IFNAME=eth0`` (``NCCL_SOCKET_IFNAME`` for NCCL).
 
 With GPUs, pass ``--backend nccl``: each process then trains on the GPU numbered by its local rank.
 

@@ -24,6 +24,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import minidp.distributed as md
 from minidp.zoo import MLP, ResNetBlockBN
 
+from conftest import max_relative_error
+
 TorchDDP = nn.parallel.DistributedDataParallel
 
 
@@ -191,8 +193,7 @@ def matches_full_batch(seed: int, device_ids: Optional[list] = None, steps: int 
             optimizer.zero_grad()
             model(x).pow(2).mean().backward()
             optimizer.step()
-        for a, b in zip(module.parameters(), single.parameters()):
-            worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
+        worst = max([worst, *(max_relative_error(a, b) for a, b in zip(module.parameters(), single.parameters()))])
     return worst
 
 

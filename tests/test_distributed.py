@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ddp_checks as checks
-from conftest import RTOL_FLOAT64
+from conftest import RTOL_FLOAT64, cpu_ids
 from minidp.distributed import chrome_trace, hidden_share, launch
 
 JOB_TIMEOUT = 240.0  # seconds for a whole job; the process group's own timeout is launch()'s 60 s
@@ -34,7 +34,7 @@ TWO_PROCESSES = {
     "hook_buckets_small": (checks.hook_calls, {"model": "resnet_bn", "bucket_cap_mb": 0.001}),
     "hook_buckets_find_unused": (checks.hook_calls, {"bucket_cap_mb": 1, "find_unused_parameters": True}),
     "full_batch": (checks.matches_full_batch, {}),
-    "replicas_full_batch": (checks.matches_full_batch, {"device_ids": ["cpu", "cpu"]}),
+    "replicas_full_batch": (checks.matches_full_batch, {"device_ids": cpu_ids(2)}),
     "mismatched_model": (checks.mismatched_model, {}),
     "unused_without_find_unused": (checks.unused_without_find_unused, {}),
     "timeline": (checks.timeline_of_a_step, {}),
@@ -45,7 +45,7 @@ THREE_PROCESSES = {
     "float64": (checks.against_torch, {"dtype": torch.float64}),
     "batch_norm": (checks.against_torch, {"model": "resnet_bn", "bucket_cap_mb": 0.001}),
     "full_batch": (checks.matches_full_batch, {}),
-    "replicas_full_batch": (checks.matches_full_batch, {"device_ids": ["cpu", "cpu"]}),
+    "replicas_full_batch": (checks.matches_full_batch, {"device_ids": cpu_ids(2)}),
 }
 
 

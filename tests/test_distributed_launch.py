@@ -18,6 +18,7 @@ import pytest
 
 import ddp_checks as checks
 from minidp.distributed import RankFailed, launch, run_demo
+from minidp.distributed.launch import loopback_interface
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,8 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def torchrun(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node=2 ARGS`` in a fresh session; the whole session is
     killed if it runs past ``timeout`` (then the test fails)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
-               GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    if loopback_interface():
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # Gloo's connections stay on this machine
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)

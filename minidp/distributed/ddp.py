@@ -79,13 +79,13 @@ class DistributedDataParallel(nn.Module):
                 "static_graph=True is not supported by minidp.distributed; leave it False (same results, "
                 "without torch DDP's static-graph optimisations), or use torch.nn.parallel.DistributedDataParallel"
             )
+        caps = BucketCaps.from_mb(bucket_cap_mb)
+        check_dense_gradients(module)
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call torch.distributed.init_process_group() first "
                 "(torchrun sets the environment it reads), or start the processes with minidp.distributed.launch()"
             )
-        caps = BucketCaps.from_mb(bucket_cap_mb)
-        check_dense_gradients(module)
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.dim = dim

@@ -15,6 +15,7 @@ whole job.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import pickle
 import queue
@@ -39,7 +40,8 @@ class RankFailed(RuntimeError):
         self.rank = rank
 
 
-def _loopback_interface() -> Optional[str]:
+def loopback_interface() -> Optional[str]:
+    """The name of this machine's loopback network interface ("lo" on Linux, "lo0" on macOS), if any."""
     names = [name for _, name in socket.if_nameindex()]
     return next((n for n in names if n == "lo"), next((n for n in names if n.startswith("lo")), None))
 
@@ -56,7 +58,7 @@ def _run_rank(
     results: "mp.Queue",
 ) -> None:
     """The body of one process: join the group, run ``target``, report back."""
-    interface = _loopback_interface()
+    interface = loopback_interface()
     if interface is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)  # Gloo's connections stay on this machine
     if threads is not None:
@@ -154,13 +156,16 @@ def _collect(workers: list, results: "mp.Queue", deadline: Optional[float]) -> l
     return [done[rank] for rank in range(len(workers))]
 
 
-def run_demo(processes: int, *, timeout: float = 60.0, **demo_options: Any) -> list[dict]:
-    """``python -m minidp demo --processes N``: the demo's training in ``processes`` Gloo processes.
+def run_demo(processes: int, *, backend: str = "gloo", timeout: float = 60.0, **demo_options: Any) -> list[dict]:
+    """``python -m minidp demo --processes N``: the demo's training in ``processes`` processes on this machine.
 
     ``demo_options`` are :func:`minidp.distributed.demo.train`'s keyword arguments (``epochs``,
-    ``batch_size``, ``replicas``, ``lr``, ``seed``, ``samples``, ``trace``). Rank 0 prints the
-    progress; returns rank 0's per-epoch results. ``timeout``: the process group's, in seconds.
+    ``batch_size``, ``replicas``, ``lr``, ``seed``, ``samples``, ``trace``), checked here before any
+    process starts. ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per process); ``timeout``:
+    the process group's, in seconds. Rank 0 prints the progress; returns its per-epoch results.
     """
     from . import demo
 
-    return launch(functools.partial(demo.train, **demo_options), processes, timeout=timeout)[0]
+    inspect.signature(demo.train).bind(**demo_options)  # an unknown option fails here, not in every rank
+    return launch(functools.partial(demo.train, **demo_options), processes, backend=backend, timeout=timeout,
+                  threads=None if backend == "nccl" else 1)[0]
