@@ -31,6 +31,7 @@ write-back at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import weakref
@@ -58,13 +59,16 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """The tensors in ``obj`` and in any lists, tuples and dict values inside it (DDP's ``_find_tensors``)."""
+    """The tensors in ``obj`` and in the lists, tuples, dict values and dataclass fields inside it
+    (DDP's ``_find_tensors``)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
         return [t for item in obj for t in tensors_in(item)]
     if isinstance(obj, dict):
         return [t for item in obj.values() for t in tensors_in(item)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name))]
     return []
 
 
