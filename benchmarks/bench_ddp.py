@@ -14,9 +14,11 @@ Printed: the median step of each and their ratio (minidp / torch: below 1 is fas
 Hidden share: the part of the all-reduce time that overlaps the backward's computation, from the
 moment the gradient reaches the output to the last gradient accumulated. For minidp it is read from
 its own timeline (the timed steps themselves). torch DDP's reducer is C++ and keeps no per-bucket
-times, so extra rounds time it with a communication hook that does what the built-in reduction does
-(divide, all-reduce the bucket) and records launch and completion, plus a hook per parameter for the
-last gradient; these rounds are not counted in the step times.
+times, so extra rounds time it with a communication hook that launches each bucket's all-reduce when
+the built-in reduction would (the division by the world size comes after it, where the built-in
+divides while filling the bucket) and records launch and completion, plus a hook per parameter for
+the last gradient; these rounds are not counted in the step times. Machines shared with other work
+make single runs noisy: compare ratios over several runs.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, s
 
 
 class _StockTimeline:
-    """Per-bucket launch and completion times of torch DDP, through a hook equal to its built-in reduction."""
+    """Per-bucket launch and completion times of torch DDP, through a hook that launches as its built-in reduction does."""
 
     def __init__(self, ddp: TorchDDP) -> None:
         self.events: list[dict] = []
@@ -80,12 +82,13 @@ class _StockTimeline:
             p.register_post_accumulate_grad_hook(self._gradient)
 
     def hook(self, group, bucket):  # no annotations: stock checks them
+        # launched at once, as the built-in reduction launches its pre-divided bucket (the division
+        # comes after, outside the timed all-reduce)
         event = {"stage": "all-reduce", "bucket": bucket.index(), "start": time.perf_counter(), "end": None}
         self.events.append(event)
-        buffer = bucket.buffer().div_(group.size())
-        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
         future.add_done_callback(lambda _: event.__setitem__("end", time.perf_counter()))
-        return future.then(lambda f: f.value()[0])
+        return future.then(lambda f: f.value()[0].div_(group.size()))
 
     def _gradient(self, _: torch.Tensor) -> None:
         self.last_gradient = time.perf_counter()
