@@ -17,6 +17,12 @@ import pytest
 
 import minidp
 
+
+@pytest.fixture(autouse=True)
+def dataparallel_configuration():
+    """Reading the sources does not depend on DataParallel's defaults: once, not under both configurations."""
+
+
 PACKAGE = Path(minidp.__file__).resolve().parent
 
 # The bottom floor: the steps, the tensor-level copies, and what they stand on.

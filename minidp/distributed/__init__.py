@@ -1,0 +1,33 @@
+"""minidp.distributed: torch's DistributedDataParallel rebuilt from steps you can read, on ``torch.distributed``.
+
+One process per rank (``torchrun``, or :func:`launch` on one machine), each with a whole model; in the
+backward, each gradient is averaged over the ranks as soon as its bucket is full. The steps, one
+module each:
+
+* :mod:`~minidp.distributed.checks`: every rank holds the same model (checked on every rank);
+* :mod:`~minidp.distributed.broadcast`: rank 0's parameters and buffers copied to every rank;
+* :mod:`~minidp.distributed.buckets`: which gradients share an all-reduce, exactly as torch DDP plans it;
+* :mod:`~minidp.distributed.reducer`: the hooks, the asynchronous all-reduces and the write-back;
+* :mod:`~minidp.distributed.ddp`: :class:`DistributedDataParallel`, which composes them;
+* :mod:`~minidp.distributed.timeline`: each rank's timings, merged into one Chrome trace;
+* :mod:`~minidp.distributed.launch`: N processes on this machine joined over the loopback address.
+
+minidp's core never imports ``torch.distributed``; only this package does.
+"""
+
+from .buckets import GradBucket
+from .ddp import DistributedDataParallel
+from .launch import RankFailed, launch, run_demo
+from .timeline import chrome_trace, gather_timelines, hidden_share, write_chrome_trace
+
+__all__ = [
+    "DistributedDataParallel",
+    "GradBucket",
+    "RankFailed",
+    "chrome_trace",
+    "gather_timelines",
+    "hidden_share",
+    "launch",
+    "run_demo",
+    "write_chrome_trace",
+]

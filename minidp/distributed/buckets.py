@@ -1,0 +1,197 @@
+"""The bucket plan: which gradients share one all-reduce, decided exactly as torch DDP decides it.
+
+DDP does not all-reduce gradients one by one. It copies them into a few flat *buckets* and
+all-reduces a bucket as soon as the last gradient in it has arrived, so communication overlaps the
+rest of the backward. Which parameters share a bucket is the *plan*: a list of buckets, each a list
+of parameter indices (positions among the parameters that require grad, in registration order).
+The rules, with the torch 2.13 source they follow:
+
+1. **Assignment** (``reducer.cpp``, ``compute_bucket_assignment_by_size``): walk the tensors in
+   the given order, keeping one open bucket per (dtype, device). Add the tensor's index and bytes
+   to its bucket; once the bucket's bytes *reach* its limit (``size >= limit``), close it (so a
+   bucket may overshoot its limit by most of one tensor) and move that (dtype, device) on to the
+   next limit in the list, staying on the last one. Open buckets are closed at the end. When the
+   order is the registration order, buckets are sorted by their smallest index.
+2. **Limits** (``distributed.py``, ``_BucketCapacityConfig``): ``bucket_cap_mb=None`` means a cap
+   of 25 MiB with a first bucket of ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB); an explicit
+   ``bucket_cap_mb`` gives ``int(bucket_cap_mb * 2**20)`` bytes for every bucket, the first too.
+3. **The first backward's plan** (``_BucketCapacityConfig.compute_bucket_size_limits`` and
+   ``_ddp_init_helper``): with ``find_unused_parameters=False`` (or ``static_graph``) the only limit
+   is ``sys.maxsize``, so every parameter shares one bucket, in registration order: the registration
+   order need not be the order gradients arrive in, so DDP does not guess. With
+   ``find_unused_parameters=True`` the limits are ``[first, cap]`` (``[cap]`` when they are equal).
+   Then the list of buckets is reversed (``list(reversed(bucket_indices))``): the parameters
+   registered last, whose gradients come first, are in bucket 0.
+4. **The rebuild** (``reducer.cpp``, ``rebuild_buckets``): after the first backward that reduced
+   gradients, and only when ``find_unused_parameters=False``, the plan is made again from the
+   order the gradients actually arrived in, with limits ``[first, cap]``, not sorted; rank 0's plan
+   is the one every rank uses (``sync_bucket_indices``). It is never rebuilt again.
+
+One detail is left unspecified by torch: when parameters of several dtypes are rebuilt, the order of
+the buckets still open at the end follows a C++ hash map. Here they close in the order their
+(dtype, device) first appeared.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+MIB = 1024 * 1024
+DEFAULT_BUCKET_CAP_MB = 25  # torch/nn/parallel/distributed.py: _DEFAULT_BUCKET_CAP_MB
+NO_LIMIT = sys.maxsize
+
+
+@dataclass(frozen=True)
+class BucketCaps:
+    """The two byte limits of a plan: ``first`` for bucket 0 of a rebuilt plan, ``cap`` for the rest."""
+
+    first: int
+    cap: int
+
+    @classmethod
+    def from_mb(cls, bucket_cap_mb: Optional[float]) -> "BucketCaps":
+        if bucket_cap_mb is None:
+            return cls(first=dist._DEFAULT_FIRST_BUCKET_BYTES, cap=DEFAULT_BUCKET_CAP_MB * MIB)
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        cap = int(bucket_cap_mb * MIB)
+        return cls(first=cap, cap=cap)
+
+    def limits(self) -> list[int]:
+        """``[first, cap]``, or ``[cap]`` when the first bucket is not smaller."""
+        return [self.first, self.cap] if self.first < self.cap else [self.cap]
+
+
+def assign_buckets(
+    tensors: Sequence[torch.Tensor], limits: Sequence[int], indices: Optional[Sequence[int]] = None
+) -> list[list[int]]:
+    """Rule 1: group ``tensors`` into buckets of at least ``limits[k]`` bytes (k: that dtype's k-th bucket).
+
+    ``indices[i]`` is the index recorded for ``tensors[i]`` (default ``i``). Without ``indices`` the
+    buckets are sorted by their smallest index; with them (a rebuild, tensors in arrival order) they
+    keep the order in which they closed.
+    """
+    in_registration_order = indices is None
+    indices = list(range(len(tensors))) if indices is None else list(indices)
+    closed: list[list[int]] = []
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}  # key -> (indices, bytes)
+    next_limit: dict[tuple[torch.dtype, torch.device], int] = {}  # key -> position in limits
+    for index, tensor in zip(indices, tensors):
+        key = (tensor.dtype, tensor.device)
+        members, size = open_buckets.get(key, ([], 0))
+        members.append(index)
+        size += tensor.numel() * tensor.element_size()
+        position = next_limit.setdefault(key, 0)
+        if size >= limits[position]:
+            closed.append(members)
+            members, size = [], 0
+            next_limit[key] = min(position + 1, len(limits) - 1)
+        open_buckets[key] = (members, size)
+    closed.extend(members for members, _ in open_buckets.values() if members)
+    if in_registration_order:
+        closed.sort(key=min)
+    return closed
+
+
+def initial_plan(params: Sequence[torch.Tensor], caps: BucketCaps, find_unused_parameters: bool) -> list[list[int]]:
+    """Rule 3: the plan of the first backward, buckets in the order they are reduced."""
+    limits = caps.limits() if find_unused_parameters else [NO_LIMIT]
+    return list(reversed(assign_buckets(params, limits)))
+
+
+def rebuilt_plan(params: Sequence[torch.Tensor], arrival_order: Sequence[int], caps: BucketCaps) -> list[list[int]]:
+    """Rule 4: the plan made from the order the gradients of ``params`` arrived in."""
+    return assign_buckets([params[i] for i in arrival_order], [caps.first, caps.cap], arrival_order)
+
+
+def _dense_strides(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill its storage span without gaps or overlaps (any dimension order)."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda pair: pair[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One flat gradient buffer and, for each of its parameters, a view of it shaped like the parameter.
+
+    A view has the parameter's strides when the parameter is dense (so a channels-last weight's
+    gradient copies in without a transpose), else it is row-major: the layout autograd gives gradients
+    (reducer.cpp, ``initialize_bucket_views``). ``pending`` counts the gradients still to arrive in
+    this backward; ``future`` is the all-reduce in flight.
+    """
+
+    index: int
+    indices: list[int]
+    params: list[torch.Tensor]
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    pending: int = 0
+    future: Optional[torch.futures.Future] = None
+
+    @classmethod
+    def allocate(cls, index: int, indices: list[int], params: Sequence[torch.Tensor]) -> "Bucket":
+        members = [params[i] for i in indices]
+        first = members[0]
+        for i, p in zip(indices, members):
+            if (p.dtype, p.device) != (first.dtype, first.device):
+                raise ValueError(
+                    f"bucket {index} mixes parameter {indices[0]} ({first.dtype} on {first.device}) with "
+                    f"parameter {i} ({p.dtype} on {p.device}): a bucket holds one dtype on one device"
+                )
+        buffer = torch.empty(sum(p.numel() for p in members), dtype=first.dtype, device=first.device)
+        return cls(index, list(indices), members, buffer, views_of(buffer, members))
+
+
+def views_of(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One view of ``flat`` per parameter, laid end to end in order (see :class:`Bucket`)."""
+    views, offset = [], 0
+    for p in params:
+        if _dense_strides(p):
+            views.append(flat.as_strided(p.shape, p.stride(), flat.storage_offset() + offset))
+        else:
+            views.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return views
+
+
+class GradBucket:
+    """What a communication hook receives: the Python face of ``torch.distributed.GradBucket``.
+
+    ``buffer()`` is the bucket's flat gradient tensor (not divided by the world size when a hook is
+    registered); the hook returns a ``torch.futures.Future`` whose value is the reduced tensor, the
+    same size. The methods are the ones stock hooks (``allreduce_hook``, ``fp16_compress_hook``,
+    ``bf16_compress_hook``, PowerSGD) call.
+    """
+
+    def __init__(self, bucket: Bucket, bucket_count: int) -> None:
+        self._bucket = bucket
+        self._buffer = bucket.buffer
+        self._is_last = bucket.index == bucket_count - 1
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Views of ``buffer()``, one per parameter, shaped like it."""
+        return views_of(self._buffer, self._bucket.params)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._bucket.params)
+
+    def is_last(self) -> bool:
+        return self._is_last

@@ -1,0 +1,92 @@
+"""The construction-time check that every rank wraps the same model.
+
+torch DDP checks the parameters' count, shapes and strides against rank 0's
+(``_verify_param_shape_across_processes``), and only the rank that differs learns why: the others
+see their next collective fail ("Connection closed by peer"). Here every rank describes its
+parameters and buffers (name, shape, stride, dtype), every rank receives every description
+(``all_gather_object``), and every rank raises the same error, naming the first difference.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch.distributed as dist
+from torch import nn
+
+
+class TensorSpec(NamedTuple):
+    kind: str  # "parameter" or "buffer"
+    name: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+
+def describe(module: nn.Module, buffers: bool) -> list[TensorSpec]:
+    """What must match across ranks: every parameter, and every buffer when they are broadcast."""
+    specs = [TensorSpec("parameter", n, tuple(p.shape), p.stride(), str(p.dtype)) for n, p in module.named_parameters()]
+    if buffers:
+        specs += [TensorSpec("buffer", n, tuple(b.shape), b.stride(), str(b.dtype)) for n, b in module.named_buffers()]
+    return specs
+
+
+def first_difference(specs: list[list[TensorSpec]]) -> Optional[str]:
+    """A phrase naming the first way a rank's parameters (then buffers) differ from rank 0's, or None."""
+    for rank in range(1, len(specs)):
+        for kind in ("parameter", "buffer"):
+            ours = [s for s in specs[0] if s.kind == kind]
+            theirs = [s for s in specs[rank] if s.kind == kind]
+            for position, (a, b) in enumerate(zip(ours, theirs)):
+                for field in ("shape", "stride", "dtype"):
+                    if getattr(a, field) != getattr(b, field):
+                        elsewhere = "" if a.name == b.name else f" (where it is '{a.name}')"
+                        return (
+                            f"{kind} {position} ('{b.name}') has {field} {getattr(b, field)} on rank {rank} and "
+                            f"{getattr(a, field)} on rank 0{elsewhere}"
+                        )
+            if len(ours) != len(theirs):
+                longer, shorter, extra = (rank, 0, theirs) if len(theirs) > len(ours) else (0, rank, ours)
+                first_extra = extra[min(len(ours), len(theirs))]
+                return (
+                    f"rank {longer} has {len(extra)} {kind}s and rank {shorter} {min(len(ours), len(theirs))}: "
+                    f"rank {shorter} lacks {kind} {min(len(ours), len(theirs))} ('{first_extra.name}')"
+                )
+    return None
+
+
+def check_same_model(module: nn.Module, group: dist.ProcessGroup, buffers: bool) -> None:
+    """Raise on every rank of ``group`` unless all ranks' ``module`` match rank 0's (a collective)."""
+    mine = describe(module, buffers)
+    everyone: list[list[TensorSpec]] = [[] for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(everyone, mine, group=group)
+    difference = first_difference(everyone)
+    if difference is not None:
+        raise ValueError(
+            f"DistributedDataParallel needs the same model on every rank, but {difference}. "
+            f"Build the model the same way on every rank (rank 0's values are then broadcast to all)."
+        )
+
+
+def check_dense_gradients(module: nn.Module) -> None:
+    """Sparse gradients (``nn.Embedding(sparse=True)``) are not bucketed here: say so before training."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            raise ValueError(
+                f"'{name}' produces sparse gradients (sparse=True), which minidp.distributed does not reduce; "
+                f"use sparse=False, or torch.nn.parallel.DistributedDataParallel for this model"
+            )
+
+
+def reducer_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str]]:
+    """The parameters DDP reduces and their names: those that require grad, each once, in registration
+    order (``DistributedDataParallel._build_params_for_reducer``). Their positions are the plan's indices."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise RuntimeError(
+            "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient"
+        )
+    for name, p in named:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(f"'{name}' is not initialized yet (a lazy module): run one forward pass before wrapping it")
+    return [p for _, p in named], [n for n, _ in named]

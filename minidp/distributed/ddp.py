@@ -1,0 +1,157 @@
+"""DistributedDataParallel: one model per process, gradients averaged over the processes in the backward.
+
+The construction, step by step (torch's ``DistributedDataParallel.__init__``):
+
+1. the parameters to reduce: those that require grad, each once, in registration order
+   (:func:`~minidp.distributed.checks.reducer_parameters`);
+2. every rank's model compared with rank 0's; a difference is the same clear error on every rank
+   (:func:`~minidp.distributed.checks.check_same_model`);
+3. rank 0's parameters and buffers broadcast to every rank (:mod:`minidp.distributed.broadcast`);
+4. the reducer: the bucket plan, one hook per parameter (:mod:`minidp.distributed.reducer`).
+
+Then each forward: rank 0's buffers broadcast again (``broadcast_buffers``, after a synchronised
+forward), the module run, and the reducer told to expect this backward's gradients, unless
+inside :meth:`DistributedDataParallel.no_sync`.
+
+Beyond torch DDP, ``device_ids`` may name several devices (``["cpu", "cpu"]``, ``[0, 1]``): each
+process then runs :class:`minidp.DataParallel` on them (scatter, replicate, parallel_apply,
+gather), whose backward sums the replicas' gradients into the parameters of ``module``; the
+reducer then averages those sums over the processes.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import minidp
+
+from .broadcast import broadcast_from_rank0
+from .buckets import BucketCaps
+from .checks import check_dense_gradients, check_same_model, reducer_parameters
+from .reducer import CommHook, Reducer
+
+DeviceLike = Union[int, str, torch.device]
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism across processes, with torch DDP's signature, defaults and arithmetic.
+
+    Args:
+        module: the model; the same on every rank (checked). Rank 0's parameters and buffers are
+            copied to every rank here.
+        device_ids: ``None``: run ``module`` as it is (its parameters' device). One or more devices
+            (``["cpu", "cpu"]``, ``[0, 1]``): run replicas of it on them inside this process, with
+            :class:`minidp.DataParallel`; ``module`` must be on ``device_ids[0]`` (with one device it
+            is moved there, as ``DataParallel`` does).
+        output_device: where those replicas' outputs are gathered (default ``device_ids[0]``).
+        dim: the batch dimension the replicas split inputs along.
+        broadcast_buffers: copy rank 0's buffers to every rank before each forward.
+        process_group: the group to average over (default: the default group).
+        bucket_cap_mb: bucket size in MiB (default 25, with a 1 MiB first bucket; see
+            :mod:`minidp.distributed.buckets`).
+        find_unused_parameters: allow parameters that get no gradient in a backward: the graph is
+            searched after each forward and their buckets do not wait for them.
+        gradient_as_bucket_view: leave each ``.grad`` a view of its bucket instead of copying into it.
+        static_graph: not supported (raises); torch DDP's static-graph mode.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Optional[Sequence[DeviceLike]] = None,
+        output_device: Optional[DeviceLike] = None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        process_group: Optional[dist.ProcessGroup] = None,
+        bucket_cap_mb: Optional[float] = None,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+    ) -> None:
+        super().__init__()
+        if static_graph:
+            raise NotImplementedError(
+                "static_graph=True is not supported by minidp.distributed; leave it False (same results, "
+                "without torch DDP's static-graph optimisations), or use torch.nn.parallel.DistributedDataParallel"
+            )
+        caps = BucketCaps.from_mb(bucket_cap_mb)
+        check_dense_gradients(module)
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "DistributedDataParallel needs a process group: call torch.distributed.init_process_group() first "
+                "(torchrun sets the environment it reads), or start the processes with minidp.distributed.launch()"
+            )
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.device_ids = None if device_ids is None else list(device_ids)
+        # Several replicas per process: the wrapper shares `module`, so it is kept out of the
+        # registry of sub-modules, where it would repeat every key of the state dict.
+        self.__dict__["_replicas"] = (
+            None if device_ids is None else minidp.DataParallel(module, device_ids, output_device, dim)
+        )
+        params, names = reducer_parameters(module)  # after DataParallel, which may move a module to its one device
+        check_same_model(module, self.process_group, buffers=broadcast_buffers)
+        broadcast_from_rank0(
+            list(module.parameters()) + (list(module.buffers()) if broadcast_buffers else []),
+            self.process_group,
+        )
+        self.reducer = Reducer(params, names, self.process_group, caps, find_unused_parameters, gradient_as_bucket_view)
+        self.require_backward_grad_sync = True  # False inside no_sync()
+        self.require_forward_param_sync = True  # whether the last forward was synchronised
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.autograd.profiler.record_function("minidp.DistributedDataParallel.forward"):
+            recording = torch.is_grad_enabled()
+            if recording:
+                self.reducer.before_forward()
+            if self.broadcast_buffers and self.require_forward_param_sync:
+                buffers = list(self.module.buffers())  # looked up each time: a module may replace its buffers
+                if buffers:
+                    broadcast_from_rank0(buffers, self.process_group)
+            output = (self.module if self._replicas is None else self._replicas)(*inputs, **kwargs)
+            self.require_forward_param_sync = recording and self.require_backward_grad_sync
+            if self.require_forward_param_sync:
+                self.reducer.prepare_for_backward(output)
+            return output
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes of forwards run inside this context accumulate gradients locally, unreduced;
+        the first synchronised backward after it reduces the sum. Include the forward in the context."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Let ``hook(state, bucket)`` reduce each bucket instead of the built-in all-reduce.
+
+        ``bucket`` is a :class:`~minidp.distributed.buckets.GradBucket` (``buffer()``, ``index()``,
+        ``is_last()``, ``gradients()``, ``parameters()``, ``set_buffer()``), filled with the gradients
+        *not* divided by the world size; ``hook`` returns a ``torch.futures.Future`` of the reduced
+        buffer. Stock hooks work: ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``'
+        ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``. Once, before the backward.
+        """
+        self.reducer.register_comm_hook(state, hook)
+
+    def bucket_plan(self) -> list[list[int]]:
+        """The buckets the next backward will use, in reduction order: each a list of parameter indices
+        (positions among the parameters that require grad, in registration order), as torch DDP numbers
+        them; after the first backward, the rebuilt plan (``rebuilt_per_bucket_param_indices``)."""
+        return self.reducer.plan()
+
+    def timeline(self) -> list[dict]:
+        """The events of the last synchronised backward on this rank (see :meth:`Reducer.timeline`);
+        :func:`minidp.distributed.timeline.chrome_trace` merges several ranks' into one trace."""
+        return self.reducer.timeline()

@@ -1,0 +1,421 @@
+"""The reducer: gradients into buckets, each bucket all-reduced as soon as it is full, results into ``.grad``.
+
+torch DDP does this in C++ (``torch/csrc/distributed/c10d/reducer.cpp``, class ``Reducer``); here it
+is the same sequence in Python, function for function. One synchronised training step:
+
+1. **Before the forward** (:meth:`Reducer.before_forward`): raise if the last backward left a
+   bucket unreduced; install the rebuilt plan once there is one (``rebuild_buckets``).
+2. **After the forward** (:meth:`Reducer.prepare_for_backward`): expect one gradient per
+   parameter; with ``find_unused_parameters``, walk the autograd graph from the outputs and note
+   the parameters it does not reach (``search_unused_parameters``).
+3. **In the backward**, once per parameter, when autograd has accumulated its gradient into
+   ``.grad`` (a ``register_post_accumulate_grad_hook``, :meth:`Reducer.autograd_hook`): copy the
+   gradient into its bucket, multiplied by ``1 / world_size`` on the way in (``mark_variable_ready_dense``:
+   ``at::mul_out(bucket_view, grad, 1. / div_factor)``, so that the all-reduce's *sum* is the mean).
+   When a bucket's last gradient is in, launch the all-reduces of every full bucket from the next one
+   due, in bucket order (``mark_bucket_ready``): all ranks issue the same collectives in the same
+   order while the backward goes on computing the earlier layers' gradients.
+4. **At the end of the backward** (a callback queued on the autograd engine, :meth:`_finish_backward`):
+   wait for every bucket and copy the mean back into ``.grad``, or leave ``.grad`` a view of its
+   bucket with ``gradient_as_bucket_view`` (``finalize_backward``, ``finalize_bucket_dense``). After
+   the first such backward, make the rebuilt plan from the order the gradients arrived in, rank 0's
+   order for everyone (:mod:`minidp.distributed.buckets`, rule 4).
+
+With a communication hook (``register_comm_hook``) the gradients go into the bucket as they are and
+the hook does the averaging and the communication (see "DDP Communication Hook" in reducer.cpp).
+
+Every step is timed (:meth:`Reducer.timeline`): when the backward reached the outputs, when each
+bucket filled, when its all-reduce was launched and done, when the last gradient arrived, and the
+write-back at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from .buckets import Bucket, BucketCaps, GradBucket, initial_plan, rebuilt_plan, views_of
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+# Timestamps: time.perf_counter() (monotonic, fine-grained), reported as seconds since the Unix
+# epoch through one anchor per process, so that the timelines of ranks on one machine line up.
+_ANCHOR_WALL, _ANCHOR_PERF = time.time(), time.perf_counter()
+
+
+def to_epoch_seconds(perf_counter_time: float) -> float:
+    return _ANCHOR_WALL + (perf_counter_time - _ANCHOR_PERF)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj`` and in the lists, tuples, dict values and dataclass fields inside it
+    (DDP's ``_find_tensors``)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in tensors_in(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in tensors_in(item)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name))]
+    return []
+
+
+class Reducer:
+    """Averages the gradients of ``params`` over the ranks of ``group`` during the backward.
+
+    Args:
+        params: the parameters that require grad, deduplicated, in registration order; their
+            positions are the indices of the bucket plan.
+        names: one name per parameter, for error messages.
+        group: the process group to all-reduce over.
+        caps: the bucket byte limits.
+        find_unused_parameters, gradient_as_bucket_view: as in ``DistributedDataParallel``.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        group: dist.ProcessGroup,
+        caps: BucketCaps,
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+    ) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.caps = caps
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.comm_hook: Optional[CommHook] = None
+        self.comm_state: Any = None
+        self._lock = threading.Lock()
+
+        self._install_plan(initial_plan(self.params, caps, find_unused_parameters))
+        # DDP rebuilds once, and never when it looks for unused parameters (should_rebuild_buckets).
+        self._will_rebuild = not find_unused_parameters
+        self._arrival_order: list[int] = []
+        self._rebuilt: Optional[list[list[int]]] = None
+
+        self._expect_hooks = False  # True from the end of a synchronised forward to the end of its backward
+        self._require_finalize = False  # a gradient was marked ready and the backward has not finished
+        self._hooks_fired = False
+        self._ready = [False] * len(self.params)
+        self._next_bucket = 0
+        self._unused: list[int] = []
+        if find_unused_parameters:
+            # Which parameters this rank used since the last reduction (no_sync steps count), summed
+            # over the ranks after the last bucket: 0 means no rank used it, so its .grad is left alone.
+            # Kept on the CPU (set once per gradient), all-reduced from a copy on the parameters' device.
+            self._local_used = torch.zeros(len(self.params), dtype=torch.int32)
+            self._used_future: Optional[torch.futures.Future] = None
+            self._used_reduced = False
+            # The gradient accumulator of each parameter: the graph node whose presence says it is used.
+            with torch.enable_grad():
+                self._accumulators = {p.view_as(p).grad_fn.next_functions[0][0]: i for i, p in enumerate(self.params)}
+
+        self._events: list[dict] = []  # this backward's, filled as it runs
+        self._reduce_events: dict[int, dict] = {}  # bucket index -> its all-reduce event
+        self._last_events: list[dict] = []  # the last finished backward's
+        self._backward_start: Optional[float] = None
+        self._last_gradient = 0.0
+        self._handles = [p.register_post_accumulate_grad_hook(_hook(self, i)) for i, p in enumerate(self.params)]
+        weakref.finalize(self, _remove, self._handles)
+
+    # ---- the plan ---------------------------------------------------------------------------
+
+    def _install_plan(self, plan: list[list[int]]) -> None:
+        """Allocate one flat buffer per bucket (``initialize_buckets``). With ``gradient_as_bucket_view``
+        a gradient already there is copied into its new view and ``.grad`` becomes that view."""
+        self.buckets = [Bucket.allocate(b, indices, self.params) for b, indices in enumerate(plan)]
+        self._locator = [(0, 0)] * len(self.params)
+        for bucket in self.buckets:
+            for position, index in enumerate(bucket.indices):
+                self._locator[index] = (bucket.index, position)
+                if self.gradient_as_bucket_view:
+                    param, view = bucket.params[position], bucket.views[position]
+                    if param.grad is not None and not _shares_storage(param.grad, view):
+                        view.copy_(param.grad)
+                        param.grad = view
+
+    def plan(self) -> list[list[int]]:
+        """The buckets the next backward will use, in the order they are reduced."""
+        return [list(b) for b in self._rebuilt] if self._rebuilt is not None else [b.indices for b in self.buckets]
+
+    def _sync_plan(self, plan: list[list[int]]) -> list[list[int]]:
+        """Rank 0's plan, on every rank (``sync_bucket_indices``): the ranks must agree on the buckets."""
+        shared = [plan]
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return shared[0]
+
+    # ---- steps 1 and 2: around the forward -------------------------------------------------
+
+    def before_forward(self) -> None:
+        """Called before every forward that records gradients."""
+        if self._require_finalize:
+            raise RuntimeError(self._unreduced_message("the previous backward"))
+        if self._rebuilt is not None:
+            with torch.no_grad():
+                self._install_plan(self._rebuilt)
+            self._rebuilt = None
+
+    def prepare_for_backward(self, output: Any) -> None:
+        """Called after a synchronised forward: the next backward reduces."""
+        self._expect_hooks = True
+        self._hooks_fired = False
+        self._ready = [False] * len(self.params)
+        self._next_bucket = 0
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.indices)
+        self._events = []
+        self._reduce_events = {}
+        self._backward_start = None
+        outputs = [t for t in tensors_in(output) if t.requires_grad]
+        for t in outputs:
+            t.register_hook(self._note_backward_start)
+        if self.find_unused_parameters:
+            self._unused = self._unreached(outputs)
+
+    def _note_backward_start(self, grad: torch.Tensor) -> None:
+        if self._backward_start is None:
+            self._backward_start = time.perf_counter()
+
+    def _unreached(self, outputs: list[torch.Tensor]) -> list[int]:
+        """Indices of the parameters whose gradient accumulator the graph of ``outputs`` does not
+        reach: they will get no gradient in this backward (``search_unused_parameters``)."""
+        seen = set()
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while stack:
+            for node, _ in stack.pop().next_functions:
+                if node is not None and node not in seen:
+                    seen.add(node)
+                    stack.append(node)
+        return [i for node, i in self._accumulators.items() if node not in seen]
+
+    # ---- step 3: in the backward ------------------------------------------------------------
+
+    def autograd_hook(self, index: int) -> None:
+        """Parameter ``index``'s gradient is in its ``.grad`` (``Reducer::autograd_hook``)."""
+        with self._lock:
+            self._last_gradient = time.perf_counter()
+            if self.find_unused_parameters:
+                self._local_used[index] = 1  # also under no_sync: used once since the last reduction is used
+            if not self._expect_hooks:  # no_sync, or a backward without a synchronised forward
+                return
+            if not self._hooks_fired:
+                self._hooks_fired = True
+                Variable._execution_engine.queue_callback(self._finish_backward)
+                for unused in self._unused:  # nothing will arrive for these: their buckets need not wait
+                    self._mark_ready(unused)
+            if self._will_rebuild:
+                self._arrival_order.append(index)
+            self._mark_ready(index)
+
+    def _mark_ready(self, index: int) -> None:
+        if self._ready[index]:
+            raise RuntimeError(
+                f"parameter {index} ('{self.names[index]}') got its gradient twice in one backward on rank "
+                f"{self.rank}: DistributedDataParallel reduces each gradient once per backward. This happens when "
+                f"the parameter is used outside forward, or in several reentrant backward passes (checkpointing "
+                f"the same layers twice). Use the parameter inside forward only, once per backward."
+            )
+        self._ready[index] = True
+        self._require_finalize = True
+        bucket_index, position = self._locator[index]
+        bucket = self.buckets[bucket_index]
+        self._copy_into_bucket(bucket, position)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            now = time.perf_counter()
+            self._events.append({"stage": "bucket ready", "bucket": bucket.index, "start": now, "end": now})
+            self._launch_ready_buckets()
+
+    def _copy_into_bucket(self, bucket: Bucket, position: int) -> None:
+        """``mark_variable_ready_dense``: the gradient into its view, divided by the world size unless a
+        hook will do it; no gradient: zeros."""
+        param, view = bucket.params[position], bucket.views[position]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif self.gradient_as_bucket_view and _shares_storage(grad, view):
+            # autograd accumulated straight into the view: only the division is left
+            if self.comm_hook is None:
+                view.div_(self.world_size)
+        else:
+            if self.comm_hook is None:
+                # times 1/world_size, as reducer.cpp (a double scalar): a division would round
+                # differently wherever 1/world_size is inexact (3 ranks)
+                torch.mul(grad, 1.0 / self.world_size, out=view)
+            else:
+                view.copy_(grad)
+            if self.gradient_as_bucket_view:
+                param.grad = view
+
+    def _launch_ready_buckets(self) -> None:
+        """All-reduce every full bucket from the next one due, in order, stopping at the first that is not full."""
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+            bucket = self.buckets[self._next_bucket]
+            event = {"stage": "all-reduce", "bucket": bucket.index, "start": time.perf_counter(), "end": None}
+            if self.comm_hook is None:
+                bucket.future = dist.all_reduce(bucket.buffer, group=self.group, async_op=True).get_future()
+            else:
+                bucket.future = self.comm_hook(self.comm_state, GradBucket(bucket, len(self.buckets)))
+            bucket.future.add_done_callback(lambda _, event=event: _stamp_end(event))
+            self._events.append(event)
+            self._reduce_events[bucket.index] = event
+            self._next_bucket += 1
+            if self._next_bucket == len(self.buckets) and self.find_unused_parameters:
+                on_device = self._local_used.to(self.params[0].device, copy=True)
+                self._used_future = dist.all_reduce(on_device, group=self.group, async_op=True).get_future()
+                self._used_reduced = False
+
+    # ---- step 4: the end of the backward ----------------------------------------------------
+
+    def _finish_backward(self) -> None:
+        """Queued on the autograd engine by the first hook of a backward; runs when the backward is done."""
+        with self._lock, torch.no_grad():
+            end = time.perf_counter()
+            # the backward's computation: from the gradient reaching the outputs to the last parameter's
+            start = self._backward_start if self._backward_start is not None else self._last_gradient
+            self._events.append({"stage": "backward", "bucket": None, "start": start, "end": self._last_gradient})
+            missing = [i for i, ready in enumerate(self._ready) if not ready]
+            if missing and not self.find_unused_parameters:
+                self._expect_hooks = False
+                raise RuntimeError(self._unreduced_message("this backward"))
+            for index in missing:
+                # Reached from an output that the loss did not use: DDP's hook fires for it with no
+                # incoming gradient (its _DDPSink sees to that) and counts it used if .grad is set.
+                if self.params[index].grad is not None:
+                    self._local_used[index] = 1
+                self._mark_ready(index)
+            self._expect_hooks = False
+            self._require_finalize = False
+            for bucket in self.buckets:
+                self._write_back(bucket, self._result_of(bucket))
+            if self.find_unused_parameters:
+                if not self._used_reduced:
+                    self._used_future.wait()
+                self._local_used.zero_()
+            if self._will_rebuild and self._arrival_order:
+                self._rebuilt = self._sync_plan(rebuilt_plan(self.params, self._arrival_order, self.caps))
+                self._will_rebuild = False
+                self._arrival_order = []
+            self._events.append({"stage": "write-back", "bucket": None, "start": end, "end": time.perf_counter()})
+            self._last_events = self._events
+
+    def _result_of(self, bucket: Bucket) -> torch.Tensor:
+        value = bucket.future.wait()
+        _stamp_end(self._reduce_events[bucket.index])  # in case the done-callback has not run yet
+        result = value[0] if isinstance(value, (list, tuple)) else value
+        if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
+            got = f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor) else type(result).__name__
+            raise RuntimeError(
+                f"bucket {bucket.index}: the communication hook's future holds {got}; it must hold one tensor of "
+                f"{bucket.buffer.numel()} elements, the reduced bucket.buffer()"
+            )
+        return result
+
+    def _globally_unused(self, index: int) -> bool:
+        """Whether no rank used parameter ``index`` since the last reduction; waits for the sum only if
+        this rank did not use it (DDP waits lazily too)."""
+        if not self.find_unused_parameters or self._local_used[index]:
+            return False
+        if not self._used_reduced:
+            self._local_used.copy_(self._used_future.wait()[0])
+            self._used_reduced = True
+        return not self._local_used[index]
+
+    def _write_back(self, bucket: Bucket, result: torch.Tensor) -> None:
+        """``finalize_bucket_dense``: the reduced gradients into ``.grad``; a gradient no rank used stays as it was."""
+        views = bucket.views if result is bucket.buffer else views_of(result, bucket.params)
+        into, values = [], []
+        for position, (index, param) in enumerate(zip(bucket.indices, bucket.params)):
+            if self.gradient_as_bucket_view:
+                own = bucket.views[position]
+                if views[position] is not own:  # a hook returned a new tensor: its values into the bucket
+                    own.copy_(views[position])
+                if self._globally_unused(index):
+                    continue
+                if param.grad is None:
+                    param.grad = own
+                elif not _shares_storage(param.grad, own):
+                    raise RuntimeError(
+                        f"parameter {index} ('{self.names[index]}'): with gradient_as_bucket_view=True its .grad "
+                        f"must stay a view of its bucket, but it was replaced by another tensor during the backward"
+                    )
+            elif self._globally_unused(index):
+                continue
+            elif param.grad is None:
+                param.grad = torch.empty_like(param).copy_(views[position])  # the parameter's layout
+            else:
+                into.append(param.grad)
+                values.append(views[position])
+        if into:
+            torch._foreach_copy_(into, values)
+
+    def _unreduced_message(self, when: str) -> str:
+        missing = [i for i, ready in enumerate(self._ready) if not ready]
+        listed = ", ".join(f"'{self.names[i]}' (index {i})" for i in missing)
+        return (
+            f"DistributedDataParallel on rank {self.rank}: {when} left gradients unreduced, because "
+            f"{len(missing)} parameter(s) got no gradient: {listed}. With find_unused_parameters=False every "
+            f"parameter that requires grad must get a gradient in every synchronised backward. Fix: pass "
+            f"find_unused_parameters=True, or make every output of forward take part in the loss, or set "
+            f"requires_grad=False on the parameters you do not train."
+        )
+
+    # ---- hooks and timings ------------------------------------------------------------------
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+        if self.comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once (torch DDP has the same rule)")
+        self.comm_hook, self.comm_state = hook, state
+
+    def timeline(self) -> list[dict]:
+        """The events of the last synchronised backward: one dict per event with ``stage``
+        (``"backward"``, ``"bucket ready"``, ``"all-reduce"``, ``"write-back"``), ``bucket`` (its index,
+        or None), ``rank``, and ``start``/``end`` in seconds since the Unix epoch."""
+        return [
+            {**event, "rank": self.rank, "start": to_epoch_seconds(event["start"]),
+             "end": to_epoch_seconds(event["end"])}
+            for event in self._last_events
+        ]
+
+
+def _stamp_end(event: dict) -> None:
+    if event["end"] is None:
+        event["end"] = time.perf_counter()
+
+
+def _hook(reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
+    """Parameter ``index``'s post-accumulate-grad hook. It holds the reducer weakly, so that a
+    dropped ``DistributedDataParallel`` stops reducing (and its finalizer removes the hooks)."""
+    ref = weakref.ref(reducer)
+
+    def hook(_: torch.Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live.autograd_hook(index)
+
+    return hook
+
+
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()

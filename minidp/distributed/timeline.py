@@ -1,0 +1,74 @@
+"""Several ranks' timelines of a backward, merged into one Chrome trace (``chrome://tracing``, Perfetto).
+
+Each rank's :meth:`DistributedDataParallel.timeline` lists its events with times in seconds since
+the Unix epoch, so the ranks of one machine share a clock. In the trace every rank is one process
+row; inside it, one thread row holds the backward and the write-back, one the instants at which
+buckets filled, and one per bucket its all-reduce: an all-reduce that ends before the backward
+does was hidden behind it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence, Union
+
+import torch.distributed as dist
+
+_COMPUTE, _READY = 0, 1  # thread rows; all-reduces of bucket b go on row 2 + b
+
+
+def _row(event: dict) -> tuple[int, str]:
+    if event["stage"] == "all-reduce":
+        return 2 + event["bucket"], f"all-reduce bucket {event['bucket']}"
+    if event["stage"] == "bucket ready":
+        return _READY, "buckets ready"
+    return _COMPUTE, "backward"
+
+
+def chrome_trace(timelines: Sequence[Sequence[dict]]) -> dict:
+    """One Chrome trace (a JSON-ready dict) of ``timelines``, one per rank; times from the earliest event."""
+    events = [e for timeline in timelines for e in timeline]
+    origin = min((e["start"] for e in events), default=0.0)
+    trace: list[dict] = []
+    for rank in sorted({e["rank"] for e in events}):
+        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        trace.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
+    for rank, tid, row_name in sorted({(e["rank"], *_row(e)) for e in events}):
+        trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": row_name}})
+    for e in events:
+        name = e["stage"] if e["bucket"] is None else f"{e['stage']} {e['bucket']}"
+        where = {"pid": e["rank"], "tid": _row(e)[0], "ts": (e["start"] - origin) * 1e6}
+        if e["stage"] == "bucket ready":
+            trace.append({"name": name, "ph": "i", "s": "t", **where})
+        else:
+            trace.append({"name": name, "ph": "X", "dur": (e["end"] - e["start"]) * 1e6, **where})
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: Union[str, Path], timelines: Sequence[Sequence[dict]]) -> Path:
+    """Write :func:`chrome_trace` of ``timelines`` to ``path`` (JSON); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(timelines)))
+    return path
+
+
+def gather_timelines(timeline: list[dict], group: dist.ProcessGroup = None) -> list[list[dict]]:
+    """Every rank's ``timeline``, on every rank, in rank order (a collective)."""
+    everyone: list[list[dict]] = [[] for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(everyone, timeline, group=group)
+    return everyone
+
+
+def hidden_share(timeline: Sequence[dict]) -> float:
+    """The share of all-reduce time that overlapped the backward, over one rank's timeline (0 to 1;
+    1 when there was no all-reduce time at all)."""
+    backward = [e for e in timeline if e["stage"] == "backward"]
+    reduces = [e for e in timeline if e["stage"] == "all-reduce"]
+    total = sum(e["end"] - e["start"] for e in reduces)
+    if not backward or total <= 0:
+        return 1.0
+    start, end = backward[0]["start"], backward[0]["end"]
+    hidden = sum(max(0.0, min(e["end"], end) - max(e["start"], start)) for e in reduces)
+    return hidden / total

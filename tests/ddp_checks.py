@@ -1,0 +1,251 @@
+"""Checks that run inside every rank of a job started by ``minidp.distributed.launch``.
+
+Each check trains or inspects both ``minidp.distributed.DistributedDataParallel`` and a reference
+(stock ``torch.nn.parallel.DistributedDataParallel``, or one process on the full batch) in the same
+process, on the same data, and returns plain facts (booleans, numbers, strings) that the tests in
+``test_distributed*.py`` assert on. A job (:func:`run_checks`) runs several checks, so that the
+processes are started once for many tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.elastic.multiprocessing.errors import record
+
+import minidp.distributed as md
+from minidp.zoo import MLP, ResNetBlockBN
+
+from .helpers import max_relative_error
+
+TorchDDP = nn.parallel.DistributedDataParallel
+
+
+def wide_mlp() -> nn.Module:
+    """3 MiB of float32 parameters: two buckets at the default caps once rebuilt (1 MiB first bucket)."""
+    return MLP(features=256, hidden=1024, classes=512)
+
+
+class PartlyUsed(nn.Module):
+    """Parameters used on some ranks only (``branch``: rank 0), on none (``never``), and through an
+    output the loss ignores (``side``): the cases ``find_unused_parameters=True`` exists for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.branch = nn.Linear(16, 4)
+        self.never = nn.Linear(16, 4)
+        self.head = nn.Linear(16, 4)
+        self.side = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.trunk(x))
+        out = self.head(h)
+        if dist.get_rank() == 0:
+            out = out + self.branch(h)
+        return out, self.side(h)
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator], torch.Tensor], Callable[[Any], torch.Tensor]]] = {
+    # name: (build, batch of n, loss of the output)
+    "wide_mlp": (wide_mlp, lambda n, g: torch.randn(n, 256, generator=g), lambda out: out.pow(2).mean()),
+    "resnet_bn": (ResNetBlockBN, lambda n, g: torch.randn(n, 3, 8, 8, generator=g), lambda out: out.pow(2).mean()),
+    "partly_used": (PartlyUsed, lambda n, g: torch.randn(n, 8, generator=g), lambda out: out[0].pow(2).mean()),
+}
+
+
+def _bf16_hook(state, bucket):  # no annotations: stock checks them (a string is not dist.GradBucket)
+    # torch DDP refuses a hook *named* bf16_compress_hook without NCCL; the same arithmetic under
+    # another name runs on Gloo, so that stock can be compared with minidp running the stock hook.
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+HOOKS = {
+    "allreduce": (default_hooks.allreduce_hook, default_hooks.allreduce_hook),
+    "fp16_compress": (default_hooks.fp16_compress_hook, default_hooks.fp16_compress_hook),
+    "bf16_compress": (_bf16_hook, default_hooks.bf16_compress_hook),
+}
+
+
+def _batch(model: str, seed: int, step: int, rank: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rank ``rank``'s batch at ``step``: the same on every call, different for every rank and step."""
+    return MODELS[model][1](n, torch.Generator().manual_seed(seed + 1000 * step + rank)).to(dtype)
+
+
+def _difference(ours: nn.Module, theirs: nn.Module) -> Optional[str]:
+    """The first parameter, gradient or buffer that is not bitwise equal, or None."""
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        if not torch.equal(a, b):
+            return f"parameter {name}: max |difference| {(a - b).abs().max().item():.3g}"
+        if (a.grad is None) != (b.grad is None):
+            return f"gradient of {name}: {'None' if a.grad is None else 'set'} here, {'None' if b.grad is None else 'set'} in stock"
+        if a.grad is not None and not torch.equal(a.grad, b.grad):
+            return f"gradient of {name}: max |difference| {(a.grad - b.grad).abs().max().item():.3g}"
+    for (name, a), b in zip(ours.named_buffers(), theirs.buffers()):
+        if not torch.equal(a, b):
+            return f"buffer {name} differs"
+    return None
+
+
+def _bucket_groups(module: nn.Module) -> list[list[int]]:
+    """Parameter indices grouped by the storage their ``.grad`` lives in: the buckets, when gradients are bucket views."""
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(module.parameters()):
+        groups.setdefault(p.grad.untyped_storage().data_ptr(), []).append(i)
+    return sorted(groups.values())
+
+
+def against_torch(
+    seed: int,
+    model: str = "wide_mlp",
+    dtype: torch.dtype = torch.float32,
+    steps: int = 4,
+    micro_batches: int = 1,
+    hook: Optional[str] = None,
+    set_to_none: bool = True,
+    **ddp_options: Any,
+) -> dict:
+    """Train stock DDP and minidp's side by side from different initial weights on each rank (SGD
+    with momentum); after every step, the first difference in parameters, gradients or buffers.
+
+    ``micro_batches`` > 1: the first ones under ``no_sync()``. ``hook``: a name in :data:`HOOKS`.
+    """
+    rank = dist.get_rank()
+    build, _, loss_of = MODELS[model]
+    torch.manual_seed(seed + rank)  # different weights on every rank: the constructors must broadcast rank 0's
+    theirs_module = build().to(dtype)
+    ours_module = copy.deepcopy(theirs_module)
+    with warnings.catch_warnings():  # torch 2.13 deprecates the name broadcast_buffers (same meaning)
+        warnings.simplefilter("ignore", FutureWarning)
+        theirs = TorchDDP(theirs_module, **ddp_options)
+    ours = md.DistributedDataParallel(ours_module, **ddp_options)
+    if hook is not None:
+        theirs.register_comm_hook(None, HOOKS[hook][0])
+        ours.register_comm_hook(None, HOOKS[hook][1])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (theirs, ours)]
+    differences, bucket_views = [], []
+    for step in range(steps):
+        for ddp, optimizer in zip((theirs, ours), optimizers):
+            optimizer.zero_grad(set_to_none=set_to_none)
+            for micro in range(micro_batches):
+                last = micro == micro_batches - 1
+                with ddp.no_sync() if not last else contextlib.nullcontext():
+                    loss_of(ddp(_batch(model, seed, step * micro_batches + micro, rank, 6, dtype))).backward()
+            if ddp_options.get("gradient_as_bucket_view"):
+                bucket_views.append(_bucket_groups(ddp.module))
+            optimizer.step()
+        differences.append(_difference(ours_module, theirs_module))
+    return {
+        "differences": differences,
+        "plan": ours.bucket_plan(),
+        "stock_plan": theirs._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices"),
+        "bucket_views": bucket_views,
+    }
+
+
+def hook_calls(seed: int, model: str = "wide_mlp", steps: int = 3, **ddp_options: Any) -> dict:
+    """Per backward, the buckets handed to a recording communication hook (index, is_last, parameter
+    indices), in stock and in minidp, and minidp's ``bucket_plan()`` before each backward."""
+    build, _, loss_of = MODELS[model]
+    calls: dict[str, list] = {"stock": [], "minidp": []}
+    plans = []
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        torch.manual_seed(seed)
+        module = build()
+        index_of = {id(p): i for i, p in enumerate(module.parameters())}
+        ddp = wrapper(module, **ddp_options)
+
+        def record(state, bucket, seen=calls[name]):  # no annotations: stock checks them
+            seen[-1].append((bucket.index(), bucket.is_last(), [index_of[id(p)] for p in bucket.parameters()]))
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, record)
+        for step in range(steps):
+            if name == "minidp":
+                plans.append(ddp.bucket_plan())
+            calls[name].append([])
+            loss_of(ddp(_batch(model, seed, step, dist.get_rank(), 4))).backward()
+    return {**calls, "plans": plans}
+
+
+def matches_full_batch(seed: int, device_ids: Optional[list] = None, steps: int = 3, per_rank: int = 4) -> float:
+    """Train minidp's DDP (each rank ``per_rank`` samples, ``device_ids`` replicas in each process)
+    and one process on all ranks' samples at once, float64; the largest relative difference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed + rank)
+    module = MLP().double()
+    ddp = md.DistributedDataParallel(module, device_ids=device_ids)
+    single = copy.deepcopy(module)  # rank 0's weights, broadcast by the constructor
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, single)]
+    worst = 0.0
+    for step in range(steps):
+        inputs = [torch.randn(per_rank, 16, generator=torch.Generator().manual_seed(seed + 100 * step + r),
+                              dtype=torch.float64) for r in range(world)]
+        for model, optimizer, x in ((ddp, optimizers[0], inputs[rank]), (single, optimizers[1], torch.cat(inputs))):
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+        worst = max([worst, *(max_relative_error(a, b) for a, b in zip(module.parameters(), single.parameters()))])
+    return worst
+
+
+def mismatched_model(seed: int) -> str:
+    """Rank 1's model has a wider hidden layer; the error each rank raises."""
+    module = MLP(hidden=32 if dist.get_rank() == 0 else 33)
+    try:
+        md.DistributedDataParallel(module)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def unused_without_find_unused(seed: int) -> str:
+    """A parameter that gets no gradient while ``find_unused_parameters=False``: the error of the backward."""
+    ddp = md.DistributedDataParallel(PartlyUsed())
+    try:
+        ddp(torch.randn(4, 8))[0].sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def timeline_of_a_step(seed: int) -> list[list[dict]]:
+    """Every rank's timeline of the third step (buckets rebuilt), gathered."""
+    ddp = md.DistributedDataParallel(wide_mlp())
+    for step in range(3):
+        ddp(_batch("wide_mlp", seed, step, dist.get_rank(), 4)).pow(2).mean().backward()
+    return md.gather_timelines(ddp.timeline())
+
+
+def raise_in_step_2(failing_rank: int) -> None:
+    """Train; rank ``failing_rank`` raises in step 2 while the others go on into the all-reduce."""
+    ddp = md.DistributedDataParallel(MLP())
+    for step in range(1, 4):
+        if step == 2 and dist.get_rank() == failing_rank:
+            raise RuntimeError(f"planted failure in step 2 on rank {failing_rank}")
+        ddp(torch.randn(4, 16)).sum().backward()
+
+
+def run_checks(checks: dict[str, tuple[Callable[..., Any], dict]], seed: int) -> dict[str, Any]:
+    """Run ``checks`` (name: (function, keyword arguments)) in order, each given ``seed``; their results by name."""
+    return {name: function(seed=seed, **kwargs) for name, (function, kwargs) in checks.items()}
+
+
+
+@record
+def _main() -> None:
+    dist.init_process_group("gloo")
+    raise_in_step_2(int(sys.argv[1]))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # under torchrun: torchrun --nproc_per_node=2 -m tests.ddp_checks FAILING_RANK
+    _main()

@@ -1,0 +1,205 @@
+"""minidp.distributed.DistributedDataParallel against stock torch DDP, in real Gloo processes on 127.0.0.1.
+
+Each test reads one result of a job: the processes are started once per world size
+(``minidp.distributed.launch``, bounded by ``job_timeout``, every process ended by it), run all the
+checks of ``ddp_checks`` on fresh seeds, and send back plain facts. "Equal" here means bitwise
+(``torch.equal``) unless a tolerance is named.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import ddp_checks as checks
+from .helpers import RTOL_FLOAT64, cpu_ids
+from minidp.distributed import chrome_trace, hidden_share, launch
+
+
+@pytest.fixture(autouse=True)
+def dataparallel_configuration():
+    """These checks run in processes of their own, which start with DataParallel's defaults: the two
+    configurations of tests/conftest.py would run them twice alike, so they run once."""
+
+
+JOB_TIMEOUT = 240.0  # seconds for a whole job; the process group's own timeout is launch()'s 60 s
+
+TWO_PROCESSES = {
+    "float32": (checks.against_torch, {}),
+    "float64": (checks.against_torch, {"dtype": torch.float64}),
+    "small_buckets": (checks.against_torch, {"model": "resnet_bn", "bucket_cap_mb": 0.001}),
+    "no_sync": (checks.against_torch, {"micro_batches": 3}),
+    "find_unused": (checks.against_torch, {"model": "partly_used", "find_unused_parameters": True}),
+    "batch_norm": (checks.against_torch, {"model": "resnet_bn"}),
+    "batch_norm_unsynced": (checks.against_torch, {"model": "resnet_bn", "broadcast_buffers": False}),
+    "allreduce_hook": (checks.against_torch, {"hook": "allreduce"}),
+    "fp16_compress_hook": (checks.against_torch, {"hook": "fp16_compress"}),
+    "bf16_compress_hook": (checks.against_torch, {"hook": "bf16_compress"}),
+    "bucket_view_set_to_none": (checks.against_torch, {"gradient_as_bucket_view": True}),
+    "bucket_view_zeroed": (checks.against_torch, {"gradient_as_bucket_view": True, "set_to_none": False}),
+    "hook_buckets_default": (checks.hook_calls, {}),
+    "hook_buckets_small": (checks.hook_calls, {"model": "resnet_bn", "bucket_cap_mb": 0.001}),
+    "hook_buckets_find_unused": (checks.hook_calls, {"bucket_cap_mb": 1, "find_unused_parameters": True}),
+    "full_batch": (checks.matches_full_batch, {}),
+    "replicas_full_batch": (checks.matches_full_batch, {"device_ids": cpu_ids(2)}),
+    "mismatched_model": (checks.mismatched_model, {}),
+    "unused_without_find_unused": (checks.unused_without_find_unused, {}),
+    "timeline": (checks.timeline_of_a_step, {}),
+}
+
+THREE_PROCESSES = {
+    "float32": (checks.against_torch, {}),
+    "float64": (checks.against_torch, {"dtype": torch.float64}),
+    "batch_norm": (checks.against_torch, {"model": "resnet_bn", "bucket_cap_mb": 0.001}),
+    "full_batch": (checks.matches_full_batch, {}),
+    "replicas_full_batch": (checks.matches_full_batch, {"device_ids": cpu_ids(2)}),
+}
+
+
+def _run(world_size: int, plan: dict) -> list[dict]:
+    seed = int(torch.randint(0, 2**20, ()).item())
+    print(f"job seed: {seed}")
+    return launch(checks.run_checks, world_size, (plan, seed), job_timeout=JOB_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict]:
+    """Every check of TWO_PROCESSES, as each of 2 ranks saw it."""
+    return _run(2, TWO_PROCESSES)
+
+
+@pytest.fixture(scope="module")
+def three() -> list[dict]:
+    return _run(3, THREE_PROCESSES)
+
+
+def _each_rank(results: list[dict], check: str) -> list:
+    return [ranks_results[check] for ranks_results in results]
+
+
+def assert_same_as_stock(results: list[dict], check: str) -> None:
+    for rank, result in enumerate(_each_rank(results, check)):
+        assert result["differences"] == [None] * len(result["differences"]), f"rank {rank}: {result['differences']}"
+
+
+# ---- bitwise equal to torch DDP, every step of SGD with momentum, from different initial weights ----
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_parameters_equal_stock_ddp_bitwise_after_every_step_two_processes(two, dtype):
+    assert_same_as_stock(two, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_parameters_equal_stock_ddp_bitwise_after_every_step_three_processes(three, dtype):
+    # with 3 ranks, 1/3 is inexact: only stock's multiply-on-copy (not a division) gives these bits
+    assert_same_as_stock(three, dtype)
+
+
+def test_many_small_buckets_equal_stock_ddp(two):
+    assert_same_as_stock(two, "small_buckets")
+
+
+def test_no_sync_accumulates_then_reduces_the_sum_as_stock(two):
+    assert_same_as_stock(two, "no_sync")
+
+
+def test_find_unused_parameters_matches_stock_with_rank_dependent_unused_and_ignored_outputs(two):
+    # branch: used on rank 0 only; never: unused everywhere (its .grad stays None, as in stock);
+    # side: reached from an output the loss ignores
+    assert_same_as_stock(two, "find_unused")
+
+
+@pytest.mark.parametrize("check", ["batch_norm", "batch_norm_unsynced"])
+def test_batch_norm_buffers_follow_stock_with_and_without_broadcast_buffers(two, check):
+    assert_same_as_stock(two, check)
+
+
+def test_batch_norm_with_small_buckets_three_processes(three):
+    assert_same_as_stock(three, "batch_norm")
+
+
+@pytest.mark.parametrize("hook", ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"])
+def test_stock_comm_hooks_give_stock_results(two, hook):
+    assert_same_as_stock(two, hook)
+
+
+@pytest.mark.parametrize("check", ["bucket_view_set_to_none", "bucket_view_zeroed"])
+def test_gradient_as_bucket_view_matches_stock_values_and_bucket_storage(two, check):
+    assert_same_as_stock(two, check)
+    for result in _each_rank(two, check):
+        views = result["bucket_views"]  # per step: stock's grads grouped by storage, then minidp's
+        assert views[0::2] == views[1::2]
+        assert views[-1] == sorted(sorted(b) for b in result["plan"])
+
+
+# ---- the bucket plan ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("check", ["float32", "small_buckets", "batch_norm"])
+def test_bucket_plan_equals_stock_rebuilt_plan(two, check):
+    for result in _each_rank(two, check):
+        assert result["stock_plan"] == ", ".join(" ".join(map(str, b)) for b in result["plan"])
+
+
+@pytest.mark.parametrize("check", ["hook_buckets_default", "hook_buckets_small", "hook_buckets_find_unused"])
+def test_every_backward_hands_hooks_the_buckets_stock_hands_them(two, check):
+    for result in _each_rank(two, check):
+        assert result["minidp"] == result["stock"]
+        # and bucket_plan() announced each backward's buckets beforehand
+        assert result["plans"] == [[indices for _, _, indices in backward] for backward in result["stock"]]
+
+
+def test_first_backward_uses_one_bucket_then_buckets_are_rebuilt_in_arrival_order(two):
+    first, second, _ = two[0]["hook_buckets_default"]["stock"]
+    assert [indices for _, _, indices in first] == [[0, 1, 2, 3]]
+    assert [indices for _, _, indices in second] == [[3, 2], [1, 0]]  # 1 MiB first bucket, overshot by the 2 MiB weight
+
+
+def test_find_unused_parameters_keeps_the_reversed_initial_plan(two):
+    result = two[0]["hook_buckets_find_unused"]
+    # 1 MiB caps in registration order: [0] (exactly 1 MiB), [1, 2] (4 KiB + 2 MiB), [3]; reversed
+    assert result["plans"][0] == result["plans"][-1] == [[3], [1, 2], [0]]
+
+
+# ---- equal to one process on the full batch ----------------------------------------------------
+
+
+@pytest.mark.parametrize("check", ["full_batch", "replicas_full_batch"])
+def test_equal_to_one_process_on_the_full_batch(two, three, check):
+    for results in (two, three):
+        for worst in _each_rank(results, check):
+            assert worst <= RTOL_FLOAT64
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def test_mismatched_models_raise_on_every_rank_naming_the_parameter(two):
+    for message in _each_rank(two, "mismatched_model"):
+        assert "parameter 0 ('net.0.weight') has shape (33, 16) on rank 1 and (32, 16) on rank 0" in message
+
+
+def test_a_parameter_without_gradient_is_named_when_find_unused_parameters_is_false(two):
+    on_rank_0, on_rank_1 = _each_rank(two, "unused_without_find_unused")
+    assert "'never.weight' (index 4)" in on_rank_0 and "'branch.weight' (index 2)" not in on_rank_0
+    assert "'branch.weight' (index 2)" in on_rank_1  # rank 1 skips the branch too
+    assert "find_unused_parameters=True" in on_rank_1
+
+
+# ---- timeline ----------------------------------------------------------------------------------
+
+
+def test_timeline_of_every_rank_merges_into_one_chrome_trace(two):
+    timelines = two[0]["timeline"]
+    assert [t[0]["rank"] for t in timelines] == [0, 1]
+    for timeline in timelines:
+        stages = [(e["stage"], e["bucket"]) for e in timeline]
+        assert stages == [("bucket ready", 0), ("all-reduce", 0), ("bucket ready", 1), ("all-reduce", 1),
+                          ("backward", None), ("write-back", None)]
+        assert all(e["start"] <= e["end"] for e in timeline)
+        assert 0.0 <= hidden_share(timeline) <= 1.0
+    events = chrome_trace(timelines)["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {"rank 0", "rank 1"}
+    assert sorted(e["name"] for e in events if e.get("ph") == "X" and e["pid"] == 1) == [
+        "all-reduce 0", "all-reduce 1", "backward", "write-back"]

@@ -1,0 +1,41 @@
+"""Bad input to minidp.distributed, refused with a clear error before any process or process group is needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from minidp.distributed import DistributedDataParallel, run_demo
+
+
+@pytest.fixture(autouse=True)
+def dataparallel_configuration():
+    """minidp.DataParallel's defaults play no part here: once, not under both configurations of tests/conftest.py."""
+
+
+def test_static_graph_is_refused_with_the_way_out():
+    with pytest.raises(NotImplementedError, match="static_graph=True is not supported.*leave it False"):
+        DistributedDataParallel(nn.Linear(2, 2), static_graph=True)
+
+
+def test_sparse_embeddings_are_refused_naming_the_module():
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True))
+    with pytest.raises(ValueError, match="'0' produces sparse gradients"):
+        DistributedDataParallel(model)
+
+
+def test_a_bucket_cap_must_be_positive():
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive, got -1"):
+        DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1)
+
+
+def test_without_a_process_group_the_error_says_how_to_make_one():
+    with pytest.raises(RuntimeError, match="init_process_group.*minidp.distributed.launch"):
+        DistributedDataParallel(nn.Linear(2, 2))
+    assert torch.distributed.is_initialized() is False
+
+
+def test_run_demo_rejects_an_unknown_option_before_starting_processes():
+    with pytest.raises(TypeError, match="device"):
+        run_demo(2, device="cpu")

@@ -1,0 +1,81 @@
+"""Starting distributed jobs: minidp.distributed.launch, run_demo, and the torchrun example.
+
+A rank that raises must end the job with that rank's error, under ``launch`` (torch.multiprocessing
+spawning) and under torchrun, never a hang: the other rank is then blocked in an all-reduce that
+will not complete before the process group's timeout, which is set longer than the job's bound.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import ddp_checks as checks
+from minidp.distributed import RankFailed, launch, run_demo
+from minidp.distributed.launch import loopback_interface
+
+
+@pytest.fixture(autouse=True)
+def dataparallel_configuration():
+    """These checks run in processes of their own, which start with DataParallel's defaults: the two
+    configurations of tests/conftest.py would run them twice alike, so they run once."""
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=2 ARGS`` in a fresh session; the whole session is
+    killed if it runs past ``timeout`` (then the test fails)."""
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    if loopback_interface():
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # Gloo's connections stay on this machine
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"torchrun ran past {timeout} s:\n{output}")
+    return subprocess.CompletedProcess(command, process.returncode, output)
+
+
+def test_a_rank_that_raises_in_step_2_ends_the_launched_job_with_its_error():
+    # process-group timeout 300 s > job_timeout 90 s: only ending the job on the error passes
+    with pytest.raises(RankFailed, match="rank 1 raised:(.|\n)*planted failure in step 2 on rank 1") as failure:
+        launch(checks.raise_in_step_2, 2, (1,), timeout=300, job_timeout=90)
+    assert failure.value.rank == 1
+    assert multiprocessing.active_children() == []  # rank 0, stuck in its all-reduce, was ended
+
+
+def test_a_rank_that_raises_under_torchrun_ends_the_job_with_its_error():
+    done = torchrun("-m", "tests.ddp_checks", "1")
+    assert done.returncode != 0
+    assert "RuntimeError: planted failure in step 2 on rank 1" in done.stdout
+    root_cause = done.stdout.split("Root Cause")[1]
+    assert "rank      : 1" in root_cause
+
+
+def test_torchrun_example_trains_the_demo_model():
+    done = torchrun("examples/ddp_train.py", "--epochs", "2", "--samples", "400", "--batch-size", "40")
+    assert done.returncode == 0, done.stdout
+    assert "2 processes (gloo, cpu)" in done.stdout and "batch size 40 -> 20 per process" in done.stdout
+    assert "epoch 2/2: train loss" in done.stdout
+    assert "buckets rebuilt after the first backward, in the order gradients arrived: [[5, 4, 2, 3, 0, 1]]" in done.stdout
+
+
+def test_run_demo_trains_in_two_processes_with_replicas_and_writes_the_trace(tmp_path, capfd):
+    results = run_demo(2, epochs=2, samples=240, batch_size=24, replicas=2, trace=str(tmp_path))
+    assert [r["epoch"] for r in results] == [1, 2]
+    assert results[1]["train_loss"] < results[0]["train_loss"]
+    assert "2 replicas in each" in capfd.readouterr().out
+    assert (tmp_path / "ddp_timeline.json").stat().st_size > 0
