@@ -21,12 +21,14 @@ from .gather import gather
 from .parallel_apply import parallel_apply
 from .replicate import replicate
 from .scatter import scatter, scatter_kwargs
+from .sync_batchnorm import SyncBatchNorm
 from .trace import Trace, trace, write_trace_artifacts
 from .verify import VerifyReport, verify
 
 __all__ = [
     "DataParallel",
     "DeviceInfo",
+    "SyncBatchNorm",
     "Trace",
     "VerifyReport",
     "comm",
