@@ -7,6 +7,10 @@ for both variants: the SyncBatchNorm one is ``minidp.SyncBatchNorm.convert_sync_
 copy), run by ``minidp.DataParallel`` on CPU replicas. The four variants (BatchNorm and
 SyncBatchNorm at each replica count) take turns step by step, so that all see the same machine;
 the report is each one's median step time and, per replica count, the ratio of the medians.
+
+Then, on one thread, what a chunk's per-channel mean and variance cost, forward and backward, in
+three ways: SyncBatchNorm's own ``_ChunkMoments`` node, the same two passes in plain ops, and
+``torch.var_mean``: why the statistics have an autograd Function of their own.
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import minidp  # noqa: E402
+from minidp.sync_batchnorm import _ChunkMoments  # noqa: E402
 
 
 def conv_net(width: int, classes: int = 10) -> nn.Module:
     """Three conv + BatchNorm2d + ReLU blocks on 3x32x32 images, pooled, and a linear head."""
     blocks = []
     for inputs, outputs in ((3, width), (width, 2 * width), (2 * width, 2 * width)):
-        blocks += [nn.Conv2d(inputs, outputs, 3, padding=1, bias=False), nn.BatchNorm2d(outputs), nn.ReLU(), nn.MaxPool2d(2)]
+        conv = nn.Conv2d(inputs, outputs, 3, padding=1, bias=False)
+        blocks += [conv, nn.BatchNorm2d(outputs), nn.ReLU(), nn.MaxPool2d(2)]
     return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(2 * width * 4 * 4, classes))
 
 
@@ -41,6 +47,38 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Call
         nn.functional.cross_entropy(model(x), y).backward()
 
     return step
+
+
+def median_ms(function: Callable[[], None], rounds: int) -> float:
+    function()  # warm-up
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def statistics_costs(shape: tuple[int, ...], rounds: int) -> dict[str, float]:
+    """Median ms of mean and biased variance per channel of a ``shape`` chunk, forward and backward."""
+    x = torch.randn(shape, requires_grad=True)
+    dims = [0, *range(2, x.dim())]
+    grads = [torch.randn(shape[1]), torch.randn(shape[1])]
+
+    def two_passes() -> tuple[torch.Tensor, torch.Tensor]:
+        mean = x.mean(dims)
+        return mean, (x - mean.view(1, -1, *[1] * (x.dim() - 2))).square().mean(dims)
+
+    def var_mean() -> tuple[torch.Tensor, torch.Tensor]:
+        variance, mean = torch.var_mean(x, dims, correction=0)
+        return mean, variance
+
+    ways = {
+        "_ChunkMoments": lambda: _ChunkMoments.apply(x, x.dtype),
+        "two passes, plain ops": two_passes,
+        "torch.var_mean": var_mean,
+    }
+    return {name: median_ms(lambda: torch.autograd.backward(list(way()), grads), rounds) for name, way in ways.items()}
 
 
 def main() -> None:
@@ -77,6 +115,14 @@ def main() -> None:
     for k in args.replicas:
         plain, synced = (statistics.median(times[name, k]) * 1e3 for name in ("BatchNorm", "SyncBatchNorm"))
         print(f"{k:>8} {plain:>13.2f} {synced:>17.2f} {synced / plain:>17.3f}")
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    shape = (args.batch // 2, args.width, 32, 32)  # the first layer's chunk at 2 replicas
+    print(f"\nper-channel mean and variance of a {shape} chunk, forward+backward, one thread, median ms:")
+    for name, ms in statistics_costs(shape, args.steps).items():
+        print(f"  {name:<22} {ms:8.2f}")
+    torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ class _Meeting:
     def __init__(self) -> None:
         self.values: dict[int, Any] = {}
         self.taken = 0
-        self.abandoned: dict[int, ReplicaGroupError] = {}
+        self.abandoned: dict[int, BaseException] = {}
 
 
 class ReplicaGroup:
@@ -137,7 +137,7 @@ class ReplicaGroup:
                 while len(meeting.values) < self.count:
                     self._raise_if_stuck(index, meeting, deadline)
                     self._changed.wait(max(0.0, deadline - time.monotonic()))
-            except ReplicaGroupError as error:
+            except BaseException as error:  # released, or interrupted: withdraw, so the meeting cannot complete
                 del meeting.values[index]
                 meeting.abandoned[index] = error
                 raise

@@ -13,13 +13,14 @@ what ``nn.BatchNorm`` computes on the full batch:
    with the global mean and unbiased variance, and counts the batch once.
 
 What moves: per replica and layer, two vectors of ``num_features`` values to every other replica
-(``.to(device)``; nothing on the CPU). What autograd records: the per-replica statistics, the
-moves and the combination are ordinary differentiable ops, so each replica's output depends on
-every replica's input through the global statistics. The backward needs no meeting of its own:
-autograd follows those edges across replicas and sums, for each input, the gradients reaching it
-through its own output and through the statistics of all the others, which is the backward of
-BatchNorm on the whole batch. (It could not meet anyway: on the CPU, autograd runs the backward of
-every replica in one thread.)
+(``.to(device)``; nothing on the CPU). What autograd records: per replica, one node for its chunk's
+statistics (:class:`_ChunkMoments`, one pass over the chunk each way); the moves, the combination
+and the normalisation are ordinary differentiable ops, so each replica's output depends on every
+replica's input through the global statistics. The backward needs no meeting of its own: autograd
+follows those edges across replicas and sums, for each input, the gradients reaching it through
+its own output and through the statistics of all the others, which is the backward of BatchNorm
+on the whole batch. (It could not meet anyway: on the CPU, autograd runs the backward of every
+replica in one thread.)
 
 When nothing is synchronised, a call is exactly ``nn.BatchNorm``'s: outside parallel_apply, with
 one replica, and whenever ``F.batch_norm`` would use the running statistics rather than the batch's
@@ -54,8 +55,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         track_running_stats: bool = True,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
+        *,
+        bias: bool = True,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
         # What this layer's replicas meet at: a plain attribute, so every replica (a shallow copy of
         # this module) shares this very object, while a deepcopy or another layer gets its own.
         self._meeting_key = object()
@@ -90,7 +93,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         # BatchNorm's CPU kernel does): scale = weight * inverse_std, shift = bias - mean * scale.
         scale = inverse_std if self.weight is None else self.weight * inverse_std
         shift = -mean * scale if self.bias is None else self.bias - mean * scale
-        return _ScaleShift.apply(input, scale, shift)
+        shape = _channel_shape(input)
+        return input * scale.to(input.dtype).view(shape) + shift.to(input.dtype).view(shape)
 
     @torch.no_grad()
     def _update_running_statistics(self, mean: torch.Tensor, variance: torch.Tensor, total: int) -> None:
@@ -116,7 +120,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         """
         converted = module
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
-            converted = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+            converted = cls(
+                module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+                bias=module.bias is not None,
+            )
             if module.affine:
                 converted.weight, converted.bias = module.weight, module.bias
             converted.running_mean = module.running_mean
@@ -153,10 +160,13 @@ class _ChunkMoments(torch.autograd.Function):
     """Per channel of ``x``: its mean and biased variance, in ``dtype``.
 
     Two passes, the mean and then the mean squared deviation from it, which stays exact where
-    E[x^2] - E[x]^2 would cancel (and is several times faster on the CPU than ``torch.var_mean``
-    over the non-channel dimensions). The backward is one pass over ``x``: d mean/dx = 1/n and
+    E[x^2] - E[x]^2 would cancel. The backward is one pass over ``x``: d mean/dx = 1/n and
     d var/dx = 2 (x - mean)/n, so grad_x = x * (2 g_var/n) + (g_mean - 2 g_var mean)/n. Written in
     differentiable ops of ``x`` and the ``mean`` output, so double backward works too.
+
+    Why a Function of its own: autograd's backward of the same two passes in plain ops takes
+    several passes and temporaries, and ``torch.var_mean`` over the non-channel dimensions is
+    slower still on the CPU (``python benchmarks/bench_syncbn.py`` times all three).
     """
 
     @staticmethod
@@ -173,31 +183,6 @@ class _ChunkMoments(torch.autograd.Function):
         slope = grad_variance * (2 / n)
         grad = x * slope.view(_channel_shape(x)) + (grad_mean / n - slope * mean).view(_channel_shape(x))
         return grad.to(x.dtype), None
-
-
-class _ScaleShift(torch.autograd.Function):
-    """``x * scale + shift``, per channel, in ``x``'s dtype (one pass; the gradients of the small
-    ``scale`` and ``shift`` vectors come back in their dtype).
-
-    Backward: grad_x = g * scale, grad_scale = sum(g * x), grad_shift = sum(g), over all but the
-    channels: one elementwise pass and two reductions, where autograd's generic broadcast
-    backward of ``x * scale + shift`` takes about twice as long.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, scale)
-        shape = _channel_shape(x)
-        return (x * scale.to(x.dtype).view(shape)).add_(shift.to(x.dtype).view(shape))
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        x, scale = ctx.saved_tensors
-        dims = _other_dims(x)
-        grad_x = grad * scale.to(grad.dtype).view(_channel_shape(x)) if ctx.needs_input_grad[0] else None
-        grad_scale = (grad * x).sum(dims, dtype=scale.dtype) if ctx.needs_input_grad[1] else None
-        grad_shift = grad.sum(dims, dtype=scale.dtype) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_scale, grad_shift
 
 
 def _chunk_statistics(input: torch.Tensor) -> _Statistics:

@@ -18,7 +18,7 @@ from torch import nn
 import minidp
 from minidp.replica_group import ReplicaGroup, current
 
-from conftest import RTOL_FLOAT64, cpu_ids, finishes_within, max_relative_error
+from conftest import RTOL_FLOAT64, cpu_ids, finishes_within, max_relative_error, requires_cuda
 
 BOUND_S = 20.0
 CHANNELS = 3
@@ -31,9 +31,10 @@ SPLITS = [(2, 8), (3, 10), (4, 7)]
 def batchnorm_pair(rank: int, generator: torch.Generator, **options) -> tuple[nn.Module, minidp.SyncBatchNorm]:
     """A stock BatchNorm for inputs of ``rank`` with random affine parameters, and a SyncBatchNorm in its state."""
     reference = BATCHNORM[rank](CHANNELS, dtype=torch.float64, **options)
-    if reference.affine:
-        with torch.no_grad():
+    with torch.no_grad():
+        if reference.weight is not None:
             reference.weight.copy_(torch.rand(CHANNELS, generator=generator, dtype=torch.float64) + 0.5)
+        if reference.bias is not None:
             reference.bias.copy_(torch.randn(CHANNELS, generator=generator, dtype=torch.float64))
     sync = minidp.SyncBatchNorm(CHANNELS, dtype=torch.float64, **options)
     sync.load_state_dict(reference.state_dict())
@@ -78,7 +79,7 @@ def steps_agree(
     reference: nn.Module, parallel: nn.Module, inputs: list[torch.Tensor], generator: torch.Generator
 ) -> Callable[[], None]:
     """A function that runs one step per input on both models and checks outputs and input gradients."""
-    grad_outputs = [torch.randn(x.shape, generator=generator, dtype=x.dtype) for x in inputs]
+    grad_outputs = [torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device) for x in inputs]
 
     def run() -> None:
         for step, (x, grad_output) in enumerate(zip(inputs, grad_outputs)):
@@ -103,6 +104,17 @@ def test_k_replicas_equal_batchnorm_on_the_full_batch(generator, replicas, rows,
     assert parallel.replica_cache_info().hits == (1 if cache_replicas else 0)  # step 2 re-bound step 1's replicas
 
 
+@requires_cuda
+def test_replicas_sharing_one_gpu_on_side_streams_equal_batchnorm_on_the_full_batch(generator):
+    """Replicas 1.. run on side streams: each reads the others' statistics only once they are written."""
+    reference, sync = batchnorm_pair(4, generator)
+    reference.cuda(), sync.cuda()
+    parallel = minidp.DataParallel(sync, [0, 0, 0])
+    inputs = [batch(4, rows, generator).cuda() for rows in (10, 7)]
+    finishes_within(BOUND_S, steps_agree(reference, parallel, inputs, generator))
+    assert_same_state(sync, reference)
+
+
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum=0.1", "cumulative"])
 def test_running_statistics_follow_batchnorm_over_several_steps(generator, momentum):
     """``momentum=None`` is BatchNorm's cumulative average, 1 / num_batches_tracked: counted once per step."""
@@ -112,6 +124,16 @@ def test_running_statistics_follow_batchnorm_over_several_steps(generator, momen
         finishes_within(BOUND_S, steps_agree(reference, parallel, [batch(4, rows, generator)], generator))
         assert_same_state(sync, reference)
     assert sync.num_batches_tracked.item() == 3
+
+
+@pytest.mark.parametrize(
+    "options", [{"affine": False}, {"bias": False}, {"eps": 0.1}], ids=["affine=False", "bias=False", "eps=0.1"]
+)
+def test_the_constructor_options_mean_what_they_mean_for_batchnorm(generator, options):
+    reference, sync = batchnorm_pair(4, generator, **options)
+    parallel = minidp.DataParallel(sync, cpu_ids(3))
+    finishes_within(BOUND_S, steps_agree(reference, parallel, [batch(4, 10, generator)], generator))
+    assert_same_state(sync, reference)
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
@@ -227,13 +249,13 @@ def test_an_input_with_the_wrong_channel_count_is_refused_before_any_state_chang
 
 
 def conv_net(generator: torch.Generator) -> nn.Module:
-    """Two conv blocks with BatchNorm2d (one frozen, one cumulative), a head with BatchNorm1d; float64.
+    """Two conv blocks with BatchNorm2d (one frozen, one cumulative), a head with BatchNorm1d (no bias); float64.
     Layers before a BatchNorm have no bias: BatchNorm removes it, leaving it a gradient of rounding noise."""
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=generator)))
     model = nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
         nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
-        nn.Flatten(), nn.Linear(4 * 5 * 5, 6, bias=False), nn.BatchNorm1d(6), nn.Linear(6, 3),
+        nn.Flatten(), nn.Linear(4 * 5 * 5, 6, bias=False), nn.BatchNorm1d(6, bias=False), nn.Linear(6, 3),
     ).double()
     model[4].weight.requires_grad_(False)
     return model
