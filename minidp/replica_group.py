@@ -205,7 +205,8 @@ class ReplicaGroup:
         (key, call), where = self._waiting[index]
         what = repr(key)
         if where is not None:
-            named = self.replicas[index].named_modules() if self.replicas is not None else ()
+            root = self.replicas[index] if self.replicas is not None else None
+            named = root.named_modules() if isinstance(root, nn.Module) else ()
             path = next((name for name, module in named if module is where), "")
             what = f"{type(where).__name__} '{path}'" if path else type(where).__name__
         return f"{what} (call {call + 1} in this forward)"
