@@ -6,7 +6,9 @@ The model is a small conv net with a BatchNorm2d after each of its three convs (
 for both variants: the SyncBatchNorm one is ``minidp.SyncBatchNorm.convert_sync_batchnorm`` of a
 copy), run by ``minidp.DataParallel`` on CPU replicas. The four variants (BatchNorm and
 SyncBatchNorm at each replica count) take turns step by step, so that all see the same machine;
-the report is each one's median step time and, per replica count, the ratio of the medians.
+the report is each one's median step time and, per replica count, the ratio of the medians and
+the median of the per-step ratios (each SyncBatchNorm step over the BatchNorm step just before it:
+steadier when the machine's load changes during the run).
 
 Then, on one thread, what a chunk's per-channel mean and variance cost, forward and backward, in
 three ways: SyncBatchNorm's own ``_ChunkMoments`` node, the same two passes in plain ops, and
@@ -83,7 +85,7 @@ def statistics_costs(shape: tuple[int, ...], rounds: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (after 3 warm-up steps)")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per variant (after 3 warm-up steps)")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--width", type=int, default=16, help="channels of the first conv")
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
@@ -111,10 +113,11 @@ def main() -> None:
         f"conv net (3 BatchNorm2d layers, width {args.width}), batch {args.batch} of 3x32x32, forward+backward, "
         f"{args.steps} interleaved steps per variant, torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    print(f"{'replicas':>8} {'BatchNorm ms':>13} {'SyncBatchNorm ms':>17} {'ratio of medians':>17}")
+    print(f"{'replicas':>8} {'BatchNorm ms':>13} {'SyncBatchNorm ms':>17} {'ratio of medians':>17} {'per-step ratio':>15}")
     for k in args.replicas:
         plain, synced = (statistics.median(times[name, k]) * 1e3 for name in ("BatchNorm", "SyncBatchNorm"))
-        print(f"{k:>8} {plain:>13.2f} {synced:>17.2f} {synced / plain:>17.3f}")
+        paired = statistics.median(s / b for s, b in zip(times["SyncBatchNorm", k], times["BatchNorm", k]))
+        print(f"{k:>8} {plain:>13.2f} {synced:>17.2f} {synced / plain:>17.3f} {paired:>15.3f}")
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
