@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from .device_ids import DeviceLike, as_devices
-from .nested import tensors_in
 from .hooks import observe_replica
+from .nested import tensors_in
+from .replica_group import ReplicaGroup
 
 
 class _ReplicaThreads:
@@ -189,6 +190,7 @@ def parallel_apply(
     ``inputs[i]`` is a tuple or list of positional arguments (anything else is one argument).
     ``devices[i]`` is where replica i runs (its current GPU and stream); by default the device of
     its parameters, or of its inputs for a module without parameters.
+    Inside, replica i is member i of a :class:`minidp.replica_group.ReplicaGroup` of the n replicas.
     """
     n = len(modules)
     if n == 0:
@@ -212,11 +214,12 @@ def parallel_apply(
             # The replica's inputs were produced on the current stream: wait for them.
             stream.wait_stream(torch.cuda.current_stream(device))
     caller = _CallerState(sum(d.type == "cpu" for d in devices))
+    group = ReplicaGroup(n, modules)  # what the replicas meet in (minidp.replica_group)
 
     def run(i: int) -> Any:
         args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
         try:
-            with caller.enter(devices[i], streams[i]):
+            with group.member(i), caller.enter(devices[i], streams[i]):
                 return observe_replica(i, devices[i], modules[i], lambda: modules[i](*args, **kwargs_tup[i]))
         except BaseException as error:  # re-raised by the caller once every replica is done
             return _ReplicaFailure(error)

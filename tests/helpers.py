@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any, Callable
+
 import pytest
 import torch
 from torch import nn
@@ -39,6 +42,27 @@ class CountsCalls(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return self.linear(x)
+
+
+def finishes_within(seconds: float, function: Callable[[], Any]) -> Any:
+    """``function()``, run in a daemon thread: its result, or its exception re-raised here; the test
+    fails if it is still running after ``seconds`` (a hang), instead of hanging the suite."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = function()
+        except BaseException as error:  # handed to the test's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="finishes-within", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still running after {seconds} s: it hangs")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 # The configurations of DataParallel's defaults that every test runs under (tests/conftest.py).

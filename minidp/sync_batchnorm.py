@@ -1,0 +1,227 @@
+"""SyncBatchNorm: BatchNorm whose batch statistics are those of the whole batch, across replicas.
+
+Under data parallelism each replica of ``nn.BatchNorm*`` normalises its chunk by the chunk's own
+mean and variance, and only replica 0's running statistics survive the step. ``SyncBatchNorm``
+makes the replicas of one :func:`minidp.parallel_apply` call (one ``DataParallel`` step) compute
+what ``nn.BatchNorm`` computes on the full batch:
+
+1. each replica reduces its chunk to per-channel ``(count, mean, biased variance)``;
+2. the replicas meet (:mod:`minidp.replica_group`) and each receives every replica's statistics;
+3. each combines them, in replica order, into the global mean and variance (Chan et al.'s
+   pairwise formula: counts may differ) and normalises its chunk with them;
+4. replica 0, which holds the original module's buffers, updates the running statistics once,
+   with the global mean and unbiased variance, and counts the batch once.
+
+What moves: per replica and layer, two vectors of ``num_features`` values to every other replica
+(``.to(device)``; nothing on the CPU). What autograd records: per replica, one node for its chunk's
+statistics (:class:`_ChunkMoments`, one pass over the chunk each way); the moves, the combination
+and the normalisation are ordinary differentiable ops, so each replica's output depends on every
+replica's input through the global statistics. The backward needs no meeting of its own: autograd
+follows those edges across replicas and sums, for each input, the gradients reaching it through
+its own output and through the statistics of all the others, which is the backward of BatchNorm
+on the whole batch. (It could not meet anyway: on the CPU, autograd runs the backward of every
+replica in one thread.)
+
+When nothing is synchronised, a call is exactly ``nn.BatchNorm``'s: outside parallel_apply, with
+one replica, and whenever ``F.batch_norm`` would use the running statistics rather than the batch's
+(eval mode with running statistics). Eval mode without running statistics normalises by batch
+statistics, so there the replicas do meet, and the result is the full batch's
+(``torch.nn.SyncBatchNorm`` synchronises in training only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from . import replica_group
+from .replica_group import Membership
+
+
+class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """``nn.BatchNorm1d/2d/3d`` for inputs of any rank ``>= 2`` (``(N, C, *)``), synchronised across the
+    replicas of a DataParallel step. Arguments as ``nn.BatchNorm*``'s (``momentum=None``: a
+    cumulative average).
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        # What this layer's replicas meet at: a plain attribute, so every replica (a shallow copy of
+        # this module) shares this very object, while a deepcopy or another layer gets its own.
+        self._meeting_key = object()
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        membership = replica_group.current()
+        batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
+        if membership is None or membership.count == 1 or not batch_statistics:
+            return super().forward(input)
+        return self._synchronised_forward(input, membership)
+
+    def _synchronised_forward(self, input: torch.Tensor, membership: Membership) -> torch.Tensor:
+        """Normalise ``input`` (this replica's chunk) by the statistics of every replica's chunk."""
+        if input.size(1) != self.num_features:
+            raise ValueError(
+                f"SyncBatchNorm(num_features={self.num_features}) got an input with {input.size(1)} channels "
+                f"(dim 1 of shape {tuple(input.shape)}); give it {self.num_features} channels"
+            )
+        index, _, group = membership
+        everyone = group.meet(index, self._meeting_key, _chunk_statistics(input), where=self)
+        mean, variance, total = _combine(everyone, input.device)
+
+        if index == 0 and self.training and self.track_running_stats:
+            self._update_running_statistics(mean, variance, total)
+        inverse_std = torch.rsqrt(variance + self.eps)
+        # y = (x - mean) * inverse_std * weight + bias, folded into one multiply-add over x (as
+        # BatchNorm's CPU kernel does): scale = weight * inverse_std, shift = bias - mean * scale.
+        scale = inverse_std if self.weight is None else self.weight * inverse_std
+        shift = -mean * scale if self.bias is None else self.bias - mean * scale
+        shape = _channel_shape(input)
+        return input * scale.to(input.dtype).view(shape) + shift.to(input.dtype).view(shape)
+
+    @torch.no_grad()
+    def _update_running_statistics(self, mean: torch.Tensor, variance: torch.Tensor, total: int) -> None:
+        """What ``nn.BatchNorm`` does to its buffers in training, with the whole batch's statistics."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # a cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)
+        if self.running_mean is not None:
+            self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+        if self.running_var is not None:  # the unbiased variance, as BatchNorm keeps
+            unbiased = variance * (total / (total - 1))
+            self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module) -> nn.Module:
+        """Replace every ``nn.BatchNorm*`` in ``module`` (itself included) by a ``SyncBatchNorm``.
+
+        As ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: the new layers take the old ones'
+        parameter objects (so their ``requires_grad``, and an optimizer holding them, carry over),
+        buffers and ``training`` flag. Returns the converted module; sub-modules are replaced in place.
+        """
+        converted = module
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+            converted = cls(
+                module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+                bias=module.bias is not None,
+            )
+            if module.affine:
+                converted.weight, converted.bias = module.weight, module.bias
+            converted.running_mean = module.running_mean
+            converted.running_var = module.running_var
+            converted.num_batches_tracked = module.num_batches_tracked
+            converted.training = module.training
+            if hasattr(module, "qconfig"):
+                converted.qconfig = module.qconfig
+        for name, child in module.named_children():
+            converted.add_module(name, cls.convert_sync_batchnorm(child))
+        return converted
+
+
+class _Statistics(NamedTuple):
+    """One chunk's per-channel statistics, as a replica deposits them at the meeting."""
+
+    count: int
+    mean: torch.Tensor
+    variance: torch.Tensor  # biased
+    ready: Optional["torch.cuda.Event"]  # on a GPU: recorded once mean and variance are computed
+
+
+def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:
+    """The shape that broadcasts a per-channel vector over ``x`` (N, C, *): (1, C, 1, ...)."""
+    return (1, -1) + (1,) * (x.dim() - 2)
+
+
+def _other_dims(x: torch.Tensor) -> list[int]:
+    """Every dimension of ``x`` but the channels: what the per-channel statistics reduce over."""
+    return [0, *range(2, x.dim())]
+
+
+class _ChunkMoments(torch.autograd.Function):
+    """Per channel of ``x``: its mean and biased variance, in ``dtype``.
+
+    Two passes, the mean and then the mean squared deviation from it, which stays exact where
+    E[x^2] - E[x]^2 would cancel. The backward is one pass over ``x``: d mean/dx = 1/n and
+    d var/dx = 2 (x - mean)/n, so grad_x = x * (2 g_var/n) + (g_mean - 2 g_var mean)/n. Written in
+    differentiable ops of ``x`` and the ``mean`` output, so double backward works too.
+
+    Why a Function of its own: autograd's backward of the same two passes in plain ops takes
+    several passes and temporaries, and ``torch.var_mean`` over the non-channel dimensions is
+    slower still on the CPU (``python benchmarks/bench_syncbn.py`` times all three).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = x.mean(_other_dims(x), dtype=dtype)
+        variance = (x - mean.view(_channel_shape(x))).square_().mean(_other_dims(x))
+        ctx.save_for_backward(x, mean)
+        return mean, variance
+
+    @staticmethod
+    def backward(ctx, grad_mean: torch.Tensor, grad_variance: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, mean = ctx.saved_tensors
+        n = x.numel() // x.size(1)
+        slope = grad_variance * (2 / n)
+        grad = x * slope.view(_channel_shape(x)) + (grad_mean / n - slope * mean).view(_channel_shape(x))
+        return grad.to(x.dtype), None
+
+
+def _chunk_statistics(input: torch.Tensor) -> _Statistics:
+    """This chunk's per-channel statistics, in float32 at least (half inputs)."""
+    count = input.numel() // input.size(1)
+    dtype = torch.promote_types(input.dtype, torch.float32)
+    if count == 0:  # no rows: it weighs nothing in the combination (the mean of nothing would be NaN)
+        mean = variance = input.new_zeros(input.size(1), dtype=dtype)
+    else:
+        mean, variance = _ChunkMoments.apply(input, dtype)
+    ready = None
+    if input.is_cuda:  # the others read these on their own streams: tell them when they are written
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(input.device))
+    return _Statistics(count, mean, variance, ready)
+
+
+def _fetch(tensor: torch.Tensor, ready: Optional["torch.cuda.Event"], device: torch.device) -> torch.Tensor:
+    """Another replica's ``tensor`` on ``device``, read on this thread's streams once it is written."""
+    if ready is not None:
+        stream = torch.cuda.current_stream(tensor.device)  # where this thread reads (or copies) it
+        stream.wait_event(ready)
+        tensor.record_stream(stream)  # its memory is not reused before that read is done
+    return tensor.to(device)
+
+
+def _combine(everyone: list[_Statistics], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The whole batch's per-channel mean, biased variance and count, on ``device``.
+
+    Chan et al.'s combination of chunks: mean = sum(n_j mean_j) / N, variance =
+    sum(n_j (var_j + (mean_j - mean)^2)) / N. Every replica runs it on the same values in the same
+    order, so they all get the same statistics.
+    """
+    total = sum(chunk.count for chunk in everyone)
+    if total < 2:
+        raise ValueError(f"Expected more than 1 value per channel when training, got {total} across all replicas")
+    means = torch.stack([_fetch(chunk.mean, chunk.ready, device) for chunk in everyone])
+    variances = torch.stack([_fetch(chunk.variance, chunk.ready, device) for chunk in everyone])
+    weights = torch.tensor([chunk.count / total for chunk in everyone], dtype=means.dtype, device=device)[:, None]
+    mean = (weights * means).sum(0)
+    variance = (weights * (variances + (means - mean) ** 2)).sum(0)
+    return mean, variance, total

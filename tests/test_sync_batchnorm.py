@@ -1,0 +1,376 @@
+"""minidp.SyncBatchNorm: K replicas compute what nn.BatchNorm computes on the full batch.
+
+The reference is stock ``nn.BatchNorm1d/2d/3d`` called once on the whole batch, in float64, from
+the same state: outputs, input gradients, weight and bias gradients, running statistics and
+``num_batches_tracked`` must agree to ``RTOL_FLOAT64``, for even and uneven chunks. Steps that
+involve K > 1 replicas run under ``finishes_within``, so a meeting that hangs fails the test.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import minidp
+from minidp.replica_group import ReplicaGroup, current
+
+from .helpers import RTOL_FLOAT64, cpu_ids, finishes_within, max_relative_error, requires_cuda
+
+BOUND_S = 20.0
+CHANNELS = 3
+BATCHNORM = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+FEATURE_SHAPE = {2: (), 3: (5,), 4: (4, 3), 5: (2, 3, 2)}  # (N, C, *these)
+# (replicas, batch): even chunks, and uneven ones: 10 on 3 is 4, 4, 2; 7 on 4 is 2, 2, 2, 1.
+SPLITS = [(2, 8), (3, 10), (4, 7)]
+
+
+def batchnorm_pair(rank: int, generator: torch.Generator, **options) -> tuple[nn.Module, minidp.SyncBatchNorm]:
+    """A stock BatchNorm for inputs of ``rank`` with random affine parameters, and a SyncBatchNorm in its state."""
+    reference = BATCHNORM[rank](CHANNELS, dtype=torch.float64, **options)
+    with torch.no_grad():
+        if reference.weight is not None:
+            reference.weight.copy_(torch.rand(CHANNELS, generator=generator, dtype=torch.float64) + 0.5)
+        if reference.bias is not None:
+            reference.bias.copy_(torch.randn(CHANNELS, generator=generator, dtype=torch.float64))
+    sync = minidp.SyncBatchNorm(CHANNELS, dtype=torch.float64, **options)
+    sync.load_state_dict(reference.state_dict())
+    return reference, sync
+
+
+def batch(rank: int, rows: int, generator: torch.Generator) -> torch.Tensor:
+    """Inputs with a per-channel offset and scale, so that the statistics are not those of N(0, 1)."""
+    shape = (rows, CHANNELS, *FEATURE_SHAPE[rank])
+    offset = torch.randn(CHANNELS, generator=generator, dtype=torch.float64).view(1, -1, *[1] * (rank - 2))
+    return 3 * offset + (offset.abs() + 0.5) * torch.randn(shape, generator=generator, dtype=torch.float64)
+
+
+def forward_backward(model: nn.Module, x: torch.Tensor, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output of ``model(x)`` and the gradient of ``(output * grad_output).sum()`` with respect to ``x``."""
+    x = x.clone().requires_grad_()
+    output = model(x)
+    output.backward(grad_output)
+    return output.detach(), x.grad
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    error = max_relative_error(actual, expected)
+    assert error < RTOL_FLOAT64, f"{what}: relative error {error:.2e}"
+
+
+def assert_same_state(sync: nn.Module, reference: nn.Module) -> None:
+    """Parameter gradients and buffers of ``sync`` (wrapped or not) equal those of ``reference``."""
+    for (name, mine), (_, theirs) in zip(sync.named_parameters(), reference.named_parameters()):
+        if theirs.grad is None:  # frozen
+            assert mine.grad is None, f"{name}.grad: stock has none"
+        else:
+            assert_close(mine.grad, theirs.grad, f"{name}.grad")
+    for (name, mine), (_, theirs) in zip(sync.named_buffers(), reference.named_buffers()):
+        if name.endswith("num_batches_tracked"):
+            assert torch.equal(mine, theirs), f"{name}: {mine.item()} batches, stock counts {theirs.item()}"
+        else:
+            assert_close(mine, theirs, name)
+
+
+def steps_agree(
+    reference: nn.Module, parallel: nn.Module, inputs: list[torch.Tensor], generator: torch.Generator
+) -> Callable[[], None]:
+    """A function that runs one step per input on both models and checks outputs and input gradients."""
+    grad_outputs = [torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device) for x in inputs]
+
+    def run() -> None:
+        for step, (x, grad_output) in enumerate(zip(inputs, grad_outputs)):
+            expected, expected_grad = forward_backward(reference, x, grad_output)
+            output, grad = forward_backward(parallel, x, grad_output)
+            assert_close(output, expected, f"step {step}: output")
+            assert_close(grad, expected_grad, f"step {step}: input gradient")
+
+    return run
+
+
+@pytest.mark.parametrize("cache_replicas", [True, False], ids=["cached", "fresh"])
+@pytest.mark.parametrize("rank", sorted(FEATURE_SHAPE))
+@pytest.mark.parametrize("replicas,rows", SPLITS)
+def test_k_replicas_equal_batchnorm_on_the_full_batch(generator, replicas, rows, rank, cache_replicas):
+    """Outputs, input and parameter gradients, running statistics after two steps: stock BatchNorm's."""
+    reference, sync = batchnorm_pair(rank, generator)
+    parallel = minidp.DataParallel(sync, cpu_ids(replicas), cache_replicas=cache_replicas)
+    inputs = [batch(rank, rows, generator) for _ in range(2)]
+    finishes_within(BOUND_S, steps_agree(reference, parallel, inputs, generator))
+    assert_same_state(sync, reference)
+    assert parallel.replica_cache_info().hits == (1 if cache_replicas else 0)  # step 2 re-bound step 1's replicas
+
+
+@requires_cuda
+def test_replicas_sharing_one_gpu_on_side_streams_equal_batchnorm_on_the_full_batch(generator):
+    """Replicas 1.. run on side streams: each reads the others' statistics only once they are written."""
+    reference, sync = batchnorm_pair(4, generator)
+    reference.cuda(), sync.cuda()
+    parallel = minidp.DataParallel(sync, [0, 0, 0])
+    inputs = [batch(4, rows, generator).cuda() for rows in (10, 7)]
+    finishes_within(BOUND_S, steps_agree(reference, parallel, inputs, generator))
+    assert_same_state(sync, reference)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum=0.1", "cumulative"])
+def test_running_statistics_follow_batchnorm_over_several_steps(generator, momentum):
+    """``momentum=None`` is BatchNorm's cumulative average, 1 / num_batches_tracked: counted once per step."""
+    reference, sync = batchnorm_pair(4, generator, momentum=momentum)
+    parallel = minidp.DataParallel(sync, cpu_ids(3))
+    for rows in (10, 7, 9):
+        finishes_within(BOUND_S, steps_agree(reference, parallel, [batch(4, rows, generator)], generator))
+        assert_same_state(sync, reference)
+    assert sync.num_batches_tracked.item() == 3
+
+
+@pytest.mark.parametrize(
+    "options", [{"affine": False}, {"bias": False}, {"eps": 0.1}], ids=["affine=False", "bias=False", "eps=0.1"]
+)
+def test_the_constructor_options_mean_what_they_mean_for_batchnorm(generator, options):
+    reference, sync = batchnorm_pair(4, generator, **options)
+    parallel = minidp.DataParallel(sync, cpu_ids(3))
+    finishes_within(BOUND_S, steps_agree(reference, parallel, [batch(4, 10, generator)], generator))
+    assert_same_state(sync, reference)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_without_running_statistics_every_mode_normalises_by_the_full_batch(generator, training):
+    """``track_running_stats=False``: BatchNorm uses batch statistics in eval mode too, so the replicas meet."""
+    reference, sync = batchnorm_pair(3, generator, track_running_stats=False)
+    reference.train(training), sync.train(training)
+    parallel = minidp.DataParallel(sync, cpu_ids(3))
+    finishes_within(BOUND_S, steps_agree(reference, parallel, [batch(3, 10, generator)], generator))
+    assert_same_state(sync, reference)
+
+
+def test_eval_mode_normalises_by_running_statistics_without_meeting(generator, monkeypatch):
+    reference, sync = batchnorm_pair(4, generator)
+    meetings = []
+    real_meet = ReplicaGroup.meet
+
+    def counted_meet(self, *args, **kwargs):
+        meetings.append(args)
+        return real_meet(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReplicaGroup, "meet", counted_meet)
+    parallel = minidp.DataParallel(sync, cpu_ids(3))
+    finishes_within(BOUND_S, steps_agree(reference, parallel, [batch(4, 10, generator)], generator))
+    assert len(meetings) == 3  # training: one meeting per replica
+
+    reference.eval(), sync.eval()
+    finishes_within(BOUND_S, steps_agree(reference, parallel, [batch(4, 10, generator)], generator))
+    assert len(meetings) == 3  # eval: none
+    assert_same_state(sync, reference)
+
+
+@pytest.mark.parametrize("call", ["plain call", "one-device DataParallel", "one-module parallel_apply"])
+def test_without_other_replicas_it_is_batchnorm_exactly(generator, call):
+    """Nothing to synchronise: the very ``F.batch_norm`` call of stock BatchNorm (bitwise equal)."""
+    reference, sync = batchnorm_pair(4, generator)
+    model = {
+        "plain call": sync,
+        "one-device DataParallel": minidp.DataParallel(sync, cpu_ids(1)),
+        "one-module parallel_apply": lambda x: minidp.parallel_apply([sync], [x])[0],
+    }[call]
+    x, grad_output = batch(4, 6, generator), torch.randn(6, CHANNELS, 4, 3, generator=generator, dtype=torch.float64)
+    output, grad = forward_backward(model, x, grad_output)
+    expected, expected_grad = forward_backward(reference, x, grad_output)
+    assert torch.equal(output, expected) and torch.equal(grad, expected_grad)
+    for mine, theirs in zip(sync.parameters(), reference.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
+    for mine, theirs in zip(sync.buffers(), reference.buffers()):
+        assert torch.equal(mine, theirs)
+
+
+def test_second_derivatives_equal_batchnorms(generator):
+    """A gradient penalty (``create_graph=True``, then backward) differentiates the statistics twice."""
+    reference = nn.Sequential(nn.Linear(4, CHANNELS, bias=False), nn.BatchNorm1d(CHANNELS), nn.Tanh()).double()
+    model = minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    parallel = minidp.DataParallel(model, cpu_ids(3))
+    x = torch.randn(10, 4, generator=generator, dtype=torch.float64)
+
+    def penalty_gradient(network: nn.Module) -> torch.Tensor:
+        leaf = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(network(leaf).pow(3).sum(), leaf, create_graph=True)
+        grad.square().sum().backward()
+        return leaf.grad
+
+    assert_close(finishes_within(BOUND_S, lambda: penalty_gradient(parallel)), penalty_gradient(reference), "x.grad")
+    assert_same_state(model, reference)
+
+
+def test_a_layer_called_twice_in_one_forward_meets_twice(generator):
+    """Each call is its own meeting, and each updates the running statistics, as BatchNorm's calls do."""
+
+    class Twice(nn.Module):
+        def __init__(self, norm: nn.Module) -> None:
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.norm(x).tanh())
+
+    reference, sync = batchnorm_pair(2, generator)
+    parallel = minidp.DataParallel(Twice(sync), cpu_ids(3))
+    finishes_within(BOUND_S, steps_agree(Twice(reference), parallel, [batch(2, 10, generator)], generator))
+    assert_same_state(sync, reference)
+    assert sync.num_batches_tracked.item() == 2
+
+
+def test_an_empty_chunk_adds_nothing_to_the_statistics(generator):
+    """parallel_apply called directly, with chunks of 4, 0 and 3 rows: the statistics of the 7 rows."""
+    reference, sync = batchnorm_pair(2, generator)
+    x = batch(2, 7, generator).requires_grad_()
+    grad_output = torch.randn(x.shape, generator=generator, dtype=torch.float64)
+
+    def run() -> torch.Tensor:
+        replicas = minidp.replicate(sync, cpu_ids(3))
+        return torch.cat(minidp.parallel_apply(replicas, list(x.split([4, 0, 3]))))
+
+    output = finishes_within(BOUND_S, run)
+    output.backward(grad_output)
+    expected, expected_grad = forward_backward(reference, x.detach(), grad_output)
+    assert_close(output, expected, "output")
+    assert_close(x.grad, expected_grad, "input gradient")
+    assert_same_state(sync, reference)
+
+
+def test_an_input_with_the_wrong_channel_count_is_refused_before_any_state_changes(generator):
+    _, sync = batchnorm_pair(2, generator)
+    before = copy.deepcopy(sync.state_dict())
+    parallel = minidp.DataParallel(sync, cpu_ids(2))
+    with pytest.raises(ValueError, match=r"SyncBatchNorm\(num_features=3\) got an input with 5 channels"):
+        finishes_within(BOUND_S, lambda: parallel(torch.randn(4, 5, dtype=torch.float64)))
+    for name, value in sync.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def conv_net(generator: torch.Generator) -> nn.Module:
+    """Two conv blocks with BatchNorm2d (one frozen, one cumulative), a head with BatchNorm1d (no bias); float64.
+    Layers before a BatchNorm have no bias: BatchNorm removes it, leaving it a gradient of rounding noise."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=generator)))
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
+        nn.Flatten(), nn.Linear(4 * 5 * 5, 6, bias=False), nn.BatchNorm1d(6, bias=False), nn.Linear(6, 3),
+    ).double()
+    model[4].weight.requires_grad_(False)
+    return model
+
+
+def test_convert_sync_batchnorm_keeps_parameters_buffers_flags_and_requires_grad(generator):
+    """As ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: the same Parameter and buffer objects,
+    the same options and training flag; other modules untouched."""
+    model = conv_net(generator)
+    model[8].eval()
+    before = dict(model.named_modules())
+    converted = minidp.SyncBatchNorm.convert_sync_batchnorm(model)
+    stock = torch.nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(conv_net(generator)))
+    assert converted is model  # the root is no BatchNorm: converted in place
+    for (name, module), (_, stock_module) in zip(converted.named_modules(), stock.named_modules()):
+        original = before[name]
+        if not isinstance(original, nn.modules.batchnorm._BatchNorm):
+            assert module is original and type(stock_module) is type(original), name
+            continue
+        assert type(module) is minidp.SyncBatchNorm and type(stock_module) is nn.SyncBatchNorm, name
+        assert module.training == original.training
+        for option in ("num_features", "eps", "momentum", "affine", "track_running_stats"):
+            assert getattr(module, option) == getattr(original, option) == getattr(stock_module, option), option
+        for key in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+            assert getattr(module, key) is getattr(original, key), f"{name}.{key}"
+    assert not converted[4].weight.requires_grad and converted[1].weight.requires_grad
+    assert type(minidp.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm3d(2))) is minidp.SyncBatchNorm
+
+
+@pytest.mark.parametrize("cache_replicas", [True, False], ids=["cached", "fresh"])
+def test_a_converted_network_trains_like_the_stock_one_on_the_full_batch(generator, cache_replicas):
+    """Two SGD steps of a conv net, converted and on 3 replicas, against the unconverted one on one device."""
+    reference = conv_net(generator)
+    model = minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    parallel = minidp.DataParallel(model, cpu_ids(3), cache_replicas=cache_replicas)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for rows in (10, 8):
+        x = torch.randn(rows, 2, 5, 5, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, 3, (rows,), generator=generator)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        expected = nn.functional.cross_entropy(reference(x), y)
+        expected.backward()
+        loss = finishes_within(BOUND_S, lambda: nn.functional.cross_entropy(parallel(x), y))
+        loss.backward()
+        assert_close(loss, expected, "loss")
+        assert_same_state(model, reference)
+        for optimizer in optimizers:
+            optimizer.step()
+
+
+# ------------------------------------------------------------------------------------------------
+# The meeting never hangs: a replica that fails before it, or skips it, releases the others.
+# ------------------------------------------------------------------------------------------------
+
+
+class MisbehavesIn(nn.Module):
+    """``norm(x)``, except in replica ``replica`` while ``armed``: there it raises (``"raise"``) or
+    skips the layer (``"skip"``)."""
+
+    def __init__(self, norm: nn.Module, replica: int, how: str) -> None:
+        super().__init__()
+        self.norm, self.replica, self.how = norm, replica, how
+        self.armed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed and current().index == self.replica:
+            if self.how == "raise":
+                raise KeyError("planted fault")
+            return x
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("cache_replicas", [True, False], ids=["cached", "fresh"])
+@pytest.mark.parametrize(
+    "how,replica,message",
+    [
+        ("raise", 1, "replica 1 raised KeyError: 'planted fault' before reaching SyncBatchNorm 'norm' (call 1"),
+        ("skip", 2, "replica 2 finished its forward without reaching SyncBatchNorm 'norm' (call 1"),
+    ],
+    ids=["raises", "skips"],
+)
+def test_a_replica_that_fails_or_skips_the_meeting_releases_the_others_and_the_next_step_works(
+    generator, how, replica, message, cache_replicas
+):
+    reference, sync = batchnorm_pair(2, generator)
+    before = copy.deepcopy(sync.state_dict())
+    model = MisbehavesIn(sync, replica, how)
+    parallel = minidp.DataParallel(model, cpu_ids(3), cache_replicas=cache_replicas)
+    x = batch(2, 10, generator)
+    with pytest.raises(RuntimeError) as caught:
+        finishes_within(BOUND_S, lambda: parallel(x))
+    assert message in str(caught.value)
+    for name, value in sync.state_dict().items():  # no replica updated the statistics
+        assert torch.equal(value, before[name]), name
+
+    model.armed = False
+    finishes_within(BOUND_S, steps_agree(reference, parallel, [batch(2, 10, generator)], generator))
+    assert_same_state(sync, reference)
+
+
+def test_replicas_that_reach_the_layers_in_different_orders_are_released(generator):
+    """Replica 1 runs ``second`` first: each waits where the other never comes, and both are told."""
+
+    class Swapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = minidp.SyncBatchNorm(CHANNELS), minidp.SyncBatchNorm(CHANNELS)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            order = (self.second, self.first) if current().index == 1 else (self.first, self.second)
+            return order[1](order[0](x))
+
+    parallel = minidp.DataParallel(Swapped(), cpu_ids(2))
+    with pytest.raises(RuntimeError, match="replicas wait at different meetings") as caught:
+        finishes_within(BOUND_S, lambda: parallel(torch.randn(6, CHANNELS)))
+    assert "replica 0 at SyncBatchNorm 'first'" in str(caught.value)
+    assert "replica 1 at SyncBatchNorm 'second'" in str(caught.value)
