@@ -84,3 +84,45 @@ class DeviceMemory:
                 "CUDA caching allocator: peak allocated bytes above the start (torch.cuda.max_memory_allocated)",
             ))
         return found
+
+
+SHARES = ("parameters", "inputs", "gathered outputs")
+
+
+@dataclass
+class LedgerRow:
+    """One device's peak memory during a traced step, and what it is made of.
+
+    ``shares`` are exact counts of the bytes each step left on the device: the module's parameters and
+    buffers with the replicas' copies of them (``parameters``), the input chunks copied to it
+    (``inputs``), the outputs gathered onto it (``gathered outputs``: the whole output, or with
+    :func:`minidp.parallel_criterion` only the loss terms). ``rest`` is the peak minus those: what the
+    forward keeps for the backward (activations), the loss, the gradients and the allocator's slack.
+    The CPU's peak is the process's (every CPU replica shares it), and its shares are summed over
+    every CPU device.
+    """
+
+    device: str
+    peak: int
+    shares: dict[str, int]
+    measure: str
+
+    @property
+    def rest(self) -> int:
+        return max(self.peak - sum(self.shares.values()), 0)
+
+
+def memory_ledger(peaks: list[MemoryPeak], accounted: dict[tuple[str, str], int]) -> list[LedgerRow]:
+    rows = []
+    for peak in peaks:
+        shares = {
+            share: sum(n for (device, kind), n in accounted.items() if kind == share and _same(device, peak.device))
+            for share in SHARES
+        }
+        rows.append(LedgerRow(peak.device, peak.bytes, shares, peak.measure))
+    return rows
+
+
+def _same(device: str, peak_device: str) -> bool:
+    """Whether bytes counted on ``device`` belong to the peak measured for ``peak_device``."""
+    return device.split(":")[0] == "cpu" if peak_device == "cpu" else device == peak_device

@@ -47,7 +47,7 @@ import torch
 
 from .. import hooks
 from . import describers, views
-from .memory import DeviceMemory, MemoryPeak
+from .memory import DeviceMemory, LedgerRow, MemoryPeak, memory_ledger
 
 
 @dataclass
@@ -126,6 +126,7 @@ class Trace:
         self._backwards: list[_Backward] = []
         self._backward_of: dict[int, _Backward] = {}  # id(replica module) -> its latest backward
         self._device_memory = DeviceMemory()
+        self._accounted: dict[tuple[str, str], int] = {}  # (device, share) -> bytes, for the ledger
 
     # -- the with block -----------------------------------------------------------------------------
 
@@ -180,6 +181,16 @@ class Trace:
                 self._backwards.append(backward)
                 self._backward_of[id(module)] = backward
             self._watch(params, backward.end)
+
+    def account(self, device: str, share: str, nbytes: int) -> None:
+        """``nbytes`` of ``share`` ("parameters", "inputs", "gathered outputs") live on ``device`` in this step."""
+        with self._lock:
+            key = (device, share)
+            self._accounted[key] = self._accounted.get(key, 0) + nbytes
+
+    def ledger(self) -> list[LedgerRow]:
+        """Per device, the step's peak memory and what it is made of (see :class:`LedgerRow`)."""
+        return memory_ledger(self.memory, self._accounted)
 
     # -- recording ----------------------------------------------------------------------------------
 
@@ -265,6 +276,10 @@ class Trace:
     def table(self) -> str:
         """The step as text: per stage and device, wall time, its share of the step, thread time, bytes."""
         return views.table(self)
+
+    def ledger_table(self) -> str:
+        """The memory ledger as text: per device, the peak and its shares."""
+        return views.ledger_table(self.ledger())
 
     def to_chrome(self, path: Union[str, Path]) -> Path:
         """Write the Chrome trace format (JSON): one process per device, one track per replica.

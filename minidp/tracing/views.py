@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Union
 
 from ..hooks import STAGES
-from .memory import MemoryPeak
+from .memory import SHARES, LedgerRow, MemoryPeak
 
 
 class Recorded(Protocol):
@@ -73,6 +73,17 @@ def table(step: Recorded) -> str:
     )
     for peak in step.memory:
         lines.append(f"peak memory {peak.device}: {bytes_text(peak.bytes)} ({peak.measure})")
+    return "\n".join(lines)
+
+
+def ledger_table(rows: list[LedgerRow], title: str = "") -> str:
+    """The memory ledger: per device, the peak and its shares, as text."""
+    lines = [title] if title else []
+    lines.append(f"{'device':<8} {'peak':>11} " + " ".join(f"{share:>17}" for share in (*SHARES, "rest")))
+    for row in rows:
+        lines.append(f"{row.device:<8} {bytes_text(row.peak):>11} "
+                     + " ".join(f"{bytes_text(row.shares[share]):>17}" for share in SHARES) + f" {bytes_text(row.rest):>17}")
+    lines.append("rest: activations kept for the backward, the loss, the gradients, allocator slack")
     return "\n".join(lines)
 
 
