@@ -114,7 +114,7 @@ def test_a_primitive_reaches_nothing_above_the_primitives(primitive):
 
 
 # Who may import the tracer and the command line: the layers above them.
-ABOVE = {"tracing": ("cli", "__main__"), "cli": ("__main__",)}
+ABOVE = {"tracing": ("cli", "__main__", "distributed"), "cli": ("__main__",)}
 
 
 @pytest.mark.parametrize("top", sorted(ABOVE))

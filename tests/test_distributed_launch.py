@@ -79,3 +79,4 @@ def test_run_demo_trains_in_two_processes_with_replicas_and_writes_the_trace(tmp
     assert results[1]["train_loss"] < results[0]["train_loss"]
     assert "2 replicas in each" in capfd.readouterr().out
     assert (tmp_path / "ddp_timeline.json").stat().st_size > 0
+    assert (tmp_path / "ddp_timeline.png").read_bytes().startswith(b"\x89PNG")

@@ -18,7 +18,7 @@ minidp's core never imports ``torch.distributed``; only this package does.
 from .buckets import GradBucket
 from .ddp import DistributedDataParallel
 from .launch import RankFailed, launch, run_demo
-from .timeline import chrome_trace, gather_timelines, hidden_share, write_chrome_trace
+from .timeline import chrome_trace, gather_timelines, hidden_share, plot_timelines, write_chrome_trace
 
 __all__ = [
     "DistributedDataParallel",
@@ -29,5 +29,6 @@ __all__ = [
     "hidden_share",
     "launch",
     "run_demo",
+    "plot_timelines",
     "write_chrome_trace",
 ]

@@ -31,7 +31,7 @@ from minidp.digits import SyntheticDigits
 from minidp.zoo import SmallCNN
 
 from .ddp import DistributedDataParallel
-from .timeline import gather_timelines, write_chrome_trace
+from .timeline import gather_timelines, plot_timelines, write_chrome_trace
 
 
 def _device() -> torch.device:
@@ -107,6 +107,10 @@ def train(
         timelines = gather_timelines(model.timeline())
         if rank == 0:
             say(f"timeline: {write_chrome_trace(Path(trace) / 'ddp_timeline.json', timelines)}")
+            try:
+                say(f"picture: {plot_timelines(Path(trace) / 'ddp_timeline.png', timelines)}")
+            except ImportError as error:
+                say(f"picture: not drawn ({error})")
     return results
 
 

@@ -15,6 +15,8 @@ from typing import Sequence, Union
 
 import torch.distributed as dist
 
+from ..tracing.views import write_atomically
+
 _COMPUTE, _READY = 0, 1  # thread rows; all-reduces of bucket b go on row 2 + b
 
 
@@ -50,8 +52,37 @@ def write_chrome_trace(path: Union[str, Path], timelines: Sequence[Sequence[dict
     """Write :func:`chrome_trace` of ``timelines`` to ``path`` (JSON); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(timelines)))
-    return path
+    text = json.dumps(chrome_trace(timelines)).encode()
+    return write_atomically(path, lambda file: file.write(text))
+
+
+def plot_timelines(path: Union[str, Path], timelines: Sequence[Sequence[dict]]) -> Path:
+    """Draw ``timelines`` as a PNG: per rank, the backward and each bucket's all-reduce on lanes of their
+    own, so that the overlap shows: an all-reduce bar inside the backward's span was hidden behind it."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError("plot_timelines needs matplotlib: pip install 'minidp[plot]'") from error
+    events = [e for timeline in timelines for e in timeline]
+    origin = min((e["start"] for e in events), default=0.0)
+    lanes = sorted({(e["rank"], *_row(e)) for e in events if e["stage"] != "bucket ready"})
+    colours = {"backward": "#c44e52", "write-back": "#8172b3", "all-reduce": "#dd8452"}
+    figure = Figure(figsize=(9, 1.2 + 0.4 * len(lanes)), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for lane, (rank, tid, _) in enumerate(lanes):
+        for e in events:
+            if e["rank"] == rank and _row(e)[0] == tid and e["stage"] != "bucket ready":
+                start = (e["start"] - origin) * 1e3
+                axes.broken_barh([(start, (e["end"] - e["start"]) * 1e3)], (lane - 0.4, 0.8), color=colours[e["stage"]])
+            elif e["rank"] == rank and e["stage"] == "bucket ready" and tid == 2 + e["bucket"]:
+                axes.plot([(e["start"] - origin) * 1e3], [lane], marker="|", color="black", markersize=14)
+    axes.set_yticks(range(len(lanes)), [f"rank {rank}: {name}" for rank, _, name in lanes])
+    axes.invert_yaxis()
+    axes.set_xlabel("ms since the first event (|: the bucket filled and its all-reduce was launched)")
+    figure.tight_layout()
+    return write_atomically(Path(path), lambda file: figure.savefig(file, format="png"))
 
 
 def gather_timelines(timeline: list[dict], group: dist.ProcessGroup = None) -> list[list[dict]]:
