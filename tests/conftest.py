@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 # float64 comparisons: data parallelism only reorders sums, so results agree to rounding.
 RTOL_FLOAT64 = 1e-10
+
+ROOT = Path(__file__).resolve().parents[1]
 
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -44,3 +51,14 @@ class CountsCalls(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return self.linear(x)
+
+
+def fresh_python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python *args`` in a fresh interpreter that imports this checkout's minidp, output captured.
+
+    For what a test process cannot do to itself (fork, Ctrl-C, exit) or must see from a clean
+    start; ``timeout`` turns a hang into a failure (``subprocess.TimeoutExpired``), the process killed.
+    """
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
