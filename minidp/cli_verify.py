@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     reports = {}
-    for name in tqdm(args.models, desc="verify", unit="model"):
+    for name in tqdm(args.models, desc="verify", unit="model", disable=None):  # the bar only on a terminal
         entry = ZOO[name]
         inputs, kwargs = entry.batch(args.batch, generator)
         reports[name] = verify(entry.build(), inputs, device_ids, kwargs, dim=entry.dim, loss=entry.loss)

@@ -85,7 +85,9 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
     """One pass over ``loader``; returns the mean loss and the accuracy seen while training."""
     model.train()
     total_loss, correct, seen = 0.0, 0, 0
-    progress = tqdm(loader, desc=description, unit="batch", leave=False)
+    # The live bar only on a terminal (disable=None: off when its stream is not a TTY); in a log or
+    # CI each redraw would be one more line, and train() prints one line per epoch there anyway.
+    progress = tqdm(loader, desc=description, unit="batch", leave=False, disable=None)
     for data in progress:
         image, label = data["image"], data["label"].to(device)  # DataParallel scatters the images itself
         output = model(image)  # gathered on device_ids[0]

@@ -70,3 +70,8 @@ def test_device_ids_are_parsed_from_a_comma_list_with_repeats(text, expected):
 def test_a_bad_device_list_names_the_fix():
     with pytest.raises(Exception, match="cpu\\*4"):
         parse_device_ids("cpu*x")
+
+
+def test_verify_draws_no_progress_bar_into_a_log(capsys):
+    assert main(["verify", "--devices", "cpu*2", "--models", "mlp"]) == 0
+    assert capsys.readouterr().err == ""
