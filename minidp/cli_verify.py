@@ -10,7 +10,8 @@ import argparse
 import torch
 from tqdm import tqdm
 
-from .cli_devices import default_device_ids, parse_device_ids
+from .cli_args import parse_device_ids, positive_int, seed
+from .cli_devices import default_device_ids
 from .devices import as_devices
 from .verify import verify
 from .zoo import ZOO
@@ -21,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device ids, e.g. 0,1 or cpu*4 (default: every GPU, else cpu*2)")
     parser.add_argument("--models", nargs="+", choices=list(ZOO), default=list(ZOO), metavar="MODEL",
                         help=f"zoo models to check (default: all of {', '.join(ZOO)})")
-    parser.add_argument("--batch", type=int, default=7, help="batch size (default 7: uneven chunks)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
+    parser.add_argument("--batch", type=positive_int, default=7, help="batch size (default 7: uneven chunks)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the random batch and weights")
     parser.add_argument("--verbose", action="store_true", help="print every model's full report")
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from .cli_args import positive_int, seed
 from .comm import chunk_sizes_for
 from .data_parallel import DataParallel
 from .devices import as_device
@@ -27,13 +28,6 @@ from .trace import trace, write_trace_artifacts
 from .zoo import SmallCNN
 
 DEFAULT_CPU_REPLICAS = 2
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the replicas run; auto: the GPUs if any, else the CPU (default: auto)",
     )
     parser.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default: 2e-3)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the data, the weights and the shuffling (default: 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="seeds the data, the weights and the shuffling (default: 0)")
     parser.add_argument(
         "--samples", type=positive_int, default=6000, help="training images; a quarter as many more are held out (default: 6000)"
     )
