@@ -11,8 +11,15 @@ disk by torch. ``MINIDP_EXT`` controls it:
 
 * ``MINIDP_EXT=0``: never build; ``is_available()`` is False.
 * ``MINIDP_EXT=1``: the extension is required; a failed build raises.
-* unset (or anything else): a failed build warns once and ``is_available()`` is False, so
-  callers fall back to the torch backend.
+* unset (or empty): a failed build warns once and ``is_available()`` is False, so callers fall
+  back to the torch backend.
+
+Any other value (``false``, ``off``, ``2``) raises ValueError: read as unset, it would build
+what was meant to be off, or fall back where the extension was meant to be required.
+
+The compiled library is loaded into this process, so whoever can write its build directory can
+run code here: the extension is refused (an error, or a warning and the torch backend) when that
+directory or one above it can be changed by another user, as ssh refuses a key file others can write.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import subprocess
 import threading
 import time
@@ -40,7 +48,14 @@ _failure: str | None = None  # why the build failed; a failed build is not retri
 
 
 def _mode() -> str:
-    return os.environ.get("MINIDP_EXT", "").strip()
+    mode = os.environ.get("MINIDP_EXT", "").strip()
+    if mode not in ("", "0", "1"):
+        raise ValueError(
+            f"MINIDP_EXT={mode!r} is not understood. It takes MINIDP_EXT=0 (never build the extension), "
+            "MINIDP_EXT=1 (require it: a failed build raises), or unset or empty (build it on first use; "
+            "if that fails, warn and use the torch backend)."
+        )
+    return mode
 
 
 def is_available() -> bool:
@@ -139,9 +154,15 @@ def _build(verbose: bool) -> ModuleType:
         digest.update(path.name.encode() + path.read_bytes())
     name = f"minidp_ext_{digest.hexdigest()[:12]}"
 
+    # torch's own choice of directory (TORCH_EXTENSIONS_DIR, else its per-user cache), checked
+    # before anything there is loaded, then handed to load() so that it is the one used.
+    build_directory = Path(cpp_extension._get_build_directory(name, verbose)).resolve()
+    _check_only_you_can_write(build_directory)
+
     start = time.perf_counter()
     module = cpp_extension.load(
         name=name,
+        build_directory=str(build_directory),
         sources=[str(s) for s in sources],
         extra_cflags=cflags,
         extra_cuda_cflags=cuda_cflags,
@@ -152,6 +173,32 @@ def _build(verbose: bool) -> ModuleType:
     if verbose:
         print(f"minidp extension {name}: built or loaded in {time.perf_counter() - start:.1f} s")
     return module
+
+
+def _check_only_you_can_write(build_directory: Path) -> None:
+    """Raise PermissionError unless no other user can change what ``build_directory`` holds.
+
+    The directory itself must be yours (or root's) and not writable by everyone, else anyone can
+    put a library there before the build does, or replace it; every directory above it must be
+    yours or root's and not writable by everyone unless sticky (as /tmp is: there only an entry's
+    owner may rename or remove it), else anyone can swap the whole directory for their own.
+    """
+    if not hasattr(os, "getuid"):  # no POSIX owners and modes to check (Windows)
+        return
+    me = os.getuid()
+    for directory in (build_directory, *build_directory.parents):
+        info = directory.stat()
+        if info.st_uid not in (me, 0):
+            problem, fix = f"it belongs to uid {info.st_uid}, not to you (uid {me}) or root", ""
+        elif info.st_mode & stat.S_IWOTH and (directory == build_directory or not info.st_mode & stat.S_ISVTX):
+            problem, fix = f"every user can write to it: {stat.filemode(info.st_mode)}", f"chmod o-w {directory}, or "
+        else:
+            continue
+        raise PermissionError(
+            f"refusing to load the minidp extension from {build_directory}: another user can change {directory} "
+            f"({problem}), and so replace the library that would run in this process. Fix: {fix}set "
+            f"TORCH_EXTENSIONS_DIR to a directory that only you can write."
+        )
 
 
 def _simd_flags() -> list[str]:

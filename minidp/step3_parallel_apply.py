@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import queue
 import threading
 import traceback
@@ -45,19 +46,48 @@ class _ReplicaThreads:
     """
 
     def __init__(self) -> None:
+        self._forget_threads()
+        # A forked child has only the thread that forked: the parent's workers do not exist there,
+        # so their idle inboxes would take a task that nobody runs (and the lock may be held).
+        os.register_at_fork(after_in_child=self._forget_threads)
+
+    def _forget_threads(self) -> None:
         self._idle: list[queue.SimpleQueue] = []
         self._lock = threading.Lock()
         self._started = 0
 
-    def run_each(self, fns: Sequence[Callable[[], Any]]) -> list[Future]:
-        """Start every ``fns[i]`` on a distinct thread; a future per call, in order."""
+    def run_all(self, fns: Sequence[Callable[[], Any]]) -> list[Any]:
+        """``[fn() for fn in fns]``, all at once: ``fns[0]`` in the calling thread, each other on a thread of its own.
+
+        Returns only when every call has returned. Ctrl-C raises KeyboardInterrupt in the main
+        thread, here: it is held until the workers are done and re-raised then, so that no worker is
+        left running (one still inside a kernel when the interpreter exits aborts the process).
+        """
         with self._lock:  # reserve all threads first: none can come back mid-call and take a second fn
-            inboxes = [self._idle.pop() if self._idle else self._start_thread() for _ in fns]
-        futures: list[Future] = []
-        for inbox, fn in zip(inboxes, fns):
-            futures.append(Future())
-            inbox.put((fn, futures[-1]))
-        return futures
+            inboxes = [self._idle.pop() if self._idle else self._start_thread() for _ in fns[1:]]
+        futures = [Future() for _ in inboxes]
+        for inbox, fn, future in zip(inboxes, fns[1:], futures):
+            inbox.put((fn, future))
+        try:
+            first = fns[0]()
+        finally:
+            rest = self._wait_for(futures)
+        return [first, *rest]
+
+    @staticmethod
+    def _wait_for(futures: Sequence[Future]) -> list[Any]:
+        """Every future's result, in order; a KeyboardInterrupt meanwhile is re-raised after the last."""
+        results, interrupt = [], None
+        for future in futures:
+            while True:
+                try:
+                    results.append(future.result())
+                    break
+                except KeyboardInterrupt as error:  # keep waiting: the worker cannot be stopped midway
+                    interrupt = error
+        if interrupt is not None:
+            raise interrupt
+        return results
 
     def _start_thread(self) -> queue.SimpleQueue:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -69,9 +99,14 @@ class _ReplicaThreads:
     def _serve(self, inbox: queue.SimpleQueue) -> None:
         while True:
             fn, future = inbox.get()
-            future.set_result(fn())  # fn reports its own errors in its result
+            result = fn()  # fn reports its own errors in its result
+            # Idle again before the result wakes the caller, whose next call (or nested call) may
+            # need a thread at once: it finds this one instead of starting another.
             with self._lock:
                 self._idle.append(inbox)
+            future.set_result(result)
+            # Waiting for the next task must not keep this one's replica, outputs and graph alive.
+            del fn, future, result
 
 
 _threads = _ReplicaThreads()
@@ -124,12 +159,21 @@ class _CallerState:
     ``cpu_replicas`` CPU replicas share the caller's intra-op threads: each runs with
     ``caller's threads // cpu_replicas`` (at least 1), so that K replicas do not start K full
     OpenMP teams on the same cores. The count is per thread (measured: ``torch.set_num_threads``
-    in one thread leaves the others' as they are) and restored when the replica is done.
+    in one thread leaves the others' as they are), but every call also stores its value
+    process-wide, as the count that each thread started later begins with (a thread reads it at
+    its first parallel op, ``torch.get_num_threads()`` included). So each replica sets its share
+    and keeps it (worker threads get it set again for every replica), and the caller sets its
+    own count back with :meth:`restore` once every replica is done: the last value stored is then
+    the caller's, and threads started after the step begin with the caller's count, as before it.
+    (Were each replica to restore its thread's count, the value stored last would be whatever the
+    replica that finished last restored: a worker's share, or a count its thread first read while
+    replica 0 had its share set.)
     """
 
     def __init__(self, cpu_replicas: int) -> None:
-        split = cpu_replicas > 1 and PER_THREAD_INTRA_OP
-        self.cpu_threads = max(1, torch.get_num_threads() // cpu_replicas) if split else None
+        self.caller_threads = torch.get_num_threads()
+        split = cpu_replicas > 0 and PER_THREAD_INTRA_OP
+        self.cpu_threads = max(1, self.caller_threads // cpu_replicas) if split else None
         self.grad_enabled = torch.is_grad_enabled()
         self.autocast = {
             device_type: (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
@@ -144,12 +188,16 @@ class _CallerState:
                 if enabled:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
             if device.type == "cpu" and self.cpu_threads is not None:
-                stack.callback(torch.set_num_threads, torch.get_num_threads())
                 torch.set_num_threads(self.cpu_threads)
             if device.type == "cuda":
                 stack.enter_context(torch.cuda.device(device))
                 stack.enter_context(torch.cuda.stream(stream))
             yield
+
+    def restore(self) -> None:
+        """The caller's own intra-op count again, stored last; call once every replica is done."""
+        if self.cpu_threads is not None:
+            torch.set_num_threads(self.caller_threads)
 
 
 class _Message(str):
@@ -224,8 +272,10 @@ def parallel_apply(
         except BaseException as error:  # re-raised by the caller once every replica is done
             return _ReplicaFailure(error)
 
-    futures = _threads.run_each([functools.partial(run, i) for i in range(1, n)])
-    results = [run(0)] + [future.result() for future in futures]
+    try:
+        results = _threads.run_all([functools.partial(run, i) for i in range(n)])
+    finally:
+        caller.restore()
 
     for device, stream, result in zip(devices, streams, results):
         if stream is not None and stream != torch.cuda.current_stream(device):

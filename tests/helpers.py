@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -14,6 +18,8 @@ from minidp import ext
 
 # float64 comparisons: data parallelism only reorders sums, so results agree to rounding.
 RTOL_FLOAT64 = 1e-10
+
+ROOT = Path(__file__).resolve().parents[1]
 
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -63,6 +69,17 @@ def finishes_within(seconds: float, function: Callable[[], Any]) -> Any:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
+
+
+def fresh_python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python *args`` in a fresh interpreter that imports this checkout's minidp, output captured.
+
+    For what a test process cannot do to itself (fork, Ctrl-C, exit) or must see from a clean
+    start; ``timeout`` turns a hang into a failure (``subprocess.TimeoutExpired``), the process killed.
+    """
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # The configurations of DataParallel's defaults that every test runs under (tests/conftest.py).

@@ -11,7 +11,7 @@ from torch import nn
 
 from .helpers import CountsCalls
 from minidp.cli import COMMANDS, main
-from minidp.cli.devices import parse_device_ids
+from minidp.cli.args import parse_device_ids
 from minidp.zoo import ZooEntry
 
 
@@ -63,10 +63,40 @@ def test_trace_writes_the_table_the_chrome_trace_and_the_timeline(tmp_path, caps
     "text, expected",
     [("0,1", [0, 1]), ("cpu*4", ["cpu"] * 4), ("cuda:0,cuda:0", ["cuda:0", "cuda:0"]), ("cpu, 0*2", ["cpu", 0, 0])],
 )
-def test_device_ids_are_parsed_from_a_comma_list_with_repeats(text, expected):
+def test_device_ids_are_parsed_from_a_comma_list_with_repeats(text, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # GPU ids 0 and 1 exist: the parsing is under test
     assert parse_device_ids(text) == expected
 
 
 def test_a_bad_device_list_names_the_fix():
     with pytest.raises(Exception, match="cpu\\*4"):
         parse_device_ids("cpu*x")
+
+
+def test_verify_draws_no_progress_bar_into_a_log(capsys):
+    assert main(["verify", "--devices", "cpu*2", "--models", "mlp"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+BAD_OPTION_VALUES = [
+    (["verify", "--devices", "gpu"], "argument --devices: 'gpu' is not a device: use cpu, cuda, cuda:N or a GPU number N"),
+    (["verify", "--devices", "-2"], "argument --devices: '-2' is not a device"),
+    (["verify", "--devices", f"cuda:{max(9, torch.cuda.device_count())}"], "is out of range: this process sees"),
+    (["verify", "--batch", "0"], "argument --batch: must be at least 1, got 0"),
+    (["verify", "--batch", "-3"], "argument --batch: must be at least 1, got -3"),
+    (["trace", "--batch", "0"], "argument --batch: must be at least 1, got 0"),
+    (["trace", "--warmup", "-1"], "argument --warmup: must be 0 or more"),
+    (["trace", "--devices", "cpu*2,gpu"], "argument --devices: 'gpu' is not a device"),
+    (["bench", "--device", "gpu"], "argument --device: 'gpu' is not a device"),
+    (["demo", "--seed", str(2**64)], "argument --seed: must be between -2**63 and 2**63 - 1"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_OPTION_VALUES, ids=[" ".join(argv) for argv, _ in BAD_OPTION_VALUES])
+def test_a_bad_option_value_is_a_usage_error_naming_the_option_and_what_works(argv, message, capsys):
+    """As argparse reports any value its type rejects: one line on stderr, exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

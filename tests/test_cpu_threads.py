@@ -7,6 +7,8 @@ team on the same cores.
 from __future__ import annotations
 
 import importlib
+import threading
+import time
 
 import pytest
 import torch
@@ -55,3 +57,32 @@ def test_a_single_cpu_replica_keeps_the_callers_threads():
     seen: list[int] = []
     minidp.parallel_apply([RecordsThreads(seen)], [(torch.ones(1),)], devices=cpu_ids(1))
     assert seen == [torch.get_num_threads()]
+
+
+class FinishesLast(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return x
+
+
+def count_in_a_new_thread() -> int:
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+@per_thread
+def test_a_thread_started_after_a_step_begins_with_the_callers_count():
+    """The count is per thread, but every ``torch.set_num_threads`` also stores its value as the count
+    each thread started later begins with: after a step that must be the caller's, not a replica's."""
+    modules, inputs = [nn.Identity(), FinishesLast()], [(torch.ones(1),)] * 2
+    previous = torch.get_num_threads()
+    minidp.parallel_apply(modules, inputs, devices=cpu_ids(2))  # a worker thread has run a replica
+    torch.set_num_threads(previous + 1)
+    try:
+        minidp.parallel_apply(modules, inputs, devices=cpu_ids(2))
+        assert count_in_a_new_thread() == torch.get_num_threads() == previous + 1
+    finally:
+        torch.set_num_threads(previous)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import sys
+
 import pytest
 import torch
 
@@ -94,3 +97,26 @@ def test_trace_writes_the_table_chrome_trace_and_timeline_of_one_step(tmp_path, 
     assert "one traced step" in capsys.readouterr().out
     assert {p.name for p in tmp_path.iterdir()} == {"table.txt", "trace.json", "timeline.png"}
     assert "forward" in (tmp_path / "table.txt").read_text()
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+LOG_RUN = ["demo", "--samples", "100", "--epochs", "2", "--batch-size", "32", "--device", "cpu"]
+
+
+def test_a_log_gets_one_line_per_epoch_and_no_progress_bar(capsys):
+    """Output captured (as in CI or ``> log``): no stream is a terminal, so no bar redraws."""
+    assert main(LOG_RUN) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert [line.split(":")[0] for line in captured.out.splitlines() if line.startswith("epoch")] == ["epoch 1/2", "epoch 2/2"]
+
+
+def test_a_terminal_gets_the_live_progress_bar(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(LOG_RUN) == 0
+    assert "\r" in terminal.getvalue() and "batch" in terminal.getvalue()

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import ROOT, fresh_python
 
 
 def run_example(name: str, *args: str) -> str:
     """Run ``examples/<name>`` in a fresh interpreter that imports this checkout's minidp; return its stdout."""
-    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )
+    done = fresh_python(str(ROOT / "examples" / name), *args)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 

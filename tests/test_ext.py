@@ -170,6 +170,17 @@ def test_minidp_ext_0_disables_without_building(unloaded):
         ext.load()
 
 
+@pytest.mark.parametrize("value", ["false", "off", "2", "yes"])
+def test_a_minidp_ext_value_other_than_0_or_1_is_refused_listing_those_that_work(unloaded, value):
+    """Taken as unset, ``false`` and ``off`` would build what was meant to be off."""
+    unloaded.setenv("MINIDP_EXT", value)
+    unloaded.setattr(ext, "_build", lambda verbose: pytest.fail("built although MINIDP_EXT is not understood"))
+    for call in (ext.is_available, ext.load):
+        with pytest.raises(ValueError, match=f"MINIDP_EXT='{value}' is not understood") as error:
+            call()
+        assert all(works in str(error.value) for works in ("MINIDP_EXT=0", "MINIDP_EXT=1", "unset"))
+
+
 def test_failed_build_warns_once_and_reports_unavailable(unloaded):
     unloaded.setattr(ext, "_build", fail_build)
     with pytest.warns(RuntimeWarning, match="compiler exploded"):

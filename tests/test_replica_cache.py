@@ -329,7 +329,6 @@ def test_data_parallel_reuses_replicas_from_a_cache_it_is_given(generator):
     assert (cache.info().hits, cache.info().misses) == (2, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="an idle replica thread still holds its last task, and the replica the module")
 def test_data_parallel_keeps_no_reference_to_a_module_that_references_itself(generator):
     model = _mlp()
     model.myself = [model]  # a cycle through a plain attribute

@@ -32,10 +32,12 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..wrapper import DataParallel
+from ..device_ids import as_device
 from ..replica_cache import ReplicaCache
 from ..step2_replicate import replicate
+from ..wrapper import DataParallel
 from ..zoo import MLP, SmallCNN, resnet18, resnet50
+from .args import parse_device
 
 
 def side_by_side(variants: dict[str, Callable[[], object]], rounds: int, number: int) -> dict[str, float]:
@@ -182,14 +184,13 @@ def format_rows(rows: list[Row]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible, else cpu)")
+    parser.add_argument("--device", type=parse_device, default=None, help="cpu or cuda (default: cuda when a GPU is visible, else cpu)")
     parser.add_argument("--full", action="store_true", help="more rounds (default: a short run of about a minute)")
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    # read as every primitive reads a device: "cuda" is the current GPU, 0 is cuda:0
+    device = as_device(args.device if args.device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     load = ", load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()) if hasattr(os, "getloadavg") else ""
     print(f"minidp bench on {device}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}{load}")
     print("times are medians of interleaved blocks; ratios compare variants measured in this run\n")

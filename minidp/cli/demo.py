@@ -20,20 +20,14 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..comm import chunk_sizes_for
-from ..wrapper import DataParallel
 from ..device_ids import as_device
 from ..digits import SyntheticDigits
 from ..tracing import trace, write_trace_artifacts
+from ..wrapper import DataParallel
 from ..zoo import SmallCNN
+from .args import positive_int, seed
 
 DEFAULT_CPU_REPLICAS = 2
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the replicas run; auto: the GPUs if any, else the CPU (default: auto)",
     )
     parser.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default: 2e-3)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the data, the weights and the shuffling (default: 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="seeds the data, the weights and the shuffling (default: 0)")
     parser.add_argument(
         "--samples", type=positive_int, default=6000, help="training images; a quarter as many more are held out (default: 6000)"
     )
@@ -85,7 +79,9 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
     """One pass over ``loader``; returns the mean loss and the accuracy seen while training."""
     model.train()
     total_loss, correct, seen = 0.0, 0, 0
-    progress = tqdm(loader, desc=description, unit="batch", leave=False)
+    # The live bar only on a terminal (disable=None: off when its stream is not a TTY); in a log or
+    # CI each redraw would be one more line, and train() prints one line per epoch there anyway.
+    progress = tqdm(loader, desc=description, unit="batch", leave=False, disable=None)
     for data in progress:
         image, label = data["image"], data["label"].to(device)  # DataParallel scatters the images itself
         output = model(image)  # gathered on device_ids[0]

@@ -19,19 +19,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "GPU utilisation needs the NVIDIA management library (pip install nvidia-ml-py)."
 
 
-def parse_device_ids(text: str) -> list[DeviceLike]:
-    """``"0,1"`` -> ``[0, 1]``; ``"cpu*4"`` -> ``["cpu"] * 4``; ``"cuda:0,cuda:0"`` as written."""
-    ids: list[DeviceLike] = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, repeat = item.partition("*")
-        if repeat and not repeat.isdigit():
-            raise argparse.ArgumentTypeError(f"{item!r}: the repeat after '*' must be a number, e.g. cpu*4")
-        ids += [int(name) if name.lstrip("-").isdigit() else name] * (int(repeat) if repeat else 1)
-    if not ids:
-        raise argparse.ArgumentTypeError(f"{text!r} names no device; e.g. 0,1 or cpu*4")
-    return ids
-
-
 def default_device_ids(replicas_on_cpu: int) -> list[DeviceLike]:
     """Every visible GPU, else ``replicas_on_cpu`` CPU replicas."""
     count = torch.cuda.device_count()

@@ -12,19 +12,20 @@ from pathlib import Path
 
 import torch
 
-from .devices import default_device_ids, parse_device_ids
-from ..wrapper import DataParallel
 from ..tracing import trace, write_trace_artifacts
+from ..wrapper import DataParallel
 from ..zoo import ZOO
+from .args import non_negative_int, parse_device_ids, positive_int, seed
+from .devices import default_device_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=list(ZOO), default="cnn", help="zoo model to train (default cnn)")
     parser.add_argument("--devices", type=parse_device_ids, default=None,
                         help="device ids, e.g. 0,1 or cpu*4 (default: every GPU, else cpu*4)")
-    parser.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
-    parser.add_argument("--warmup", type=int, default=2, help="untraced steps before the traced one (default 2)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
+    parser.add_argument("--batch", type=positive_int, default=256, help="batch size (default 256)")
+    parser.add_argument("--warmup", type=non_negative_int, default=2, help="untraced steps before the traced one (default 2)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the random batch and weights")
     parser.add_argument("--out", type=Path, default=Path("minidp-trace"), help="directory for the artifacts")
 
 

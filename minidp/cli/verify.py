@@ -10,10 +10,11 @@ import argparse
 import torch
 from tqdm import tqdm
 
-from .devices import default_device_ids, parse_device_ids
 from ..device_ids import as_devices
 from ..verification import verify
 from ..zoo import ZOO
+from .args import parse_device_ids, positive_int, seed
+from .devices import default_device_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device ids, e.g. 0,1 or cpu*4 (default: every GPU, else cpu*2)")
     parser.add_argument("--models", nargs="+", choices=list(ZOO), default=list(ZOO), metavar="MODEL",
                         help=f"zoo models to check (default: all of {', '.join(ZOO)})")
-    parser.add_argument("--batch", type=int, default=7, help="batch size (default 7: uneven chunks)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
+    parser.add_argument("--batch", type=positive_int, default=7, help="batch size (default 7: uneven chunks)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the random batch and weights")
     parser.add_argument("--verbose", action="store_true", help="print every model's full report")
 
 
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     reports = {}
-    for name in tqdm(args.models, desc="verify", unit="model"):
+    for name in tqdm(args.models, desc="verify", unit="model", disable=None):  # the bar only on a terminal
         entry = ZOO[name]
         inputs, kwargs = entry.batch(args.batch, generator)
         reports[name] = verify(entry.build(), inputs, device_ids, kwargs, dim=entry.dim, loss=entry.loss)

@@ -1,0 +1,78 @@
+"""Argument types shared by the ``python -m minidp`` commands.
+
+An argparse ``type`` turns one word of the command line into a value or raises
+``ArgumentTypeError``, which argparse prints as a usage error naming the option (exit status 2).
+Checking here, while the command line is parsed, is what turns ``--devices gpu`` or ``--batch 0``
+into that one line instead of a traceback from deep inside the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..device_ids import DeviceLike, as_device
+
+
+def positive_int(text: str) -> int:
+    """A count of at least 1 (``--batch``, ``--epochs``)."""
+    value = int(text)  # not a number: argparse says "invalid positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """A count that may be 0 (``--warmup``)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A seed for ``torch.manual_seed``: a signed 64-bit integer (torch overflows beyond)."""
+    value = int(text)
+    if not -(2**63) <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be between -2**63 and 2**63 - 1, got {value}")
+    return value
+
+
+def parse_device_ids(text: str) -> list[DeviceLike]:
+    """``"0,1"`` -> ``[0, 1]``; ``"cpu*4"`` -> ``["cpu"] * 4``; ``"cuda:0,cuda:0"`` as written.
+
+    Each device must be one this process can use, as :func:`minidp.devices.as_device` checks.
+    """
+    ids: list[DeviceLike] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, repeat = item.partition("*")
+        if repeat and not repeat.isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r}: the repeat after '*' must be a number, e.g. cpu*4")
+        ids += [parse_device(name)] * (int(repeat) if repeat else 1)
+    if not ids:
+        raise argparse.ArgumentTypeError(f"{text!r} names no device; e.g. 0,1 or cpu*4")
+    return ids
+
+
+def parse_device(name: str) -> DeviceLike:
+    """One device as written: a GPU number (-1: the CPU) or a name such as cpu, cuda or cuda:1; checked."""
+    if name.lstrip("-").isdigit():
+        device: DeviceLike = int(name)
+        spelled_right = device >= -1
+    else:
+        device = name
+        try:
+            torch.device(name)
+            spelled_right = True
+        except RuntimeError:
+            spelled_right = False
+    if not spelled_right:
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is not a device: use cpu, cuda, cuda:N or a GPU number N, e.g. 0,1 or cpu*4"
+        )
+    try:
+        as_device(device, repr(name))
+    except (ValueError, RuntimeError) as error:  # a GPU this process does not see: the message says which it does
+        raise argparse.ArgumentTypeError(f"{str(error).rstrip('.')}; on the command line: --devices cpu*n") from None
+    return device

@@ -1,0 +1,132 @@
+"""parallel_apply's worker threads across fork, Ctrl-C, idle time and nesting.
+
+Stock ``parallel_apply`` starts and joins fresh threads every call, so none of this can go wrong
+there; minidp keeps its threads across steps (starting them costs as much as a small replica's
+forward) and must behave as if it did not. What a test process cannot do to itself (fork, Ctrl-C,
+a clean start) runs in a fresh interpreter, with a timeout that turns a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+
+import torch
+from torch import nn
+
+import minidp
+from .helpers import cpu_ids, fresh_python
+
+STEP = """
+import torch, minidp
+from torch import nn
+model = minidp.DataParallel(nn.Linear(4, 3), ["cpu"] * 2)
+def step(_=None):
+    return model(torch.ones(4, 4)).sum().item()
+expected = step()  # the parent's worker threads exist from here on
+"""
+
+
+def test_a_forked_child_runs_data_parallel():
+    """A child of ``os.fork()`` has none of its parent's worker threads; its first step must not wait for them."""
+    script = STEP + """
+import os, sys, time
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if step() == expected else 1)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    finished, status = os.waitpid(pid, os.WNOHANG)
+    if finished:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.02)
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+sys.exit("the forked child hung in its first DataParallel call")
+"""
+    done = fresh_python("-c", script, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_fork_started_multiprocessing_pool_runs_data_parallel():
+    script = STEP + """
+import multiprocessing
+with multiprocessing.get_context("fork").Pool(1) as pool:  # leaving the block terminates the child
+    assert pool.map_async(step, [0]).get(timeout=20) == [expected]  # TimeoutError if the child hangs
+"""
+    done = fresh_python("-c", script, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_ctrl_c_waits_for_every_replica_then_reraises():
+    """Ctrl-C while replica 1 computes: KeyboardInterrupt comes once it is done, and the process exits
+    cleanly (a worker left inside a kernel at exit aborts it: "terminate called without an active exception")."""
+    script = """
+import signal, threading, time, torch, minidp
+from torch import nn
+
+class Computes(nn.Module):
+    finished = False
+    def forward(self, x):
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            x = x @ torch.eye(x.shape[1])
+        Computes.finished = True
+        return x
+
+threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+x = torch.randn(300, 300)
+try:
+    minidp.parallel_apply([nn.Identity(), Computes()], [x, x], devices=["cpu"] * 2)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt; replica 1 finished:", Computes.finished)
+"""
+    done = fresh_python("-c", script, timeout=60)
+    assert "KeyboardInterrupt; replica 1 finished: True" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr
+
+
+def test_an_idle_worker_keeps_no_replica_output_or_graph():
+    modules = [nn.Linear(3, 3), nn.Linear(3, 3)]
+    outputs = minidp.parallel_apply(modules, [torch.randn(2, 3), torch.randn(2, 3)], devices=cpu_ids(2))
+    replica, output = weakref.ref(modules[1]), weakref.ref(outputs[1])  # replica 1 ran on a worker
+    assert outputs[1].grad_fn is not None  # the output holds the replica's graph
+    del modules, outputs
+    deadline = time.monotonic() + 5  # the worker lets go just after the caller has its result
+    while (replica() is not None or output() is not None) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert replica() is None and output() is None
+
+
+def test_nested_data_parallel_does_not_grow_the_pool():
+    """Two replicas that each run ``data_parallel`` on two replicas need three worker threads at most,
+    however late a worker runs again after reporting its result: by then it is idle already."""
+    script = """
+import threading, time, torch, minidp
+from concurrent.futures import Future
+from torch import nn
+
+def late_after_reporting(frame, event, arg):  # as a busy machine can schedule a thread: 20 ms late
+    if event == "return" and frame.f_code is Future.set_result.__code__:
+        time.sleep(0.02)
+
+threading.setprofile(late_after_reporting)  # for every thread started from here on: the workers
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+    def forward(self, x):
+        return minidp.data_parallel(self.inner, x, ["cpu"] * 2)
+
+model = Outer()
+with torch.no_grad():
+    for _ in range(5):
+        minidp.data_parallel(model, torch.randn(8, 4), ["cpu"] * 2)
+print("worker threads:", threading.active_count() - 1)
+"""
+    done = fresh_python("-c", script, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["worker", "threads:", "3"]
