@@ -120,3 +120,25 @@ def test_a_terminal_gets_the_live_progress_bar(monkeypatch):
     monkeypatch.setattr(sys, "stderr", terminal)
     assert main(LOG_RUN) == 0
     assert "\r" in terminal.getvalue() and "batch" in terminal.getvalue()
+
+
+def test_balanced_trains_exactly_as_the_gathered_run_and_prints_both_ledgers(capsys):
+    """The loss on the replicas is the full batch's loss (minidp.parallel_criterion): same run, same numbers."""
+    options = ["--samples", "200", "--epochs", "2", "--batch-size", "40", "--replicas", "2", "--device", "cpu"]
+    gathered = demo.train(demo_args(*options))
+    balanced = demo.train(demo_args(*options, "--balanced"))
+    for a, b in zip(gathered, balanced):
+        assert a.train_loss == pytest.approx(b.train_loss, rel=1e-4)
+        assert a.held_out_accuracy == pytest.approx(b.held_out_accuracy, abs=0.02)
+    out = capsys.readouterr().out
+    assert "the loss on the replicas" in out
+    ledger = out.split("memory ledger of one training step, both ways:")[1]
+    assert "outputs gathered" in ledger and "loss on replicas" in ledger
+    gathered_row = next(line for line in ledger.splitlines() if "gathered outputs" in line).split()
+    assert gathered_row[-2:] == ["16", "B"]  # two replicas' numerator and denominator, float32
+
+
+def test_processes_trains_with_minidp_distributed(capfd):
+    assert main(["demo", "--processes", "2", "--samples", "200", "--epochs", "1", "--batch-size", "40"]) == 0
+    out = capfd.readouterr().out  # printed by rank 0, a process of its own
+    assert "2 processes (gloo, cpu)" in out and "epoch 1/1: train loss" in out

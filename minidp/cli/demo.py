@@ -22,7 +22,9 @@ from tqdm import tqdm
 from ..comm import chunk_sizes_for
 from ..device_ids import as_device
 from ..digits import SyntheticDigits
+from ..criterion import parallel_criterion
 from ..tracing import trace, write_trace_artifacts
+from ..tracing.views import ledgers_side_by_side
 from ..wrapper import DataParallel
 from ..zoo import SmallCNN
 from .args import positive_int, seed
@@ -51,6 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace", metavar="DIR", default=None,
         help="after training, trace one more training step and write its table, Chrome trace and timeline PNG to DIR",
     )
+    parser.add_argument(
+        "--balanced", action="store_true",
+        help="compute the loss on the replicas (gather_output=False, minidp.parallel_criterion) instead of "
+        "gathering every output on device_ids[0]; prints both memory ledgers side by side at the end",
+    )
+    parser.add_argument(
+        "--processes", type=positive_int, default=1,
+        help="train with minidp.distributed in this many processes (Gloo on the loopback address, or NCCL "
+        "with --device cuda), --replicas replicas in each; --batch-size is the total per step (default: 1)",
+    )
 
 
 def choose_device_ids(device: str, replicas: Optional[int]) -> list[Union[int, str]]:
@@ -74,6 +86,24 @@ class EpochResult:
     held_out_accuracy: float
 
 
+def loss_and_correct(model: nn.Module, image: torch.Tensor, label: torch.Tensor, reduction: str = "mean"):
+    """The step's loss and the number of right answers, both ways the demo can run ``model``:
+
+    * gathered (``gather_output=True``, stock's way): every output joined on ``device_ids[0]``, the
+      loss computed there;
+    * balanced (``gather_output=False``): the outputs stay on the replicas; ``minidp.parallel_criterion``
+      computes the loss there and gathers only its terms, and each replica counts its own right answers.
+    """
+    output = model(image)
+    if isinstance(output, list):  # the replicas' outputs, each on its device
+        loss = parallel_criterion(nn.CrossEntropyLoss(reduction=reduction), output, label)
+        sizes = [o.shape[0] for o in output]
+        correct = sum((o.argmax(dim=1) == part.to(o.device)).sum().item() for o, part in zip(output, label.split(sizes)))
+        return loss, correct
+    loss = nn.functional.cross_entropy(output, label, reduction=reduction)
+    return loss, (output.argmax(dim=1) == label).sum().item()
+
+
 def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device,
                 description: str) -> tuple[float, float]:
     """One pass over ``loader``; returns the mean loss and the accuracy seen while training."""
@@ -84,14 +114,13 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
     progress = tqdm(loader, desc=description, unit="batch", leave=False, disable=None)
     for data in progress:
         image, label = data["image"], data["label"].to(device)  # DataParallel scatters the images itself
-        output = model(image)  # gathered on device_ids[0]
-        loss = nn.functional.cross_entropy(output, label)
+        loss, right = loss_and_correct(model, image, label)
         optimizer.zero_grad()
         loss.backward()  # the replicas' gradients are summed into model.module's parameters
         optimizer.step()
 
         total_loss += loss.item() * len(label)
-        correct += (output.argmax(dim=1) == label).sum().item()
+        correct += right
         seen += len(label)
         progress.set_postfix(loss=f"{total_loss / seen:.3f}", acc=f"{correct / seen:.1%}", refresh=False)
     return total_loss / seen, correct / seen
@@ -104,9 +133,9 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tupl
     total_loss, correct, seen = 0.0, 0, 0
     for data in loader:
         label = data["label"].to(device)
-        output = model(data["image"])
-        total_loss += nn.functional.cross_entropy(output, label, reduction="sum").item()
-        correct += (output.argmax(dim=1) == label).sum().item()
+        loss, right = loss_and_correct(model, data["image"], label, reduction="sum")
+        total_loss += loss.item()
+        correct += right
         seen += len(label)
     return total_loss / seen, correct / seen
 
@@ -122,12 +151,13 @@ def train(args: argparse.Namespace) -> list[EpochResult]:
     held_out_loader = DataLoader(held_out, batch_size=args.batch_size)
 
     device = as_device(device_ids[0])  # the parameters start there, and the outputs are gathered there
-    model = DataParallel(SmallCNN().to(device), device_ids=device_ids)
+    model = DataParallel(SmallCNN().to(device), device_ids=device_ids, gather_output=not args.balanced)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     print(f"minidp demo: SmallCNN on {len(train_set)} synthetic digits (1x28x28, 10 classes), "
           f"{len(held_out)} held out")
-    print(f"device_ids={device_ids}: {len(device_ids)} replicas, output on {device}")
+    where = "the loss on the replicas (only its terms gathered)" if args.balanced else f"output on {device}"
+    print(f"device_ids={device_ids}: {len(device_ids)} replicas, {where}")
     print(f"batch size {args.batch_size} -> chunk sizes per replica {chunk_sizes_for(args.batch_size, len(device_ids))}"
           + _last_batch_note(len(train_set), args.batch_size, len(device_ids)))
 
@@ -144,6 +174,8 @@ def train(args: argparse.Namespace) -> list[EpochResult]:
               f"{time.perf_counter() - start:.1f} s")
     if args.trace:
         trace_one_step(model, next(iter(train_loader)), optimizer, device, args.trace)
+    if args.balanced:
+        print(compare_ledgers(model.module, device_ids, next(iter(train_loader)), device))
     return results
 
 
@@ -152,7 +184,7 @@ def trace_one_step(model: nn.Module, data: dict, optimizer: torch.optim.Optimize
     """One more training step under ``minidp.trace()``; prints its table and writes the artifacts."""
     model.train()
     with trace() as step:
-        loss = nn.functional.cross_entropy(model(data["image"]), data["label"].to(device))
+        loss, _ = loss_and_correct(model, data["image"], data["label"].to(device))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -161,11 +193,35 @@ def trace_one_step(model: nn.Module, data: dict, optimizer: torch.optim.Optimize
         print(f"{kind}: {path}")
 
 
+def compare_ledgers(module: nn.Module, device_ids: list, data: dict, device: torch.device) -> str:
+    """One traced step of ``module`` each way (outputs gathered; loss on the replicas): both memory ledgers."""
+    label = data["label"].to(device)
+    ledgers = {}
+    for gather_output, title in ((True, "outputs gathered"), (False, "loss on replicas")):
+        model = DataParallel(module, device_ids=device_ids, gather_output=gather_output)
+        loss_and_correct(model, data["image"], label)[0].backward()  # warm: replica threads, allocator
+        with trace() as step:
+            loss_and_correct(model, data["image"], label)[0].backward()
+        ledgers[title] = step.ledger()
+    module.zero_grad()
+    return "memory ledger of one training step, both ways:\n" + ledgers_side_by_side(ledgers)
+
+
 def _last_batch_note(samples: int, batch_size: int, replicas: int) -> str:
     last = samples % batch_size
     return f" (last batch {last} -> {chunk_sizes_for(last, replicas)})" if last else ""
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.processes > 1:
+        from ..distributed import run_demo  # torch.distributed only when asked for
+
+        if args.balanced:
+            raise SystemExit("--balanced and --processes: choose one (the distributed demo gathers in each process)")
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        run_demo(args.processes, backend="nccl" if device == "cuda" else "gloo", epochs=args.epochs,
+                 batch_size=args.batch_size, replicas=args.replicas or 1, lr=args.lr, seed=args.seed,
+                 samples=args.samples, trace=args.trace)
+        return 0
     train(args)
     return 0

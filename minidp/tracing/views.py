@@ -87,6 +87,25 @@ def ledger_table(rows: list[LedgerRow], title: str = "") -> str:
     return "\n".join(lines)
 
 
+def ledgers_side_by_side(ledgers: dict[str, list[LedgerRow]]) -> str:
+    """Several runs' ledgers in one table: a row per device and share, a column per run (``ledgers``: title -> rows)."""
+    titles = list(ledgers)
+    devices = sorted({row.device for rows in ledgers.values() for row in rows})
+    width = max(18, *map(len, titles))
+    lines = [f"{'device':<8} {'':<18} " + " ".join(f"{title:>{width}}" for title in titles)]
+    for device in devices:
+        rows = {title: next((r for r in ledgers[title] if r.device == device), None) for title in titles}
+        for label in ("peak", *SHARES, "rest"):
+            cells = []
+            for title in titles:
+                row = rows[title]
+                value = None if row is None else row.peak if label == "peak" else row.rest if label == "rest" else row.shares[label]
+                cells.append(f"{'-' if value is None else bytes_text(value):>{width}}")
+            lines.append(f"{device if label == 'peak' else '':<8} {label:<18} " + " ".join(cells))
+    lines.append("rest: activations kept for the backward, the loss, the gradients, allocator slack (peak minus the shares)")
+    return "\n".join(lines)
+
+
 def chrome_trace(step: Recorded) -> dict[str, Any]:
     """The Chrome trace format: one process per device, one track per replica."""
     devices = sorted({e.device for e in step.events})
