@@ -1,6 +1,14 @@
-"""minidp.verify: minidp against a chunk-by-chunk single-device reference, the full batch and stock."""
+"""minidp.verify: minidp against a chunk-by-chunk single-device reference, the full batch and stock.
+
+``report.ok`` means: DataParallel computes what one device computes, except for the effect of batch
+statistics in layers known to have them (BatchNorm, a tracking InstanceNorm, the types named in
+``batch_dependent=``), each named in ``report.batch_statistics``. Nothing else may make it fail:
+not rounding, not the threads a kernel runs with, not the random draws of Dropout.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
@@ -44,7 +52,9 @@ def test_verify_reports_batchnorm_as_batch_dependent_information_not_a_failure(g
     inputs, _ = entry.batch(6, generator)
     report = minidp.verify(entry.build(), inputs, cpu_ids(2))
     assert report.ok and report.batch_dependent
-    assert "differs (info" in str(report)
+    assert report.batch_statistics == ["bn1 (BatchNorm2d)", "bn2 (BatchNorm2d)"]
+    assert "differs (info)" in str(report)
+    assert "explained by the batch statistics of bn1 (BatchNorm2d), bn2 (BatchNorm2d)" in str(report)
 
 
 def test_verify_finds_no_batch_dependence_in_an_mlp(generator):
@@ -98,3 +108,245 @@ def test_verify_compares_with_stock_dataparallel_on_gpus(generator):
     report = minidp.verify(MLP(), torch.randn(6, 16, generator=generator), [0, 0])
     assert report.ok, str(report)
     assert any(c.against == "stock DataParallel" for c in report.checks)
+
+
+# --------------------------------------------------------------------------------------------------
+# No false FAILED: rounding, threads and random layers
+# --------------------------------------------------------------------------------------------------
+
+
+class BiasBeforeBatchNorm(nn.Module):
+    """``a.bias`` has a true gradient of exactly zero: BatchNorm in training mode subtracts every
+    per-feature constant. Its computed gradient is rounding noise, which any correct change of
+    summation order changes by all of its size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.b = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.bn(self.a(x))))
+
+
+class ThreadsPerReplicaVary(minidp.DataParallel):
+    """Correct, but rounds differently: replica i runs with i + 1 intra-op threads, one replica after
+    the other, so at least one chunk's kernels block their sums unlike the reference's, whatever one
+    count the reference uses."""
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        previous, outputs = torch.get_num_threads(), []
+        try:
+            for i, (replica, args, kw) in enumerate(zip(replicas, inputs, kwargs)):
+                torch.set_num_threads(i + 1)
+                outputs.append(replica(*args, **kw))
+        finally:
+            torch.set_num_threads(previous)
+        return outputs
+
+
+@pytest.fixture
+def two_intra_op_threads():
+    """This machine's default: two intra-op threads in the caller, one per CPU replica of two."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_verify_measures_a_zero_gradient_against_its_layer_not_its_own_rounding(generator, two_intra_op_threads):
+    # Relative to its own size, a.bias's gradient differs by ~100% between two correct summations.
+    report = minidp.verify(BiasBeforeBatchNorm(), torch.randn(8, 16, generator=generator), cpu_ids(2),
+                           wrapper=ThreadsPerReplicaVary)
+    assert report.ok, str(report)
+    [bias] = [c for c in report.checks if c.name == "a.bias" and c.against == "chunked reference"]
+    assert bias.rel_error < 1e-12
+
+
+def test_verify_still_fails_on_a_gradient_that_is_wrong_beyond_rounding(generator):
+    class ScalesOneGradient(minidp.DataParallel):
+        def forward(self, *inputs, **kwargs):
+            output = super().forward(*inputs, **kwargs)
+            self.module.b.bias.register_hook(lambda grad: grad * (1 + 1e-6))
+            return output
+
+    report = minidp.verify(BiasBeforeBatchNorm(), torch.randn(8, 16, generator=generator), cpu_ids(2),
+                           wrapper=ScalesOneGradient)
+    assert {c.name for c in report.failures} == {"b.bias"}
+
+
+THREADS_SEEN: list[int] = []
+
+
+class RecordsIntraOpThreads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        THREADS_SEEN.append(torch.get_num_threads())
+        return self.linear(x)
+
+
+@pytest.mark.skipif(
+    not importlib.import_module("minidp.step3_parallel_apply").PER_THREAD_INTRA_OP,
+    reason="torch.set_num_threads is process-wide in this build (no OpenMP): every run keeps the caller's count",
+)
+def test_verify_runs_every_single_device_forward_with_the_threads_of_a_replica(generator, two_intra_op_threads):
+    THREADS_SEEN.clear()
+    minidp.verify(RecordsIntraOpThreads(), torch.randn(6, 4, generator=generator), cpu_ids(2))
+    # minidp's two replicas, the reference's two chunks, the full batch, the search for random layers
+    assert len(THREADS_SEEN) >= 6 and set(THREADS_SEEN) == {1}, THREADS_SEEN
+    assert torch.get_num_threads() == 2
+
+
+class DropsRows(nn.Module):
+    """Stochastic depth in miniature: drops whole samples with a small probability in training."""
+
+    def __init__(self, p: float = 0.05) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        keep = (torch.rand(x.shape[0], 1, device=x.device) >= self.p).to(x.dtype)
+        return x * keep / (1 - self.p)
+
+
+def test_verify_runs_random_layers_without_their_randomness_and_names_them(generator):
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Tanh(), DropsRows(), nn.Linear(32, 4))
+    report = minidp.verify(model, torch.randn(8, 16, generator=generator), cpu_ids(2))
+    assert report.ok, str(report)
+    assert report.random_layers == ["1 (Dropout)", "3 (DropsRows)"]
+    assert "random layers run with their training flag off in every run: 1 (Dropout), 3 (DropsRows)" in str(report)
+    assert model[1].training and model[3].training
+
+
+def test_verify_leaves_the_global_random_state_as_it_was(generator):
+    model, batch = nn.Sequential(nn.Linear(16, 8), nn.Dropout(0.5)), torch.randn(6, 16, generator=generator)
+    before = torch.get_rng_state()
+    minidp.verify(model, batch, cpu_ids(2))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_verify_fails_on_randomness_that_no_training_flag_stops(generator):
+    class AlwaysNoisy(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 0.1 * torch.randn_like(x)
+
+    model = nn.Sequential(nn.Linear(16, 8), AlwaysNoisy())
+    report = minidp.verify(model, torch.randn(6, 16, generator=generator), cpu_ids(2))
+    assert not report.ok
+    [random] = [c for c in report.failures if c.kind == "random"]
+    assert random.name == "1" and "no two runs can be compared" in random.note
+
+
+# --------------------------------------------------------------------------------------------------
+# No false OK: a difference from the full batch is a failure unless batch statistics explain it
+# --------------------------------------------------------------------------------------------------
+
+
+class CountsSamples(nn.Module):
+    """Counts the samples it has seen in a buffer: under data parallelism only chunk 0 is counted
+    (replica 0 updates the original's buffers, the others private copies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += x.shape[0]
+        return self.linear(x)
+
+
+class BatchCentering(nn.Module):
+    """Subtracts the batch mean: depends on the batch, and is no BatchNorm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(0)
+
+
+def test_verify_fails_on_a_buffer_that_forward_accumulates_over_the_batch(generator):
+    report = minidp.verify(CountsSamples(), torch.randn(6, 4, generator=generator), cpu_ids(2))
+    assert not report.ok
+    [failure] = report.failures
+    assert (failure.kind, failure.name, failure.against) == ("buffer", "seen", "full batch")
+    assert "belongs to no batch-statistics layer" in failure.note
+    assert not report.batch_statistics
+
+
+def test_verify_fails_on_an_output_that_depends_on_the_batch_without_batch_statistics(generator):
+    model = nn.Sequential(nn.Linear(16, 8), BatchCentering(), nn.Tanh(), nn.Linear(8, 4))
+    report = minidp.verify(model, torch.randn(6, 16, generator=generator), cpu_ids(2))
+    assert not report.ok
+    assert {c.kind for c in report.failures} == {"output", "gradient"}
+    assert all(c.against == "full batch" and "no batch-statistics layer explains it" in c.note for c in report.failures)
+
+
+def test_verify_fails_on_batch_dependence_that_a_batchnorm_beside_it_does_not_explain(generator):
+    model = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8), BatchCentering(), nn.Tanh(), nn.Linear(8, 4))
+    report = minidp.verify(model, torch.randn(6, 16, generator=generator), cpu_ids(2))
+    assert not report.ok
+    assert "output" in {c.kind for c in report.failures}
+    assert all("with every BatchNorm on running statistics too" in c.note for c in report.failures)
+    # BatchNorm's running statistics do differ from the full batch: that much it explains
+    assert report.batch_statistics == ["1 (BatchNorm1d)"]
+
+
+def test_verify_puts_differences_down_to_a_layer_named_in_batch_dependent(generator):
+    model = nn.Sequential(nn.Linear(16, 8), BatchCentering(), nn.Tanh(), nn.Linear(8, 4))
+    report = minidp.verify(model, torch.randn(6, 16, generator=generator), cpu_ids(2), batch_dependent=(BatchCentering,))
+    assert report.ok and report.batch_dependent, str(report)
+    assert report.batch_statistics == ["1 (BatchCentering)"]
+
+
+def test_verify_refuses_a_batch_dependent_that_is_not_a_module_type(generator):
+    with pytest.raises(TypeError, match="batch_dependent must hold nn.Module subclasses"):
+        minidp.verify(MLP(), torch.randn(4, 16, generator=generator), cpu_ids(2), batch_dependent=("BatchCentering",))
+
+
+@pytest.mark.parametrize("norm, name", [
+    (lambda: nn.SyncBatchNorm(8), "1 (SyncBatchNorm)"),
+    (lambda: nn.BatchNorm1d(8, track_running_stats=False), "1 (BatchNorm1d)"),
+], ids=["SyncBatchNorm", "BatchNorm without running statistics"])
+def test_verify_explains_the_batch_statistics_of_batchnorm_kin_and_names_them(generator, norm, name):
+    model = nn.Sequential(nn.Linear(16, 8), norm(), nn.Tanh(), nn.Linear(8, 4))
+    report = minidp.verify(model, torch.randn(6, 16, generator=generator), cpu_ids(2))
+    assert report.ok and report.batch_dependent, str(report)
+    assert report.batch_statistics == [name]
+
+
+def test_verify_explains_the_running_statistics_of_a_tracking_instancenorm(generator):
+    # InstanceNorm normalizes each sample by itself; only its running statistics average over the batch.
+    model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.InstanceNorm1d(4, track_running_stats=True), nn.Flatten(), nn.Linear(24, 2))
+    report = minidp.verify(model, torch.randn(6, 3, 8, generator=generator), cpu_ids(2))
+    assert report.ok and report.batch_dependent, str(report)
+    assert {c.kind for c in report.info if not c.ok} == {"buffer"}
+    assert report.batch_statistics == ["1 (InstanceNorm1d)"]
+
+
+# --------------------------------------------------------------------------------------------------
+# torchvision models: Dropout, stochastic depth, BatchNorm over two values, zero-gradient shifts
+# --------------------------------------------------------------------------------------------------
+
+
+def _torchvision_models():
+    try:
+        from torchvision import models
+    except Exception as error:  # not installed, or a build whose compiled ops do not load with this torch
+        pytest.skip(f"torchvision cannot be imported: {type(error).__name__}: {error}")
+    return models
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v3_small", "efficientnet_b0", "shufflenet_v2_x0_5"])
+def test_verify_passes_on_torchvision_models(generator, two_intra_op_threads, name):
+    models = _torchvision_models()
+    torch.manual_seed(generator.initial_seed())
+    model = getattr(models, name)(num_classes=10)
+    # 32x32: the last feature maps are 1x1, so BatchNorm there normalizes over 2 values per channel
+    report = minidp.verify(model, torch.randn(4, 3, 32, 32, generator=generator), cpu_ids(2))
+    assert report.ok, str(report)
+    assert report.batch_statistics
