@@ -134,11 +134,13 @@ def test_chunk_sizes_must_split_the_batch_exactly(chunk_sizes, message, generato
         minidp.scatter_kwargs((x,), {}, cpu_ids(2), chunk_sizes=chunk_sizes)
 
 
-def test_tensors_with_different_batch_sizes_are_an_error(model, generator):
-    """B14: stock zips to the shortest and silently drops rows; minidp names both tensors."""
+def test_tensors_that_cut_into_different_numbers_of_chunks_are_an_error(model, generator):
+    """B14: stock zips to the smallest number of chunks and silently drops rows (here: one chunk of the
+    mask, so one replica, and 3 of the 6 rows never run); minidp names both tensors and their counts."""
     before = snapshot(model)
-    with pytest.raises(ValueError, match=r"inputs\[1\]\['mask'\] has 3 rows along dim 0 but inputs\[0\] has 6"):
-        minidp.DataParallel(model, cpu_ids(2))(torch.randn(6, 4, generator=generator), {"mask": torch.ones(3, 4)})
+    with pytest.raises(ValueError, match=r"inputs\[1\]\['mask'\] has 1 rows along dim 0, which cut by torch.chunk into "
+                                         r"1 chunk\(s\) \[1\] for 2 devices, but inputs\[0\] has 6 rows, which cut into 2"):
+        minidp.DataParallel(model, cpu_ids(2))(torch.randn(6, 4, generator=generator), {"mask": torch.ones(1, 4)})
     assert_untouched(model, before)
 
 
