@@ -342,6 +342,41 @@ def check_chunk_sizes(chunk_sizes: Sequence[int], batch_size: int, num_devices: 
     return chunk_sizes
 
 
+def check_dim(dim: int, argument: str = "dim") -> int:
+    """Raise unless ``dim`` is an int (a dimension index; negative counts from the end)."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{argument} must be an int (the batch dimension, e.g. 0), got {dim!r} of type {type(dim).__name__}")
+    return dim
+
+
+def check_splittable(tensor: torch.Tensor, dim: int, name: str = "tensor") -> None:
+    """Raise unless ``tensor`` (called ``name`` in the message) can be cut along ``dim`` into views.
+
+    ``torch.split`` cuts dense (strided) tensors only: on a sparse tensor it fails in the dispatcher
+    (``aten::as_strided`` has no sparse kernel), stock's scatter included.
+    """
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"{name} is a {tensor.layout} tensor, which cannot be cut into chunks (stock scatter fails on it too, "
+            f"inside torch.chunk): pass {name}.to_dense(), or cut it yourself and give each replica its part; to "
+            f"give every replica the whole tensor, pass it inside a non-tensor object (which is shared, not cut)"
+        )
+    if tensor.dim() == 0:
+        raise ValueError(f"{name} is a 0-dim tensor and has no dim {dim} to split; give it a batch dimension")
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise IndexError(
+            f"dim={dim} is out of range for {name}, which has {tensor.dim()} dimension(s) {tuple(tensor.shape)}: "
+            f"dim must be in {-tensor.dim()}..{tensor.dim() - 1}"
+        )
+
+
+def split_to_devices(
+    tensor: torch.Tensor, devices: Sequence[torch.device], chunk_sizes: Sequence[int], dim: int
+) -> list[torch.Tensor]:
+    """Chunk i of ``tensor`` (``torch.split`` by ``chunk_sizes``) on ``devices[i]``; the caller has checked both."""
+    return [move(piece, device) for piece, device in zip(torch.split(tensor, chunk_sizes, dim), devices)]
+
+
 def scatter(
     tensor: torch.Tensor,
     devices: Optional[Sequence[DeviceLike]] = None,
@@ -359,6 +394,7 @@ def scatter(
     del streams
     if (devices is None) == (out is None):
         raise ValueError("scatter: give exactly one of 'devices' and 'out'")
+    check_splittable(tensor, check_dim(dim), "tensor")
     if out is not None:
         pieces = torch.split(tensor, [o.shape[dim] for o in out], dim)
         for target, piece in zip(out, pieces):
@@ -370,8 +406,7 @@ def scatter(
         chunk_sizes = chunk_sizes_for(batch_size, len(devices))
     else:
         chunk_sizes = check_chunk_sizes(chunk_sizes, batch_size, len(devices))
-    pieces = torch.split(tensor, chunk_sizes, dim)
-    return tuple(move(piece, device) for piece, device in zip(pieces, devices))
+    return tuple(split_to_devices(tensor, devices, chunk_sizes, dim))
 
 
 def gather(
@@ -390,6 +425,11 @@ def gather(
         raise ValueError("gather: 'tensors' is empty")
     destination = as_device(destination, "destination") if destination is not None else tensors[0].device
     reference = tensors[0]
+    if not -reference.dim() <= check_dim(dim) < max(reference.dim(), 1):
+        raise IndexError(
+            f"gather: dim={dim} is out of range for tensor 0, which has {reference.dim()} dimension(s) "
+            f"{tuple(reference.shape)}: dim must be in {-reference.dim()}..{reference.dim() - 1}"
+        )
     # torch.cat checks this too, but its message names neither the tensor nor what to compare with.
     joined = dim % max(reference.dim(), 1)
     outside = [size for d, size in enumerate(reference.shape) if d != joined]

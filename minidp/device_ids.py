@@ -19,6 +19,32 @@ import torch
 DeviceLike = Union[int, str, torch.device]
 
 
+WHAT_WORKS = (
+    "a device is an int (a CUDA ordinal 0, 1, ...; -1 means the CPU), a string such as 'cpu', 'cuda' or "
+    "'cuda:1', or a torch.device"
+)
+
+
+def parse_device(device: DeviceLike, argument: str = "device") -> torch.device:
+    """``device`` spelled as a ``torch.device``, without asking whether this process sees it.
+
+    Every misspelling (``"gpu"``, ``-2``, ``"cuda:x"``, ``True``) is an error that names ``argument``
+    and says what works, where torch's own would name neither.
+    """
+    if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
+        raise TypeError(f"{argument}: {device!r} of type {type(device).__name__} is not a device: {WHAT_WORKS}")
+    if isinstance(device, int):
+        if device < -1:
+            raise ValueError(f"{argument}: {device} is not a device: {WHAT_WORKS}")
+        return torch.device("cpu") if device == -1 else torch.device("cuda", device)
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError as error:  # torch's text lists every device type it knows; keep it as the cause
+            raise ValueError(f"{argument}: {device!r} is not a device: {WHAT_WORKS}") from error
+    return device
+
+
 def as_device(device: DeviceLike, argument: str = "device") -> torch.device:
     """Return ``device`` as a ``torch.device``, checking that a GPU id names a GPU this process sees.
 
@@ -28,15 +54,7 @@ def as_device(device: DeviceLike, argument: str = "device") -> torch.device:
     """
     if type(device) is torch.device and device.type != "cuda":
         return device  # already parsed, nothing to check: the hot path passes these every step
-    if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
-        raise TypeError(
-            f"{argument}: expected an int (CUDA ordinal), a string such as 'cuda:0' or 'cpu', "
-            f"or a torch.device, but got {device!r} of type {type(device).__name__}"
-        )
-    if isinstance(device, int):
-        device = torch.device("cpu") if device == -1 else torch.device("cuda", device)
-    else:
-        device = torch.device(device)
+    device = parse_device(device, argument)
     if device.type == "cuda":
         visible = torch.cuda.device_count()
         if device.index is None:
@@ -44,9 +62,9 @@ def as_device(device: DeviceLike, argument: str = "device") -> torch.device:
                 raise RuntimeError(f"{argument}: {device} was asked for, but this process sees no GPU")
             device = torch.device("cuda", torch.cuda.current_device())
         if not 0 <= device.index < visible:
+            seen = f"{visible} GPU(s), so valid ids are 0..{visible - 1}" if visible else "no GPU"
             raise ValueError(
-                f"{argument}: GPU id {device.index} is out of range: this process sees {visible} GPU(s), "
-                f"so valid ids are 0..{visible - 1}. Ids are logical: under "
+                f"{argument}: GPU id {device.index} is out of range: this process sees {seen}. Ids are logical: under "
                 f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r} the visible GPUs "
                 f"are numbered from 0. Use device_ids=['cpu'] * n to run n replicas on the CPU."
             )

@@ -1,15 +1,24 @@
 """Step 1, scatter: cut a batch into one chunk per device.
 
-``scatter`` walks any nesting of tensors, lists, tuples, dicts, namedtuples and dataclasses, splits
-every tensor along ``dim`` into the same chunk sizes, and sends chunk i to device i. Whatever is not
-a tensor or a container reaches every replica *by reference* (the same object, not a copy).
+``scatter`` walks any nesting of tensors, lists, tuples, dicts, namedtuples and dataclasses, cuts
+every tensor along ``dim``, and sends chunk i to device i. Whatever is not a tensor or a container
+reaches every replica *by reference* (the same object, not a copy).
+
+How a tensor is cut: by one rule applied to its own size along ``dim``, as stock applies
+``torch.chunk`` to each tensor: ``torch.chunk``'s sizes, or ``chunk_weights``' shares. So tensors of
+different sizes may travel together (Hugging Face's ``Trainer`` passes ``num_items_in_batch`` with
+one row per replica beside a batch of many rows), as long as every tensor cuts into the same
+*number* of chunks. Where the numbers differ, stock silently drops the chunks beyond the smallest
+number (the rows of a replica that never runs); minidp raises an error that names both tensors.
+Explicit ``chunk_sizes`` are one split of one size: every tensor must have that size.
 
 What moves: each chunk is copied to its device, except chunks for the device the tensor is on,
 which are views. What autograd records: ``split`` and ``to``, so the gradient of every chunk flows
 back, concatenated, to the original tensor (a scatter's backward is a gather).
 
-Where stock ``torch.nn.parallel.scatter`` silently truncates inputs whose tensors have different
-batch sizes, minidp raises an error that names both tensors.
+Everything is checked before the first chunk is cut, and the walks are plain functions, not
+closures that call themselves: a self-referencing closure is a reference cycle that every call
+would leave to the garbage collector (stock breaks its by hand, docs/stock-behaviour.md B36).
 """
 
 from __future__ import annotations
@@ -23,27 +32,76 @@ from .device_ids import DeviceLike, as_devices
 from .nested import children, rebuild, tensors_in
 from .hooks import observed
 
+# Chunk sizes by the size being cut: one rule (torch.chunk's, chunk_weights', or an explicit split)
+# applied to every size met in one call.
+Splits = dict[int, list[int]]
 
-def batch_size_of(roots: Sequence[tuple[str, Any]], dim: int) -> Optional[int]:
-    """The common size along ``dim`` of all tensors in the ``(name, object)`` roots; ``None`` if none holds a tensor."""
-    first_path, batch_size = None, None
+
+def plan_splits(
+    roots: Sequence[tuple[str, Any]],
+    dim: int,
+    num_devices: int,
+    chunk_sizes: Optional[Sequence[int]] = None,
+    chunk_weights: Optional[Sequence[float]] = None,
+) -> Splits:
+    """How every tensor in the ``(name, object)`` roots is cut, by its size along ``dim``; ``{}`` if none holds a tensor.
+
+    Raises, naming the tensors, unless every tensor can be cut and all cut into the same number of
+    chunks; with explicit ``chunk_sizes``, unless all have the size they split.
+    """
+    splits: Splits = {}
+    first_path, first_size, count = "", 0, 0
     for path, tensor in (found for name, obj in roots for found in tensors_in(obj, name)):
-        if tensor.dim() == 0:
-            raise ValueError(f"{path} is a 0-dim tensor and has no dim {dim} to split; give it a batch dimension")
-        if not -tensor.dim() <= dim < tensor.dim():
-            raise IndexError(f"dim={dim} is out of range for {path}, which has {tensor.dim()} dimension(s) {tuple(tensor.shape)}")
+        comm.check_splittable(tensor, dim, path)
         size = tensor.shape[dim]
-        if batch_size is None:
-            first_path, batch_size = path, size
+        sizes = splits.get(size)
+        if sizes is None:
             if size == 0:
                 raise ValueError(f"{path} is an empty batch (size 0 along dim {dim}): there is nothing to scatter")
-        elif size != batch_size:
+            if chunk_sizes is not None and splits:
+                raise ValueError(
+                    f"{path} has {size} rows along dim {dim} but {first_path} has {first_size}, and chunk_sizes "
+                    f"{list(chunk_sizes)} split {first_size} rows only: with explicit chunk_sizes every tensor must "
+                    f"have that size. Pass tensors that every replica needs whole inside a non-tensor object, or "
+                    f"leave chunk_sizes out (each tensor is then cut as torch.chunk cuts it)."
+                )
+            sizes = splits[size] = split_for(size, num_devices, chunk_sizes, chunk_weights)
+        if not count:
+            first_path, first_size, count = path, size, len(sizes)
+        elif len(sizes) != count:
+            how = "in proportion to chunk_weights" if chunk_weights is not None else "by torch.chunk"
+            more = path if len(sizes) > count else first_path
             raise ValueError(
-                f"{path} has {size} rows along dim {dim} but {first_path} has {batch_size}: every tensor that is "
-                f"scattered must share the batch size (stock DataParallel would silently drop rows here). "
-                f"Pass tensors that every replica needs whole inside a non-tensor object, or split them yourself."
+                f"{path} has {size} rows along dim {dim}, which cut {how} into {len(sizes)} chunk(s) {sizes} "
+                f"for {num_devices} devices, but {first_path} has {first_size} rows, which cut into {count} "
+                f"chunk(s) {splits[first_size]}: every tensor must cut into the same number of chunks (stock "
+                f"DataParallel would silently keep the first {min(count, len(sizes))} chunks of each, dropping "
+                f"rows of {more}). Pass tensors that every replica needs whole inside a non-tensor object, or "
+                f"give them a size that cuts into as many chunks."
             )
-    return batch_size
+    return splits
+
+
+def split_for(
+    size: int, num_devices: int, chunk_sizes: Optional[Sequence[int]], chunk_weights: Optional[Sequence[float]]
+) -> list[int]:
+    """The chunk sizes ``size`` rows are cut into: ``chunk_sizes`` (checked), ``chunk_weights``' shares, or torch.chunk's."""
+    if chunk_sizes is not None:
+        return comm.check_chunk_sizes(chunk_sizes, size, num_devices)
+    if chunk_weights is not None:
+        return comm.chunk_sizes_for_weights(size, chunk_weights)
+    return comm.chunk_sizes_for(size, num_devices)
+
+
+def _scatter_map(obj: Any, devices: list[torch.device], splits: Splits, dim: int) -> list[Any]:
+    """One piece of ``obj`` per device: its tensors cut as ``splits`` says, its containers rebuilt."""
+    if isinstance(obj, torch.Tensor):
+        return comm.split_to_devices(obj, devices, splits[obj.shape[dim]], dim)
+    parts = children(obj)
+    if not parts:  # a leaf, or an empty container: shared by reference
+        return [obj for _ in devices]
+    per_child = [_scatter_map(child, devices, splits, dim) for _, child in parts]
+    return [rebuild(obj, list(values)) for values in zip(*per_child)]
 
 
 @observed("scatter")
@@ -57,10 +115,12 @@ def scatter(
 ) -> Any:
     """Split ``inputs`` into one piece per device; returns a list (a tuple for a bare tensor).
 
-    The batch is cut as ``torch.chunk`` cuts it (10 rows on 3 devices: 4, 4, 2), so fewer pieces than
-    devices can come back (2 rows on 4 devices: 2 pieces, and only 2 replicas will run); or as
-    ``chunk_sizes`` says, one size per device; or in proportion to ``chunk_weights``, one weight per
-    device (rounding: :func:`minidp.comm.chunk_sizes_for_weights`).
+    Each tensor is cut as ``torch.chunk`` cuts it (10 rows on 3 devices: 4, 4, 2), so fewer pieces
+    than devices can come back (2 rows on 4 devices: 2 pieces, and only 2 replicas will run); or in
+    proportion to ``chunk_weights``, one weight per device (rounding:
+    :func:`minidp.comm.chunk_sizes_for_weights`), applied to each tensor's own size. Tensors of
+    different sizes must cut into the same number of chunks (see the module docstring).
+    ``chunk_sizes``: one explicit split, one size per device; every tensor must have its total size.
     """
     return _scatter(inputs, target_devices, dim, chunk_sizes, chunk_weights, [("inputs", inputs)])
 
@@ -75,33 +135,18 @@ def _scatter(
 ) -> Any:
     """:func:`scatter`, with ``roots`` naming the parts of ``inputs`` in error messages."""
     devices = as_devices(target_devices, "target_devices")
+    comm.check_dim(dim)
     if not devices:
         raise ValueError("target_devices is empty: give at least one device")
     if chunk_sizes is not None and chunk_weights is not None:
         raise ValueError("give chunk_sizes or chunk_weights, not both: the sizes are the split, the weights ask for one")
     if chunk_weights is not None:
         comm.check_chunk_weights(chunk_weights, len(devices))
-    batch_size = batch_size_of(roots, dim)
-    if batch_size is None:
+    splits = plan_splits(roots, dim, len(devices), chunk_sizes, chunk_weights)
+    if not splits:
         return [inputs for _ in devices]
-    if chunk_weights is not None:
-        chunk_sizes = comm.chunk_sizes_for_weights(batch_size, chunk_weights)
-    elif chunk_sizes is None:
-        chunk_sizes = comm.chunk_sizes_for(batch_size, len(devices))
-    else:
-        chunk_sizes = comm.check_chunk_sizes(chunk_sizes, batch_size, len(devices))
-    devices = devices[: len(chunk_sizes)]
-
-    def scatter_map(obj: Any) -> list[Any]:
-        if isinstance(obj, torch.Tensor):
-            return list(comm.scatter(obj, devices, chunk_sizes, dim))
-        parts = children(obj)
-        if not parts:  # a leaf, or an empty container: shared by reference
-            return [obj for _ in devices]
-        per_child = [scatter_map(child) for _, child in parts]
-        return [rebuild(obj, list(values)) for values in zip(*per_child)]
-
-    pieces = scatter_map(inputs)
+    count = len(next(iter(splits.values())))
+    pieces = _scatter_map(inputs, devices[:count], splits, dim)
     return tuple(pieces) if isinstance(inputs, torch.Tensor) else pieces
 
 
@@ -117,14 +162,24 @@ def scatter_kwargs(
 ) -> tuple[tuple[tuple, ...], tuple[dict[str, Any], ...]]:
     """Scatter positional and keyword arguments; returns ``(inputs per replica, kwargs per replica)``.
 
-    Both are cut together, as one batch: every tensor among them must have the same size along
-    ``dim`` (the error names the two that differ), and non-tensor arguments reach as many replicas
-    as the tensors were cut into. So ``model(x2, flag=True)`` on 4 devices runs 2 replicas, both
+    Both are cut together, as one batch: every tensor among them must cut into the same number of
+    chunks (the error names two that do not), and non-tensor arguments reach as many replicas as
+    the tensors were cut into. So ``model(x2, flag=True)`` on 4 devices runs 2 replicas, both
     with ``flag=True``. (Stock scatters the two sides separately and pads by comparing with the
     number of positional arguments: that call fails there, and kwargs with fewer rows than the
     inputs silently reach only the first replicas.) ``chunk_sizes`` and ``chunk_weights``: as in
     :func:`scatter`.
     """
+    if not isinstance(inputs, (tuple, list)):
+        raise TypeError(
+            f"scatter_kwargs: inputs must be the tuple of positional arguments, got a {type(inputs).__name__}; "
+            f"pass (x,) for a single argument"
+        )
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(
+            f"scatter_kwargs: kwargs must be a dict of keyword arguments or None, got a {type(kwargs).__name__}; "
+            f"positional arguments go in inputs"
+        )
     if not inputs and not kwargs:
         return (), ()
     pieces = _scatter(

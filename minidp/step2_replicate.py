@@ -20,7 +20,8 @@ whose updates are dropped. That is stock's behaviour: running statistics come fr
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import sys
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -31,13 +32,60 @@ from .hooks import observed
 from .step5_reduce import Broadcast
 
 
-def check_module_device(network: nn.Module, source_device: torch.device) -> None:
-    """Raise unless every parameter and buffer of ``network`` is initialised and on ``source_device``."""
+# Stock's words for a lazy module (torch/nn/modules/lazy.py: LazyModuleMixin._replicate_for_data_parallel),
+# kept verbatim at the start of minidp's message so that code matching them keeps working.
+STOCK_LAZY_MESSAGE = "Modules with uninitialized parameters can't be used with `DataParallel`."
+
+
+def check_is_module(network: Any, argument: str = "module") -> None:
+    """Raise ``TypeError`` unless ``network`` is an ``nn.Module`` (a function has no parameters to replicate)."""
+    if not isinstance(network, nn.Module):
+        raise TypeError(
+            f"{argument} must be an nn.Module, got {network!r} of type {type(network).__name__}: replicas are copies "
+            f"of a module's tree and parameters. Wrap a function in a module (an nn.Module whose forward calls it)."
+        )
+
+
+def check_not_compiled(network: nn.Module) -> None:
+    """Raise ``TypeError`` if ``network`` or a sub-module is compiled (``torch.compile(m)`` or ``m.compile()``).
+
+    Both hold a compiled call *bound to the original module*. ``torch.compile(m)`` returns a wrapper
+    (``OptimizedModule``) whose tree replicate cannot copy; ``m.compile()`` keeps the bound call in
+    the module's ``__dict__``, which every replica's shallow copy shares, so every replica would run
+    the original's parameters and buffers instead of its own (on GPUs: tensors on the wrong device).
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing can be compiled
+    optimized = eval_frame.OptimizedModule if eval_frame is not None else ()
+    for name, module in network.named_modules():
+        where = f"'{name}'" if name else "the module"
+        if isinstance(module, optimized):
+            how = f"{where} is a torch.compile()d module (an OptimizedModule around {type(module._orig_mod).__name__})"
+        elif module.__dict__.get("_compiled_call_impl") is not None:
+            how = f"{where} ({type(module).__name__}) was compiled in place with Module.compile()"
+        else:
+            continue
+        raise TypeError(
+            f"{how}: its compiled call is bound to the original module, so replicas cannot run it on their own "
+            f"parameters. Give DataParallel the original module, and compile inside it: decorate the class's "
+            f"forward with @torch.compile (each replica then runs the compiled code on its own parameters)."
+        )
+
+
+def check_module_device(network: nn.Module, source_device: torch.device, replicated: bool = True) -> None:
+    """Raise unless every parameter and buffer of ``network`` is on ``source_device``.
+
+    When the module is to be ``replicated`` (the default), also raise if a sub-module is compiled
+    (:func:`check_not_compiled`) or a parameter or buffer is not initialised yet (a lazy module). With
+    ``replicated=False`` the module runs itself, on one device, as stock runs it there: both work.
+    """
+    if replicated:
+        check_not_compiled(network)
     for name, tensor in list(network.named_parameters()) + list(network.named_buffers()):
-        if isinstance(tensor, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)):
+        # (On one device a lazy module's first forward initialises it, as it does without DataParallel.)
+        if replicated and isinstance(tensor, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)):
             raise RuntimeError(
-                f"'{name}' is not initialized yet (a lazy module): run one forward pass on the original "
-                f"module before replicating it"
+                f"{STOCK_LAZY_MESSAGE} '{name}' is not initialized yet (a lazy module): run one forward pass on "
+                f"the original module, on one device, before replicating it"
             )
         if tensor.device != source_device:
             raise RuntimeError(
@@ -72,6 +120,7 @@ def replicate(
     :func:`build_skeletons` (the module copies), :func:`replica_tensors` (what each holds) and
     :func:`bind` (put them in place).
     """
+    check_is_module(network, "network")
     devices = as_devices(devices, "devices")
     if not devices:
         return []

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from . import comm
-from .device_ids import DeviceLike, as_device, as_devices, check_device_list
+from .device_ids import DeviceLike, as_device, as_devices, check_device_list, parse_device
 from .step4_gather import gather
 from .step3_parallel_apply import parallel_apply
 from .replica_cache import ReplicaCache, ReplicaCacheInfo
-from .step2_replicate import check_module_device, replicate
+from .step2_replicate import check_is_module, check_module_device, check_not_compiled, replicate
 from .step1_scatter import scatter_kwargs
 
 _warned_no_gpu = False
@@ -44,6 +44,8 @@ def resolve_device_ids(device_ids: Optional[Sequence[DeviceLike]]) -> list[torch
     if not device_ids:
         raise ValueError("device_ids is empty: give at least one device, e.g. [0, 1] or ['cpu'] * 2")
     if torch.cuda.device_count() == 0 and all(isinstance(d, int) and not isinstance(d, bool) for d in device_ids):
+        for i, d in enumerate(device_ids):  # no GPU to check them against, but -2 is no GPU anywhere
+            parse_device(d, f"device_ids[{i}]")
         if not _warned_no_gpu:
             _warned_no_gpu = True
             warnings.warn(
@@ -136,8 +138,12 @@ class DataParallel(nn.Module):
         gather_output: bool = True,
     ) -> None:
         super().__init__()
+        check_is_module(module, "module")
+        comm.check_dim(dim, "dim")
         self.module = module
         self.device_ids = resolve_device_ids(device_ids)
+        if len(self.device_ids) > 1:
+            check_not_compiled(module)  # and again whenever replicas are built from it
         if chunk_weights is not None:  # checked here, before a batch arrives; count only where replicas run
             chunk_weights = comm.check_chunk_weights(chunk_weights, len(self.device_ids) or None)
         self.chunk_weights = chunk_weights
@@ -147,6 +153,8 @@ class DataParallel(nn.Module):
         self.cache_replicas = bool(cache_replicas)
         self.replica_cache = cache_replicas if isinstance(cache_replicas, ReplicaCache) else ReplicaCache()
         if not self.device_ids:
+            if output_device is not None:
+                parse_device(output_device, "output_device")  # unused without replicas, but spelled right
             self.source_device = self.output_device = None
             return
         self.source_device = self.device_ids[0]
@@ -166,7 +174,7 @@ class DataParallel(nn.Module):
             if len(self.device_ids) == 1:
                 # One device: the module itself is the only replica, and its output is returned as it
                 # is (as stock), unless it must move to another output_device (stock leaves it).
-                check_module_device(self.module, self.source_device)
+                check_module_device(self.module, self.source_device, replicated=False)
                 output = self.module(*inputs[0], **kwargs[0])
                 if not self.gather_output:
                     return [output]
@@ -225,13 +233,17 @@ def data_parallel(
     ``replica_cache`` (a :class:`~minidp.replica_cache.ReplicaCache` you keep) to reuse them between calls.
     ``chunk_weights``: split the batch in proportion to them, as in :class:`DataParallel`.
     """
+    check_is_module(module, "module")
+    comm.check_dim(dim, "dim")
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
     devices = resolve_device_ids(device_ids)
     if not devices:  # no GPU and no CPU ids: a plain call, where stock raises
+        if output_device is not None:
+            parse_device(output_device, "output_device")
         return module(*inputs, **(module_kwargs or {}))
     output_device = as_device(devices[0] if output_device is None else output_device, "output_device")
-    check_module_device(module, devices[0])  # as stock (DataParallel would move a module on one device)
+    check_module_device(module, devices[0], replicated=len(devices) > 1)  # as stock (DataParallel would move a module on one device)
     chunk_inputs, chunk_kwargs = scatter_kwargs(inputs, module_kwargs, devices, dim=dim, chunk_weights=chunk_weights)
     if not chunk_inputs:  # no arguments at all: one call on devices[0]
         chunk_inputs, chunk_kwargs = ((),), ({},)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -34,6 +35,18 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``max|a - e| / max(max|e|, tiny)``: one number per tensor, robust to zeros."""
     scale = expected.detach().abs().max().clamp_min(1e-300)
     return ((actual.detach() - expected.detach()).abs().max() / scale).item() if expected.numel() else 0.0
+
+
+def garbage_left_by(call) -> int:
+    """How many objects only the cycle collector can free after ``call()``. Automatic collection is paused,
+    so everything ``call`` allocates stays in the youngest generation, which alone is collected (fast)."""
+    gc.disable()
+    try:
+        gc.collect(0)
+        call()
+        return gc.collect(0)
+    finally:
+        gc.enable()
 
 
 class CountsCalls(nn.Module):

@@ -6,14 +6,18 @@ parameters, gradients and buffers are exactly as they were: no replica ran, noth
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import re
 
 import pytest
 import torch
 from torch import nn
 
 import minidp
+from minidp import comm
 from .helpers import cpu_ids, requires_cuda
+from .stock_emulation import emulated_stock
 
 
 def trained_bn_model(generator: torch.Generator) -> nn.Module:
@@ -76,8 +80,27 @@ def test_a_model_left_on_the_cpu_for_gpu_replicas_says_how_to_move_it(model, gen
 
 
 def test_a_lazy_module_must_run_once_before_replication(generator):
-    with pytest.raises(RuntimeError, match="not initialized yet.*run one forward pass"):
+    """B22: a lazy module refuses to be replicated (``_replicate_for_data_parallel``, which stock's
+    replicate calls for each module) with a sentence that code may match; minidp's message starts with
+    that sentence, word for word, then names the parameter and the fix."""
+    with pytest.raises(RuntimeError) as stock:
+        nn.LazyLinear(3)._replicate_for_data_parallel()
+    stock_sentence = str(stock.value).split(". ")[0] + "."
+    assert stock_sentence == "Modules with uninitialized parameters can't be used with `DataParallel`."
+    with pytest.raises(RuntimeError, match="not initialized yet.*run one forward pass") as ours:
         minidp.DataParallel(nn.LazyLinear(3), cpu_ids(2))(torch.randn(4, 4, generator=generator))
+    assert str(ours.value).startswith(stock_sentence + " 'weight' is not initialized yet")
+
+
+def test_a_lazy_module_on_one_device_initialises_itself_as_in_stock(generator):
+    """B9: with one device stock calls the module itself, and a lazy module's first forward initialises it;
+    nothing is replicated, so minidp runs it too."""
+    x = torch.randn(4, 5, generator=generator)
+    for wrapper, ids, emulation in ((nn.DataParallel, [0], emulated_stock()), (minidp.DataParallel, cpu_ids(1), contextlib.nullcontext())):
+        lazy = nn.LazyLinear(3)
+        with emulation:
+            assert wrapper(lazy, ids)(x).shape == (4, 3)
+        assert lazy.weight.shape == (3, 5)
 
 
 @pytest.mark.parametrize(
@@ -136,11 +159,13 @@ def test_chunk_sizes_must_split_the_batch_exactly(chunk_sizes, message, generato
         minidp.scatter_kwargs((x,), {}, cpu_ids(2), chunk_sizes=chunk_sizes)
 
 
-def test_tensors_with_different_batch_sizes_are_an_error(model, generator):
-    """B14: stock zips to the shortest and silently drops rows; minidp names both tensors."""
+def test_tensors_that_cut_into_different_numbers_of_chunks_are_an_error(model, generator):
+    """B14: stock zips to the smallest number of chunks and silently drops rows (here: one chunk of the
+    mask, so one replica, and 3 of the 6 rows never run); minidp names both tensors and their counts."""
     before = snapshot(model)
-    with pytest.raises(ValueError, match=r"inputs\[1\]\['mask'\] has 3 rows along dim 0 but inputs\[0\] has 6"):
-        minidp.DataParallel(model, cpu_ids(2))(torch.randn(6, 4, generator=generator), {"mask": torch.ones(3, 4)})
+    with pytest.raises(ValueError, match=r"inputs\[1\]\['mask'\] has 1 rows along dim 0, which cut by torch.chunk into "
+                                         r"1 chunk\(s\) \[1\] for 2 devices, but inputs\[0\] has 6 rows, which cut into 2"):
+        minidp.DataParallel(model, cpu_ids(2))(torch.randn(6, 4, generator=generator), {"mask": torch.ones(1, 4)})
     assert_untouched(model, before)
 
 
@@ -262,3 +287,215 @@ def test_ext_where_the_extension_is_disabled_is_refused_when_dataparallel_is_bui
     with pytest.raises(RuntimeError, match=r"backend='ext' needs the minidp extension"):
         minidp.set_reduce_backend("ext")
     assert_untouched(model, before)
+
+
+# --------------------------------------------------------------------------------------------------
+# arguments checked where they enter: devices, dim, the module, the inputs
+# --------------------------------------------------------------------------------------------------
+
+
+BAD_DEVICE_CALLS = [
+    (lambda m, x, d: minidp.scatter(x, [d, "cpu"]), "target_devices[0]"),
+    (lambda m, x, d: minidp.scatter_kwargs((x,), {}, ["cpu", d]), "target_devices[1]"),
+    (lambda m, x, d: minidp.replicate(m, ["cpu", d]), "devices[1]"),
+    (lambda m, x, d: minidp.parallel_apply([m, m], [(x,), (x,)], None, ["cpu", d]), "devices[1]"),
+    (lambda m, x, d: minidp.gather([x, x], d), "target_device"),
+    (lambda m, x, d: comm.broadcast(x, ["cpu", d]), "devices[1]"),
+    (lambda m, x, d: comm.broadcast_coalesced([x], [d]), "devices[0]"),
+    (lambda m, x, d: comm.copy_coalesced([x], d), "device"),
+    (lambda m, x, d: comm.scatter(x, ["cpu", d]), "devices[1]"),
+    (lambda m, x, d: comm.gather([x, x], 0, d), "destination"),
+    (lambda m, x, d: comm.reduce_add([x, x], d), "destination"),
+    (lambda m, x, d: comm.reduce_add_coalesced([[x], [x]], d), "destination"),
+    (lambda m, x, d: minidp.DataParallel(m, cpu_ids(2), output_device=d)(x), "output_device"),
+    (lambda m, x, d: minidp.DataParallel(m, [0, 1], output_device=d)(x), "output_device"),
+    (lambda m, x, d: minidp.DataParallel(m, ["cpu", d])(x), "device_ids[1]"),
+    (lambda m, x, d: minidp.DataParallel(m, [d, 0])(x), "device_ids[0]"),
+    (lambda m, x, d: minidp.data_parallel(m, x, cpu_ids(2), output_device=d), "output_device"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:device_ids=.* names GPUs, but this machine has none")
+@pytest.mark.parametrize("device", ["gpu", -2, "cuda:x"])
+@pytest.mark.parametrize("call,argument", BAD_DEVICE_CALLS)
+def test_a_misspelled_device_is_an_error_naming_the_argument_and_what_works(model, call, argument, device, generator):
+    """Stock passes the spelling to torch (``RuntimeError: Expected one of cpu, cuda, ... device type``,
+    ``Device index must not be negative``), which names neither the argument nor the spellings that
+    work. Integer ids on a machine without a GPU (``[0, 1]``) are a direct call (B1), but ``-2`` and
+    ``output_device='gpu'`` are checked there too."""
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=rf"{re.escape(argument)}: {re.escape(repr(device) if isinstance(device, str) else str(device))} "
+                                         r"is not a device: a device is an int \(a CUDA ordinal.*-1 means the CPU\), a string "
+                                         r"such as 'cpu'"):
+        call(model, torch.randn(6, 4, generator=generator), device)
+    assert_untouched(model, before)
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda x: comm.scatter(x, cpu_ids(2), dim=4), r"dim=4 is out of range for tensor, which has 2 dimension\(s\) \(6, 4\): dim must be in -2\.\.1"),
+        (lambda x: comm.scatter(x, cpu_ids(2), dim=-3), r"dim=-3 is out of range for tensor, which has 2 dimension\(s\)"),
+        (lambda x: comm.gather([x, x], dim=4), r"gather: dim=4 is out of range for tensor 0, which has 2 dimension\(s\) \(6, 4\)"),
+        (lambda x: minidp.gather([x, x], "cpu", dim=2), r"output: .*dim=2 is out of range for tensor 0"),
+    ],
+)
+def test_a_dim_out_of_range_in_comm_names_dim_and_the_tensors_dims(call, message, generator):
+    """B15: stock fails inside torch (``IndexError: Dimension out of range`` or ``tuple index out of range``);
+    minidp raises the same type with dim and the tensor's dimensions in the message."""
+    with pytest.raises(IndexError, match=message):
+        call(torch.randn(6, 4, generator=generator))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, x: minidp.DataParallel(m, cpu_ids(2), dim="0"),
+        lambda m, x: minidp.DataParallel(m, [0, 1], dim=1.0),
+        lambda m, x: minidp.data_parallel(m, x, cpu_ids(2), dim="0"),
+        lambda m, x: minidp.scatter(x, cpu_ids(2), dim="0"),
+        lambda m, x: minidp.gather([x, x], "cpu", dim=True),
+        lambda m, x: comm.scatter(x, cpu_ids(2), dim="0"),
+    ],
+)
+def test_dim_that_is_not_an_int_is_a_type_error_naming_dim_at_once(model, call, generator):
+    """Stock keeps ``dim='0'`` and fails at the first forward, deep inside torch.chunk."""
+    before = snapshot(model)
+    with pytest.raises(TypeError, match=r"dim must be an int \(the batch dimension, e.g. 0\), got"):
+        call(model, torch.randn(6, 4, generator=generator))
+    assert_untouched(model, before)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("to_sparse", [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr], ids=["coo", "csr"])
+def test_a_sparse_input_is_an_error_that_says_what_works(model, to_sparse, generator):
+    """Stock cannot cut a sparse tensor either: its scatter fails in the dispatcher (``Could not run
+    'aten::as_strided' with arguments from the 'SparseCPU' backend``, B37). minidp names the input and
+    says what works instead: a dense tensor, or the tensor inside a non-tensor object (shared whole)."""
+    x = to_sparse(torch.randn(6, 4, generator=generator))
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        with emulated_stock():
+            nn.parallel.scatter((x,), [0, 1])
+    before = snapshot(model)
+    with pytest.raises(TypeError, match=r"inputs\[0\] is a torch\.sparse_\w+ tensor, which cannot be cut into chunks.*"
+                                        r"inputs\[0\]\.to_dense\(\).*inside a non-tensor object"):
+        minidp.DataParallel(model, cpu_ids(2))(x)
+    assert_untouched(model, before)
+
+
+class Shared:
+    """A non-tensor object: scatter gives every replica the same one, tensors and all (B12)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def test_a_sparse_tensor_inside_a_non_tensor_object_reaches_every_replica_whole(generator):
+    """What the sparse error recommends works: the object is shared, its tensor is not cut."""
+    sparse = torch.randn(3, 4, generator=generator).to_sparse()
+
+    class AddsShared(nn.Module):
+        def forward(self, x, shared):
+            return x + shared.tensor.to_dense().sum()
+
+    x = torch.randn(6, 4, generator=generator)
+    out = minidp.DataParallel(AddsShared(), cpu_ids(2))(x, Shared(sparse))
+    assert torch.equal(out, x + sparse.to_dense().sum())
+
+
+@pytest.mark.parametrize(
+    "call,argument",
+    [
+        (lambda x: minidp.DataParallel(lambda y: y, cpu_ids(2)), "module"),
+        (lambda x: minidp.DataParallel(lambda y: y, [0, 1]), "module"),
+        (lambda x: minidp.data_parallel(lambda y: y, x, cpu_ids(2)), "module"),
+        (lambda x: minidp.replicate("str", cpu_ids(2)), "network"),
+        (lambda x: minidp.replicate("str", []), "network"),
+    ],
+)
+def test_something_other_than_a_module_is_a_type_error_at_once(call, argument, generator):
+    """Stock keeps a function as ``self.module`` and fails at the first forward (``'function' object has no
+    attribute 'parameters'``), or passes it through where there is no GPU (B1)."""
+    with pytest.raises(TypeError, match=rf"{argument} must be an nn\.Module, got .* of type (function|str)"):
+        call(torch.randn(4, 4, generator=generator))
+
+
+@pytest.mark.parametrize(
+    "inputs,kwargs,message",
+    [
+        ("x", [], r"kwargs must be a dict of keyword arguments or None, got a list"),
+        ("x", ("k",), r"kwargs must be a dict of keyword arguments or None, got a tuple"),
+        ("bare", None, r"inputs must be the tuple of positional arguments, got a Tensor; pass \(x,\)"),
+    ],
+)
+def test_scatter_kwargs_takes_a_tuple_and_a_dict(inputs, kwargs, message, generator):
+    """Stock scatters a list given as ``kwargs`` into pieces that ``**`` cannot unpack, and iterates over a
+    bare tensor given as ``inputs`` row by row."""
+    x = torch.randn(4, 2, generator=generator)
+    with pytest.raises(TypeError, match=message):
+        minidp.scatter_kwargs((x,) if inputs == "x" else x, kwargs if kwargs != [] else [x], cpu_ids(2))
+
+
+# --------------------------------------------------------------------------------------------------
+# compiled modules: the compiled call is bound to the original module
+# --------------------------------------------------------------------------------------------------
+
+
+COMPILED_ADVICE = r"Give DataParallel the original module, and compile inside it: decorate the class's forward with @torch\.compile"
+
+
+def test_a_torch_compiled_module_is_refused_at_construction_saying_what_works(model):
+    """Stock fails inside a replica (``InternalTorchDynamoError``, B38); minidp's ``replicate`` could not
+    copy the wrapper's tree (a bare ``KeyError``). Now: a ``TypeError`` when ``DataParallel`` is built."""
+    compiled = torch.compile(model, backend="eager")
+    before = snapshot(model)
+    with pytest.raises(TypeError, match=rf"the module is a torch\.compile\(\)d module \(an OptimizedModule around Sequential\).*{COMPILED_ADVICE}"):
+        minidp.DataParallel(compiled, cpu_ids(2))
+    with pytest.raises(TypeError, match=COMPILED_ADVICE):
+        minidp.replicate(compiled, cpu_ids(2))
+    assert_untouched(model, before)
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+def test_a_compiled_submodule_is_refused_before_the_step_changes_anything(model, how, generator):
+    """A sub-module compiled after ``DataParallel`` was built (so the constructor could not see it): the
+    forward refuses it before any replica runs, with the cache on and off. ``m.compile()`` keeps a call
+    bound to the original in the module's ``__dict__``, which every replica's shallow copy would share (B38)."""
+    dp = minidp.DataParallel(model, cpu_ids(2))
+    dp(torch.randn(6, 4, generator=generator)).sum().backward()
+    if how == "torch.compile":
+        model[2] = torch.compile(model[2], backend="eager")
+        expected = r"'2' is a torch\.compile\(\)d module"
+    else:
+        model[2].compile(backend="eager")
+        expected = r"'2' \(Linear\) was compiled in place with Module\.compile\(\)"
+    before = snapshot(model)
+    with pytest.raises(TypeError, match=rf"{expected}.*{COMPILED_ADVICE}"):
+        dp(torch.randn(6, 4, generator=generator))
+    assert_untouched(model, before)
+
+
+class CompiledForward(nn.Module):
+    """What the compiled-module error recommends: the class's forward compiled, so every replica runs it
+    with itself as ``self`` (B38). (``backend="eager"``: the compiler's front end without a C++ toolchain.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3, dtype=torch.float64)
+
+    @torch.compile(backend="eager")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+def test_a_compiled_forward_inside_the_module_runs_on_every_replica(generator):
+    model = CompiledForward()
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    expected = model(x)
+    expected.sum().backward()
+    expected_grad = model.linear.weight.grad.clone()
+    model.zero_grad()
+    out = minidp.DataParallel(model, cpu_ids(2))(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(model.linear.weight.grad, expected_grad, rtol=1e-12, atol=0)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import minidp
+from .helpers import RTOL_FLOAT64, cpu_ids, garbage_left_by, max_relative_error
 from .stock_emulation import swapped, emulated_stock, stock_functions
 
 Pair = collections.namedtuple("Pair", "left right")
@@ -122,3 +123,146 @@ def test_0_dim_outputs_along_another_dim_are_a_clear_error():
     what to do instead."""
     with pytest.raises(ValueError, match="0-dim tensor, which has no dim 1"):
         minidp.gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu", dim=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# objects that are neither tensors nor containers: stock's type(obj)(gathered items) (B28)
+# --------------------------------------------------------------------------------------------------
+
+
+class LayerCache:
+    """Shaped like Hugging Face's ``DynamicCache``: iterating gives each layer's ``(keys, values)``, and the
+    class is built from an iterable of such layers (``DynamicCache(ddp_cache_data)``, the call stock's
+    gather makes)."""
+
+    def __init__(self, layers=()) -> None:
+        self.layers = [tuple(layer) for layer in layers]
+
+    def __iter__(self):
+        return iter(self.layers)
+
+
+class Opaque:
+    """Neither a tensor, nor a container, nor iterable."""
+
+
+class Fixed:
+    """Iterable, but its constructor takes no items: it cannot be rebuilt from them."""
+
+    def __init__(self) -> None:
+        self.values = [torch.zeros(1)]
+
+    def __iter__(self):
+        return iter(self.values)
+
+
+def layer_cache(rows: int, generator: torch.Generator, layers: int = 2) -> LayerCache:
+    return LayerCache((torch.randn(rows, 2, 3, generator=generator), torch.randn(rows, 2, 3, generator=generator)) for _ in range(layers))
+
+
+def test_an_iterable_object_is_rebuilt_from_its_gathered_items_as_stock_does(generator):
+    """B28: stock builds ``type(out)(map(gather_map, zip(*outputs)))``: one cache whose layers hold every
+    replica's keys and values, concatenated. minidp builds the same object."""
+    outputs = [layer_cache(n, generator) for n in (3, 2)]
+    ours = minidp.gather(outputs, "cpu")
+    with emulated_stock():
+        stock = nn.parallel.gather(outputs, 0)
+    assert type(ours) is type(stock) is LayerCache and len(ours.layers) == len(stock.layers) == 2
+    for layer, (mine, theirs) in enumerate(zip(ours.layers, stock.layers)):
+        assert type(mine) is type(theirs) is tuple
+        for position in range(2):
+            expected = torch.cat([o.layers[layer][position] for o in outputs])
+            assert torch.equal(mine[position], expected) and torch.equal(theirs[position], expected)
+
+
+class CachingModel(nn.Module):
+    """Returns logits and a per-layer cache of keys and values, like a decoder called with ``use_cache=True``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys = nn.ModuleList(nn.Linear(4, 4, dtype=torch.float64) for _ in range(2))
+        self.values = nn.ModuleList(nn.Linear(4, 4, dtype=torch.float64) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, use_cache: bool = False):
+        layers = []
+        for key, value in zip(self.keys, self.values):
+            layers.append((key(x), value(x)))
+            x = torch.tanh(layers[-1][0] + layers[-1][1])
+        return {"logits": x, "cache": LayerCache(layers) if use_cache else None}
+
+
+def test_a_cache_returned_by_every_replica_equals_the_single_device_cache(generator):
+    """Through DataParallel (cache on and off, both backends): the gathered cache is one ``LayerCache``
+    equal to the one the module returns for the whole batch, in float64."""
+    torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
+    model = CachingModel()
+    x = torch.randn(5, 4, generator=generator, dtype=torch.float64)
+    expected = model(x, use_cache=True)["cache"]
+    out = minidp.DataParallel(model, cpu_ids(3))(x, use_cache=True)
+    assert type(out["cache"]) is LayerCache
+    for got_layer, expected_layer in zip(out["cache"], expected, strict=True):
+        for got, want in zip(got_layer, expected_layer, strict=True):
+            assert max_relative_error(got, want) <= RTOL_FLOAT64
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (Opaque, r"output\['state'\] is of type Opaque, which gather cannot join: .* not iterable"),
+        (Fixed, r"output\['state'\] is of type Fixed, which gather cannot join: it iterates over 1 items, but "
+                r"Fixed\(gathered items\) fails \(TypeError"),
+    ],
+)
+def test_an_object_that_cannot_be_rebuilt_is_an_error_naming_its_type_and_path(make, message, generator):
+    """Stock fails with ``TypeError: 'Opaque' object is not iterable`` (or the constructor's own error),
+    without saying where the object sits in the output."""
+    outputs = [{"y": torch.randn(2, 1, generator=generator), "state": make()} for _ in range(2)]
+    with emulated_stock(), pytest.raises(TypeError):
+        nn.parallel.gather(outputs, 0)
+    with pytest.raises(TypeError, match=message):
+        minidp.gather(outputs, "cpu")
+
+
+def test_an_object_of_another_type_in_one_replica_is_an_error_naming_both():
+    with pytest.raises(ValueError, match=r"output\[1\] is of type LayerCache in replica 0 but of type Opaque in replica 1"):
+        minidp.gather([(1, LayerCache()), (2, Opaque())], "cpu")
+
+
+def test_gpt2_cache_from_every_replica_equals_the_single_device_cache(generator):
+    """Hugging Face's ``Trainer`` pattern on a real model, where transformers is installed: GPT-2 (a tiny
+    random configuration, float64) with ``use_cache=True`` and ``num_items_in_batch`` one row per
+    replica. The gathered cache is one ``DynamicCache`` equal to the single-device cache; the loss vector
+    and the cache equal stock's; ``.mean()`` of the loss backpropagates."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    ids = torch.randint(50, (4, 7), generator=generator)
+    num_items = torch.tensor([[11.0], [11.0]])
+
+    def cache_of(output):
+        return output["cache"] if "cache" in output else output["past_key_values"]  # transformers >= 5: "cache"
+
+    expected = cache_of(model(input_ids=ids, use_cache=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the 0-dim losses' gather warning, transformers' deprecations
+        ours = minidp.DataParallel(model, cpu_ids(2))(input_ids=ids, labels=ids, num_items_in_batch=num_items, use_cache=True)
+        with emulated_stock():
+            stock = nn.DataParallel(model, [0, 1])(input_ids=ids, labels=ids, num_items_in_batch=num_items, use_cache=True)
+    assert type(cache_of(ours)) is type(expected) is type(cache_of(stock))
+    assert cache_of(ours).get_seq_length() == expected.get_seq_length() == 7
+    for got_layer, stock_layer, expected_layer in zip(cache_of(ours), cache_of(stock), expected, strict=True):
+        for got, theirs, want in zip(got_layer, stock_layer, expected_layer, strict=True):
+            if want is None:
+                assert got is None and theirs is None
+            else:
+                assert torch.equal(got, theirs) and max_relative_error(got, want) <= RTOL_FLOAT64
+    assert ours["loss"].shape == (2, 1) and torch.equal(ours["loss"], stock["loss"])
+    ours["loss"].mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_gather_leaves_no_reference_cycles(generator):
+    """B36: stock clears its recursive ``gather_map`` closure by hand; minidp walks with a plain function."""
+    outputs = [{"a": [torch.randn(n, 2, generator=generator)], "p": Pair(None, "s"), "c": layer_cache(n, generator)} for n in (2, 1)]
+    assert garbage_left_by(lambda: minidp.gather(outputs, "cpu")) == 0

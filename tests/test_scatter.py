@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 import minidp
-from .helpers import cpu_ids
+from .helpers import cpu_ids, garbage_left_by
 from .stock_emulation import emulated_stock
 
 Pair = collections.namedtuple("Pair", "left right")
@@ -161,15 +162,16 @@ def test_positional_only_pads_kwargs_with_empty_dicts(kwargs, generator):
     assert len(inputs) == 3 and out_kwargs == ({}, {}, {})
 
 
-def test_kwargs_with_another_batch_size_than_the_inputs_is_an_error_naming_both(generator):
+def test_kwargs_that_cut_into_fewer_chunks_than_the_inputs_are_an_error_naming_both(generator):
     """B17 (c)/(d): stock scatters ``(x5,)`` and ``{'k': x2}`` separately on 4 devices (3 chunks
     against 2) and does not pad, or pads so that trailing replicas silently lose ``k``. minidp cuts
-    both as one batch, so rows of ``x`` are never paired with the wrong rows of ``k``."""
+    both as one batch, so a replica never runs without its part of ``k``."""
     x5, x2 = torch.randn(5, 1, generator=generator), torch.randn(2, 1, generator=generator)
     with emulated_stock():
         stock_inputs, stock_kwargs = nn.parallel.scatter_gather.scatter_kwargs((x5,), {"k": x2}, [0, 1, 2, 3])
     assert (len(stock_inputs), len(stock_kwargs)) == (3, 2)
-    with pytest.raises(ValueError, match=r"kwargs\['k'\] has 2 rows along dim 0 but inputs\[0\] has 5"):
+    with pytest.raises(ValueError, match=r"kwargs\['k'\] has 2 rows along dim 0, which cut by torch.chunk into 2 "
+                       r"chunk\(s\) \[1, 1\] for 4 devices, but inputs\[0\] has 5 rows, which cut into 3"):
         minidp.scatter_kwargs((x5,), {"k": x2}, cpu_ids(4))
 
 
@@ -183,3 +185,117 @@ def test_non_tensor_kwargs_reach_as_many_replicas_as_the_inputs_where_stock_is_w
     assert [len(i) for i in stock_inputs] == [1, 1, 0, 0] and len(stock_kwargs) == 4
     inputs, kwargs = minidp.scatter_kwargs((x2,), {"flag": True}, cpu_ids(4))
     assert [i[0].shape[0] for i in inputs] == [1, 1] and kwargs == ({"flag": True}, {"flag": True})
+
+
+# --------------------------------------------------------------------------------------------------
+# tensors of different sizes: each cut by its own torch.chunk sizes, into as many chunks (B14, B15)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rows,replicas",
+    [((6, 3), 2), ((4, 2), 2), ((10, 3), 3), ((7, 4), 4), ((8, 2, 4), 2), ((9, 5), 3)],
+)
+def test_tensors_of_different_sizes_that_cut_into_as_many_chunks_are_cut_as_stock_cuts_them(rows, replicas, generator):
+    """B14/B15: stock cuts every tensor by its own ``torch.chunk``; where the numbers of chunks agree,
+    ``zip`` drops nothing and every replica gets its chunk of each tensor. minidp cuts the same chunks."""
+    tensors = tuple(torch.randn(n, 2, generator=generator) for n in rows)
+    ours = minidp.scatter(tensors, cpu_ids(replicas))
+    with emulated_stock():
+        stock = nn.parallel.scatter(tensors, list(range(replicas)))
+    assert len(ours) == len(stock) == len(tensors[0].chunk(replicas))
+    for mine, theirs in zip(ours, stock):
+        assert _same_structure_and_values(mine, theirs)
+    for i, tensor in enumerate(tensors):
+        assert [piece[i].shape[0] for piece in ours] == [c.shape[0] for c in tensor.chunk(replicas)]
+
+
+class CausalLMWithLossKeywords(nn.Module):
+    """The signature Hugging Face's ``Trainer`` calls: ``input_ids``, ``labels`` and ``num_items_in_batch``;
+    the loss is summed over the tokens and divided by ``num_items_in_batch``, as transformers' causal-LM
+    loss does. Records what each call received (a list in a plain attribute, shared by the replicas)."""
+
+    def __init__(self, vocab: int = 13) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 6, dtype=torch.float64)
+        self.head = nn.Linear(6, vocab, dtype=torch.float64)
+        self.received: list[tuple[int, list[float]]] = []
+
+    def forward(self, input_ids, labels=None, num_items_in_batch=None):
+        self.received.append((input_ids.shape[0], num_items_in_batch.flatten().tolist()))
+        logits = self.head(self.embed(input_ids))
+        loss = nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), reduction="sum"
+        )
+        return {"loss": loss / num_items_in_batch, "logits": logits}
+
+
+def test_trainers_num_items_in_batch_gives_each_replica_one_row_as_stock_does(generator):
+    """Hugging Face's ``Trainer`` passes ``num_items_in_batch`` as an ``(n_gpu, 1)`` tensor beside a batch of
+    4 rows: 2 chunks of ``input_ids`` and 2 rows of ``num_items_in_batch``. Stock gives each replica one
+    row (B14: the counts agree, nothing is dropped); so does minidp: same loss vector, same gradients."""
+    torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
+    model = CausalLMWithLossKeywords()
+    ids = torch.randint(13, (4, 7), generator=generator)
+    num_items = torch.tensor([[11.0], [11.0]], dtype=torch.float64)
+    results = []
+    for wrapper, emulation, ids_ in ((minidp.DataParallel, contextlib.nullcontext(), cpu_ids(2)), (nn.DataParallel, emulated_stock(), [0, 1])):
+        model.zero_grad()
+        model.received.clear()
+        with emulation:
+            out = wrapper(model, ids_)(input_ids=ids, labels=ids, num_items_in_batch=num_items)
+            out["loss"].mean().backward()  # Trainer: `loss = loss.mean()` when n_gpu > 1
+        results.append((out["loss"].detach(), out["logits"].detach(), [p.grad.clone() for p in model.parameters()],
+                        sorted(model.received)))
+    (ours, logits, grads, received), (stock, stock_logits, stock_grads, stock_received) = results
+    assert received == stock_received == [(2, [11.0]), (2, [11.0])]
+    assert ours.shape == stock.shape == (2, 1) and torch.equal(ours, stock) and torch.equal(logits, stock_logits)
+    assert all(torch.equal(a, b) for a, b in zip(grads, stock_grads))
+
+
+@pytest.mark.parametrize("rows,replicas", [((6, 2), 4), ((6, 1), 2), ((5, 4), 4)])
+def test_tensors_that_cut_into_different_numbers_of_chunks_are_an_error_naming_both(rows, replicas, generator):
+    """B14: stock zips the chunks to the smallest number and silently drops the rest: the tensor with
+    more chunks loses rows (checked here against stock). minidp names both tensors, their sizes and chunk counts."""
+    tensors = tuple(torch.randn(n, 2, generator=generator) for n in rows)
+    with emulated_stock():
+        stock = nn.parallel.scatter(tensors, list(range(replicas)))
+    assert sum(t.shape[0] for piece in stock for t in piece) < sum(rows), "stock drops rows"
+    first, second = (len(t.chunk(replicas)) for t in tensors)
+    with pytest.raises(
+        ValueError,
+        match=rf"inputs\[1\] has {rows[1]} rows along dim 0, which cut by torch.chunk into {second} chunk\(s\).* "
+        rf"but inputs\[0\] has {rows[0]} rows, which cut into {first} chunk\(s\).*same number of chunks",
+    ):
+        minidp.scatter(tensors, cpu_ids(replicas))
+
+
+def test_chunk_weights_cut_every_tensor_in_proportion_to_its_own_size(generator):
+    """``chunk_weights`` are a rule like torch.chunk's, applied to each tensor's size: a batch of 10 and a
+    tensor with one row per replica, weights 3:1, give [8, 2] and [1, 1] rows."""
+    x, per_replica = torch.randn(10, 2, generator=generator), torch.randn(2, 1, generator=generator)
+    pieces = minidp.scatter((x, per_replica), cpu_ids(2), chunk_weights=[3, 1])
+    assert [(a.shape[0], b.shape[0]) for a, b in pieces] == [(8, 1), (2, 1)]
+    assert torch.equal(torch.cat([b for _, b in pieces]), per_replica)
+
+
+def test_explicit_chunk_sizes_split_one_size_so_another_size_is_an_error_naming_both(generator):
+    """``chunk_sizes`` are one split of one size (stock's ``Scatter`` argument, B15): a tensor of another
+    size cannot follow it, and the error says so."""
+    x, other = torch.randn(6, 2, generator=generator), torch.randn(2, 1, generator=generator)
+    with pytest.raises(ValueError, match=r"inputs\[1\] has 2 rows along dim 0 but inputs\[0\] has 6, and chunk_sizes "
+                                         r"\[4, 2\] split 6 rows only"):
+        minidp.scatter((x, other), cpu_ids(2), chunk_sizes=[4, 2])
+
+
+# --------------------------------------------------------------------------------------------------
+# no reference cycles (B36)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_scatter_leaves_no_reference_cycles(generator):
+    """B36: stock clears its recursive ``scatter_map`` closure by hand; minidp walks with a plain function."""
+    x = torch.randn(6, 2, generator=generator)
+    inputs = (x, [x, {"a": x}], Pair(x, x), Batch(x, x))
+    assert garbage_left_by(lambda: minidp.scatter(inputs, cpu_ids(3))) == 0
+    assert garbage_left_by(lambda: minidp.scatter_kwargs((x,), {"k": [x]}, cpu_ids(2))) == 0

@@ -42,14 +42,6 @@ import minidp
 from .helpers import RTOL_FLOAT64, cpu_ids, max_relative_error
 from .stock_emulation import emulated_stock
 
-ITEM_1 = pytest.mark.xfail(
-    strict=True, raises=ValueError, reason="item 1: scatter refuses tensors of different batch sizes that cut alike"
-)
-ITEM_2 = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="item 2: gather returns a list of the replicas' cache objects instead of rebuilding one",
-)
-
 # replicas -> rows: 4 rows on 2 replicas (2, 2); 7 rows on 3 replicas (3, 3, 1: uneven)
 ROWS = {2: 4, 3: 7}
 TOKENS = 8
@@ -206,12 +198,11 @@ def minidp_data_parallel(model: nn.Module, n_gpu: int) -> nn.Module:
     return minidp.DataParallel(model, cpu_ids(n_gpu))
 
 
-def wrappers(item: pytest.MarkDecorator) -> pytest.MarkDecorator:
-    """Stock ``nn.DataParallel`` under the CPU emulation (what Trainer gets), then minidp's, expected to fail until ``item``."""
-    return pytest.mark.parametrize("wrap, context", [
-        pytest.param(stock_data_parallel, emulated_stock, id="stock"),
-        pytest.param(minidp_data_parallel, contextlib.nullcontext, id="minidp", marks=item),
-    ])
+# Stock ``nn.DataParallel`` under the CPU emulation (what Trainer gets), then minidp's.
+WRAPPERS = pytest.mark.parametrize("wrap, context", [
+    pytest.param(stock_data_parallel, emulated_stock, id="stock"),
+    pytest.param(minidp_data_parallel, contextlib.nullcontext, id="minidp"),
+])
 
 
 @pytest.mark.parametrize("n_gpu", [2, 3])
@@ -230,7 +221,7 @@ def test_trainer_gets_a_vector_of_replica_losses_whose_mean_is_the_mean_of_the_c
     assert_same_gradients(model, reference, lm.rtol)
 
 
-@wrappers(ITEM_1)
+@WRAPPERS
 @pytest.mark.parametrize("n_gpu", [2, 3])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_trainer_gets_the_full_batch_loss_with_num_items_in_batch_one_row_per_replica(generator, name, n_gpu, wrap, context):
@@ -246,7 +237,7 @@ def test_trainer_gets_the_full_batch_loss_with_num_items_in_batch_one_row_per_re
     assert_same_gradients(model, reference, lm.rtol)
 
 
-@wrappers(ITEM_2)
+@WRAPPERS
 @pytest.mark.parametrize("n_gpu", [2, 3])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_trainer_use_cache_gathers_one_cache_object_equal_to_the_full_batch(generator, name, n_gpu, wrap, context):

@@ -326,15 +326,10 @@ def test_data_parallel_model_device():
     test(s, None, inp, ALL, should_fail=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="minidp leaves reference cycles behind after every forward: its scatter and gather recurse "
-    "through nested closures (scatter_map, gather_map) that reference themselves, 13 objects per call; "
-    "stock breaks the cycle by clearing the closure (B36)",
-)
 def test_data_parallel_model_no_refcycles():
-    """One forward leaves no garbage that only the cycle collector can free. Automatic collection is
-    paused while counting, so that it cannot free the cycles before the count."""
+    """One forward leaves no garbage that only the cycle collector can free (B36: stock clears its
+    recursive closures; minidp's scatter and gather walk with plain functions). Automatic collection
+    is paused while counting, so that it cannot free the cycles before the count."""
 
     class Model(nn.Module):
         def __init__(self):
