@@ -100,7 +100,15 @@ def _copy_buffers(buffers: list[torch.Tensor], devices: list[torch.device]) -> l
     Fresh at every call, never refilled in place: a graph recorded by an earlier step may have saved
     an earlier copy (a buffer multiplied with an input that requires grad), and must find it unchanged.
     """
-    return [list(buffers)] + [list(comm.copy_coalesced(buffers, device)) for device in devices[1:]]
+    if not buffers:
+        return [[] for _ in devices]
+    source = buffers[0].device
+    # On the source device one clone per buffer is cheaper than packing them (measured: ResNet-50's 159
+    # buffers); to another device, packed buffers make few large copies.
+    return [list(buffers)] + [
+        [b.clone() for b in buffers] if device == source else list(comm.copy_coalesced(buffers, device))
+        for device in devices[1:]
+    ]
 
 
 @observed("replicate")
