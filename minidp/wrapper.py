@@ -21,11 +21,12 @@ from torch import nn
 
 from . import comm
 from .device_ids import DeviceLike, as_device, as_devices, check_device_list, parse_device
-from .step4_gather import gather
-from .step3_parallel_apply import parallel_apply
+from .hooks import profiled
 from .replica_cache import ReplicaCache, ReplicaCacheInfo
-from .step2_replicate import check_is_module, check_module_device, check_not_compiled, replicate
 from .step1_scatter import scatter_kwargs
+from .step2_replicate import check_is_module, check_module_device, check_not_compiled, replicate
+from .step3_parallel_apply import parallel_apply
+from .step4_gather import gather
 
 _warned_no_gpu = False
 
@@ -164,7 +165,7 @@ class DataParallel(nn.Module):
             self.module.to(self.source_device)  # as stock: one device is "just run it there"
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with torch.autograd.profiler.record_function("minidp.DataParallel.forward"):
+        with profiled("minidp.DataParallel.forward"):
             if not self.device_ids:
                 output = self.module(*inputs, **kwargs)
                 return output if self.gather_output else [output]

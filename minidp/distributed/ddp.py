@@ -30,6 +30,7 @@ from torch import nn
 
 import minidp
 
+from ..hooks import profiled
 from .broadcast import broadcast_from_rank0
 from .buckets import BucketCaps
 from .checks import check_dense_gradients, check_same_model, reducer_parameters
@@ -109,7 +110,7 @@ class DistributedDataParallel(nn.Module):
         self.require_forward_param_sync = True  # whether the last forward was synchronised
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with torch.autograd.profiler.record_function("minidp.DistributedDataParallel.forward"):
+        with profiled("minidp.DistributedDataParallel.forward"):
             recording = torch.is_grad_enabled()
             if recording:
                 self.reducer.before_forward()
