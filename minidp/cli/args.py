@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from ..device_ids import DeviceLike, as_device
 
 
@@ -56,23 +54,19 @@ def parse_device_ids(text: str) -> list[DeviceLike]:
 
 
 def parse_device(name: str) -> DeviceLike:
-    """One device as written: a GPU number (-1: the CPU) or a name such as cpu, cuda or cuda:1; checked."""
-    if name.lstrip("-").isdigit():
-        device: DeviceLike = int(name)
-        spelled_right = device >= -1
-    else:
-        device = name
-        try:
-            torch.device(name)
-            spelled_right = True
-        except RuntimeError:
-            spelled_right = False
-    if not spelled_right:
-        raise argparse.ArgumentTypeError(
-            f"{name!r} is not a device: use cpu, cuda, cuda:N or a GPU number N, e.g. 0,1 or cpu*4"
-        )
+    """One device as written: a GPU number (-1: the CPU) or a name such as cpu, cuda or cuda:1.
+
+    Checked by the core's own :func:`minidp.device_ids.as_device` (spelling, and a GPU this process sees);
+    its error becomes the usage error, with the command line's spelling of what works.
+    """
+    device: DeviceLike = int(name) if name.lstrip("-").isdigit() else name
     try:
         as_device(device, repr(name))
-    except (ValueError, RuntimeError) as error:  # a GPU this process does not see: the message says which it does
+    except (TypeError, ValueError, RuntimeError) as error:
+        if "is not a device" in str(error):
+            raise argparse.ArgumentTypeError(
+                f"{name!r} is not a device: use cpu, cuda, cuda:N or a GPU number N, e.g. 0,1 or cpu*4"
+            ) from None
+        # a GPU this process does not see: the core's message says which it does
         raise argparse.ArgumentTypeError(f"{str(error).rstrip('.')}; on the command line: --devices cpu*n") from None
     return device
