@@ -63,7 +63,8 @@ def _ranges(stage: str) -> Iterator[None]:
 
 
 def profiled(name: str) -> contextlib.AbstractContextManager:
-    """``record_function(name)`` while ``torch.profiler`` records, else nothing (it costs microseconds per call)."""
+    """``record_function(name)`` while ``torch.profiler`` records, else nothing: entering one costs 6 us, a
+    ``nullcontext`` 0.24 us (``python -m timeit -s "import torch" "with torch.profiler.record_function('x'): pass"``)."""
     return torch.profiler.record_function(name) if _profiler._is_profiler_enabled else contextlib.nullcontext()
 
 
