@@ -31,7 +31,6 @@ write-back at the end.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import weakref
@@ -41,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from ..nested import tensors_in
 from .buckets import Bucket, BucketCaps, GradBucket, initial_plan, rebuilt_plan, views_of
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
@@ -56,20 +56,6 @@ def to_epoch_seconds(perf_counter_time: float) -> float:
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """The tensors in ``obj`` and in the lists, tuples, dict values and dataclass fields inside it
-    (DDP's ``_find_tensors``)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in tensors_in(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in tensors_in(item)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name))]
-    return []
 
 
 class Reducer:
@@ -184,7 +170,8 @@ class Reducer:
         self._events = []
         self._reduce_events = {}
         self._backward_start = None
-        outputs = [t for t in tensors_in(output) if t.requires_grad]
+        # the tensors in lists, tuples, dict values and dataclass fields: what DDP's _find_tensors finds
+        outputs = [t for _, t in tensors_in(output) if t.requires_grad]
         for t in outputs:
             t.register_hook(self._note_backward_start)
         if self.find_unused_parameters:

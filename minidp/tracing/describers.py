@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 from ..comm import reduce_backends
-from ..device_ids import as_devices
+from ..device_ids import as_device, as_devices
 from ..nested import tensors_in
 
 Served = Iterator[tuple[int, Any, int, str]]  # (replica, device, bytes, detail)
@@ -128,7 +128,7 @@ def gather(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Serve
     def served() -> Served:
         gathered_tensors = _tensors(result)
         gathered = _storages(gathered_tensors)
-        tracer.account(str(as_devices([arguments["target_device"]])[0]), "gathered outputs",
+        tracer.account(str(as_device(arguments["target_device"], "target_device")), "gathered outputs",
                        sum(t.nbytes for t in gathered_tensors))
         for replica, tensors in enumerate(outputs):
             yield replica, _device_of(tensors, arguments["target_device"]), _bytes_outside(tensors, gathered), (
@@ -162,6 +162,6 @@ def timing_device(stage: str, arguments: dict) -> "torch.device | None":
     if stage != "reduce":
         return None
     if arguments["destination"] is not None:
-        return as_devices([arguments["destination"]], "destination")[0]
+        return as_device(arguments["destination"], "destination")
     inputs = arguments["inputs"]
     return inputs[0][0].device if inputs and inputs[0] else None
