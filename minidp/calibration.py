@@ -39,9 +39,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-import minidp
-
 from .device_ids import DeviceLike, as_devices
+from .step1_scatter import scatter_kwargs
 
 
 def calibrate(
@@ -92,7 +91,7 @@ def _median_step_seconds(
 ) -> float:
     """The median time of a forward and backward pass of a copy of ``model`` on ``device``."""
     replica = copy.deepcopy(model).to(device)
-    ((inputs,), (kwargs,)) = minidp.scatter_kwargs(sample_inputs, {}, [device])  # the whole batch, moved
+    ((inputs,), (kwargs,)) = scatter_kwargs(sample_inputs, {}, [device])  # the whole batch, moved
 
     def step() -> None:
         output = replica(*inputs, **kwargs)

@@ -84,11 +84,11 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-import minidp
-from .wrapper import DataParallel
 from .device_ids import DeviceLike, as_devices
 from .nested import leaves, map_tensors
 from .reference import chunked_reference
+from .step3_parallel_apply import parallel_apply
+from .wrapper import DataParallel
 
 REFERENCE = "chunked reference"
 FULL_BATCH = "full batch"
@@ -306,7 +306,7 @@ def _replica_threads(devices: Sequence[torch.device]) -> int:
     Asked of parallel_apply itself rather than computed here, so that verify follows whatever
     rule it has for sharing the caller's threads among CPU replicas.
     """
-    return minidp.parallel_apply([_IntraOpThreads() for _ in devices], [()] * len(devices), devices=devices)[0]
+    return parallel_apply([_IntraOpThreads() for _ in devices], [()] * len(devices), devices=devices)[0]
 
 
 @contextlib.contextmanager
