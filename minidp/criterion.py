@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .comm import check_dim
 from .device_ids import DeviceLike, as_device
 from .step1_scatter import scatter
 from .step3_parallel_apply import parallel_apply
@@ -163,7 +164,7 @@ def parallel_criterion(
     """
     if not callable(criterion):
         raise TypeError(f"criterion must be callable, e.g. nn.CrossEntropyLoss(), got {type(criterion).__name__}")
-    dim, rows, devices = _check_outputs(outputs, dim)
+    dim, rows, devices = _check_outputs(outputs, check_dim(dim))
     rule = _rule_for(criterion)
     reduction = criterion.reduction if rule is not None else "mean"  # no rule: the row-weighted mean
     if reduction not in REDUCTIONS:

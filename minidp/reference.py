@@ -24,9 +24,10 @@ outlives the call gets that right; a swap undone when the call returns would sen
 chunks' second updates into the original's buffers.
 
 Autograd records the plain single-device graph: one loss on the joined output sends every chunk's
-gradient into the original parameters (the copies hold the same parameter tensors), where they add up. :func:`minidp.verify` compares a
-parallel run with this reference, and the tests check the reference itself against stock
-``torch.nn.DataParallel`` (run on the CPU through the tests' emulation of its CUDA calls).
+gradient into the original parameters (the copies hold the same parameter tensors), where they add
+up. :func:`minidp.verify` compares a parallel run with this reference, and the tests check the
+reference itself against stock ``torch.nn.DataParallel`` (run on the CPU through the tests'
+emulation of its CUDA calls).
 """
 
 from __future__ import annotations

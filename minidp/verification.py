@@ -84,9 +84,11 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from .comm import check_dim
 from .device_ids import DeviceLike, as_devices
 from .nested import leaves, map_tensors
 from .reference import chunked_reference
+from .step2_replicate import check_is_module
 from .step3_parallel_apply import parallel_apply
 from .wrapper import DataParallel
 
@@ -196,9 +198,18 @@ def verify(
         batch_dependent: your own layer types that compute batch statistics as BatchNorm does, e.g.
             ``(MyNorm,)``: differences from the full batch are put down to them (module docstring).
     """
+    check_is_module(module, "module")
+    check_dim(dim, "dim")
     devices = as_devices(device_ids if device_ids is not None else _default_devices(), "device_ids")
     if not devices:
         raise ValueError("device_ids is empty: give at least one device, e.g. ['cpu'] * 2")
+    for argument, function in (("loss", loss), ("wrapper", wrapper)):
+        if function is not None and not callable(function):
+            raise TypeError(f"{argument} must be callable (see verify's docstring), got {type(function).__name__}")
+    if rtol is not None and (isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 < rtol < math.inf):
+        raise ValueError(f"rtol must be a positive number (the largest accepted relative error), got {rtol!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype (e.g. torch.float64) or None, got {dtype!r}")
     batch_dependent = tuple(batch_dependent)
     if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in batch_dependent):
         raise TypeError(f"batch_dependent must hold nn.Module subclasses, e.g. (MyNorm,); got {batch_dependent!r}")
