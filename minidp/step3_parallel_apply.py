@@ -33,7 +33,7 @@ from torch import nn
 
 from .device_ids import DeviceLike, as_devices
 from .hooks import observe_replica
-from .nested import tensors_in
+from .nested import is_per_replica, tensors_in
 from .replica_group import ReplicaGroup
 
 
@@ -241,9 +241,7 @@ def parallel_apply(
     Inside, replica i is member i of a :class:`minidp.replica_group.ReplicaGroup` of the n replicas.
     """
     for name, values in (("modules", modules), ("inputs", inputs), ("kwargs_tup", kwargs_tup), ("devices", devices)):
-        # A tensor has a length too: its rows would silently become the replicas' inputs.
-        listed = values is None or type(values) in (list, tuple)
-        if not listed and (isinstance(values, (str, bytes)) or not isinstance(values, Sequence)):
+        if values is not None and not is_per_replica(values):
             raise TypeError(
                 f"parallel_apply: {name} must be a list with one entry per module (replica), got {type(values).__name__}"
             )
