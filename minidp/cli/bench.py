@@ -12,6 +12,9 @@ Rows:
   is the single-device step; on a GPU, stock and minidp both run K replicas on GPU 0.
 * ``replicate resnet50``: replicating a ResNet-50-shaped tree (161 parameters, 159 buffers,
   151 modules) with minidp's cache vs without it (vs stock ``replicate`` on a GPU).
+* ``forward deep``: the forward of a deep, cheap model (:func:`deep_cheap`: 48 blocks of
+  ``Linear``, ``BatchNorm1d`` and ``ReLU``) through ``DataParallel`` with the replica cache vs
+  without it; the replicas' graph is then dropped, as a training step's backward leaves it.
 * ``overhead``: step time minus the single-device step time of the same batch, for minidp and
   for stock (GPU only): the cost of everything that is not the replicas' own compute.
 
@@ -124,6 +127,27 @@ def replicate_variants(device: torch.device, replicas: int) -> dict[str, Callabl
     return variants
 
 
+def deep_cheap(blocks: int = 48, width: int = 32) -> nn.Module:
+    """A deep, cheap model: ``blocks`` of ``Linear(width, width)``, ``BatchNorm1d`` and ``ReLU`` (3 buffers
+    each). Its operations are tiny, so a forward is mostly per-module work: replicating weighs most."""
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU()) for _ in range(blocks)])
+
+
+def forward_variants(device: torch.device, replicas: int) -> dict[str, Callable[[], object]]:
+    """A training forward of :func:`deep_cheap` on ``replicas`` replicas of ``device``, with and without the cache."""
+    torch.manual_seed(0)
+    model = deep_cheap().to(device)
+    x = torch.randn(16 * replicas, 32, device=device)
+    ids = [device.index or 0] * replicas if device.type == "cuda" else ["cpu"] * replicas
+    cached, uncached = DataParallel(model, ids), DataParallel(copy.deepcopy(model), ids, cache_replicas=False)
+
+    def cached_forward() -> None:
+        cached(x)
+        cached.replica_cache.release(cached.device_ids)  # no backward follows: the replicas are free to re-bind
+
+    return {"uncached": lambda: uncached(x), "cached": cached_forward}
+
+
 @dataclass
 class Row:
     name: str
@@ -166,6 +190,17 @@ def _run_bench(device: torch.device, rounds: int, number: int) -> list[Row]:
                 f"replicate resnet50 x{k} cached",
                 times["cached"],
                 times["cached"] / times["stock"] if "stock" in times else None,
+                None,
+                f"uncached {times['uncached'] * 1e3:.2f} ms, cached/uncached {times['cached'] / times['uncached']:.3f}",
+            )
+        )
+    for k in (2, 4):
+        times = side_by_side(forward_variants(device, k), rounds, 5 * number)
+        rows.append(
+            Row(
+                f"forward deep x{k} cached",
+                times["cached"],
+                None,
                 None,
                 f"uncached {times['uncached'] * 1e3:.2f} ms, cached/uncached {times['cached'] / times['uncached']:.3f}",
             )
