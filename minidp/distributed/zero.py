@@ -34,7 +34,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim.utils import functional_optim_map
 from torch.optim import Optimizer
 
 from ..nested import map_tensors, tensors_in
@@ -97,7 +96,9 @@ class ZeroRedundancyOptimizer(Optimizer):
                 "(the same updates, run after the backward rather than inside DDP's communication hook), or use "
                 "torch.distributed.optim.ZeroRedundancyOptimizer"
             )
-        if optimizer_class in functional_optim_map.values():
+        if getattr(optimizer_class, "__module__", "").startswith("torch.distributed.optim.functional_"):
+            # torch's functional optimizers (_FunctionalSGD, ...) serve overlap_with_ddp only; named by their
+            # module, since importing torch's list of them compiles TorchScript
             raise ValueError(f"Passing in a functional optimizer {optimizer_class} when `overlap_with_ddp=False`")
         if not dist.is_initialized():
             raise RuntimeError(
