@@ -261,16 +261,17 @@ class FailsInSecondStep(torch.optim.SGD):
 
 def failing_step(seed: int, failing_rank: int) -> dict:
     """Rank ``failing_rank``'s local step raises in the second step: the error each rank raises, and
-    whether the process group still works afterwards (no rank is left inside a broadcast)."""
+    whether every rank then holds the same parameters (gathered through the same process group)."""
     module = varied()
     zero = md.ZeroRedundancyOptimizer(module.parameters(), FailsInSecondStep, lr=0.1, failing_rank=failing_rank)
     for p in module.parameters():
         p.grad = torch.ones_like(p)
     zero.step()
     error = _error_of(zero.step)
-    total = torch.ones(1)
-    dist.all_reduce(total)
-    return {"error": error, "group_works": total.item() == dist.get_world_size()}
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)  # the group still works: no rank was left inside a broadcast
+    return {"error": error, "same_parameters": all(torch.equal(flat, other) for other in everyone)}
 
 
 def add_param_group_refused_on_one_rank(seed: int) -> dict:

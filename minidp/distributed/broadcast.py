@@ -1,11 +1,10 @@
-"""One rank's tensors copied into every rank's tensors in place: one broadcast per dtype and device.
+"""Rank 0's parameters and buffers, copied into every rank's tensors in place.
 
 DDP broadcasts the parameters and buffers once at construction (``_sync_module_states``) and the
 buffers again before every forward that follows a synchronised one (``_sync_buffers``), so that
 BatchNorm's running statistics are rank 0's everywhere. Both go through
 ``dist._broadcast_coalesced``: the tensors flattened into one buffer per dtype and device, one
-broadcast each. This is the same in Python. ZeroRedundancyOptimizer sends each rank's updated
-parameters to the others the same way, from that rank (:mod:`minidp.distributed.zero`).
+broadcast each. This is the same in Python.
 """
 
 from __future__ import annotations
@@ -17,19 +16,14 @@ import torch.distributed as dist
 
 
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Overwrite ``tensors`` on every rank of ``group`` with rank 0's values (a collective)."""
-    broadcast_from(tensors, group, 0)
-
-
-def broadcast_from(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, rank: int) -> None:
-    """Overwrite ``tensors`` on every rank of ``group`` with the values of ``group``'s rank ``rank`` (a collective).
+    """Overwrite ``tensors`` on every rank of ``group`` with rank 0's values (a collective).
 
     Version counters are preserved, as DDP preserves them for buffers: a buffer that an earlier
     forward saved for its backward, not yet run, must not fail autograd's version check because
     rank 0's value was copied over it.
     """
-    source = dist.get_global_rank(group, rank)
-    receiving = dist.get_rank(group) != rank
+    source = dist.get_global_rank(group, 0)
+    receiving = dist.get_rank(group) != 0
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t.detach())

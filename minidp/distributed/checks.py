@@ -98,18 +98,31 @@ def reducer_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str]
     return [p for _, p in named], [n for n, _ in named]
 
 
-def raise_on_every_rank(error: Optional[Exception], group: dist.ProcessGroup, doing: str, advice: str = "") -> None:
-    """If ``error`` is not None on any rank of ``group``, raise on every rank (a collective).
-
-    Each rank says whether it failed (one all-reduce of one number: the whole cost when none did);
-    if one did, every rank receives every rank's error (``all_gather_object``) and raises the first
-    failing rank's, naming the rank and ``doing``, with the same exception type where it is a
-    built-in one (``ValueError``, ``TypeError``, ...) and ``RuntimeError`` otherwise; ``advice``,
-    if given, ends the message.
-    """
+def start_failure_vote(error: Optional[Exception], group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
+    """Each rank says whether it failed: an asynchronous all-reduce of one number (a collective), which
+    :func:`raise_on_every_rank` waits for; other collectives may be issued in between."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     failed = torch.tensor([0 if error is None else 1], device=device)
-    dist.all_reduce(failed, group=group)
+    return failed, dist.all_reduce(failed, group=group, async_op=True)
+
+
+def raise_on_every_rank(
+    error: Optional[Exception],
+    group: dist.ProcessGroup,
+    doing: str,
+    advice: str = "",
+    vote: Optional[tuple[torch.Tensor, dist.Work]] = None,
+) -> None:
+    """If ``error`` is not None on any rank of ``group``, raise on every rank (a collective).
+
+    The ranks vote (:func:`start_failure_vote`, unless ``vote`` was started earlier): one all-reduce
+    of one number, the whole cost when none failed. If one did, every rank receives every rank's
+    error (``all_gather_object``) and raises the first failing rank's, naming the rank and
+    ``doing``, with the same exception type where it is a built-in one (``ValueError``,
+    ``TypeError``, ...) and ``RuntimeError`` otherwise; ``advice``, if given, ends the message.
+    """
+    failed, work = vote if vote is not None else start_failure_vote(error, group)
+    work.wait()
     if failed.item() == 0:
         return
     errors: list[Optional[tuple[str, str]]] = [None] * dist.get_world_size(group)

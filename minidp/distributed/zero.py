@@ -11,9 +11,8 @@ update once, on one rank, in three steps (torch's ``torch/distributed/optim/zero
 2. **local step** (:meth:`ZeroRedundancyOptimizer.step`): each rank's optimizer updates its share.
    Its gradients were averaged over the ranks by DDP in the backward, so they are the same
    everywhere: the update is the one every rank would have computed.
-3. **broadcast**: each rank sends its updated share to the others
-   (:func:`minidp.distributed.broadcast.broadcast_from`, one broadcast per owner), and every rank
-   again holds the whole, updated model.
+3. **broadcast**: each rank sends its updated share to the others, one broadcast per parameter
+   (or per bucket), all in flight at once, and every rank again holds the whole, updated model.
 
 The state of a checkpoint lives on W ranks, so saving it is a collective too:
 :meth:`~ZeroRedundancyOptimizer.consolidate_state_dict` gathers every rank's local state dict on
@@ -37,8 +36,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..nested import map_tensors, tensors_in
-from .broadcast import broadcast_from
-from .checks import TensorSpec, first_difference, raise_on_every_rank
+from .checks import TensorSpec, first_difference, raise_on_every_rank, start_failure_vote
 
 Shares = list[list[list[torch.Tensor]]]  # shares[rank][group]: the parameters of that group the rank updates
 
@@ -70,8 +68,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         optimizer_class: the optimizer each rank runs on its share (``torch.optim.AdamW``, ...).
         process_group: the ranks to share among (default: the default group).
         parameters_as_bucket_view: keep each rank's share in one flat tensor per device (the
-            parameters' ``.data`` become views of it), so the broadcast sends it in place instead of
-            concatenating the share and copying it back.
+            parameters' ``.data`` become views of it), so that one broadcast per rank and device sends
+            it, instead of one per parameter.
         overlap_with_ddp: not supported (raises); torch's step inside DDP's communication hook.
         **defaults: the optimizer's arguments (``lr=...``), given to ``optimizer_class``.
 
@@ -134,20 +132,24 @@ class ZeroRedundancyOptimizer(Optimizer):
         loss, error = None, None
         try:
             loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
-        except Exception as exc:
+        except Exception as exc:  # kept until every rank knows: the others would wait for this one's share
             error = exc
-        raise_on_every_rank(
-            error, self.process_group, "ZeroRedundancyOptimizer.step (the local step)",
-            advice="nothing was broadcast, so the ranks whose step succeeded hold updated parameters the others "
-                   "lack: load the last checkpoint on every rank before training on",
-        )
+        vote = start_failure_vote(error, self.process_group)  # in flight beside the broadcasts
         _copy_settings(self.optim.param_groups, self.param_groups)
+        # every share sent from its owner, in place: each parameter (or each bucket), all broadcasts in
+        # flight at once, so that the backend can run them side by side, then waited for
+        handles = []
         for owner in range(self.world_size):
-            if self.parameters_as_bucket_view:
-                for bucket in self._buckets[owner]:
-                    dist.broadcast(bucket, src=dist.get_global_rank(self.process_group, owner), group=self.process_group)
-            else:
-                broadcast_from(list(chain.from_iterable(self.shares[owner])), self.process_group, owner)
+            source = dist.get_global_rank(self.process_group, owner)
+            tensors = self._buckets[owner] if self.parameters_as_bucket_view else chain.from_iterable(self.shares[owner])
+            handles += [dist.broadcast(t.detach(), src=source, group=self.process_group, async_op=True) for t in tensors]
+        for handle in handles:
+            handle.wait()
+        raise_on_every_rank(
+            error, self.process_group, "ZeroRedundancyOptimizer.step (the local step)", vote=vote,
+            advice="every share was still broadcast, so the ranks hold the same parameters, but the failing rank's "
+                   "share took this step partly or not at all: load the last checkpoint on every rank to train on",
+        )
         return loss
 
     # ---- parameter groups -------------------------------------------------------------------------
