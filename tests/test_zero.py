@@ -37,6 +37,7 @@ TWO_PROCESSES = {
     "bucket_view_sgd": (checks.against_torch, {"optimizer": "sgd", "parameters_as_bucket_view": True}),
     "bucket_view_adamw": (checks.against_torch, {"optimizer": "adamw", "parameters_as_bucket_view": True, "wrapper": "torch"}),
     "add_param_group": (checks.add_param_group, {}),
+    "closure": (checks.closure, {}),
     "checkpoint": (checks.checkpoint, {"to": 1}),
     "state_memory": (checks.state_memory, {}),
     "empty_everywhere": (checks.empty_params, {"ranks": (0, 1)}),
@@ -140,6 +141,13 @@ def test_add_param_group_deals_out_the_new_group_as_torch_does(two, three):
         assert_same_as_torch(results, "add_param_group")
         for result in _each_rank(results, "add_param_group"):
             assert result["partitions"][0] == result["partitions"][1]
+
+
+def test_step_with_a_closure_returns_its_loss_and_equals_torch(two):
+    # ZRO step (lines 1124-1153): the closure is handed to the local optimizer's step
+    assert_same_as_torch(two, "closure")
+    for result in _each_rank(two, "closure"):
+        assert all(ours == theirs for ours, theirs in result["losses"])
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

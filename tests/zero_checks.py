@@ -133,6 +133,30 @@ def against_torch(
     }
 
 
+def closure(seed: int, steps: int = 3) -> dict:
+    """``step(closure)``: the closure (forward and backward under DDP) runs inside the local step, on every
+    rank; the returned losses and the parameters and state after each step, against torch's."""
+    optimizer_class, defaults = OPTIMIZERS["sgd"]
+    ours, theirs, ours_ddp, theirs_ddp = _pair(seed, torch.float64, "minidp")
+    zeros = [md.ZeroRedundancyOptimizer(ours.parameters(), optimizer_class, **defaults),
+             TorchZero(theirs.parameters(), optimizer_class, **defaults)]
+    differences, losses = [], []
+    for step in range(steps):
+        x = _batch(seed, step, dist.get_rank(), torch.float64)
+
+        def loss_of(ddp: nn.Module, zero: Any) -> Any:
+            def evaluate() -> torch.Tensor:
+                zero.zero_grad()
+                loss = ddp(x).pow(2).mean()
+                loss.backward()
+                return loss
+            return evaluate
+
+        losses.append([zero.step(loss_of(ddp, zero)).item() for ddp, zero in ((ours_ddp, zeros[0]), (theirs_ddp, zeros[1]))])
+        differences.append(_difference(ours, theirs, *zeros))
+    return {"differences": differences, "losses": losses}
+
+
 def add_param_group(seed: int, optimizer: str = "adamw", steps: int = 4) -> dict:
     """Both ZeROs start with the weights only; after two steps the biases are added as a group of their own."""
     optimizer_class, defaults = OPTIMIZERS[optimizer]
