@@ -223,7 +223,9 @@ def reduce_add_coalesced(
     """Sum tensors from several replicas: ``result[i] = inputs[0][i] + inputs[1][i] + ...``.
 
     ``inputs[replica]`` is one replica's list of tensors (e.g. its parameters' gradients); the sums
-    are fresh tensors on ``destination`` (default: the device of ``inputs[0][0]``). The sum runs in
+    are new tensors on ``destination`` (default: the device of ``inputs[0][0]``), never aliases of an
+    input or of anything the caller still holds (the extension writes CPU sums into memory it reuses
+    once no tensor over it is alive: :func:`minidp.ext.reduce_add_coalesced`). The sum runs in
     replica order, so every backend gives bitwise the same result; half-precision inputs are summed
     in float32 and rounded once. Each position goes to the backend :func:`reduce_backends` picks.
     ``buffer_size`` is accepted for compatibility with ``torch.nn.parallel.comm`` and unused: no

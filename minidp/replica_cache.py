@@ -117,6 +117,7 @@ def _module_parts(module: nn.Module) -> dict[str, dict[str, int]]:
 
 _device_of = attrgetter("device")
 _dtype_of = attrgetter("dtype")
+_grad_fn_of = attrgetter("grad_fn")
 
 
 def _same_placement(tensors: list[torch.Tensor], device: torch.device, dtypes: tuple) -> bool:
@@ -239,7 +240,8 @@ class _Entry:
 
     def _watch_backward(self, tensors: list[torch.Tensor]) -> None:
         """BACKWARD_PENDING until every autograd node that made ``tensors`` (one ``Broadcast`` per step) has run backward."""
-        nodes = {id(t.grad_fn): t.grad_fn for t in tensors if t.grad_fn is not None}
+        nodes = set(map(_grad_fn_of, tensors))  # one Broadcast node for all the parameters, None for plain buffers
+        nodes.discard(None)
         self._pending_nodes = len(nodes)
         self.state = EntryState.BACKWARD_PENDING if nodes else EntryState.BOUND
         entry = weakref.ref(self)  # the node must not keep the skeletons alive: they hold its outputs
@@ -251,7 +253,7 @@ class _Entry:
                 if live._pending_nodes == 0:
                     live.state = EntryState.RELEASED
 
-        for node in nodes.values():
+        for node in nodes:
             node.register_hook(backward_done)
 
     def reset(self) -> None:
