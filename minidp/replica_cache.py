@@ -65,9 +65,10 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from .comm import check_reduce_backend
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
-from .step2_replicate import Slots, bind, build_skeletons, check_module_device, replica_tensors, tensor_slots
+from .step2_replicate import Slots, bind, build_skeletons, check_is_module, check_module_device, replica_tensors, tensor_slots
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 _dict_of = attrgetter("__dict__")
@@ -294,7 +295,9 @@ class ReplicaCache:
         self, network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False, reduce_backend: Optional[str] = None
     ) -> list[nn.Module]:
         """:func:`minidp.replicate` of ``network`` on ``devices``, from kept skeletons where they still fit."""
+        check_is_module(network, "network")
         devices = as_devices(devices, "devices")
+        reduce_backend = check_reduce_backend(reduce_backend, "reduce_backend")
         if not devices:
             return []
         key = (threading.get_ident(), tuple(devices))

@@ -132,6 +132,7 @@ def replicate(
     """
     check_is_module(network, "network")
     devices = as_devices(devices, "devices")
+    reduce_backend = comm.check_reduce_backend(reduce_backend, "reduce_backend")  # not first in the backward
     if not devices:
         return []
     check_module_device(network, devices[0])

@@ -28,9 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import minidp
-
 from ..hooks import profiled
+from ..wrapper import DataParallel
 from .broadcast import broadcast_from_rank0
 from .buckets import BucketCaps
 from .checks import check_dense_gradients, check_same_model, reducer_parameters
@@ -97,7 +96,7 @@ class DistributedDataParallel(nn.Module):
         # Several replicas per process: the wrapper shares `module`, so it is kept out of the
         # registry of sub-modules, where it would repeat every key of the state dict.
         self.__dict__["_replicas"] = (
-            None if device_ids is None else minidp.DataParallel(module, device_ids, output_device, dim)
+            None if device_ids is None else DataParallel(module, device_ids, output_device, dim)
         )
         params, names = reducer_parameters(module)  # after DataParallel, which may move a module to its one device
         check_same_model(module, self.process_group, buffers=broadcast_buffers)
