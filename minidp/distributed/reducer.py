@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -44,6 +45,14 @@ from ..nested import tensors_in
 from .buckets import Bucket, BucketCaps, GradBucket, initial_plan, rebuilt_plan, views_of
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+# reducer.cpp warns once when a gradient arriving in a bucket requires grad; the same words.
+CREATE_GRAPH_WARNING = (
+    "Using DistributedDataParallel with create_graph=True  is not well-supported. The higher-order gradient will "
+    " not be synchronized across ranks, and backpropagation  through all_reduce operations will not occur. If you "
+    "require  DDP to work with higher-order gradients for your use case,  please ping "
+    "https://github.com/pytorch/pytorch/issues/63929"
+)
 
 # Timestamps: time.perf_counter() (monotonic, fine-grained), reported as seconds since the Unix
 # epoch through one anchor per process, so that the timelines of ranks on one machine line up.
@@ -90,6 +99,7 @@ class Reducer:
         self.comm_hook: Optional[CommHook] = None
         self.comm_state: Any = None
         self._lock = threading.Lock()
+        self._warned_create_graph = False
 
         self._install_plan(initial_plan(self.params, caps, find_unused_parameters))
         # DDP rebuilds once, and never when it looks for unused parameters (should_rebuild_buckets).
@@ -243,6 +253,9 @@ class Reducer:
             if self.comm_hook is None:
                 view.div_(self.world_size)
         else:
+            if grad.requires_grad:  # backward(create_graph=True): the values go into the bucket, not the graph
+                self._warn_create_graph()
+                grad = grad.detach()
             if self.comm_hook is None:
                 # times 1/world_size, as reducer.cpp (a double scalar): a division would round
                 # differently wherever 1/world_size is inexact (3 ranks)
@@ -348,6 +361,12 @@ class Reducer:
                 continue
             elif param.grad is None:
                 param.grad = torch.empty_like(param).copy_(views[position])  # the parameter's layout
+            elif param.grad.requires_grad:
+                # backward(create_graph=True): the mean copied in while autograd records, as reducer.cpp
+                # copies it (.grad keeps its graph, now ending in a CopyBackwards). The graph does not
+                # reach the other ranks: a second backward through .grad differentiates this rank's part.
+                with torch.enable_grad():
+                    param.grad.copy_(views[position])
             else:
                 into.append(param.grad)
                 values.append(views[position])
@@ -364,6 +383,11 @@ class Reducer:
             f"find_unused_parameters=True, or make every output of forward take part in the loss, or set "
             f"requires_grad=False on the parameters you do not train."
         )
+
+    def _warn_create_graph(self) -> None:
+        if not self._warned_create_graph:
+            self._warned_create_graph = True
+            warnings.warn(CREATE_GRAPH_WARNING, stacklevel=2)
 
     # ---- hooks and timings ------------------------------------------------------------------
 
