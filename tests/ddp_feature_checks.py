@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import minidp.distributed as md
 
@@ -188,3 +189,68 @@ def gradient_penalty_as_stock(seed: int, steps: int = 3) -> list:
             optimizer.step()
         differences.append(_difference(ours_module, theirs_module))
     return differences
+
+
+# ---- communication hooks ---------------------------------------------------------------------------
+
+
+def _allreduce(state, bucket):
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _unnamed_bucket(state, b):
+    return default_hooks.allreduce_hook(state, b)
+
+
+def _int_bucket(state, bucket: int):
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _int_result(state, bucket) -> int:
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _annotated(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _returns_a_number(state, bucket):
+    return 5
+
+
+def comm_hook_errors(seed: int) -> dict:
+    """Each way of registering a hook wrongly, in stock and minidp: the error's type and message, or "ok"."""
+    builtin = dist.BuiltinCommHookType.ALLREDUCE
+    cases: dict[str, Callable[[nn.Module], Any]] = {
+        "not_callable": lambda d: d.register_comm_hook(None, 3),
+        "bucket_not_named_bucket": lambda d: d.register_comm_hook(None, _unnamed_bucket),
+        "bucket_annotation": lambda d: d.register_comm_hook(None, _int_bucket),
+        "return_annotation": lambda d: d.register_comm_hook(None, _int_result),
+        "stock_annotations": lambda d: d.register_comm_hook(None, _annotated),
+        "twice": lambda d: (d.register_comm_hook(None, _allreduce), d.register_comm_hook(None, _allreduce)),
+        "hook_then_builtin": lambda d: (d.register_comm_hook(None, _allreduce), d._register_builtin_comm_hook(builtin)),
+        "builtin_then_hook": lambda d: (d._register_builtin_comm_hook(builtin), d.register_comm_hook(None, _allreduce)),
+        "after_a_backward": lambda d: (d(torch.randn(2, 3)).sum().backward(), d.register_comm_hook(None, _allreduce)),
+        "not_a_future": lambda d: (d.register_comm_hook(None, _returns_a_number), d(torch.randn(2, 3)).sum().backward()),
+    }
+    seen: dict[str, dict] = {}
+    for case, call in cases.items():
+        for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+            ddp = _quiet(lambda: wrapper(nn.Linear(3, 3)))
+            try:
+                call(ddp)
+                outcome = "ok"
+            except Exception as error:  # every kind: the test compares them
+                outcome = f"{type(error).__name__}: {error}"
+            seen.setdefault(case, {})[name] = outcome
+    return seen
+
+
+def builtin_hook_as_stock(seed: int, hook_type: str, steps: int = 3) -> list:
+    """``_register_builtin_comm_hook(dist.BuiltinCommHookType.<hook_type>)`` in both: bitwise after every step."""
+    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)
+    for ddp in (theirs, ours):
+        ddp._register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, hook_type))
+    pairs = [(theirs, theirs_module, torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)),
+             (ours, ours_module, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9))]
+    return _sgd_steps(pairs, seed, 0, steps)

@@ -31,6 +31,9 @@ TWO_PROCESSES = {
     "create_graph": (checks.create_graph_as_stock, {}),
     "create_graph_second": (checks.create_graph_with_several_parameters, {}),
     "gradient_penalty": (checks.gradient_penalty_as_stock, {}),
+    "comm_hook_errors": (checks.comm_hook_errors, {}),
+    "builtin_allreduce": (checks.builtin_hook_as_stock, {"hook_type": "ALLREDUCE"}),
+    "builtin_fp16": (checks.builtin_hook_as_stock, {"hook_type": "FP16_COMPRESS"}),
 }
 
 
@@ -85,4 +88,32 @@ def test_create_graph_with_several_parameters_averages_the_values_where_stock_ra
 
 def test_gradient_penalty_on_the_inputs_matches_stock_bitwise(two):
     for differences in _each_rank(two, "gradient_penalty"):
+        assert differences == [None] * 3
+
+
+# ---- communication hooks: _check_comm_hook (distributed.py:2462), _register_builtin_comm_hook (:2260) ----
+
+
+@pytest.mark.parametrize("case", ["not_callable", "bucket_annotation", "return_annotation", "stock_annotations",
+                                  "twice", "hook_then_builtin", "builtin_then_hook", "after_a_backward"])
+def test_comm_hook_registration_is_checked_with_stocks_errors(two, case):
+    for seen in _each_rank(two, "comm_hook_errors"):
+        assert seen[case]["minidp"] == seen[case]["stock"]
+
+
+def test_a_hook_without_a_bucket_parameter_gets_a_clearer_error_than_stocks_key_error(two):
+    for seen in _each_rank(two, "comm_hook_errors"):
+        assert seen["bucket_not_named_bucket"]["stock"] == "KeyError: 'bucket'"
+        assert "define it as hook(state, bucket)" in seen["bucket_not_named_bucket"]["minidp"]
+
+
+def test_a_hook_that_returns_no_future_is_named_as_stock_names_it(two):
+    for seen in _each_rank(two, "comm_hook_errors"):
+        expected = "DDP communication hook's callback must return a torch.futures.Future object, but got builtins.int"
+        assert expected in seen["not_a_future"]["stock"] and expected in seen["not_a_future"]["minidp"]
+
+
+@pytest.mark.parametrize("hook_type", ["allreduce", "fp16"])
+def test_builtin_comm_hooks_give_stocks_bits(two, hook_type):
+    for differences in _each_rank(two, f"builtin_{hook_type}"):
         assert differences == [None] * 3

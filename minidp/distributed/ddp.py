@@ -34,7 +34,8 @@ from ..hooks import profiled
 from .broadcast import broadcast_from_rank0
 from .buckets import BucketCaps
 from .checks import check_dense_gradients, check_same_model, reducer_parameters
-from .reducer import CommHook, Reducer
+from .comm_hooks import CommHook, builtin_hook, check_comm_hook
+from .reducer import Reducer
 
 DeviceLike = Union[int, str, torch.device]
 
@@ -187,8 +188,15 @@ class DistributedDataParallel(nn.Module):
         *not* divided by the world size; ``hook`` returns a ``torch.futures.Future`` of the reduced
         buffer. Stock hooks work: ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``'
         ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``. Once, before the backward.
+        Checked as torch DDP checks it (:func:`~minidp.distributed.comm_hooks.check_comm_hook`).
         """
+        check_comm_hook(hook)
         self.reducer.register_comm_hook(state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """torch DDP's built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``, ``FP16_COMPRESS``): the Python
+        ``default_hooks`` with their arithmetic, on this wrapper's process group."""
+        self.reducer.register_comm_hook(self.process_group, builtin_hook(comm_hook_type), builtin=True)
 
     def bucket_plan(self) -> list[list[int]]:
         """The buckets the next backward will use, in reduction order: each a list of parameter indices

@@ -43,8 +43,8 @@ from torch.autograd import Variable
 
 from ..nested import tensors_in
 from .buckets import Bucket, BucketCaps, GradBucket, initial_plan, rebuilt_plan, views_of
+from .comm_hooks import ONLY_ONCE, ONLY_ONCE_BUILTIN, CommHook, future_result
 
-CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 # reducer.cpp warns once when a gradient arriving in a bucket requires grad; the same words.
 CREATE_GRAPH_WARNING = (
@@ -274,6 +274,7 @@ class Reducer:
                 bucket.future = dist.all_reduce(bucket.buffer, group=self.group, async_op=True).get_future()
             else:
                 bucket.future = self.comm_hook(self.comm_state, GradBucket(bucket, len(self.buckets)))
+                future_result(bucket.future, bucket.index)
             bucket.future.add_done_callback(lambda _, event=event: _stamp_end(event))
             self._events.append(event)
             self._reduce_events[bucket.index] = event
@@ -391,11 +392,10 @@ class Reducer:
 
     # ---- hooks and timings ------------------------------------------------------------------
 
-    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        if not callable(hook):
-            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+    def register_comm_hook(self, state: Any, hook: CommHook, builtin: bool = False) -> None:
+        """Let ``hook(state, bucket)`` reduce each bucket (checked by the caller, :mod:`.comm_hooks`); once."""
         if self.comm_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once (torch DDP has the same rule)")
+            raise RuntimeError(ONLY_ONCE_BUILTIN if builtin else ONLY_ONCE)
         self.comm_hook, self.comm_state = hook, state
 
     def timeline(self) -> list[dict]:
