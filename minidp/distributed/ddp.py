@@ -34,7 +34,8 @@ from ..hooks import profiled
 from .broadcast import broadcast_from_rank0
 from .buckets import BucketCaps
 from .checks import check_dense_gradients, check_same_model, reducer_parameters
-from .reducer import CommHook, Reducer
+from .comm_hooks import CommHook, builtin_hook, check_comm_hook
+from .reducer import Reducer
 
 DeviceLike = Union[int, str, torch.device]
 
@@ -94,20 +95,64 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.device_ids = None if device_ids is None else list(device_ids)
-        # Several replicas per process: the wrapper shares `module`, so it is kept out of the
-        # registry of sub-modules, where it would repeat every key of the state dict.
-        self.__dict__["_replicas"] = (
-            None if device_ids is None else minidp.DataParallel(module, device_ids, output_device, dim)
-        )
-        params, names = reducer_parameters(module)  # after DataParallel, which may move a module to its one device
+        self.output_device = output_device
+        self._bucket_caps = caps
+        self._attach_replicas()  # before the parameters are listed: DataParallel may move a module to its one device
         check_same_model(module, self.process_group, buffers=broadcast_buffers)
         broadcast_from_rank0(
             list(module.parameters()) + (list(module.buffers()) if broadcast_buffers else []),
             self.process_group,
         )
-        self.reducer = Reducer(params, names, self.process_group, caps, find_unused_parameters, gradient_as_bucket_view)
+        self._attach_reducer()
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the last forward was synchronised
+
+    def _attach_replicas(self) -> None:
+        """Several replicas per process: a DataParallel over ``device_ids``. It shares ``module``, so it
+        is kept out of the registry of sub-modules, where it would repeat every key of the state dict."""
+        self.__dict__["_replicas"] = (
+            None if self.device_ids is None
+            else minidp.DataParallel(self.module, self.device_ids, self.output_device, self.dim)
+        )
+
+    def _attach_reducer(self) -> None:
+        """The reducer of this process's parameters (``_ddp_init_helper``): no collective, so that
+        unpickling on one rank alone works."""
+        params, names = reducer_parameters(self.module)
+        self.reducer = Reducer(params, names, self.process_group, self._bucket_caps, self.find_unused_parameters,
+                               self.gradient_as_bucket_view)
+
+    # ---- pickling: torch.save, copy.deepcopy ------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        """What is pickled: everything but the process group, the reducer (its hooks and buckets belong to
+        these parameters) and the replicas, as torch DDP drops its process group, reducer and logger."""
+        if self.process_group is not _default_group_or_none():
+            raise RuntimeError(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process group. That "
+                "is, when you have called init_process_group and have not passed process_group argument to DDP "
+                "constructor"
+            )
+        state = dict(self.__dict__)
+        for transient in ("process_group", "reducer", "_replicas"):
+            state.pop(transient, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (``torch.load``, ``copy.deepcopy``): the default process group, and a fresh reducer with
+        hooks on the unpickled parameters (torch DDP's ``__setstate__``). Nothing is broadcast or checked."""
+        process_group = _default_group_or_none()
+        if process_group is None:
+            raise RuntimeError(
+                "unpickling a DistributedDataParallel needs the default process group: call "
+                "torch.distributed.init_process_group() first, or unpickle the wrapped .module instead"
+            )
+        super().__setstate__(state)
+        self.process_group = process_group
+        self.__dict__.setdefault("require_forward_param_sync", True)
+        self.__dict__.setdefault("require_backward_grad_sync", True)
+        self._attach_replicas()
+        self._attach_reducer()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiled("minidp.DistributedDataParallel.forward"):
@@ -143,8 +188,15 @@ class DistributedDataParallel(nn.Module):
         *not* divided by the world size; ``hook`` returns a ``torch.futures.Future`` of the reduced
         buffer. Stock hooks work: ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``'
         ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``. Once, before the backward.
+        Checked as torch DDP checks it (:func:`~minidp.distributed.comm_hooks.check_comm_hook`).
         """
+        check_comm_hook(hook)
         self.reducer.register_comm_hook(state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """torch DDP's built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``, ``FP16_COMPRESS``): the Python
+        ``default_hooks`` with their arithmetic, on this wrapper's process group."""
+        self.reducer.register_comm_hook(self.process_group, builtin_hook(comm_hook_type), builtin=True)
 
     def bucket_plan(self) -> list[list[int]]:
         """The buckets the next backward will use, in reduction order: each a list of parameter indices
@@ -156,3 +208,7 @@ class DistributedDataParallel(nn.Module):
         """The events of the last synchronised backward on this rank (see :meth:`Reducer.timeline`);
         :func:`minidp.distributed.timeline.chrome_trace` merges several ranks' into one trace."""
         return self.reducer.timeline()
+
+
+def _default_group_or_none() -> Optional[dist.ProcessGroup]:
+    return dist.group.WORLD if dist.is_initialized() else None

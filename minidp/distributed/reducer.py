@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -42,8 +43,16 @@ from torch.autograd import Variable
 
 from ..nested import tensors_in
 from .buckets import Bucket, BucketCaps, GradBucket, initial_plan, rebuilt_plan, views_of
+from .comm_hooks import ONLY_ONCE, ONLY_ONCE_BUILTIN, CommHook, future_result
 
-CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+# reducer.cpp warns once when a gradient arriving in a bucket requires grad; the same words.
+CREATE_GRAPH_WARNING = (
+    "Using DistributedDataParallel with create_graph=True  is not well-supported. The higher-order gradient will "
+    " not be synchronized across ranks, and backpropagation  through all_reduce operations will not occur. If you "
+    "require  DDP to work with higher-order gradients for your use case,  please ping "
+    "https://github.com/pytorch/pytorch/issues/63929"
+)
 
 # Timestamps: time.perf_counter() (monotonic, fine-grained), reported as seconds since the Unix
 # epoch through one anchor per process, so that the timelines of ranks on one machine line up.
@@ -90,6 +99,7 @@ class Reducer:
         self.comm_hook: Optional[CommHook] = None
         self.comm_state: Any = None
         self._lock = threading.Lock()
+        self._warned_create_graph = False
 
         self._install_plan(initial_plan(self.params, caps, find_unused_parameters))
         # DDP rebuilds once, and never when it looks for unused parameters (should_rebuild_buckets).
@@ -243,6 +253,9 @@ class Reducer:
             if self.comm_hook is None:
                 view.div_(self.world_size)
         else:
+            if grad.requires_grad:  # backward(create_graph=True): the values go into the bucket, not the graph
+                self._warn_create_graph()
+                grad = grad.detach()
             if self.comm_hook is None:
                 # times 1/world_size, as reducer.cpp (a double scalar): a division would round
                 # differently wherever 1/world_size is inexact (3 ranks)
@@ -261,6 +274,7 @@ class Reducer:
                 bucket.future = dist.all_reduce(bucket.buffer, group=self.group, async_op=True).get_future()
             else:
                 bucket.future = self.comm_hook(self.comm_state, GradBucket(bucket, len(self.buckets)))
+                future_result(bucket.future, bucket.index)
             bucket.future.add_done_callback(lambda _, event=event: _stamp_end(event))
             self._events.append(event)
             self._reduce_events[bucket.index] = event
@@ -348,6 +362,12 @@ class Reducer:
                 continue
             elif param.grad is None:
                 param.grad = torch.empty_like(param).copy_(views[position])  # the parameter's layout
+            elif param.grad.requires_grad:
+                # backward(create_graph=True): the mean copied in while autograd records, as reducer.cpp
+                # copies it (.grad keeps its graph, now ending in a CopyBackwards). The graph does not
+                # reach the other ranks: a second backward through .grad differentiates this rank's part.
+                with torch.enable_grad():
+                    param.grad.copy_(views[position])
             else:
                 into.append(param.grad)
                 values.append(views[position])
@@ -365,13 +385,17 @@ class Reducer:
             f"requires_grad=False on the parameters you do not train."
         )
 
+    def _warn_create_graph(self) -> None:
+        if not self._warned_create_graph:
+            self._warned_create_graph = True
+            warnings.warn(CREATE_GRAPH_WARNING, stacklevel=2)
+
     # ---- hooks and timings ------------------------------------------------------------------
 
-    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        if not callable(hook):
-            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+    def register_comm_hook(self, state: Any, hook: CommHook, builtin: bool = False) -> None:
+        """Let ``hook(state, bucket)`` reduce each bucket (checked by the caller, :mod:`.comm_hooks`); once."""
         if self.comm_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once (torch DDP has the same rule)")
+            raise RuntimeError(ONLY_ONCE_BUILTIN if builtin else ONLY_ONCE)
         self.comm_hook, self.comm_state = hook, state
 
     def timeline(self) -> list[dict]:

@@ -1,0 +1,256 @@
+"""Checks of torch DDP's features beyond the basic step, run inside every rank of a job started by
+``minidp.distributed.launch`` (as :mod:`tests.ddp_checks`, whose comparison helpers they reuse).
+
+Each check drives stock ``torch.nn.parallel.DistributedDataParallel`` and minidp's class side by side
+in the same process, on the same data, and returns plain facts for ``tests/test_ddp_*.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import minidp.distributed as md
+
+from .ddp_checks import TorchDDP, _difference
+from .helpers import max_relative_error
+
+
+def _quiet(build: Callable[[], Any]) -> Any:
+    """Stock DDP warns about deprecated names and create_graph; the checks compare results, not warnings."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build()
+
+
+def _pair(build: Callable[[], nn.Module], seed: int, **options: Any) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+    """Stock DDP and minidp's around two copies of one model, different weights on every rank (the
+    constructors broadcast rank 0's): (stock wrapper, minidp wrapper, stock module, minidp module)."""
+    torch.manual_seed(seed + dist.get_rank())
+    theirs_module = build()
+    ours_module = copy.deepcopy(theirs_module)
+    theirs = _quiet(lambda: TorchDDP(theirs_module, **options))
+    ours = md.DistributedDataParallel(ours_module, **options)
+    return theirs, ours, theirs_module, ours_module
+
+
+def _inputs(seed: int, step: int, *shape: int) -> torch.Tensor:
+    """This rank's batch at ``step``: different on every rank and step, the same for both wrappers."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed + 1000 * step + dist.get_rank()))
+
+
+def _tanh_mlp() -> nn.Module:
+    """Smooth everywhere, so that second derivatives are not zero (ReLU's are)."""
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+# ---- pickling -----------------------------------------------------------------------------------
+
+
+def _sgd_steps(pairs, seed: int, first_step: int, steps: int) -> list:
+    """Train each (wrapper, module, optimizer) of ``pairs`` (stock first) on the same batches; per step,
+    the first difference between the two modules."""
+    differences = []
+    for step in range(first_step, first_step + steps):
+        for ddp, _, optimizer in pairs:
+            optimizer.zero_grad()
+            ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+            optimizer.step()
+        differences.append(_difference(pairs[1][1], pairs[0][1]))
+    return differences
+
+
+def pickled_then_trained(seed: int, how: str) -> dict:
+    """Train two steps, copy both wrappers (``how``: "torch.save" or "deepcopy"), train the copies two more
+    steps: the copies must go on exactly as stock's copy does, with hooks on their own parameters."""
+    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)
+    pairs = [(d, m, torch.optim.SGD(d.parameters(), lr=0.1, momentum=0.9)) for d, m in ((theirs, theirs_module), (ours, ours_module))]
+    before = _sgd_steps(pairs, seed, 0, 2)
+
+    def copied(ddp: nn.Module) -> nn.Module:
+        if how == "deepcopy":
+            return _quiet(lambda: copy.deepcopy(ddp))
+        buffer = io.BytesIO()
+        torch.save(ddp, buffer)
+        buffer.seek(0)
+        return _quiet(lambda: torch.load(buffer, weights_only=False))
+
+    copies = [copied(theirs), copied(ours)]
+    ours_copy = copies[1]
+    pairs = [(c, c.module, torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9)) for c in copies]
+    after = _sgd_steps(pairs, seed, 2, 2)
+    return {
+        "differences": before + after,
+        "process_group_is_default": ours_copy.process_group is dist.group.WORLD,
+        "shares_parameters": any(a is b for a, b in zip(ours_copy.parameters(), ours_module.parameters())),
+        "original_untouched": _difference(ours_module, theirs_module),
+    }
+
+
+def pickling_with_a_subgroup(seed: int) -> dict:
+    """torch DDP pickles only with the default group; both errors."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    errors = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        ddp = _quiet(lambda: wrapper(nn.Linear(3, 3), process_group=group))
+        try:
+            torch.save(ddp, io.BytesIO())
+            errors[name] = "no error"
+        except RuntimeError as error:
+            errors[name] = str(error)
+    return errors
+
+
+# ---- second-order gradients -----------------------------------------------------------------------
+
+
+class _Power(nn.Module):
+    """One parameter, the model of torch's ``test_ddp_create_graph``: stock DDP supports this case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(3))
+
+    def forward(self) -> torch.Tensor:
+        return self.p.pow(3).sum()
+
+
+def create_graph_as_stock(seed: int) -> dict:
+    """``backward(create_graph=True)`` six times (gradients accumulate with their graphs), as in torch's
+    test: per backward, the gradient's values, ``requires_grad`` and ``grad_fn``, in stock and minidp, and
+    whether minidp's ``.grad`` differentiates to zero (its graph ends in the copy of the mean; stock's
+    reaches back through its C++ bucket copies to a value that is no derivative of the mean: stock
+    warns that this is not supported, and minidp does not imitate it)."""
+    theirs, ours, theirs_module, ours_module = _pair(_Power, seed)
+    seen: dict[str, list] = {"stock": [], "minidp": []}
+    for name, ddp, module in (("stock", theirs, theirs_module), ("minidp", ours, ours_module)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(6):
+                ddp().backward(create_graph=True)
+                grad = module.p.grad
+                (through,) = torch.autograd.grad(grad.pow(2).sum(), module.p, retain_graph=True)
+                seen[name].append((grad.detach().clone(), through, grad.requires_grad, type(grad.grad_fn).__name__))
+        if name == "minidp":
+            seen["warnings"] = [str(w.message) for w in caught if "create_graph=True" in str(w.message)]
+    return {
+        "equal": all(torch.equal(a[0], b[0]) and a[2:] == b[2:] for a, b in zip(seen["stock"], seen["minidp"])),
+        "through_is_zero": all(not s[1].any() for s in seen["minidp"]),
+        "stock": [s[2:] for s in seen["stock"]],
+        "warnings": seen["warnings"],
+    }
+
+
+def create_graph_with_several_parameters(seed: int) -> dict:
+    """Several parameters (stock raises "a leaf Variable that requires grad is being used in an in-place
+    operation" here): minidp's ``.grad`` holds the mean over ranks of every rank's gradient, compared with
+    the same model unwrapped on every rank's batch (float64), and keeps ``requires_grad``; as in stock's
+    one-parameter case, its graph ends in the copy of the mean, so differentiating through it gives zeros."""
+    torch.manual_seed(seed)
+    module = _tanh_mlp().double()
+    ddp = md.DistributedDataParallel(module)
+    single = copy.deepcopy(module)
+    x = _inputs(seed, 0, 4, 6).double()
+    everyone = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ddp(x).pow(2).mean().backward(create_graph=True)
+    per_rank = [torch.autograd.grad(single(xr).pow(2).mean(), list(single.parameters())) for xr in everyone]
+    mean = [sum(g) / len(everyone) for g in zip(*per_rank)]
+    through = torch.autograd.grad(sum(p.grad.pow(2).sum() for p in module.parameters()), list(module.parameters()))
+    return {
+        "error": max(max_relative_error(p.grad, m) for p, m in zip(module.parameters(), mean)),
+        "requires_grad": all(p.grad.requires_grad for p in module.parameters()),
+        "through_is_zero": all(not t.any() for t in through),
+    }
+
+
+def gradient_penalty_as_stock(seed: int, steps: int = 3) -> list:
+    """A gradient penalty on the inputs (``autograd.grad(create_graph=True)`` inside the loss, WGAN-GP's
+    pattern), then an ordinary backward: bitwise stock's parameters after every step."""
+    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)
+    optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in (theirs, ours)]
+    differences = []
+    for step in range(steps):
+        for ddp, optimizer in zip((theirs, ours), optimizers):
+            optimizer.zero_grad()
+            x = _inputs(seed, step, 5, 6).requires_grad_()
+            out = ddp(x)
+            (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            (out.pow(2).mean() + (slope.norm(dim=1) - 1).pow(2).mean()).backward()
+            optimizer.step()
+        differences.append(_difference(ours_module, theirs_module))
+    return differences
+
+
+# ---- communication hooks ---------------------------------------------------------------------------
+
+
+def _allreduce(state, bucket):
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _unnamed_bucket(state, b):
+    return default_hooks.allreduce_hook(state, b)
+
+
+def _int_bucket(state, bucket: int):
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _int_result(state, bucket) -> int:
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _annotated(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _returns_a_number(state, bucket):
+    return 5
+
+
+def comm_hook_errors(seed: int) -> dict:
+    """Each way of registering a hook wrongly, in stock and minidp: the error's type and message, or "ok"."""
+    builtin = dist.BuiltinCommHookType.ALLREDUCE
+    cases: dict[str, Callable[[nn.Module], Any]] = {
+        "not_callable": lambda d: d.register_comm_hook(None, 3),
+        "bucket_not_named_bucket": lambda d: d.register_comm_hook(None, _unnamed_bucket),
+        "bucket_annotation": lambda d: d.register_comm_hook(None, _int_bucket),
+        "return_annotation": lambda d: d.register_comm_hook(None, _int_result),
+        "stock_annotations": lambda d: d.register_comm_hook(None, _annotated),
+        "twice": lambda d: (d.register_comm_hook(None, _allreduce), d.register_comm_hook(None, _allreduce)),
+        "hook_then_builtin": lambda d: (d.register_comm_hook(None, _allreduce), d._register_builtin_comm_hook(builtin)),
+        "builtin_then_hook": lambda d: (d._register_builtin_comm_hook(builtin), d.register_comm_hook(None, _allreduce)),
+        "after_a_backward": lambda d: (d(torch.randn(2, 3)).sum().backward(), d.register_comm_hook(None, _allreduce)),
+        "not_a_future": lambda d: (d.register_comm_hook(None, _returns_a_number), d(torch.randn(2, 3)).sum().backward()),
+    }
+    seen: dict[str, dict] = {}
+    for case, call in cases.items():
+        for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+            ddp = _quiet(lambda: wrapper(nn.Linear(3, 3)))
+            try:
+                call(ddp)
+                outcome = "ok"
+            except Exception as error:  # every kind: the test compares them
+                outcome = f"{type(error).__name__}: {error}"
+            seen.setdefault(case, {})[name] = outcome
+    return seen
+
+
+def builtin_hook_as_stock(seed: int, hook_type: str, steps: int = 3) -> list:
+    """``_register_builtin_comm_hook(dist.BuiltinCommHookType.<hook_type>)`` in both: bitwise after every step."""
+    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)
+    for ddp in (theirs, ours):
+        ddp._register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, hook_type))
+    pairs = [(theirs, theirs_module, torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)),
+             (ours, ours_module, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9))]
+    return _sgd_steps(pairs, seed, 0, steps)

@@ -1,0 +1,119 @@
+"""torch DDP's features beyond the basic training step, in minidp.distributed, against stock torch DDP in real
+Gloo processes on 127.0.0.1 (one job per world size, bounded; see ``tests/test_distributed.py``).
+
+Each test cites the torch 2.13 source it mirrors: ``torch/nn/parallel/distributed.py`` (DDP) and the
+behaviour of its C++ reducer as torch's own tests exercise it
+(``torch/testing/_internal/distributed/distributed_test.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import ddp_feature_checks as checks
+from .helpers import RTOL_FLOAT64
+from minidp.distributed import launch
+from minidp.distributed.reducer import CREATE_GRAPH_WARNING
+
+
+@pytest.fixture(autouse=True)
+def dataparallel_configuration():
+    """These checks run in processes of their own: once, not under both configurations of tests/conftest.py."""
+
+
+JOB_TIMEOUT = 300.0
+
+TWO_PROCESSES = {
+    "saved": (checks.pickled_then_trained, {"how": "torch.save"}),
+    "deepcopied": (checks.pickled_then_trained, {"how": "deepcopy"}),
+    "pickling_subgroup": (checks.pickling_with_a_subgroup, {}),
+    "create_graph": (checks.create_graph_as_stock, {}),
+    "create_graph_second": (checks.create_graph_with_several_parameters, {}),
+    "gradient_penalty": (checks.gradient_penalty_as_stock, {}),
+    "comm_hook_errors": (checks.comm_hook_errors, {}),
+    "builtin_allreduce": (checks.builtin_hook_as_stock, {"hook_type": "ALLREDUCE"}),
+    "builtin_fp16": (checks.builtin_hook_as_stock, {"hook_type": "FP16_COMPRESS"}),
+}
+
+
+def _run_checks(checks_by_name: dict, seed: int) -> dict:
+    return {name: function(seed=seed, **kwargs) for name, (function, kwargs) in checks_by_name.items()}
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict]:
+    seed = int(torch.randint(0, 2**20, ()).item())
+    print(f"job seed: {seed}")
+    return launch(_run_checks, 2, (TWO_PROCESSES, seed), job_timeout=JOB_TIMEOUT)
+
+
+def _each_rank(results: list[dict], check: str) -> list:
+    return [by_name[check] for by_name in results]
+
+
+# ---- pickling: DistributedDataParallel.__getstate__ / __setstate__ (distributed.py:1485-1521) ----
+
+
+@pytest.mark.parametrize("check", ["saved", "deepcopied"])
+def test_a_saved_or_deepcopied_wrapper_trains_on_exactly_as_stock(two, check):
+    for result in _each_rank(two, check):
+        assert result["differences"] == [None] * 4
+        assert result["process_group_is_default"]  # re-attached to the default group
+        assert not result["shares_parameters"]  # the copy's reducer hooks its own parameters
+        assert result["original_untouched"] is None
+
+
+def test_pickling_with_a_non_default_group_raises_stocks_error(two):
+    for errors in _each_rank(two, "pickling_subgroup"):
+        assert errors["minidp"] == errors["stock"]
+        assert errors["minidp"].startswith("DDP Pickling/Unpickling are only supported")
+
+
+# ---- second-order gradients (reducer.cpp's create_graph warning; distributed_test.py test_ddp_create_graph) ----
+
+
+def test_create_graph_gradients_accumulate_with_their_graph_as_stock(two):
+    for result in _each_rank(two, "create_graph"):
+        assert result["equal"] and result["through_is_zero"]
+        assert result["stock"] == [(True, "CopyBackwards")] * 6  # the graph ends in the copy of the mean
+        assert result["warnings"] == [CREATE_GRAPH_WARNING]  # once, stock's words
+
+
+def test_create_graph_with_several_parameters_averages_the_values_where_stock_raises(two):
+    for result in _each_rank(two, "create_graph_second"):
+        assert result["error"] <= RTOL_FLOAT64
+        assert result["requires_grad"] and result["through_is_zero"]  # stock's one-parameter semantics
+
+
+def test_gradient_penalty_on_the_inputs_matches_stock_bitwise(two):
+    for differences in _each_rank(two, "gradient_penalty"):
+        assert differences == [None] * 3
+
+
+# ---- communication hooks: _check_comm_hook (distributed.py:2462), _register_builtin_comm_hook (:2260) ----
+
+
+@pytest.mark.parametrize("case", ["not_callable", "bucket_annotation", "return_annotation", "stock_annotations",
+                                  "twice", "hook_then_builtin", "builtin_then_hook", "after_a_backward"])
+def test_comm_hook_registration_is_checked_with_stocks_errors(two, case):
+    for seen in _each_rank(two, "comm_hook_errors"):
+        assert seen[case]["minidp"] == seen[case]["stock"]
+
+
+def test_a_hook_without_a_bucket_parameter_gets_a_clearer_error_than_stocks_key_error(two):
+    for seen in _each_rank(two, "comm_hook_errors"):
+        assert seen["bucket_not_named_bucket"]["stock"] == "KeyError: 'bucket'"
+        assert "define it as hook(state, bucket)" in seen["bucket_not_named_bucket"]["minidp"]
+
+
+def test_a_hook_that_returns_no_future_is_named_as_stock_names_it(two):
+    for seen in _each_rank(two, "comm_hook_errors"):
+        expected = "DDP communication hook's callback must return a torch.futures.Future object, but got builtins.int"
+        assert expected in seen["not_a_future"]["stock"] and expected in seen["not_a_future"]["minidp"]
+
+
+@pytest.mark.parametrize("hook_type", ["allreduce", "fp16"])
+def test_builtin_comm_hooks_give_stocks_bits(two, hook_type):
+    for differences in _each_rank(two, f"builtin_{hook_type}"):
+        assert differences == [None] * 3
