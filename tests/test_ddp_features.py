@@ -34,6 +34,19 @@ TWO_PROCESSES = {
     "comm_hook_errors": (checks.comm_hook_errors, {}),
     "builtin_allreduce": (checks.builtin_hook_as_stock, {"hook_type": "ALLREDUCE"}),
     "builtin_fp16": (checks.builtin_hook_as_stock, {"hook_type": "FP16_COMPRESS"}),
+    **{f"checkpoint_{'reentrant' if r else 'plain'}_{'twice' if t else 'once'}_{'unused' if u else 'all'}_"
+       f"{'static' if g else 'dynamic'}": (checks.checkpointing_as_stock, {
+           "reentrant": r, "twice": t, "find_unused_parameters": u, "static_graph": g})
+       for r in (True, False) for t in (False, True) for u in (False, True) for g in (False, True)},
+    "static_buckets": (checks.static_graph_buckets, {"late": False}),
+    "static_buckets_late": (checks.static_graph_buckets, {"late": True}),
+    "static_set_late": (checks.static_graph_set_late, {}),
+    "join": (checks.uneven_inputs_as_stock, {}),
+    "join_effective_world_size": (checks.uneven_inputs_as_stock, {"divide_by_initial_world_size": False}),
+    "join_generic": (checks.uneven_inputs_as_stock, {"through": "Join", "divide_by_initial_world_size": False}),
+    "join_batch_norm": (checks.uneven_inputs_as_stock, {"model": "batch_norm"}),
+    "join_find_unused": (checks.uneven_inputs_as_stock, {"model": "partly_used"}),
+    "join_throw": (checks.uneven_inputs_as_stock, {"throw_on_early_termination": True}),
 }
 
 
@@ -117,3 +130,63 @@ def test_a_hook_that_returns_no_future_is_named_as_stock_names_it(two):
 def test_builtin_comm_hooks_give_stocks_bits(two, hook_type):
     for differences in _each_rank(two, f"builtin_{hook_type}"):
         assert differences == [None] * 3
+
+
+# ---- static graph (distributed.py:2589 _set_static_graph, _DDPSink's delayed all-reduce) and checkpointing ----
+
+CHECKPOINT_CASES = [f"{'reentrant' if r else 'plain'}_{'twice' if t else 'once'}_{'unused' if u else 'all'}_"
+                    f"{'static' if g else 'dynamic'}"
+                    for r in (True, False) for t in (False, True) for u in (False, True) for g in (False, True)]
+
+
+@pytest.mark.parametrize("case", CHECKPOINT_CASES)
+def test_activation_checkpointing_trains_as_stock_or_fails_where_stock_fails(two, case):
+    # torch DDP refuses re-entrant checkpointing of a layer used twice, or with find_unused_parameters,
+    # unless static_graph=True ("Expected to mark a variable ready only once"); everything else trains
+    for result in _each_rank(two, f"checkpoint_{case}"):
+        if result["stock"] == "ok":
+            assert result["minidp"] == "ok" and result["differences"] == [None] * 4
+        else:
+            assert result["stock"].startswith("Expected to mark a variable ready only once")
+            assert "got its gradient twice in one backward" in result["minidp"]
+
+
+def test_stock_refuses_exactly_the_reentrant_cases_without_static_graph(two):
+    refused = {case for case in CHECKPOINT_CASES if _each_rank(two, f"checkpoint_{case}")[0]["stock"] != "ok"}
+    assert refused == {"reentrant_once_unused_dynamic", "reentrant_twice_all_dynamic", "reentrant_twice_unused_dynamic"}
+
+
+@pytest.mark.parametrize("check", ["static_buckets", "static_buckets_late"])
+def test_static_graph_reduces_all_at_the_end_first_then_rebuilds_after_the_second_backward_as_stock(two, check):
+    for result in _each_rank(two, check):
+        assert result["minidp"] == result["stock"]
+        assert result["differences"] == [None] * 4
+        assert result["never_grad"] == [None, None]
+    first, second, third, _ = _each_rank(two, "static_buckets")[0]["stock"]
+    assert first == second == [[0, 1, 2, 3, 4, 5, 6, 7]]  # one bucket until the rebuild
+    assert third == [[7, 6, 3, 2], [1, 0, 4, 5]]  # arrival order, the unused parameters last
+
+
+def test_set_static_graph_warns_and_refuses_as_stock(two):
+    for seen in _each_rank(two, "static_set_late"):
+        assert seen["minidp"] == seen["stock"]
+        assert seen["minidp"][0] == ["You've set static_graph to be True, no need to set it again."]
+
+
+# ---- uneven inputs: join() (distributed.py:1989), Join (torch/distributed/algorithms/join.py), _DDPJoinHook ----
+
+
+@pytest.mark.parametrize("check", ["join", "join_effective_world_size", "join_generic", "join_batch_norm",
+                                   "join_find_unused"])
+def test_uneven_inputs_under_join_end_with_stocks_model_on_every_rank(two, check):
+    # rank 1 trains 4 steps, rank 0 2 and then shadows; the last rank to join sends its model to all
+    for result in _each_rank(two, check):
+        assert result["errors"] == {}
+        assert result["difference"] is None
+
+
+def test_throw_on_early_termination_raises_stocks_errors_on_every_rank(two):
+    rank_0, rank_1 = _each_rank(two, "join_throw")
+    assert rank_0["errors"] == {"stock": "Rank 0 exhausted all inputs.", "minidp": "Rank 0 exhausted all inputs."}
+    expected = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+    assert rank_1["errors"] == {"stock": expected, "minidp": expected}

@@ -21,26 +21,29 @@ reducer then averages those sums over the processes.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
 import minidp
 
 from ..hooks import profiled
-from .broadcast import broadcast_from_rank0
+from .broadcast import broadcast_from, broadcast_from_rank0
 from .buckets import BucketCaps
 from .checks import check_dense_gradients, check_same_model, reducer_parameters
 from .comm_hooks import CommHook, builtin_hook, check_comm_hook
+from .join import DDPJoinHook, common_rank, sync_backward_vote
 from .reducer import Reducer
 
 DeviceLike = Union[int, str, torch.device]
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism across processes, with torch DDP's signature, defaults and arithmetic.
 
     Args:
@@ -59,7 +62,10 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: allow parameters that get no gradient in a backward: the graph is
             searched after each forward and their buckets do not wait for them.
         gradient_as_bucket_view: leave each ``.grad`` a view of its bucket instead of copying into it.
-        static_graph: not supported (raises); torch DDP's static-graph mode.
+        static_graph: the graph is the same at every iteration: unused parameters are found once, in
+            the first backward, which reduces everything at its end; a parameter used several times
+            per backward (re-entrant checkpointing) is reduced after its last use
+            (:meth:`~minidp.distributed.reducer.Reducer.set_static_graph`).
     """
 
     def __init__(
@@ -76,11 +82,7 @@ class DistributedDataParallel(nn.Module):
         static_graph: bool = False,
     ) -> None:
         super().__init__()
-        if static_graph:
-            raise NotImplementedError(
-                "static_graph=True is not supported by minidp.distributed; leave it False (same results, "
-                "without torch DDP's static-graph optimisations), or use torch.nn.parallel.DistributedDataParallel"
-            )
+        Joinable.__init__(self)  # not in a Join context until join() or Join([...]) says so
         caps = BucketCaps.from_mb(bucket_cap_mb)
         check_dense_gradients(module)
         if not dist.is_initialized():
@@ -94,6 +96,7 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
         self.device_ids = None if device_ids is None else list(device_ids)
         self.output_device = output_device
         self._bucket_caps = caps
@@ -106,6 +109,7 @@ class DistributedDataParallel(nn.Module):
         self._attach_reducer()
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the last forward was synchronised
+        self._divide_by_initial_world_size = True  # under Join (see minidp.distributed.join)
 
     def _attach_replicas(self) -> None:
         """Several replicas per process: a DataParallel over ``device_ids``. It shares ``module``, so it
@@ -120,7 +124,7 @@ class DistributedDataParallel(nn.Module):
         unpickling on one rank alone works."""
         params, names = reducer_parameters(self.module)
         self.reducer = Reducer(params, names, self.process_group, self._bucket_caps, self.find_unused_parameters,
-                               self.gradient_as_bucket_view)
+                               self.gradient_as_bucket_view, self.static_graph)
 
     # ---- pickling: torch.save, copy.deepcopy ------------------------------------------------
 
@@ -159,15 +163,55 @@ class DistributedDataParallel(nn.Module):
             recording = torch.is_grad_enabled()
             if recording:
                 self.reducer.before_forward()
-            if self.broadcast_buffers and self.require_forward_param_sync:
-                buffers = list(self.module.buffers())  # looked up each time: a module may replace its buffers
-                if buffers:
-                    broadcast_from_rank0(buffers, self.process_group)
+            # under Join: tell the joined ranks that this one still trains (minidp.distributed.join)
+            work = Join.notify_join_context(self)
+            self.reducer.set_forward_pass_work(work, self._divide_by_initial_world_size)
+            if self._will_sync_buffers():
+                # under Join rank 0 may have joined with stale buffers: the newest rank still training sends
+                source = common_rank(self, candidate=True) if self._join_config.enable else 0
+                broadcast_from(self._buffers_to_sync(), self.process_group, source)
+            if self._join_config.enable:
+                sync_backward_vote(self, joined=False)
             output = (self.module if self._replicas is None else self._replicas)(*inputs, **kwargs)
             self.require_forward_param_sync = recording and self.require_backward_grad_sync
             if self.require_forward_param_sync:
                 self.reducer.prepare_for_backward(output)
             return output
+
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        return list(self.module.buffers())  # looked up each time: a module may replace its buffers
+
+    def _will_sync_buffers(self) -> bool:
+        """Whether this forward starts with a broadcast of the buffers (``will_sync_module_buffers``)."""
+        return self.broadcast_buffers and self.require_forward_param_sync and bool(self._buffers_to_sync())
+
+    # ---- uneven inputs: torch.distributed.algorithms.Join ----------------------------------
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """Train on uneven inputs: wrap the training loop in ``with ddp.join():`` (torch DDP's ``join``).
+
+        A rank that runs out of data shadows the others' collectives until every rank has, then the
+        last rank to finish sends its model to all (:mod:`minidp.distributed.join`).
+        ``divide_by_initial_world_size``: divide gradients by the starting world size (default), or by
+        the number of ranks still training. ``enable=False``: no shadowing (inputs known to be even).
+        ``throw_on_early_termination``: every rank raises as soon as one runs out of data.
+        """
+        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """The hook ``Join`` runs on a rank that has joined; ``divide_by_initial_world_size`` (default True)."""
+        return DDPJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where ``Join``'s own flags live: the parameters' device."""
+        return next(iter(self.module.parameters())).device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -197,6 +241,23 @@ class DistributedDataParallel(nn.Module):
         """torch DDP's built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``, ``FP16_COMPRESS``): the Python
         ``default_hooks`` with their arithmetic, on this wrapper's process group."""
         self.reducer.register_comm_hook(self.process_group, builtin_hook(comm_hook_type), builtin=True)
+
+    def _set_static_graph(self) -> None:
+        """``static_graph=True`` after construction, before the first forward (torch's private API, its warnings).
+        The first plan stays the one made at construction."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        self.reducer.set_static_graph()
+        self.static_graph = True
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` will detect "
+                "unused parameters automatically, so you do not need to set find_unused_parameters=true, just be "
+                "sure these unused parameters will not change during training loop while calling "
+                "`_set_static_graph`.",
+                stacklevel=2,
+            )
 
     def bucket_plan(self) -> list[list[int]]:
         """The buckets the next backward will use, in reduction order: each a list of parameter indices

@@ -31,6 +31,7 @@ write-back at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import warnings
@@ -87,6 +88,7 @@ class Reducer:
         caps: BucketCaps,
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
+        static_graph: bool = False,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -101,28 +103,47 @@ class Reducer:
         self._lock = threading.Lock()
         self._warned_create_graph = False
 
-        self._install_plan(initial_plan(self.params, caps, find_unused_parameters))
-        # DDP rebuilds once, and never when it looks for unused parameters (should_rebuild_buckets).
+        # what gradients are divided by: the world size, or under Join with divide_by_initial_world_size=False
+        # the number of ranks still training, the sum of an all-reduce launched before the forward
+        self._divisor = self.world_size
+        self._divisor_work: Optional[dist.Work] = None
+
+        self._install_plan(initial_plan(self.params, caps, find_unused_parameters and not static_graph))
+        # DDP rebuilds once, and never when it looks for unused parameters, unless the graph is static
+        # (should_rebuild_buckets).
         self._will_rebuild = not find_unused_parameters
         self._arrival_order: list[int] = []
         self._rebuilt: Optional[list[list[int]]] = None
+        self.iteration = 0  # synchronised forwards so far (num_iterations_)
+
+        # static_graph (set_static_graph): the first backward counts each parameter's hooks and reduces
+        # everything at its end; later ones reduce a parameter at its last hook of the count.
+        self.static_graph = False
+        self._static_counts: Optional[list[int]] = None  # hooks per parameter in the first backward
+        self._remaining: list[int] = []  # this backward's hooks still to come, per parameter
+        self._static_unused: Optional[set[int]] = None  # used by no rank in the first backward
 
         self._expect_hooks = False  # True from the end of a synchronised forward to the end of its backward
         self._require_finalize = False  # a gradient was marked ready and the backward has not finished
         self._hooks_fired = False
+        self._arrived = False
+        self._finish_queued = False
         self._ready = [False] * len(self.params)
         self._next_bucket = 0
         self._unused: list[int] = []
+        # Which parameters this rank used since the last reduction (no_sync steps count), summed over
+        # the ranks after the last bucket: 0 means no rank used it, so its .grad is left alone. Kept on
+        # the CPU (set once per gradient), all-reduced from a copy on the parameters' device.
+        self._local_used = torch.zeros(len(self.params), dtype=torch.int32)
+        self._used_future: Optional[torch.futures.Future] = None
+        self._used_on_device = torch.zeros_like(self._local_used)  # the last sum, as all-reduced (local_used_map_dev_)
+        self._used_reduced = False
         if find_unused_parameters:
-            # Which parameters this rank used since the last reduction (no_sync steps count), summed
-            # over the ranks after the last bucket: 0 means no rank used it, so its .grad is left alone.
-            # Kept on the CPU (set once per gradient), all-reduced from a copy on the parameters' device.
-            self._local_used = torch.zeros(len(self.params), dtype=torch.int32)
-            self._used_future: Optional[torch.futures.Future] = None
-            self._used_reduced = False
             # The gradient accumulator of each parameter: the graph node whose presence says it is used.
             with torch.enable_grad():
                 self._accumulators = {p.view_as(p).grad_fn.next_functions[0][0]: i for i, p in enumerate(self.params)}
+        if static_graph:
+            self.set_static_graph()
 
         self._events: list[dict] = []  # this backward's, filled as it runs
         self._reduce_events: dict[int, dict] = {}  # bucket index -> its all-reduce event
@@ -158,21 +179,59 @@ class Reducer:
         dist.broadcast_object_list(shared, src=dist.get_global_rank(self.group, 0), group=self.group)
         return shared[0]
 
+    # ---- static graph -------------------------------------------------------------------------
+
+    def set_static_graph(self) -> None:
+        """The graph is the same at every iteration (``Reducer::set_static_graph``): what the first backward
+        learns (how many hooks each parameter fires, which parameters no rank uses) holds for every later
+        one. So unused parameters need no search, and a parameter whose hook fires several times per
+        backward (a layer used twice under re-entrant checkpointing) is reduced after its last one."""
+        if self.iteration != 0:
+            raise RuntimeError(
+                "set_static_graph() should be called before training loop starts and after "
+                "DistributedDataParallel is constructed."
+            )
+        self.static_graph = True
+        self._will_rebuild = True
+
+    def _counting(self) -> bool:
+        """The first backward of a static graph: hooks are counted, and everything is reduced at its end."""
+        return self.static_graph and self._static_counts is None
+
+    def _tracks_use(self) -> bool:
+        """Whether this backward all-reduces which parameters each rank used (``local_used_map``)."""
+        return (self.find_unused_parameters and not self.static_graph) or self._counting()
+
     # ---- steps 1 and 2: around the forward -------------------------------------------------
 
     def before_forward(self) -> None:
         """Called before every forward that records gradients."""
         if self._require_finalize:
             raise RuntimeError(self._unreduced_message("the previous backward"))
-        if self._rebuilt is not None:
-            with torch.no_grad():
-                self._install_plan(self._rebuilt)
-            self._rebuilt = None
+        self.rebuild_buckets()
+
+    def rebuild_buckets(self) -> bool:
+        """Install the rebuilt plan if one is waiting (``Reducer::rebuild_buckets``); whether it did."""
+        if self._rebuilt is None:
+            return False
+        with torch.no_grad():
+            self._install_plan(self._rebuilt)
+        self._rebuilt = None
+        return True
+
+    def set_forward_pass_work(self, work: Optional[dist.Work], divide_by_initial_world_size: bool) -> None:
+        """Before each forward (``_set_forward_pass_work_handle``): under ``Join``, ``work`` is the all-reduce
+        counting the ranks still training; with ``divide_by_initial_world_size=False`` this backward's
+        gradients are divided by that count, read when the first gradient arrives."""
+        self._divisor = self.world_size
+        self._divisor_work = work if work is not None and not divide_by_initial_world_size else None
 
     def prepare_for_backward(self, output: Any) -> None:
         """Called after a synchronised forward: the next backward reduces."""
+        self.iteration += 1
         self._expect_hooks = True
         self._hooks_fired = False
+        self._arrived = False  # a gradient of this forward's backward has arrived
         self._ready = [False] * len(self.params)
         self._next_bucket = 0
         for bucket in self.buckets:
@@ -184,12 +243,28 @@ class Reducer:
         outputs = [t for _, t in tensors_in(output) if t.requires_grad]
         for t in outputs:
             t.register_hook(self._note_backward_start)
-        if self.find_unused_parameters:
+        if self._counting():
+            self._remaining = [0] * len(self.params)  # counted up in this backward
+        elif self.static_graph:
+            self._remaining = list(self._static_counts)
+            self._unused = [i for i, count in enumerate(self._static_counts) if count == 0]
+        elif self.find_unused_parameters:
             self._unused = self._unreached(outputs)
 
     def _note_backward_start(self, grad: torch.Tensor) -> None:
+        """The gradient reached an output: the backward of this forward started, in the outermost
+        backward pass. The end-of-backward callback is queued here (as torch DDP's ``_DDPSink`` queues
+        its own), so that it runs when that pass ends, not at the end of a re-entrant inner backward
+        (``checkpoint(use_reentrant=True)``) in which some parameter's hook happens to fire first."""
         if self._backward_start is None:
             self._backward_start = time.perf_counter()
+        if self._expect_hooks:
+            self._queue_finish()
+
+    def _queue_finish(self) -> None:
+        if not self._finish_queued:
+            self._finish_queued = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _unreached(self, outputs: list[torch.Tensor]) -> list[int]:
         """Indices of the parameters whose gradient accumulator the graph of ``outputs`` does not
@@ -209,13 +284,18 @@ class Reducer:
         """Parameter ``index``'s gradient is in its ``.grad`` (``Reducer::autograd_hook``)."""
         with self._lock:
             self._last_gradient = time.perf_counter()
-            if self.find_unused_parameters:
+            if self._tracks_use():
                 self._local_used[index] = 1  # also under no_sync: used once since the last reduction is used
             if not self._expect_hooks:  # no_sync, or a backward without a synchronised forward
                 return
+            self._arrived = True
+            self._queue_finish()  # queued already, unless the backward did not start at an output
+            if self.static_graph:
+                self._remaining[index] += 1 if self._counting() else -1
+                if self._counting() or self._remaining[index] > 0:
+                    return  # counted; or more hooks of this parameter to come in this backward
             if not self._hooks_fired:
                 self._hooks_fired = True
-                Variable._execution_engine.queue_callback(self._finish_backward)
                 for unused in self._unused:  # nothing will arrive for these: their buckets need not wait
                     self._mark_ready(unused)
             if self._will_rebuild:
@@ -244,6 +324,10 @@ class Reducer:
     def _copy_into_bucket(self, bucket: Bucket, position: int) -> None:
         """``mark_variable_ready_dense``: the gradient into its view, divided by the world size unless a
         hook will do it; no gradient: zeros."""
+        if self._divisor_work is not None:
+            self._divisor_work.wait()
+            self._divisor = int(self._divisor_work.result()[0].item())
+            self._divisor_work = None
         param, view = bucket.params[position], bucket.views[position]
         grad = param.grad
         if grad is None:
@@ -251,7 +335,7 @@ class Reducer:
         elif self.gradient_as_bucket_view and _shares_storage(grad, view):
             # autograd accumulated straight into the view: only the division is left
             if self.comm_hook is None:
-                view.div_(self.world_size)
+                view.div_(self._divisor)
         else:
             if grad.requires_grad:  # backward(create_graph=True): the values go into the bucket, not the graph
                 self._warn_create_graph()
@@ -259,7 +343,7 @@ class Reducer:
             if self.comm_hook is None:
                 # times 1/world_size, as reducer.cpp (a double scalar): a division would round
                 # differently wherever 1/world_size is inexact (3 ranks)
-                torch.mul(grad, 1.0 / self.world_size, out=view)
+                torch.mul(grad, 1.0 / self._divisor, out=view)
             else:
                 view.copy_(grad)
             if self.gradient_as_bucket_view:
@@ -279,44 +363,84 @@ class Reducer:
             self._events.append(event)
             self._reduce_events[bucket.index] = event
             self._next_bucket += 1
-            if self._next_bucket == len(self.buckets) and self.find_unused_parameters:
-                on_device = self._local_used.to(self.params[0].device, copy=True)
-                self._used_future = dist.all_reduce(on_device, group=self.group, async_op=True).get_future()
+            if self._next_bucket == len(self.buckets) and self._tracks_use():
+                self._used_on_device = self._local_used.to(self.params[0].device, copy=True)
+                self._used_future = dist.all_reduce(self._used_on_device, group=self.group, async_op=True).get_future()
                 self._used_reduced = False
+
+    def shadow_backward(self) -> None:
+        """A rank that has joined (:mod:`minidp.distributed.join`) takes part in the backward of the ranks
+        still training: every bucket's all-reduce in bucket order, of zeros (through the comm hook if
+        there is one), the used-parameter map, and, if their first backward rebuilds the buckets, the
+        rebuilt plan (``_match_all_reduce_for_bwd_pass``, ``_push_all_rebuilt_params``)."""
+        with torch.no_grad():
+            futures = []
+            for bucket in self.buckets:
+                zeros = torch.zeros_like(bucket.buffer)
+                if self.comm_hook is None:
+                    futures.append(dist.all_reduce(zeros, group=self.group, async_op=True).get_future())
+                else:
+                    shadow = dataclasses.replace(bucket, buffer=zeros, views=views_of(zeros, bucket.params))
+                    futures.append(self.comm_hook(self.comm_state, GradBucket(shadow, len(self.buckets))))
+            torch.futures.wait_all(futures)
+            if self._tracks_use():
+                # torch's joined rank offers the sum of its last reduction (``_get_local_used_map``), in place:
+                # parameters used then count as used, and the others' gradients for them come out zero
+                dist.all_reduce(self._used_on_device, group=self.group)
+            if self._will_rebuild and not self.static_graph:
+                self._rebuilt = self._sync_plan(rebuilt_plan(self.params, list(range(len(self.params))), self.caps))
+                self._will_rebuild = False
 
     # ---- step 4: the end of the backward ----------------------------------------------------
 
     def _finish_backward(self) -> None:
-        """Queued on the autograd engine by the first hook of a backward; runs when the backward is done."""
+        """Queued on the autograd engine when the backward reaches an output (or at the first hook);
+        runs when that backward is done."""
         with self._lock, torch.no_grad():
+            self._finish_queued = False
+            if not self._expect_hooks or not self._arrived:
+                return  # no parameter's gradient in this pass (autograd.grad on the inputs): wait for the next
             end = time.perf_counter()
             # the backward's computation: from the gradient reaching the outputs to the last parameter's
             start = self._backward_start if self._backward_start is not None else self._last_gradient
             self._events.append({"stage": "backward", "bucket": None, "start": start, "end": self._last_gradient})
+            # the static graph's first backward (delay_all_reduce): every parameter is reduced now
+            counting = self._counting()
             missing = [i for i, ready in enumerate(self._ready) if not ready]
-            if missing and not self.find_unused_parameters:
+            if missing and not counting and (self.static_graph or not self.find_unused_parameters):
                 self._expect_hooks = False
                 raise RuntimeError(self._unreduced_message("this backward"))
             for index in missing:
                 # Reached from an output that the loss did not use: DDP's hook fires for it with no
                 # incoming gradient (its _DDPSink sees to that) and counts it used if .grad is set.
-                if self.params[index].grad is not None:
+                if self.params[index].grad is not None and not counting:
                     self._local_used[index] = 1
                 self._mark_ready(index)
             self._expect_hooks = False
             self._require_finalize = False
             for bucket in self.buckets:
                 self._write_back(bucket, self._result_of(bucket))
-            if self.find_unused_parameters:
-                if not self._used_reduced:
-                    self._used_future.wait()
+            if self._tracks_use():
+                self._wait_for_use()
+                if counting:  # what every later backward waits for, and leaves alone
+                    self._static_counts = list(self._remaining)
+                    self._static_unused = {i for i, used in enumerate(self._local_used.tolist()) if not used}
                 self._local_used.zero_()
             if self._will_rebuild and self._arrival_order:
-                self._rebuilt = self._sync_plan(rebuilt_plan(self.params, self._arrival_order, self.caps))
+                # parameters that got no gradient close the order, in registration order
+                arrived = set(self._arrival_order)
+                order = self._arrival_order + [i for i in range(len(self.params)) if i not in arrived]
+                self._rebuilt = self._sync_plan(rebuilt_plan(self.params, order, self.caps))
                 self._will_rebuild = False
                 self._arrival_order = []
             self._events.append({"stage": "write-back", "bucket": None, "start": end, "end": time.perf_counter()})
             self._last_events = self._events
+
+    def _wait_for_use(self) -> None:
+        """The sum over ranks of which parameters they used, into ``_local_used``."""
+        if not self._used_reduced:
+            self._local_used.copy_(self._used_future.wait()[0])
+            self._used_reduced = True
 
     def _result_of(self, bucket: Bucket) -> torch.Tensor:
         value = bucket.future.wait()
@@ -331,13 +455,13 @@ class Reducer:
         return result
 
     def _globally_unused(self, index: int) -> bool:
-        """Whether no rank used parameter ``index`` since the last reduction; waits for the sum only if
-        this rank did not use it (DDP waits lazily too)."""
-        if not self.find_unused_parameters or self._local_used[index]:
+        """Whether no rank used parameter ``index`` since the last reduction (in a static graph: in the
+        first backward); waits for the sum only if this rank did not use it (DDP waits lazily too)."""
+        if self._static_unused is not None:
+            return index in self._static_unused
+        if not self._tracks_use() or self._local_used[index]:
             return False
-        if not self._used_reduced:
-            self._local_used.copy_(self._used_future.wait()[0])
-            self._used_reduced = True
+        self._wait_for_use()
         return not self._local_used[index]
 
     def _write_back(self, bucket: Bucket, result: torch.Tensor) -> None:
