@@ -7,10 +7,11 @@ in the same process, on the same data, and returns plain facts for ``tests/test_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -416,3 +417,87 @@ class _PartlyUsedBy0(nn.Module):
         if dist.get_rank() == 0:
             h = self.only_rank_0(h)
         return self.head(h)
+
+
+# ---- runtime statistics: _get_ddp_logging_data ---------------------------------------------------------
+
+
+def _with_batch_norm() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+def logging_data_as_stock(seed: int, steps: int, sample_rate: Optional[int] = None, hook: Optional[str] = None,
+                          under_join: bool = False, **options: Any) -> dict:
+    """``_get_ddp_logging_data()`` of both after ``steps`` training steps (``sample_rate``: set first;
+    ``hook``: "python" or "builtin"; ``under_join``: inside ``ddp.join()``), per wrapper."""
+    theirs, ours, _, _ = _pair(_with_batch_norm, seed, **options)
+    data = {}
+    for name, ddp in (("stock", theirs), ("minidp", ours)):
+        if sample_rate is not None:
+            ddp._set_ddp_runtime_logging_sample_rate(sample_rate)
+        if hook == "python":
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif hook == "builtin":
+            ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        with ddp.join() if under_join else contextlib.nullcontext():
+            for step in range(steps):
+                ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+        data[name] = ddp._get_ddp_logging_data()
+    return data
+
+
+def sample_rate_errors(seed: int) -> dict:
+    errors = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        try:
+            wrapper(nn.Linear(2, 2))._set_ddp_runtime_logging_sample_rate(0)
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+# ---- sparse gradients ------------------------------------------------------------------------------------
+
+
+class SparseModel(nn.Module):
+    """An embedding bag and an embedding with sparse gradients between dense layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 6, mode="sum", sparse=True)
+        self.dense = nn.Linear(6, 6)
+        self.embedding = nn.Embedding(20, 6, sparse=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, bags: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.dense(self.bag(bags))) + self.embedding(tokens))
+
+
+def _same_gradient(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    if a is None or b is None:
+        return a is b
+    if a.is_sparse or b.is_sparse:
+        return (a.is_sparse and b.is_sparse and a.is_coalesced() == b.is_coalesced()
+                and torch.equal(a._indices(), b._indices()) and torch.equal(a._values(), b._values()))
+    return torch.equal(a, b)
+
+
+def sparse_gradients_as_stock(seed: int, steps: int = 3, **options: Any) -> dict:
+    """SGD on :class:`SparseModel`, each rank its own indices: per step, whether every parameter and
+    gradient (sparse: indices, values, coalescing) is stock's, and both rebuilt plans."""
+    theirs, ours, theirs_module, ours_module = _pair(SparseModel, seed, **options)
+    optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in (theirs, ours)]
+    same = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(seed + 100 * step + dist.get_rank())
+        bags, tokens = torch.randint(0, 20, (4, 3), generator=generator), torch.randint(0, 20, (4,), generator=generator)
+        for ddp, optimizer in zip((theirs, ours), optimizers):
+            optimizer.zero_grad()
+            ddp(bags, tokens).pow(2).mean().backward()
+            optimizer.step()
+        same.append(all(torch.equal(a, b) and _same_gradient(a.grad, b.grad)
+                        for a, b in zip(ours_module.parameters(), theirs_module.parameters())))
+    key = "rebuilt_per_bucket_param_indices"
+    return {"same": same, "sparse_grads": [p.grad.is_sparse for p in ours_module.parameters()],
+            "plans": [d._get_ddp_logging_data().get(key) for d in (theirs, ours)]}

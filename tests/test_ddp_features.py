@@ -47,6 +47,16 @@ TWO_PROCESSES = {
     "join_batch_norm": (checks.uneven_inputs_as_stock, {"model": "batch_norm"}),
     "join_find_unused": (checks.uneven_inputs_as_stock, {"model": "partly_used"}),
     "join_throw": (checks.uneven_inputs_as_stock, {"throw_on_early_termination": True}),
+    "logging_constructed": (checks.logging_data_as_stock, {"steps": 0, "bucket_cap_mb": 1}),
+    "logging_rebuilt": (checks.logging_data_as_stock, {"steps": 3, "bucket_cap_mb": 1}),
+    "logging_sampled": (checks.logging_data_as_stock, {
+        "steps": 14, "sample_rate": 2, "find_unused_parameters": True, "gradient_as_bucket_view": True}),
+    "logging_static_hook": (checks.logging_data_as_stock, {"steps": 3, "static_graph": True, "hook": "python"}),
+    "logging_builtin_join": (checks.logging_data_as_stock, {"steps": 2, "hook": "builtin", "under_join": True}),
+    "logging_sample_rate_errors": (checks.sample_rate_errors, {}),
+    "sparse": (checks.sparse_gradients_as_stock, {}),
+    "sparse_small_buckets": (checks.sparse_gradients_as_stock, {"bucket_cap_mb": 0.0001}),
+    "sparse_find_unused": (checks.sparse_gradients_as_stock, {"find_unused_parameters": True}),
 }
 
 
@@ -190,3 +200,49 @@ def test_throw_on_early_termination_raises_stocks_errors_on_every_rank(two):
     assert rank_0["errors"] == {"stock": "Rank 0 exhausted all inputs.", "minidp": "Rank 0 exhausted all inputs."}
     expected = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
     assert rank_1["errors"] == {"stock": expected, "minidp": expected}
+
+
+# ---- runtime statistics: _get_ddp_logging_data (distributed.py:2552), _set_ddp_runtime_logging_sample_rate ----
+
+LOGGING_CASES = ["logging_constructed", "logging_rebuilt", "logging_sampled", "logging_static_hook",
+                 "logging_builtin_join"]
+
+
+def _is_timing(key: str) -> bool:
+    return key.endswith(("_time", "_start", "_end")) or key.startswith("avg_")
+
+
+@pytest.mark.parametrize("check", LOGGING_CASES)
+def test_logging_data_has_stocks_keys_and_values_but_times(two, check):
+    for data in _each_rank(two, check):
+        assert sorted(data["minidp"]) == sorted(data["stock"])
+        assert {k: v for k, v in data["minidp"].items() if not _is_timing(k)} == \
+               {k: v for k, v in data["stock"].items() if not _is_timing(k)}
+
+
+@pytest.mark.parametrize("check", ["logging_rebuilt", "logging_sampled", "logging_static_hook"])
+def test_logged_times_are_nanoseconds_between_the_logged_stamps(two, check):
+    for data in _each_rank(two, check):
+        ours = data["minidp"]
+        assert ours["forward_compute_time"] == ours["backward_compute_time_start"] - ours["forward_compute_time_start"]
+        assert ours["backward_compute_time"] == ours["backward_compute_time_end"] - ours["backward_compute_time_start"]
+        assert ours["backward_comm_time"] == ours["backward_comm_time_end"] - ours["backward_comm_time_start"]
+        assert ours["backward_compute_comm_overlap_time"] == \
+               ours["backward_compute_time_end"] - ours["backward_comm_time_start"]
+        assert all(ours[k] > 0 for k in ours if k.startswith("avg_"))
+
+
+def test_a_sample_rate_below_one_is_refused_as_stock(two):
+    for errors in _each_rank(two, "logging_sample_rate_errors"):
+        assert errors["minidp"] == errors["stock"] == "DDP runtime logging sample rate should be equal or greater than 1"
+
+
+# ---- sparse gradients (distributed.py:1554 produces_sparse_gradient; reducer.cpp mark_variable_ready_sparse) ----
+
+
+@pytest.mark.parametrize("check", ["sparse", "sparse_small_buckets", "sparse_find_unused"])
+def test_sparse_gradients_are_reduced_on_their_own_as_stock(two, check):
+    for result in _each_rank(two, check):
+        assert result["same"] == [True] * 3
+        assert result["sparse_grads"] == [True, False, False, True, False, False]
+        assert result["plans"][1] == result["plans"][0]  # each sparse gradient a bucket of its own

@@ -25,19 +25,18 @@ first all-reduce), as torch's reducer does (``_set_forward_pass_work_handle``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
 from .broadcast import broadcast_from
 
-if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
+# a minidp.distributed.DistributedDataParallel (its module imports this one, so not by name here)
+DistributedDataParallel = nn.Module
 
 
-def common_rank(ddp: "DistributedDataParallel", candidate: bool) -> int:
+def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
     """The largest rank among those with ``candidate`` true, on every rank (``_find_common_rank``)."""
     rank = torch.tensor([dist.get_rank(ddp.process_group) if candidate else -1], device=ddp.join_device)
     dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=ddp.process_group)
@@ -46,7 +45,7 @@ def common_rank(ddp: "DistributedDataParallel", candidate: bool) -> int:
     return int(rank.item())
 
 
-def sync_backward_vote(ddp: "DistributedDataParallel", joined: bool) -> bool:
+def sync_backward_vote(ddp: DistributedDataParallel, joined: bool) -> bool:
     """Whether the ranks still training synchronise this backward (``_check_global_requires_backward_grad_sync``):
     they vote 1 (or 0 inside ``no_sync``) without waiting; a joined rank votes 0 and reads the sum."""
     vote = torch.ones(1, device=ddp.join_device) if not joined and ddp.require_backward_grad_sync \
@@ -61,15 +60,16 @@ def sync_backward_vote(ddp: "DistributedDataParallel", joined: bool) -> bool:
 class DDPJoinHook(JoinHook):
     """What a joined rank does for a :class:`~minidp.distributed.DistributedDataParallel` (torch's ``_DDPJoinHook``)."""
 
-    def __init__(self, ddp: "DistributedDataParallel", divide_by_initial_world_size: bool) -> None:
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        ddp._logging.entries["join_uneven_inputs"] = 1
 
     def main_hook(self) -> None:
         """One iteration of the ranks still training, shadowed."""
         ddp = self.ddp
         ddp.reducer.rebuild_buckets()
-        if ddp._will_sync_buffers():
+        if ddp.will_sync_module_buffers():
             broadcast_from(ddp._buffers_to_sync(), ddp.process_group, common_rank(ddp, candidate=False))
         synchronised = sync_backward_vote(ddp, joined=True)
         ddp.require_forward_param_sync = synchronised

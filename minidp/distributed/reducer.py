@@ -89,9 +89,11 @@ class Reducer:
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
         static_graph: bool = False,
+        sparse: Optional[Sequence[bool]] = None,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
+        self.sparse = [False] * len(self.params) if sparse is None else list(sparse)  # gradients that are sparse
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -108,13 +110,19 @@ class Reducer:
         self._divisor = self.world_size
         self._divisor_work: Optional[dist.Work] = None
 
-        self._install_plan(initial_plan(self.params, caps, find_unused_parameters and not static_graph))
+        self._install_plan(initial_plan(self.params, caps, find_unused_parameters and not static_graph, self.sparse))
         # DDP rebuilds once, and never when it looks for unused parameters, unless the graph is static
         # (should_rebuild_buckets).
         self._will_rebuild = not find_unused_parameters
         self._arrival_order: list[int] = []
         self._rebuilt: Optional[list[list[int]]] = None
         self.iteration = 0  # synchronised forwards so far (num_iterations_)
+        self.has_rebuilt_buckets = False
+        # this synchronised iteration's time.perf_counter() stamps, and the last finished one's (runtime statistics)
+        self._stamps: dict[str, float] = {}
+        self.last_stamps: dict[str, float] = {}
+        self._grad_ready_order: list[int] = []  # this backward's arrivals
+        self._last_facts: dict[str, Any] = {}
 
         # static_graph (set_static_graph): the first backward counts each parameter's hooks and reduces
         # everything at its end; later ones reduce a parameter at its last hook of the count.
@@ -158,12 +166,12 @@ class Reducer:
     def _install_plan(self, plan: list[list[int]]) -> None:
         """Allocate one flat buffer per bucket (``initialize_buckets``). With ``gradient_as_bucket_view``
         a gradient already there is copied into its new view and ``.grad`` becomes that view."""
-        self.buckets = [Bucket.allocate(b, indices, self.params) for b, indices in enumerate(plan)]
+        self.buckets = [Bucket.allocate(b, indices, self.params, self.sparse[indices[0]]) for b, indices in enumerate(plan)]
         self._locator = [(0, 0)] * len(self.params)
         for bucket in self.buckets:
             for position, index in enumerate(bucket.indices):
                 self._locator[index] = (bucket.index, position)
-                if self.gradient_as_bucket_view:
+                if self.gradient_as_bucket_view and not bucket.sparse:
                     param, view = bucket.params[position], bucket.views[position]
                     if param.grad is not None and not _shares_storage(param.grad, view):
                         view.copy_(param.grad)
@@ -204,6 +212,11 @@ class Reducer:
 
     # ---- steps 1 and 2: around the forward -------------------------------------------------
 
+    def prepare_for_forward(self) -> None:
+        """Called before every synchronised forward (``Reducer::prepare_for_forward``): count it, time it."""
+        self.iteration += 1
+        self._stamps = {"forward_compute_start": time.perf_counter()}
+
     def before_forward(self) -> None:
         """Called before every forward that records gradients."""
         if self._require_finalize:
@@ -217,7 +230,10 @@ class Reducer:
         with torch.no_grad():
             self._install_plan(self._rebuilt)
         self._rebuilt = None
+        self.has_rebuilt_buckets = True
         return True
+
+    _rebuild_buckets = rebuild_buckets  # the name torch's Reducer has (Lightning calls it)
 
     def set_forward_pass_work(self, work: Optional[dist.Work], divide_by_initial_world_size: bool) -> None:
         """Before each forward (``_set_forward_pass_work_handle``): under ``Join``, ``work`` is the all-reduce
@@ -227,8 +243,11 @@ class Reducer:
         self._divisor_work = work if work is not None and not divide_by_initial_world_size else None
 
     def prepare_for_backward(self, output: Any) -> None:
-        """Called after a synchronised forward: the next backward reduces."""
-        self.iteration += 1
+        """Called after a synchronised forward: the next backward reduces. ``output``: the forward's output,
+        whose tensors are searched for unused parameters (torch's Reducer takes their list; accelerate and
+        Lightning call it again from outside, with ``[]`` or the loss)."""
+        self._stamps["backward_compute_start"] = time.perf_counter()
+        self._grad_ready_order = []
         self._expect_hooks = True
         self._hooks_fired = False
         self._arrived = False  # a gradient of this forward's backward has arrived
@@ -300,6 +319,7 @@ class Reducer:
                     self._mark_ready(unused)
             if self._will_rebuild:
                 self._arrival_order.append(index)
+            self._grad_ready_order.append(index)
             self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
@@ -328,6 +348,9 @@ class Reducer:
             self._divisor_work.wait()
             self._divisor = int(self._divisor_work.result()[0].item())
             self._divisor_work = None
+        if bucket.sparse:
+            self._take_sparse_gradient(bucket)
+            return
         param, view = bucket.params[position], bucket.views[position]
         grad = param.grad
         if grad is None:
@@ -349,11 +372,28 @@ class Reducer:
             if self.gradient_as_bucket_view:
                 param.grad = view
 
+    def _take_sparse_gradient(self, bucket: Bucket) -> None:
+        """``mark_variable_ready_sparse``: the sparse gradient itself is the bucket, divided in place by the
+        world size (unless a hook will), all-reduced alone (indices and values), copied back in place."""
+        grad = bucket.params[0].grad
+        if grad is None:
+            raise RuntimeError(
+                f"Expected sparse gradient to be defined: parameter {bucket.indices[0]} ('{self.names[bucket.indices[0]]}') "
+                f"got none in this backward on rank {self.rank}; a sparse embedding must be used in every synchronised "
+                f"forward"
+            )
+        if not grad.is_sparse:
+            raise RuntimeError(f"Expected variable to have sparse gradient: '{self.names[bucket.indices[0]]}'")
+        if self.comm_hook is None:
+            grad.div_(self._divisor)
+        bucket.buffer = grad
+
     def _launch_ready_buckets(self) -> None:
         """All-reduce every full bucket from the next one due, in order, stopping at the first that is not full."""
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
             bucket = self.buckets[self._next_bucket]
             event = {"stage": "all-reduce", "bucket": bucket.index, "start": time.perf_counter(), "end": None}
+            self._stamps.setdefault("backward_comm_start", event["start"])
             if self.comm_hook is None:
                 bucket.future = dist.all_reduce(bucket.buffer, group=self.group, async_op=True).get_future()
             else:
@@ -374,6 +414,11 @@ class Reducer:
         there is one), the used-parameter map, and, if their first backward rebuilds the buckets, the
         rebuilt plan (``_match_all_reduce_for_bwd_pass``, ``_push_all_rebuilt_params``)."""
         with torch.no_grad():
+            if any(bucket.sparse for bucket in self.buckets):
+                raise RuntimeError(
+                    "DistributedDataParallel under Join: a joined rank cannot shadow the all-reduce of a sparse "
+                    "gradient (its indices are not known); use sparse=False embeddings, or even inputs"
+                )
             futures = []
             for bucket in self.buckets:
                 zeros = torch.zeros_like(bucket.buffer)
@@ -388,7 +433,8 @@ class Reducer:
                 # parameters used then count as used, and the others' gradients for them come out zero
                 dist.all_reduce(self._used_on_device, group=self.group)
             if self._will_rebuild and not self.static_graph:
-                self._rebuilt = self._sync_plan(rebuilt_plan(self.params, list(range(len(self.params))), self.caps))
+                self._rebuilt = self._sync_plan(
+                    rebuilt_plan(self.params, list(range(len(self.params))), self.caps, self.sparse))
                 self._will_rebuild = False
 
     # ---- step 4: the end of the backward ----------------------------------------------------
@@ -401,6 +447,7 @@ class Reducer:
             if not self._expect_hooks or not self._arrived:
                 return  # no parameter's gradient in this pass (autograd.grad on the inputs): wait for the next
             end = time.perf_counter()
+            self._stamps["backward_compute_end"] = end
             # the backward's computation: from the gradient reaching the outputs to the last parameter's
             start = self._backward_start if self._backward_start is not None else self._last_gradient
             self._events.append({"stage": "backward", "bucket": None, "start": start, "end": self._last_gradient})
@@ -430,11 +477,43 @@ class Reducer:
                 # parameters that got no gradient close the order, in registration order
                 arrived = set(self._arrival_order)
                 order = self._arrival_order + [i for i in range(len(self.params)) if i not in arrived]
-                self._rebuilt = self._sync_plan(rebuilt_plan(self.params, order, self.caps))
+                self._rebuilt = self._sync_plan(rebuilt_plan(self.params, order, self.caps, self.sparse))
                 self._will_rebuild = False
                 self._arrival_order = []
             self._events.append({"stage": "write-back", "bucket": None, "start": end, "end": time.perf_counter()})
             self._last_events = self._events
+            self._stamps["backward_comm_end"] = self._events[-1]["end"]
+            self.last_stamps = self._stamps
+            self._last_facts = {
+                "num_buckets_reduced": len(self.buckets),
+                "unused_parameter_size": sum(self.params[i].numel() * self.params[i].element_size() for i in self._unused),
+                "prev_iteration_grad_ready_order_indices": ", ".join(map(str, self._grad_ready_order)),
+            }
+
+    def runtime_facts(self) -> dict[str, Any]:
+        """The last finished backward's facts for the runtime statistics (:mod:`.logging_data`)."""
+        facts = {**self._last_facts, "has_rebuilt_buckets": int(self.has_rebuilt_buckets)}
+        if self.has_rebuilt_buckets:
+            facts["rebuilt_bucket_sizes"] = ", ".join(str(b.buffer.numel() * b.buffer.element_size()) for b in self.buckets)
+            facts["rebuilt_per_bucket_param_indices"] = ", ".join(" ".join(map(str, b.indices)) for b in self.buckets)
+        return facts
+
+    # ---- what frameworks call on torch's Reducer ---------------------------------------------
+
+    def _delay_all_reduce(self) -> None:
+        """Reduce now what a static graph's first backward has gathered (Lightning calls it after a manual
+        backward); here the end of the backward has done it already, unless it is still waiting."""
+        if self._expect_hooks and self._arrived:
+            self._finish_backward()
+
+    def _check_reducer_finalized(self) -> None:
+        """Raise if the last backward left gradients unreduced (``DistributedDataParallel._check_reducer_finalized``)."""
+        if self._require_finalize:
+            raise RuntimeError(self._unreduced_message("the last backward"))
+
+    def _remove_autograd_hooks(self) -> None:
+        """Stop reducing: the parameters' hooks removed (``_remove_autograd_hooks``)."""
+        _remove(self._handles)
 
     def _wait_for_use(self) -> None:
         """The sum over ranks of which parameters they used, into ``_local_used``."""
@@ -466,6 +545,10 @@ class Reducer:
 
     def _write_back(self, bucket: Bucket, result: torch.Tensor) -> None:
         """``finalize_bucket_dense``: the reduced gradients into ``.grad``; a gradient no rank used stays as it was."""
+        if bucket.sparse:
+            if result is not bucket.buffer:
+                bucket.buffer.copy_(result)  # into the parameter's own .grad, as reducer.cpp does
+            return
         views = bucket.views if result is bucket.buffer else views_of(result, bucket.params)
         into, values = [], []
         for position, (index, param) in enumerate(zip(bucket.indices, bucket.params)):
