@@ -7,15 +7,18 @@ in the same process, on the same data, and returns plain facts for ``tests/test_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms import Join
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils.checkpoint import checkpoint
 
 import minidp.distributed as md
 
@@ -254,3 +257,247 @@ def builtin_hook_as_stock(seed: int, hook_type: str, steps: int = 3) -> list:
     pairs = [(theirs, theirs_module, torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)),
              (ours, ours_module, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9))]
     return _sgd_steps(pairs, seed, 0, steps)
+
+
+# ---- static graph and activation checkpointing ------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    """Two layers under ``torch.utils.checkpoint`` (re-entrant or not); with ``twice``, the second layer
+    runs again in a second checkpointed segment, so its hook fires twice per backward."""
+
+    def __init__(self, reentrant: bool, twice: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+        self.reentrant, self.twice = reentrant, twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = checkpoint(lambda y: torch.tanh(self.b(torch.tanh(self.a(y)))), x, use_reentrant=self.reentrant)
+        if self.twice:
+            x = checkpoint(lambda y: torch.tanh(self.b(y)), x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+def checkpointing_as_stock(seed: int, reentrant: bool, twice: bool, steps: int = 4, **options: Any) -> dict:
+    """Train both wrappers with ``options`` (``find_unused_parameters``, ``static_graph``): stock's outcome
+    ("ok" or its error), minidp's, and, where both train, the first difference after every step."""
+    outcome: dict[str, Any] = {}
+    theirs, ours, theirs_module, ours_module = _pair(lambda: Checkpointed(reentrant, twice), seed, **options)
+    pairs = [(theirs, theirs_module, torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)),
+             (ours, ours_module, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9))]
+    differences = []
+    for step in range(steps):
+        for name, (ddp, _, optimizer) in zip(("stock", "minidp"), pairs):
+            if name in outcome:
+                continue
+            try:
+                optimizer.zero_grad()
+                # the input requires grad, as re-entrant checkpointing needs to record its segment
+                ddp(_inputs(seed, step, 5, 6).requires_grad_()).pow(2).mean().backward()
+                optimizer.step()
+            except RuntimeError as error:
+                outcome[name] = str(error)
+        if not outcome:
+            differences.append(_difference(ours_module, theirs_module))
+    return {"stock": outcome.get("stock", "ok"), "minidp": outcome.get("minidp", "ok"), "differences": differences}
+
+
+class _Recorder:
+    """A communication hook that notes each bucket's parameter indices, per backward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.index_of = {id(p): i for i, p in enumerate(module.parameters())}
+        self.backwards: list[list[list[int]]] = []
+
+    def hook(self, state, bucket):  # a method: stock reads the hook's __name__
+        self.backwards[-1].append([self.index_of[id(p)] for p in bucket.parameters()])
+        return default_hooks.allreduce_hook(state, bucket)
+
+
+class _Wide(nn.Module):
+    """Wide enough for two buckets once rebuilt (1 MiB first bucket); ``never`` is used by no rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 600)
+        self.b = nn.Linear(600, 600)
+        self.never = nn.Linear(6, 6)
+        self.c = nn.Linear(600, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def static_graph_buckets(seed: int, late: bool, steps: int = 4) -> dict:
+    """Per backward, the buckets a static graph hands a hook, in stock and minidp (``late``: set by
+    ``_set_static_graph()`` after construction rather than ``static_graph=True``), and the parameters."""
+    options = {} if late else {"static_graph": True}
+    theirs, ours, theirs_module, ours_module = _pair(_Wide, seed, **options)
+    recorders = {}
+    for name, ddp, module in (("stock", theirs, theirs_module), ("minidp", ours, ours_module)):
+        if late:
+            ddp._set_static_graph()
+        recorders[name] = _Recorder(module)
+        ddp.register_comm_hook(None, recorders[name].hook)
+    pairs = [(theirs, theirs_module, torch.optim.SGD(theirs.parameters(), lr=0.1)),
+             (ours, ours_module, torch.optim.SGD(ours.parameters(), lr=0.1))]
+    differences = []
+    for step in range(steps):
+        for recorder in recorders.values():
+            recorder.backwards.append([])
+        differences += _sgd_steps(pairs, seed, step, 1)
+    return {"stock": recorders["stock"].backwards, "minidp": recorders["minidp"].backwards,
+            "differences": differences, "never_grad": [p.grad for p in ours_module.never.parameters()]}
+
+
+def static_graph_set_late(seed: int) -> dict:
+    """``_set_static_graph()`` twice, and after a forward: stock's and minidp's warnings and errors."""
+    seen: dict[str, list] = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = wrapper(nn.Linear(3, 3), static_graph=True)
+            ddp._set_static_graph()
+        after = wrapper(nn.Linear(3, 3))
+        after(torch.randn(2, 3)).sum().backward()
+        try:
+            after._set_static_graph()
+            error = "no error"
+        except RuntimeError as e:
+            error = str(e)
+        seen[name] = [[str(w.message) for w in caught if "static_graph" in str(w.message)], error]
+    return seen
+
+
+# ---- uneven inputs: Join ----------------------------------------------------------------------------
+
+
+def uneven_inputs_as_stock(seed: int, model: str = "tanh_mlp", through: str = "join", **join_options: Any) -> dict:
+    """Rank r trains on 2 + 2r batches inside ``ddp.join(**join_options)`` (``through="Join"``:
+    ``Join([ddp], **join_options)``), stock then minidp: the first difference between the two models
+    after the context, and each one's error if it raised."""
+    build = {"tanh_mlp": _tanh_mlp, "batch_norm": lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)),
+             "partly_used": _PartlyUsedBy0}[model]
+    options = {"find_unused_parameters": True} if model == "partly_used" else {}
+    theirs, ours, theirs_module, ours_module = _pair(build, seed, **options)
+    errors = {}
+    for name, ddp in (("stock", theirs), ("minidp", ours)):
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        if through == "join":
+            context = ddp.join(**join_options)
+        else:
+            kwargs = {k: v for k, v in join_options.items() if k == "divide_by_initial_world_size"}
+            context = Join([ddp], join_options.get("enable", True), join_options.get("throw_on_early_termination", False),
+                           **kwargs)
+        try:
+            with context:
+                for step in range(2 + 2 * dist.get_rank()):
+                    optimizer.zero_grad()
+                    out = ddp(_inputs(seed, step, 5, 6))
+                    (out[0] if isinstance(out, tuple) else out).pow(2).mean().backward()
+                    optimizer.step()
+        except RuntimeError as error:
+            errors[name] = str(error)
+    return {"difference": _difference(ours_module, theirs_module), "errors": errors}
+
+
+class _PartlyUsedBy0(nn.Module):
+    """A layer that only rank 0 uses (find_unused_parameters=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.only_rank_0 = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if dist.get_rank() == 0:
+            h = self.only_rank_0(h)
+        return self.head(h)
+
+
+# ---- runtime statistics: _get_ddp_logging_data ---------------------------------------------------------
+
+
+def _with_batch_norm() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+def logging_data_as_stock(seed: int, steps: int, sample_rate: Optional[int] = None, hook: Optional[str] = None,
+                          under_join: bool = False, **options: Any) -> dict:
+    """``_get_ddp_logging_data()`` of both after ``steps`` training steps (``sample_rate``: set first;
+    ``hook``: "python" or "builtin"; ``under_join``: inside ``ddp.join()``), per wrapper."""
+    theirs, ours, _, _ = _pair(_with_batch_norm, seed, **options)
+    data = {}
+    for name, ddp in (("stock", theirs), ("minidp", ours)):
+        if sample_rate is not None:
+            ddp._set_ddp_runtime_logging_sample_rate(sample_rate)
+        if hook == "python":
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif hook == "builtin":
+            ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        with ddp.join() if under_join else contextlib.nullcontext():
+            for step in range(steps):
+                ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+        data[name] = ddp._get_ddp_logging_data()
+    return data
+
+
+def sample_rate_errors(seed: int) -> dict:
+    errors = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        try:
+            wrapper(nn.Linear(2, 2))._set_ddp_runtime_logging_sample_rate(0)
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+# ---- sparse gradients ------------------------------------------------------------------------------------
+
+
+class SparseModel(nn.Module):
+    """An embedding bag and an embedding with sparse gradients between dense layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 6, mode="sum", sparse=True)
+        self.dense = nn.Linear(6, 6)
+        self.embedding = nn.Embedding(20, 6, sparse=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, bags: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.dense(self.bag(bags))) + self.embedding(tokens))
+
+
+def _same_gradient(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    if a is None or b is None:
+        return a is b
+    if a.is_sparse or b.is_sparse:
+        return (a.is_sparse and b.is_sparse and a.is_coalesced() == b.is_coalesced()
+                and torch.equal(a._indices(), b._indices()) and torch.equal(a._values(), b._values()))
+    return torch.equal(a, b)
+
+
+def sparse_gradients_as_stock(seed: int, steps: int = 3, **options: Any) -> dict:
+    """SGD on :class:`SparseModel`, each rank its own indices: per step, whether every parameter and
+    gradient (sparse: indices, values, coalescing) is stock's, and both rebuilt plans."""
+    theirs, ours, theirs_module, ours_module = _pair(SparseModel, seed, **options)
+    optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in (theirs, ours)]
+    same = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(seed + 100 * step + dist.get_rank())
+        bags, tokens = torch.randint(0, 20, (4, 3), generator=generator), torch.randint(0, 20, (4,), generator=generator)
+        for ddp, optimizer in zip((theirs, ours), optimizers):
+            optimizer.zero_grad()
+            ddp(bags, tokens).pow(2).mean().backward()
+            optimizer.step()
+        same.append(all(torch.equal(a, b) and _same_gradient(a.grad, b.grad)
+                        for a, b in zip(ours_module.parameters(), theirs_module.parameters())))
+    key = "rebuilt_per_bucket_param_indices"
+    return {"same": same, "sparse_grads": [p.grad.is_sparse for p in ours_module.parameters()],
+            "plans": [d._get_ddp_logging_data().get(key) for d in (theirs, ours)]}

@@ -34,6 +34,29 @@ TWO_PROCESSES = {
     "comm_hook_errors": (checks.comm_hook_errors, {}),
     "builtin_allreduce": (checks.builtin_hook_as_stock, {"hook_type": "ALLREDUCE"}),
     "builtin_fp16": (checks.builtin_hook_as_stock, {"hook_type": "FP16_COMPRESS"}),
+    **{f"checkpoint_{'reentrant' if r else 'plain'}_{'twice' if t else 'once'}_{'unused' if u else 'all'}_"
+       f"{'static' if g else 'dynamic'}": (checks.checkpointing_as_stock, {
+           "reentrant": r, "twice": t, "find_unused_parameters": u, "static_graph": g})
+       for r in (True, False) for t in (False, True) for u in (False, True) for g in (False, True)},
+    "static_buckets": (checks.static_graph_buckets, {"late": False}),
+    "static_buckets_late": (checks.static_graph_buckets, {"late": True}),
+    "static_set_late": (checks.static_graph_set_late, {}),
+    "join": (checks.uneven_inputs_as_stock, {}),
+    "join_effective_world_size": (checks.uneven_inputs_as_stock, {"divide_by_initial_world_size": False}),
+    "join_generic": (checks.uneven_inputs_as_stock, {"through": "Join", "divide_by_initial_world_size": False}),
+    "join_batch_norm": (checks.uneven_inputs_as_stock, {"model": "batch_norm"}),
+    "join_find_unused": (checks.uneven_inputs_as_stock, {"model": "partly_used"}),
+    "join_throw": (checks.uneven_inputs_as_stock, {"throw_on_early_termination": True}),
+    "logging_constructed": (checks.logging_data_as_stock, {"steps": 0, "bucket_cap_mb": 1}),
+    "logging_rebuilt": (checks.logging_data_as_stock, {"steps": 3, "bucket_cap_mb": 1}),
+    "logging_sampled": (checks.logging_data_as_stock, {
+        "steps": 14, "sample_rate": 2, "find_unused_parameters": True, "gradient_as_bucket_view": True}),
+    "logging_static_hook": (checks.logging_data_as_stock, {"steps": 3, "static_graph": True, "hook": "python"}),
+    "logging_builtin_join": (checks.logging_data_as_stock, {"steps": 2, "hook": "builtin", "under_join": True}),
+    "logging_sample_rate_errors": (checks.sample_rate_errors, {}),
+    "sparse": (checks.sparse_gradients_as_stock, {}),
+    "sparse_small_buckets": (checks.sparse_gradients_as_stock, {"bucket_cap_mb": 0.0001}),
+    "sparse_find_unused": (checks.sparse_gradients_as_stock, {"find_unused_parameters": True}),
 }
 
 
@@ -117,3 +140,109 @@ def test_a_hook_that_returns_no_future_is_named_as_stock_names_it(two):
 def test_builtin_comm_hooks_give_stocks_bits(two, hook_type):
     for differences in _each_rank(two, f"builtin_{hook_type}"):
         assert differences == [None] * 3
+
+
+# ---- static graph (distributed.py:2589 _set_static_graph, _DDPSink's delayed all-reduce) and checkpointing ----
+
+CHECKPOINT_CASES = [f"{'reentrant' if r else 'plain'}_{'twice' if t else 'once'}_{'unused' if u else 'all'}_"
+                    f"{'static' if g else 'dynamic'}"
+                    for r in (True, False) for t in (False, True) for u in (False, True) for g in (False, True)]
+
+
+@pytest.mark.parametrize("case", CHECKPOINT_CASES)
+def test_activation_checkpointing_trains_as_stock_or_fails_where_stock_fails(two, case):
+    # torch DDP refuses re-entrant checkpointing of a layer used twice, or with find_unused_parameters,
+    # unless static_graph=True ("Expected to mark a variable ready only once"); everything else trains
+    for result in _each_rank(two, f"checkpoint_{case}"):
+        if result["stock"] == "ok":
+            assert result["minidp"] == "ok" and result["differences"] == [None] * 4
+        else:
+            assert result["stock"].startswith("Expected to mark a variable ready only once")
+            assert "got its gradient twice in one backward" in result["minidp"]
+
+
+def test_stock_refuses_exactly_the_reentrant_cases_without_static_graph(two):
+    refused = {case for case in CHECKPOINT_CASES if _each_rank(two, f"checkpoint_{case}")[0]["stock"] != "ok"}
+    assert refused == {"reentrant_once_unused_dynamic", "reentrant_twice_all_dynamic", "reentrant_twice_unused_dynamic"}
+
+
+@pytest.mark.parametrize("check", ["static_buckets", "static_buckets_late"])
+def test_static_graph_reduces_all_at_the_end_first_then_rebuilds_after_the_second_backward_as_stock(two, check):
+    for result in _each_rank(two, check):
+        assert result["minidp"] == result["stock"]
+        assert result["differences"] == [None] * 4
+        assert result["never_grad"] == [None, None]
+    first, second, third, _ = _each_rank(two, "static_buckets")[0]["stock"]
+    assert first == second == [[0, 1, 2, 3, 4, 5, 6, 7]]  # one bucket until the rebuild
+    assert third == [[7, 6, 3, 2], [1, 0, 4, 5]]  # arrival order, the unused parameters last
+
+
+def test_set_static_graph_warns_and_refuses_as_stock(two):
+    for seen in _each_rank(two, "static_set_late"):
+        assert seen["minidp"] == seen["stock"]
+        assert seen["minidp"][0] == ["You've set static_graph to be True, no need to set it again."]
+
+
+# ---- uneven inputs: join() (distributed.py:1989), Join (torch/distributed/algorithms/join.py), _DDPJoinHook ----
+
+
+@pytest.mark.parametrize("check", ["join", "join_effective_world_size", "join_generic", "join_batch_norm",
+                                   "join_find_unused"])
+def test_uneven_inputs_under_join_end_with_stocks_model_on_every_rank(two, check):
+    # rank 1 trains 4 steps, rank 0 2 and then shadows; the last rank to join sends its model to all
+    for result in _each_rank(two, check):
+        assert result["errors"] == {}
+        assert result["difference"] is None
+
+
+def test_throw_on_early_termination_raises_stocks_errors_on_every_rank(two):
+    rank_0, rank_1 = _each_rank(two, "join_throw")
+    assert rank_0["errors"] == {"stock": "Rank 0 exhausted all inputs.", "minidp": "Rank 0 exhausted all inputs."}
+    expected = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+    assert rank_1["errors"] == {"stock": expected, "minidp": expected}
+
+
+# ---- runtime statistics: _get_ddp_logging_data (distributed.py:2552), _set_ddp_runtime_logging_sample_rate ----
+
+LOGGING_CASES = ["logging_constructed", "logging_rebuilt", "logging_sampled", "logging_static_hook",
+                 "logging_builtin_join"]
+
+
+def _is_timing(key: str) -> bool:
+    return key.endswith(("_time", "_start", "_end")) or key.startswith("avg_")
+
+
+@pytest.mark.parametrize("check", LOGGING_CASES)
+def test_logging_data_has_stocks_keys_and_values_but_times(two, check):
+    for data in _each_rank(two, check):
+        assert sorted(data["minidp"]) == sorted(data["stock"])
+        assert {k: v for k, v in data["minidp"].items() if not _is_timing(k)} == \
+               {k: v for k, v in data["stock"].items() if not _is_timing(k)}
+
+
+@pytest.mark.parametrize("check", ["logging_rebuilt", "logging_sampled", "logging_static_hook"])
+def test_logged_times_are_nanoseconds_between_the_logged_stamps(two, check):
+    for data in _each_rank(two, check):
+        ours = data["minidp"]
+        assert ours["forward_compute_time"] == ours["backward_compute_time_start"] - ours["forward_compute_time_start"]
+        assert ours["backward_compute_time"] == ours["backward_compute_time_end"] - ours["backward_compute_time_start"]
+        assert ours["backward_comm_time"] == ours["backward_comm_time_end"] - ours["backward_comm_time_start"]
+        assert ours["backward_compute_comm_overlap_time"] == \
+               ours["backward_compute_time_end"] - ours["backward_comm_time_start"]
+        assert all(ours[k] > 0 for k in ours if k.startswith("avg_"))
+
+
+def test_a_sample_rate_below_one_is_refused_as_stock(two):
+    for errors in _each_rank(two, "logging_sample_rate_errors"):
+        assert errors["minidp"] == errors["stock"] == "DDP runtime logging sample rate should be equal or greater than 1"
+
+
+# ---- sparse gradients (distributed.py:1554 produces_sparse_gradient; reducer.cpp mark_variable_ready_sparse) ----
+
+
+@pytest.mark.parametrize("check", ["sparse", "sparse_small_buckets", "sparse_find_unused"])
+def test_sparse_gradients_are_reduced_on_their_own_as_stock(two, check):
+    for result in _each_rank(two, check):
+        assert result["same"] == [True] * 3
+        assert result["sparse_grads"] == [True, False, False, True, False, False]
+        assert result["plans"][1] == result["plans"][0]  # each sparse gradient a bucket of its own
