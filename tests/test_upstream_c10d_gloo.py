@@ -13,9 +13,10 @@ from PyTorch (BSD 3-clause), copyright the PyTorch contributors.
 
 from __future__ import annotations
 
+from itertools import product
+
 import pytest
 import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powerSGD
-from itertools import product
 
 from . import upstream_ddp_checks as checks
 

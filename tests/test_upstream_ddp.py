@@ -3,8 +3,9 @@
 
 Every upstream test that constructs DDP appears here once by its upstream name: the ones upstream
 runs on the Gloo backend without a GPU are ported (bodies in ``tests/upstream_ddp_checks.py``) and
-run in one job of 2 Gloo processes on 127.0.0.1; the ones upstream gates on GPUs skip with
-upstream's decorator as the reason. Adapted from PyTorch (BSD 3-clause), copyright the PyTorch
+run in one job of 2 Gloo processes on 127.0.0.1, with three that upstream gates on GPUs only to have
+a device per rank (uneven inputs under ``join()``); the other GPU-gated ones skip with upstream's
+decorator as the reason. Adapted from PyTorch (BSD 3-clause), copyright the PyTorch
 contributors.
 """
 
@@ -33,6 +34,13 @@ CPU_GLOO = [
     "test_ddp_logging_data_cpu",
     "test_static_graph_api_cpu",
     "test_grads_same_across_ranks_with_no_sync",
+]
+
+# Upstream gates these on 2 GPUs, but only to have a device per rank: they run here on the CPU.
+PORTED_TO_CPU = [
+    "test_ddp_join_model_equivalence",
+    "test_ddp_uneven_input_join_disable",
+    "test_ddp_uneven_input_exception",
 ]
 
 # Upstream gates these on GPUs (the decorator quoted); on the CPU they skip, as upstream's do.
@@ -75,11 +83,8 @@ GPU_ONLY = {
     "test_ddp_profiling_autograd_profiler": "skip_if_lt_x_gpu(2); also skipped on Linux, also skipped everywhere",
     "test_ddp_profiling_torch_profiler": "skip_if_lt_x_gpu(2)",
     "test_ddp_profiling_execution_trace": "skip_if_lt_x_gpu(2); also skipped everywhere",
-    "test_ddp_join_model_equivalence": "skip_if_lt_x_gpu(2)",
     "test_ddp_uneven_inputs_stop_iteration_sync_bn": "skip_if_lt_x_gpu(2)",
     "test_ddp_uneven_inputs": "skip_if_lt_x_gpu(2)",
-    "test_ddp_uneven_input_join_disable": "skip_if_lt_x_gpu(2)",
-    "test_ddp_uneven_input_exception": "skip_if_lt_x_gpu(2)",
     "test_ddp_ignore_params_arg": "skip_if_lt_x_gpu(2)",
     "test_ddp_unused_params_rebuild_buckets_exception": "skip_if_lt_x_gpu(2)",
     "test_ddp_shared_grad_acc_unused_params": "skip_if_lt_x_gpu(2)",
@@ -133,8 +138,8 @@ GPU_ONLY = {
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    """Every case of CPU_GLOO, run once in one job of 2 ranks; each rank's results."""
-    return checks.launch_cases([(name, {}) for name in CPU_GLOO])
+    """Every case of CPU_GLOO and PORTED_TO_CPU, run once in one job of 2 ranks; each rank's results."""
+    return checks.launch_cases([(name, {}) for name in CPU_GLOO + PORTED_TO_CPU])
 
 
 # ---- ported: each passes on every rank --------------------------------------------------------------
@@ -182,6 +187,19 @@ def test_static_graph_api_cpu(ranks):
 
 def test_grads_same_across_ranks_with_no_sync(ranks):
     checks.assert_passed_on_every_rank(ranks, "test_grads_same_across_ranks_with_no_sync")
+
+
+
+def test_ddp_join_model_equivalence(ranks):
+    checks.assert_passed_on_every_rank(ranks, "test_ddp_join_model_equivalence")
+
+
+def test_ddp_uneven_input_join_disable(ranks):
+    checks.assert_passed_on_every_rank(ranks, "test_ddp_uneven_input_join_disable")
+
+
+def test_ddp_uneven_input_exception(ranks):
+    checks.assert_passed_on_every_rank(ranks, "test_ddp_uneven_input_exception")
 
 
 # ---- not ported ----------------------------------------------------------------------------------

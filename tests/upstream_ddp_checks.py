@@ -438,6 +438,80 @@ def test_grads_same_across_ranks_with_no_sync() -> None:
             assert torch.allclose(gathered[0], g), "Gradients are not the same for all ranks."
 
 
+# ---- uneven inputs under join() (upstream on cuda:rank; device-agnostic, run here on the CPU) -----
+
+
+def _validate_net_equivalence(net: nn.Module) -> None:
+    """Every tensor of the module's state dict is the same on every rank."""
+    for t in net.module.state_dict().values():
+        tensor_list = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(tensor_list, t)
+        for tensor in tensor_list:
+            assert_close(tensor, t)
+
+
+def test_ddp_join_model_equivalence() -> None:
+    """Rank r runs 2(r+1) steps under join(); the result equals one process running all ranks' steps
+    (the learning rate times the world size undoes the division by the ranks still joined)."""
+    batch, dim, learning_rate = 3, 10, 0.03
+    model = nn.Linear(dim, dim, bias=False)
+    inp = torch.rand(batch, dim)
+    local_model = copy.deepcopy(model)
+    rank_to_iter_mapping = {rank: 2 * (rank + 1) for rank in range(dist.get_world_size())}
+    local_optim = torch.optim.SGD(local_model.parameters(), lr=learning_rate)
+    for _ in range(sum(rank_to_iter_mapping.values())):
+        local_optim.zero_grad()
+        local_model(inp).sum().backward()
+        local_optim.step()
+    net = DDP(model)
+    ddp_optim = torch.optim.SGD(model.parameters(), lr=learning_rate * dist.get_world_size())
+    with net.join():
+        for _ in range(rank_to_iter_mapping[dist.get_rank()]):
+            ddp_optim.zero_grad()
+            net(inp).sum().backward()
+            ddp_optim.step()
+    for (_, local_tensor), (_, dist_tensor) in zip(local_model.state_dict().items(), net.module.state_dict().items(),
+                                                   strict=True):
+        assert_close(dist_tensor, local_tensor)
+
+
+def test_ddp_uneven_input_join_disable() -> None:
+    """join(enable=False) with even inputs: gradients divided by the whole world size."""
+    torch.manual_seed(dist.get_rank())
+    net = DDP(torch.nn.Linear(1, 1))
+    inp = torch.ones(1) * dist.get_rank()
+    world_size = dist.get_world_size()
+    with net.join(enable=False):
+        for _ in range(5):
+            grad = net.module.weight.grad
+            if grad is not None:
+                grad.requires_grad_(False)
+                grad.zero_()
+            net(inp).sum().backward()
+            expected_grad = sum(i for i in range(world_size)) / world_size
+            assert net.module.weight.grad.item() == expected_grad
+    assert not net._join_config.enable
+    _validate_net_equivalence(net)
+
+
+def test_ddp_uneven_input_exception() -> None:
+    """An exception inside join() reaches the caller."""
+    error_str = "Intentional error"
+
+    class ExceptionModule(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.param = nn.Parameter(torch.ones(1, requires_grad=True))
+
+        def forward(self, _):
+            raise ValueError(error_str)
+
+    net = DDP(ExceptionModule())
+    with raises(ValueError, error_str):
+        with net.join():
+            net(torch.ones(1)).sum().backward()
+
+
 # ==================================================================================================
 # test_c10d_gloo.py DistributedDataParallelTest, with test_c10d_common.py CommonDistributedDataParallelTest
 # ==================================================================================================
