@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import os
+import time
 import warnings
 from typing import Any, Callable, Optional
 
@@ -20,6 +22,7 @@ from torch.distributed.algorithms import Join
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.checkpoint import checkpoint
 
+import minidp
 import minidp.distributed as md
 
 from .ddp_checks import TorchDDP, _difference
@@ -501,3 +504,66 @@ def sparse_gradients_as_stock(seed: int, steps: int = 3, **options: Any) -> dict
     key = "rebuilt_per_bucket_param_indices"
     return {"same": same, "sparse_grads": [p.grad.is_sparse for p in ours_module.parameters()],
             "plans": [d._get_ddp_logging_data().get(key) for d in (theirs, ours)]}
+
+
+# ---- batch normalisation across processes ----------------------------------------------------------------
+
+
+def sync_batchnorm_matches_global_batch(seed: int, device_ids: Optional[list] = None, steps: int = 3,
+                                        per_rank: int = 6) -> float:
+    """minidp.SyncBatchNorm inside minidp's DDP (``device_ids``: replicas in each process) against
+    ``nn.BatchNorm1d`` in one process on every rank's samples at once, float64, SGD with momentum: the
+    largest relative difference in parameters and running statistics."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed)
+    reference = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
+    module = minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    ddp = md.DistributedDataParallel(module, device_ids=device_ids)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, reference)]
+    worst = 0.0
+    for step in range(steps):
+        inputs = [_inputs(seed, step, per_rank, 6).double()]
+        everyone = [torch.empty_like(inputs[0]) for _ in range(world)]
+        dist.all_gather(everyone, inputs[0])
+        for model, optimizer, x in ((ddp, optimizers[0], everyone[rank]), (reference, optimizers[1], torch.cat(everyone))):
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+        pairs = list(zip(module.parameters(), reference.parameters())) + [
+            (module[1].running_mean, reference[1].running_mean), (module[1].running_var, reference[1].running_var)]
+        worst = max([worst, *(max_relative_error(a, b) for a, b in pairs)])
+        assert int(module[1].num_batches_tracked) == int(reference[1].num_batches_tracked) == step + 1
+    return worst
+
+
+def torch_sync_batchnorm_on_cpu(seed: int) -> dict:
+    """torch.nn.SyncBatchNorm in a CPU model: both wrappers' errors at construction."""
+    errors = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+        try:
+            _quiet(lambda: wrapper(model))
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+# ---- a rank that runs out of data without Join ---------------------------------------------------------
+
+
+def runs_out_without_join(directory: str) -> None:
+    """Rank r trains 2 + r steps without Join, then waits at a barrier; each rank writes the error it got
+    (or "finished") and the seconds it took to ``directory/rank<r>.txt``. The job's process group has a
+    short timeout: the test bounds the time and reads the files."""
+    ddp = md.DistributedDataParallel(nn.Linear(4, 4))
+    start = time.monotonic()
+    try:
+        for _ in range(2 + dist.get_rank()):
+            ddp(torch.randn(3, 4)).sum().backward()
+        dist.barrier()
+        outcome = "finished"
+    except RuntimeError as error:
+        outcome = str(error)
+    with open(os.path.join(directory, f"rank{dist.get_rank()}.txt"), "w") as file:
+        file.write(f"{time.monotonic() - start:.1f}\n{outcome}")

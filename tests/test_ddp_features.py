@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from . import ddp_feature_checks as checks
-from .helpers import RTOL_FLOAT64
-from minidp.distributed import launch
+from .helpers import RTOL_FLOAT64, cpu_ids
+from minidp.distributed import RankFailed, launch
 from minidp.distributed.reducer import CREATE_GRAPH_WARNING
 
 
@@ -57,6 +57,9 @@ TWO_PROCESSES = {
     "sparse": (checks.sparse_gradients_as_stock, {}),
     "sparse_small_buckets": (checks.sparse_gradients_as_stock, {"bucket_cap_mb": 0.0001}),
     "sparse_find_unused": (checks.sparse_gradients_as_stock, {"find_unused_parameters": True}),
+    "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
+    "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
+    "torch_sync_bn_cpu": (checks.torch_sync_batchnorm_on_cpu, {}),
 }
 
 
@@ -64,11 +67,26 @@ def _run_checks(checks_by_name: dict, seed: int) -> dict:
     return {name: function(seed=seed, **kwargs) for name, (function, kwargs) in checks_by_name.items()}
 
 
-@pytest.fixture(scope="module")
-def two() -> list[dict]:
+THREE_PROCESSES = {
+    "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
+    "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
+}
+
+
+def _job(world_size: int, plan: dict) -> list[dict]:
     seed = int(torch.randint(0, 2**20, ()).item())
     print(f"job seed: {seed}")
-    return launch(_run_checks, 2, (TWO_PROCESSES, seed), job_timeout=JOB_TIMEOUT)
+    return launch(_run_checks, world_size, (plan, seed), job_timeout=JOB_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict]:
+    return _job(2, TWO_PROCESSES)
+
+
+@pytest.fixture(scope="module")
+def three() -> list[dict]:
+    return _job(3, THREE_PROCESSES)
 
 
 def _each_rank(results: list[dict], check: str) -> list:
@@ -246,3 +264,36 @@ def test_sparse_gradients_are_reduced_on_their_own_as_stock(two, check):
         assert result["same"] == [True] * 3
         assert result["sparse_grads"] == [True, False, False, True, False, False]
         assert result["plans"][1] == result["plans"][0]  # each sparse gradient a bucket of its own
+
+
+# ---- batch normalisation: minidp.SyncBatchNorm across processes; torch's refused on the CPU (distributed.py:2453) ----
+
+
+@pytest.mark.parametrize("check", ["sync_bn_processes", "sync_bn_hybrid"])
+def test_sync_batchnorm_across_every_replica_of_every_process_is_batchnorm_on_the_global_batch(two, three, check):
+    for results in (two, three):
+        for worst in _each_rank(results, check):
+            assert worst <= RTOL_FLOAT64
+
+
+def test_torch_sync_batchnorm_on_the_cpu_is_refused_with_stocks_words_and_the_way_out(two):
+    for errors in _each_rank(two, "torch_sync_bn_cpu"):
+        assert errors["stock"] == "SyncBatchNorm layers only work with GPU modules"
+        assert errors["minidp"].startswith("SyncBatchNorm layers only work with GPU modules")
+        assert "minidp.SyncBatchNorm.convert_sync_batchnorm" in errors["minidp"]
+
+
+# ---- a rank that runs out of data without Join: torch DDP waits past the process group's timeout ----
+
+
+def test_a_rank_out_of_data_without_join_is_an_error_on_every_rank_within_the_timeout(tmp_path):
+    # rank 0 stops after 2 steps and waits at a barrier; rank 1's third backward waits for rank 0
+    try:
+        launch(checks.runs_out_without_join, 2, (str(tmp_path),), timeout=6, job_timeout=120)
+    except RankFailed:
+        pass  # the job's own closing barrier may fail too, after both ranks wrote what they got
+    outcomes = [(tmp_path / f"rank{rank}.txt").read_text().split("\n", 1) for rank in (0, 1)]
+    assert all(float(seconds) < 60 for seconds, _ in outcomes)  # the process group's timeout, not a hang
+    assert "Timed out" in outcomes[0][1] or "Connection closed" in outcomes[0][1]  # its barrier, outside DDP
+    assert "rank 1: the all-reduce of bucket 0 did not complete" in outcomes[1][1]
+    assert "with ddp.join():" in outcomes[1][1]

@@ -33,6 +33,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 import minidp
 
 from ..hooks import profiled
+from .batchnorm import attach_exchange, check_torch_sync_batchnorm
 from .broadcast import broadcast_from, broadcast_from_rank0
 from .buckets import BucketCaps
 from .checks import check_same_model, reducer_parameters, sparse_gradient_flags
@@ -123,6 +124,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         """The reducer of this process's parameters (``_ddp_init_helper``): no collective, so that
         unpickling on one rank alone works."""
         params, names = reducer_parameters(self.module)
+        check_torch_sync_batchnorm(self.module, params[0].device)
+        attach_exchange(self.module, self.process_group)  # minidp.SyncBatchNorm: statistics of every process
         sparse = sparse_gradient_flags(self.module, params)
         if any(sparse) and self._replicas is not None and len(self._replicas.device_ids) > 1:
             raise ValueError(

@@ -303,12 +303,13 @@ class Reducer:
         """Parameter ``index``'s gradient is in its ``.grad`` (``Reducer::autograd_hook``)."""
         with self._lock:
             self._last_gradient = time.perf_counter()
-            if self._tracks_use():
+            if (self.find_unused_parameters or self.static_graph) and self._tracks_use():
                 self._local_used[index] = 1  # also under no_sync: used once since the last reduction is used
             if not self._expect_hooks:  # no_sync, or a backward without a synchronised forward
                 return
             self._arrived = True
-            self._queue_finish()  # queued already, unless the backward did not start at an output
+            if not self._finish_queued:  # queued already, unless the backward did not start at an output
+                self._queue_finish()
             if self.static_graph:
                 self._remaining[index] += 1 if self._counting() else -1
                 if self._counting() or self._remaining[index] > 0:
@@ -522,7 +523,15 @@ class Reducer:
             self._used_reduced = True
 
     def _result_of(self, bucket: Bucket) -> torch.Tensor:
-        value = bucket.future.wait()
+        try:
+            value = bucket.future.wait()
+        except RuntimeError as error:  # Gloo's "Timed out waiting ... for recv", NCCL's watchdog, a closed peer
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.rank}: the all-reduce of bucket {bucket.index} did not "
+                f"complete: another rank stopped taking part in this backward (it ran out of data, raised, or left "
+                f"the training loop). With uneven inputs across ranks, wrap the loop in `with ddp.join():` (or "
+                f"torch.distributed.algorithms.Join([ddp])); the cause: {error}"
+            ) from error
         _stamp_end(self._reduce_events[bucket.index])  # in case the done-callback has not run yet
         result = value[0] if isinstance(value, (list, tuple)) else value
         if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
