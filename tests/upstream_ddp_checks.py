@@ -966,7 +966,9 @@ def _ddp_checkpointing(input_model: nn.Module, use_bucket_view: bool, find_unuse
                 assert_close(j.grad, i.grad, rtol=1.3e-06, atol=5e-5)
 
 
-MARKED_READY_TWICE = "Expected to mark a variable ready only once."
+# Torch's reducer says "Expected to mark a variable ready only once."; minidp's says which parameter
+# "got its gradient twice in one backward" and why (a clearer error, which the project allows): either passes.
+MARKED_READY_TWICE = re.escape("Expected to mark a variable ready only once.") + "|got its gradient twice in one backward"
 
 
 def test_ddp_checkpointing_once(use_reentrant: bool) -> None:
@@ -982,7 +984,7 @@ def test_ddp_checkpointing_once(use_reentrant: bool) -> None:
 def test_ddp_checkpointing_unused_params(use_reentrant: bool) -> None:
     """Reentrant checkpointing with find_unused_parameters fails without static_graph; non-reentrant works."""
     for use_bucket_view in (True, False):
-        with raises(RuntimeError, re.escape(MARKED_READY_TWICE)) if use_reentrant else nullcontext():
+        with raises(RuntimeError, MARKED_READY_TWICE) if use_reentrant else nullcontext():
             _ddp_checkpointing(CheckpointOnceModule(use_reentrant=use_reentrant), use_bucket_view=use_bucket_view,
                                find_unused_parameters=True)
         _ddp_checkpointing(CheckpointOnceModule(use_reentrant=use_reentrant), use_bucket_view=use_bucket_view,
@@ -993,7 +995,7 @@ def test_ddp_checkpointing_twice(use_reentrant: bool) -> None:
     """Checkpointing one layer twice fails without static_graph under reentrant checkpointing."""
     for use_bucket_view in (True, False):
         for find_unused_parameters in (False, True):
-            with raises(RuntimeError, re.escape(MARKED_READY_TWICE)) if use_reentrant else nullcontext():
+            with raises(RuntimeError, MARKED_READY_TWICE) if use_reentrant else nullcontext():
                 _ddp_checkpointing(CheckpointTwiceModule(use_reentrant=use_reentrant), use_bucket_view=use_bucket_view,
                                    static_graph=False, find_unused_parameters=find_unused_parameters)
 
