@@ -3,8 +3,9 @@
 
 Every upstream test that constructs DDP appears here once by its upstream name: the ones upstream
 runs on the Gloo backend without a GPU are ported (bodies in ``tests/upstream_ddp_checks.py``) and
-run in one job of 2 Gloo processes on 127.0.0.1, with three that upstream gates on GPUs only to have
-a device per rank (uneven inputs under ``join()``); the other GPU-gated ones skip with upstream's
+run in one job of 2 Gloo processes on 127.0.0.1, with ten that upstream gates on GPUs only to have
+a device per rank (uneven inputs under ``join()``, unused outputs, undefined gradients, graphs that
+differ between ranks, tensors created in forward); the other GPU-gated ones skip with upstream's
 decorator as the reason. Adapted from PyTorch (BSD 3-clause), copyright the PyTorch
 contributors.
 """
@@ -36,11 +37,18 @@ CPU_GLOO = [
     "test_grads_same_across_ranks_with_no_sync",
 ]
 
-# Upstream gates these on 2 GPUs, but only to have a device per rank: they run here on the CPU.
+# Upstream gates these on 2 GPUs, but only to place the model on cuda:rank: they run here on the CPU.
 PORTED_TO_CPU = [
     "test_ddp_join_model_equivalence",
     "test_ddp_uneven_input_join_disable",
     "test_ddp_uneven_input_exception",
+    "test_output_unused_in_loss_tuple_module",
+    "test_output_unused_in_loss_dict_module",
+    "test_undefined_grad_parity_unused_parameters",
+    "test_different_graph_across_ranks",
+    "test_ddp_returns_tensor_with_no_grad",
+    "test_ddp_new_tensor_in_fwd",
+    "test_ddp_new_tensor_in_fwd_static_graph",
 ]
 
 # Upstream gates these on GPUs (the decorator quoted); on the CPU they skip, as upstream's do.
@@ -99,10 +107,6 @@ GPU_ONLY = {
     "test_verify_model_across_rank_without_logger": "skip_if_lt_x_gpu(2)",
     "test_ddp_model_diff_shape_across_ranks": "skip_if_lt_x_gpu(2); also skipped on Linux",
     "test_ddp_model_diff_num_params_across_ranks": "skip_if_lt_x_gpu(2)",
-    "test_output_unused_in_loss_tuple_module": "skip_if_lt_x_gpu(2)",
-    "test_output_unused_in_loss_dict_module": "skip_if_lt_x_gpu(2)",
-    "test_undefined_grad_parity_unused_parameters": "skip_if_lt_x_gpu(2)",
-    "test_different_graph_across_ranks": "skip_if_lt_x_gpu(2)",
     "test_ddp_build_debug_param_to_name_mapping": "skip_if_lt_x_gpu(2)",
     "test_ddp_build_debug_param_to_name_mapping_requires_grad": "skip_if_lt_x_gpu(2)",
     "test_ddp_multiple_nested_unused_params_error": "skip_if_lt_x_gpu(2)",
@@ -111,10 +115,7 @@ GPU_ONLY = {
     "test_ddp_sync_bn_training_vs_eval": "skip_if_lt_x_gpu(2); also skipped everywhere",
     "test_ddp_python_error_logged": "skip_if_lt_x_gpu(2)",
     "test_ddp_static_graph_nested_types": "skip_if_lt_x_gpu(2)",
-    "test_ddp_returns_tensor_with_no_grad": "skip_if_lt_x_gpu(2)",
     "test_detect_ddp_is_actually_static": "skip_if_lt_x_gpu(2)",
-    "test_ddp_new_tensor_in_fwd": "skip_if_lt_x_gpu(2)",
-    "test_ddp_new_tensor_in_fwd_static_graph": "skip_if_lt_x_gpu(2)",
     "test_ddp_buffer_hook_allreduce_return_future": "skip_if_lt_x_gpu(2)",
     "test_ddp_buffer_hook_allreduce": "skip_if_lt_x_gpu(2)",
     "test_ddp_broadcast_buffer_via_hook": "skip_if_lt_x_gpu(2)",
@@ -200,6 +201,35 @@ def test_ddp_uneven_input_join_disable(ranks):
 
 def test_ddp_uneven_input_exception(ranks):
     checks.assert_passed_on_every_rank(ranks, "test_ddp_uneven_input_exception")
+
+
+
+def test_output_unused_in_loss_tuple_module(ranks):
+    checks.assert_passed_on_every_rank(ranks, "test_output_unused_in_loss_tuple_module")
+
+
+def test_output_unused_in_loss_dict_module(ranks):
+    checks.assert_passed_on_every_rank(ranks, "test_output_unused_in_loss_dict_module")
+
+
+def test_undefined_grad_parity_unused_parameters(ranks):
+    checks.assert_passed_on_every_rank(ranks, "test_undefined_grad_parity_unused_parameters")
+
+
+def test_different_graph_across_ranks(ranks):
+    checks.assert_passed_on_every_rank(ranks, "test_different_graph_across_ranks")
+
+
+def test_ddp_returns_tensor_with_no_grad(ranks):
+    checks.assert_passed_on_every_rank(ranks, "test_ddp_returns_tensor_with_no_grad")
+
+
+def test_ddp_new_tensor_in_fwd(ranks):
+    checks.assert_passed_on_every_rank(ranks, "test_ddp_new_tensor_in_fwd")
+
+
+def test_ddp_new_tensor_in_fwd_static_graph(ranks):
+    checks.assert_passed_on_every_rank(ranks, "test_ddp_new_tensor_in_fwd_static_graph")
 
 
 # ---- not ported ----------------------------------------------------------------------------------

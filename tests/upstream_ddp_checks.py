@@ -512,6 +512,202 @@ def test_ddp_uneven_input_exception() -> None:
             net(torch.ones(1)).sum().backward()
 
 
+# ---- unused outputs, undefined gradients, graphs that differ, new tensors (upstream on cuda:rank) ----
+
+
+class UnusedParamTwoLinLayerNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(10, 10, bias=False)
+        self.b = nn.Linear(10, 10, bias=False)
+        self.c = nn.Linear(5, 5, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return (self.a(x), self.b(x))
+
+
+class DictOutputModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = UnusedParamTwoLinLayerNet()
+
+    def forward(self, x: torch.Tensor) -> dict:
+        predictions = self.module(x)
+        return {"predictions": predictions, "loss": (predictions[0] + predictions[1]).sum()}
+
+
+def _output_unused_in_loss(module_cls: type) -> None:
+    """A parameter whose output the loss ignores keeps its gradient untouched (None stays None, a
+    value stays that value), as in local training, with find_unused_parameters=True."""
+    model = module_cls()
+    local_net = copy.deepcopy(model)
+    net = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    inp = torch.randn(10, 10)
+    dict_output = module_cls is DictOutputModule
+
+    def outputs(module):
+        out = module(inp)
+        return out["predictions"] if dict_output else out
+
+    def weight_a(module):
+        return (module.module.a if dict_output else module.a).weight
+
+    a, b = outputs(local_net)
+    a_dist, b_dist = outputs(net)
+    b_dist.sum().backward()
+    assert weight_a(net.module).grad is None and weight_a(local_net).grad is None
+    net.zero_grad()
+    local_net.zero_grad()
+    saved_a_local_grad = saved_a_dist_grad = None
+    for i in range(6):
+        a, b = outputs(local_net)
+        a_dist, b_dist = outputs(net)
+        if i < 2:  # both outputs in the loss; later "a" goes unused
+            loss, loss_dist = (a @ b).sum(), (a_dist @ b_dist).sum()
+        else:
+            loss, loss_dist = b.sum(), b_dist.sum()
+        loss.backward()
+        loss_dist.backward()
+        if i == 1:
+            saved_a_local_grad, saved_a_dist_grad = weight_a(local_net).grad, weight_a(net.module).grad
+            assert_close(saved_a_dist_grad, saved_a_local_grad)
+        elif i >= 2:  # "a" unchanged from then on
+            assert_close(weight_a(net.module).grad, saved_a_dist_grad)
+            assert_close(weight_a(local_net).grad, saved_a_local_grad)
+        for local_param, dist_param in zip(local_net.parameters(), net.parameters(), strict=True):
+            if local_param.grad is None or dist_param.grad is None:
+                assert local_param.grad is None and dist_param.grad is None
+            else:
+                assert_close(dist_param.grad, local_param.grad)
+    dist.barrier()
+
+
+def test_output_unused_in_loss_tuple_module() -> None:
+    for _gradient_as_bucket_view in (True, False):  # upstream loops over it without passing it on
+        _output_unused_in_loss(UnusedParamTwoLinLayerNet)
+
+
+def test_output_unused_in_loss_dict_module() -> None:
+    for _gradient_as_bucket_view in (True, False):
+        _output_unused_in_loss(DictOutputModule)
+
+
+def test_undefined_grad_parity_unused_parameters() -> None:
+    """An undefined gradient flowing into the model leaves the same gradients as locally."""
+    x = torch.ones(1, 2)
+    net = Net()
+    local_net = copy.deepcopy(net)
+    net = DDP(net, find_unused_parameters=True)
+    out, local_out = net(x).sum(), local_net(x).sum()
+    torch._C._functions.UndefinedGrad()(out).backward()
+    torch._C._functions.UndefinedGrad()(local_out).backward()
+    for (name, dist_param), (_, local_param) in zip(net.named_parameters(), local_net.named_parameters(), strict=True):
+        if dist_param.grad is None or local_param.grad is None:
+            assert dist_param.grad is None and local_param.grad is None, name
+        else:
+            assert_close(dist_param.grad, local_param.grad, msg=f"DDP param {name}")
+
+
+def _different_graph_across_ranks(find_unused_parameters: bool = False, static_graph: bool = False) -> nn.Module:
+    rank = dist.get_rank()
+
+    class ToyModel(nn.Module):
+        def __init__(self, rank: int) -> None:
+            super().__init__()
+            self.lin1 = nn.Linear(10, 10, bias=False)
+            self.lin2 = nn.Linear(10, 10, bias=False)
+            self.rank = rank
+
+        def forward(self, x):
+            return self.lin2(F.relu(self.lin1(x))) if self.rank == 0 else F.relu(self.lin1(x))
+
+    torch.manual_seed(31415)
+    ddp_model = DDP(ToyModel(rank), find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True,
+                    static_graph=static_graph)
+    random_input = torch.randn(20, 10)
+    for _ in range(10):
+        ddp_model(random_input).sum().backward()
+    return ddp_model
+
+
+def test_different_graph_across_ranks() -> None:
+    """Rank 1 skips lin2: find_unused_parameters never rebuilds the buckets, static_graph does, and
+    both train to the same parameters."""
+    base_model = _different_graph_across_ranks(find_unused_parameters=True)
+    assert not base_model._get_ddp_logging_data().get("has_rebuilt_buckets", 0)
+    static_model = _different_graph_across_ranks(static_graph=True)
+    assert static_model._get_ddp_logging_data().get("has_rebuilt_buckets", 0)
+    for i, j in zip(base_model.parameters(), static_model.parameters(), strict=True):
+        assert_close(j, i)
+
+
+def test_ddp_returns_tensor_with_no_grad() -> None:
+    """An output that does not require grad, in every mode; one module wrapped four times in turn."""
+    class MyModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(10, 10, bias=False)
+            self.fc2 = nn.Linear(10, 10, bias=False)
+
+        def forward(self, x):
+            x = self.fc2(F.relu(self.fc1(x)))
+            y = x.clone()
+            x = x.detach()
+            assert not x.requires_grad
+            return (x, y)
+
+    model = MyModel()
+    inp = torch.randn(1, 10)
+    for find_unused, static_graph in product([True, False], [True, False]):
+        ddp = DDP(model, find_unused_parameters=find_unused, static_graph=static_graph)
+        for _ in range(6):
+            out = ddp(inp)
+            assert not out[0].requires_grad
+            (out[0] + out[1]).sum().backward()
+
+
+def _ddp_new_tensor_in_fwd(static_graph: bool) -> None:
+    """Tensors created in forward, returned alone and inside a dict, have no grad_fn (pytorch/pytorch#60733)."""
+    class MyModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(10, 10, bias=False)
+            self.fc2 = nn.Linear(10, 10, bias=False)
+            self.device = self.fc1.weight.device
+
+        def _init_opt(self):
+            return torch.randn(1, 10, device=self.device)
+
+        def forward(self, x, opt_1, opt_2, opt_nested):
+            x = self.fc2(F.relu(self.fc1(x)))
+            if opt_1 is None:
+                opt_1 = self._init_opt()
+            if opt_2 is None:
+                opt_2 = self._init_opt()
+            if opt_nested is None or not torch.is_tensor(opt_nested):
+                opt_nested = self._init_opt()
+            return x, opt_1, opt_2, {"tensor": opt_nested}
+
+    model = MyModel()
+    for find_unused in [True, False]:
+        ddp = DDP(model, broadcast_buffers=False, find_unused_parameters=find_unused, static_graph=static_graph)
+        opt = [None for _ in range(3)]
+        for _ in range(2):
+            ddp.zero_grad()
+            out, opt[0], opt[1], opt[2] = ddp(torch.randn(1, 10), opt_1=opt[0], opt_2=opt[1], opt_nested=opt[2])
+            for item in opt:
+                assert (item if torch.is_tensor(item) else item["tensor"]).grad_fn is None
+            out.mean().backward()
+
+
+def test_ddp_new_tensor_in_fwd() -> None:
+    _ddp_new_tensor_in_fwd(static_graph=False)
+
+
+def test_ddp_new_tensor_in_fwd_static_graph() -> None:
+    _ddp_new_tensor_in_fwd(static_graph=True)
+
+
 # ==================================================================================================
 # test_c10d_gloo.py DistributedDataParallelTest, with test_c10d_common.py CommonDistributedDataParallelTest
 # ==================================================================================================
