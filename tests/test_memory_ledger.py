@@ -180,18 +180,16 @@ def test_a_trace_without_the_ledger_says_how_to_get_one(generator):
 
 
 def test_measure_step_counts_a_plain_step_given_as_a_callable(generator):
-    """The ledger without a trace: one module on one device, the model run by the calling thread."""
+    """The ledger without a trace: one module on one device, its forward run by the calling thread."""
     module = mlp()
     x = torch.randn(8, D, generator=generator, dtype=torch.float64)
-    loss, ledger = measure_step(lambda: module(x).pow(2).sum(), module.parameters())
-    del loss
-    (device,) = ledger
-    assert device.held["parameters"] == parameter_bytes(module)
-    assert device.held["inputs"] == x.nbytes
-    # kept for the backward: the ReLU's output, the output the square keeps, the loss
-    assert device.held["activations"] == 8 * H * BYTES + 8 * O * BYTES + BYTES
     _, ledger = measure_step(lambda: module(x).pow(2).sum().backward(), module.parameters())
-    assert row(ledger).held["gradients"] == parameter_bytes(module)
+    (device,) = ledger
+    assert device.held["parameters"] == device.held["gradients"] == parameter_bytes(module)
+    assert device.held["inputs"] == x.nbytes
+    # kept for the backward: the ReLU's output, the output the square keeps, the loss and the gradient
+    # backward() starts from
+    assert device.held["activations"] == 8 * H * BYTES + 8 * O * BYTES + 2 * BYTES
 
 
 def test_the_ledger_table_names_every_category_and_the_replicas(generator):
