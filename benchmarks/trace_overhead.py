@@ -32,7 +32,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--ledger", action="store_true", help="also time minidp.trace(ledger=True) and torch's memory profile")
+    parser.add_argument("--ledger", action="store_true",
+                        help="also time minidp.trace(ledger=True) and torch's memory profile")
     args = parser.parse_args()
 
     torch.manual_seed(0)

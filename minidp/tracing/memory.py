@@ -4,8 +4,8 @@ Two measurements live here.
 
 **The ledger** (:class:`AllocationLedger`, :func:`measure_step`, and ``Trace.ledger()`` on top of them) counts
 the storages the step's tensors live in: every storage an operator returns is an allocation of exactly
-``storage.nbytes()`` bytes, and it is freed when its last user lets go of it. Three of torch's own
-mechanisms see all of it, on the CPU as on a GPU:
+``storage.nbytes()`` bytes, and it is freed when its last user lets go of it. Three of torch's mechanisms
+see them, in every thread, on the CPU as on a GPU:
 
 * a ``TorchDispatchMode`` sees every operator and the tensors it takes and returns: a storage met for the
   first time as an operator's *result* was allocated then; one met first as an *argument* was already
@@ -31,12 +31,16 @@ belongs to is decided when the step is over, from what minidp knows (see :data:`
 
 Where a storage was made is known from the thread it was made in: each replica's forward runs in a thread
 (``minidp.hooks`` tells the recorder which replica), and each stage's call is one call on one thread; the
-backward is whatever runs inside autograd's graph task (``torch._C._current_graph_task_id``).
+backward is whatever runs inside autograd's graph task (``torch._C._current_graph_task_id``). Code that
+knows more names it with :meth:`AllocationLedger.mark`: a sharded step, measured by :func:`measure_step`,
+would mark its gathered parameters so, and a category not in :data:`CATEGORIES` gets a line of its own after
+them.
 
 What this counts and what it does not: the bytes are the sizes the allocator is asked for. On the CPU,
 torch's allocator allocates exactly that (aligned to 64 bytes; the heap's own bookkeeping is not torch's);
-on a GPU the caching allocator rounds every block up to a multiple of 512 bytes, and its own figure is shown
-beside the ledger (``torch.cuda.max_memory_allocated`` above the start, as in the trace's table). Scratch
+on a GPU the caching allocator rounds every block up to a multiple of 512 bytes and reuses a freed block
+only once the streams that used it are done, and its own figure is shown beside the ledger
+(``torch.cuda.max_memory_allocated`` above the start, as in the trace's table). Scratch
 memory that an operator allocates and frees inside its own kernel is not a tensor any operator returns and
 is not counted; nor are tensors that never pass through an operator (a tensor made by ``torch.from_numpy``
 in the step counts from the start, as if it had been there).
@@ -46,9 +50,10 @@ Why not ``torch.profiler.profile(profile_memory=True)`` and its memory profile (
 category? In torch 2.13 the profiler records allocations only in the thread that started it: the forwards
 of replicas 1, 2, ... run in minidp's worker threads and are invisible to it, and with
 ``experimental_config=_ExperimentalConfig(profile_all_threads=True)`` it records the other threads' operators
-but no allocation at all. Its categories are also inferred afterwards by a data-flow analysis over every recorded operator,
-which costs more than the step itself (``python benchmarks/trace_overhead.py --ledger``, BENCHMARKS.md), where
-the categories here come from the stages minidp ran.
+but no allocation at all. Its categories are also inferred afterwards, by a data-flow analysis over every
+recorded operator, which with the profiler adds most of a step's time again (``python
+benchmarks/trace_overhead.py --ledger``, BENCHMARKS.md); here they come from the stages minidp ran, and the
+ledger adds a Python call per operator.
 
 **The process's peak** (:class:`DeviceMemory`) is what the trace's table prints: on a GPU the caching
 allocator's peak above the start; on the CPU the kernel's high-water mark of the process's resident memory
@@ -208,22 +213,10 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func is not torch.ops.aten.lift_fresh.default:  # torch.tensor(...): its argument is new, not held
-            self.ledger.see(_op_tensors((args, kwargs)), made_now=False)
+            self.ledger.see(_tensors((args, kwargs)), made_now=False)
         result = func(*args, **kwargs)
-        self.ledger.see(_op_tensors(result), made_now=True)
+        self.ledger.see(_tensors(result), made_now=True)
         return result
-
-
-def _op_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors of an operator's arguments or result: tensors, and tensors in lists, tuples, dicts."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _op_tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _op_tensors(item)
 
 
 class AllocationLedger:
@@ -304,7 +297,8 @@ class AllocationLedger:
         self.mark(parameters, "parameters")
         self._parameters.extend(parameters)
 
-    def mark(self, tensors: Iterable[Any], category: str, replica: Optional[int] = None, made_now: bool = False) -> None:
+    def mark(self, tensors: Iterable[Any], category: str, replica: Optional[int] = None,
+             made_now: bool = False) -> None:
         """The storages of ``tensors`` are ``category`` (of ``replica``); the first name a storage is given stands.
 
         ``made_now``: a storage not met before was made just now (a stage's result, made by code no
@@ -441,7 +435,8 @@ class AllocationLedger:
         return rows
 
 
-def _row(device: str, replica: Optional[int], storages: list[tuple[_Storage, str]], allocator_peak: Optional[int]) -> LedgerRow:
+def _row(device: str, replica: Optional[int], storages: list[tuple[_Storage, str]],
+         allocator_peak: Optional[int]) -> LedgerRow:
     """Replay the allocations and frees of ``storages`` in order: the peak, each category's peak, the peak's make-up."""
     events: list[tuple[int, int, str]] = []  # (when, bytes, category)
     for record, category in storages:

@@ -83,7 +83,7 @@ LEDGER_NOTE = (
 
 
 def ledger_table(rows: list[LedgerRow], title: str = "") -> str:
-    """The memory ledger: per device and replica, the peak, then per category the most it held and its part of the peak."""
+    """The memory ledger: per device and replica, the peak; per category, the most it held and its part of the peak."""
     lines = [title] if title else []
     lines.append(f"{'':<20} {'most held':>12} {'at the peak':>12}")
     for row in rows:
