@@ -8,7 +8,8 @@ ratio. Also measured: what an instrumented primitive costs with no tracer active
 ``--ledger`` adds two more kinds of step to the rotation: ``minidp.trace(ledger=True)`` (the memory ledger
 counts every allocation), and, for comparison, the step under ``torch.profiler.profile(profile_memory=True,
 record_shapes=True, with_stack=True)`` followed by the analysis behind its memory timeline
-(``torch.profiler._memory_profiler.MemoryProfile``), which sees only the calling thread's allocations.
+(``torch.profiler._memory_profiler.MemoryProfile``), which sees only the calling thread's allocations; and
+what the ledger costs per operator, on a small ``torch.add`` watched and not, alternating.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.profiler._memory_profiler import MemoryProfile
 
 import minidp
 from minidp.hooks import observed
+from minidp.tracing.memory import AllocationLedger
 from minidp.zoo import ZOO
 
 
@@ -86,6 +88,9 @@ def main() -> None:
             print(f"{clock:>4} time per step: tracing off {plain * 1e3:.2f} ms, {name} {other * 1e3:.2f} ms (median): "
                   f"overhead {(other / plain - 1) * 100:+.1f}%")
 
+    if args.ledger:  # the ledger's cost per operator, away from the step's noise: a small add, watched or not
+        print(f"the ledger's cost per operator: {ledger_cost_per_operator() * 1e6:.1f} us (torch.add on 4 floats)")
+
     # The flag check alone: an instrumented no-op against the bare no-op.
     def bare() -> None:
         return None
@@ -95,6 +100,28 @@ def main() -> None:
     off = min(timeit.repeat(instrumented, number=n, repeat=7)) / n
     plain_call = min(timeit.repeat(bare, number=n, repeat=7)) / n
     print(f"an instrumented call with no tracer active: {(off - plain_call) * 1e9:.0f} ns more than the bare call")
+
+def ledger_cost_per_operator(operators: int = 2000, rounds: int = 7) -> float:
+    """Seconds one operator costs more while an AllocationLedger watches: best of ``rounds`` alternating rounds."""
+    a = torch.ones(4)
+
+    def run() -> float:
+        start = time.perf_counter()
+        for _ in range(operators):
+            torch.add(a, a)
+        return time.perf_counter() - start
+
+    plain, watched = [], []
+    for _ in range(rounds):
+        plain.append(run())
+        ledger = AllocationLedger()
+        ledger.start()
+        try:
+            watched.append(run())
+        finally:
+            ledger.stop()
+    return (min(watched) - min(plain)) / operators
+
 
 if __name__ == "__main__":
     main()

@@ -213,10 +213,22 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func is not torch.ops.aten.lift_fresh.default:  # torch.tensor(...): its argument is new, not held
-            self.ledger.see(_tensors((args, kwargs)), made_now=False)
+            self.ledger.see(_operator_tensors(args), made_now=False)
+            self.ledger.see(_operator_tensors(kwargs.values()), made_now=False)
         result = func(*args, **kwargs)
-        self.ledger.see(_tensors(result), made_now=True)
+        self.ledger.see(_operator_tensors((result,)), made_now=True)
         return result
+
+
+def _operator_tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors among an operator's arguments or results. An operator's schema allows a tensor, a list of
+    tensors or a tuple of them, nothing deeper, so this is one level of lists, not ``minidp.nested``'s walk
+    (which would cost the ledger as much again per operator)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (item for item in value if isinstance(item, torch.Tensor))
 
 
 class AllocationLedger:
@@ -236,6 +248,7 @@ class AllocationLedger:
         self._clock = itertools.count(1)
         self._live: dict[int, _Storage] = {}  # the storage's address -> its record, while it lives
         self._storages: list[_Storage] = []
+        self._device_names: dict[torch.device, str] = {}
         self._finalizers: list[weakref.finalize] = []
         self._thread = threading.local()  # .phases: a stack of (phase, replica); .watched: this thread is
         self._replica_modules: set[int] = set()  # ids of the modules replicate made: their forward is the model's
@@ -322,11 +335,17 @@ class AllocationLedger:
             return None
         key = storage._cdata
         nbytes = storage.nbytes()
+        record = self._live.get(key)  # met before: the common case, read without the lock (one dict read)
+        if record is not None and record.nbytes == nbytes:
+            return record
         with self._lock:
             record = self._live.get(key)
             if record is None:
                 phase, replica = self._where() if made_now else ("found", None)
-                record = _Storage(str(tensor.device), nbytes, next(self._clock) if made_now else 0, phase, replica)
+                device = self._device_names.get(tensor.device)
+                if device is None:  # str(device) costs as much as the rest of a lookup: named once per device
+                    device = self._device_names[tensor.device] = str(tensor.device)
+                record = _Storage(device, nbytes, next(self._clock) if made_now else 0, phase, replica)
                 if phase == "backward" and self.backward_began is None:
                     self.backward_began = record.born
                 self._live[key] = record
