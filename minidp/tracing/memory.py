@@ -484,8 +484,8 @@ def measure_step(step: Callable[[], Any], parameters: Iterable[torch.Tensor] = (
 
     ``parameters``: the model's parameters (counted as parameters, their ``.grad`` as gradients; an
     optimizer that steps inside ``step`` names its own). ``kept_by_host``: what code outside minidp's
-    stages keeps for the backward is (see :class:`AllocationLedger`). Inside ``minidp.trace(ledger=True)``
-    use ``Trace.ledger()`` instead: traces do not nest.
+    stages keeps for the backward is (see :class:`AllocationLedger`). For a data-parallel step,
+    ``minidp.trace(ledger=True)`` and ``Trace.ledger()`` know more: which stage and replica made what.
     """
     device_memory = DeviceMemory()
     device_memory.start()
