@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from copy import deepcopy as copy_module
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -175,7 +176,7 @@ def train(args: argparse.Namespace) -> list[EpochResult]:
     if args.trace:
         trace_one_step(model, next(iter(train_loader)), optimizer, device, args.trace)
     if args.balanced:
-        print(compare_ledgers(model.module, device_ids, next(iter(train_loader)), device))
+        print(compare_ledgers(model.module, device_ids, next(iter(train_loader)), device, args.lr))
     return results
 
 
@@ -193,17 +194,29 @@ def trace_one_step(model: nn.Module, data: dict, optimizer: torch.optim.Optimize
         print(f"{kind}: {path}")
 
 
-def compare_ledgers(module: nn.Module, device_ids: list, data: dict, device: torch.device) -> str:
-    """One traced step of ``module`` each way (outputs gathered; loss on the replicas): both memory ledgers."""
+def compare_ledgers(module: nn.Module, device_ids: list, data: dict, device: torch.device, lr: float) -> str:
+    """One traced training step each way (outputs gathered; loss on the replicas): both memory ledgers.
+
+    Each way steps its own copy of ``module`` with its own Adam, one step to warm up (replica threads,
+    Adam's state) and one measured, so both start from the same weights and state and the trained
+    model is left as it is.
+    """
     label = data["label"].to(device)
     ledgers = {}
     for gather_output, title in ((True, "outputs gathered"), (False, "loss on replicas")):
-        model = DataParallel(module, device_ids=device_ids, gather_output=gather_output)
-        loss_and_correct(model, data["image"], label)[0].backward()  # warm: replica threads, allocator
-        with trace() as step:
+        copy = copy_module(module)
+        model = DataParallel(copy, device_ids=device_ids, gather_output=gather_output)
+        optimizer = torch.optim.Adam(copy.parameters(), lr=lr)
+
+        def step() -> None:
+            optimizer.zero_grad()
             loss_and_correct(model, data["image"], label)[0].backward()
-        ledgers[title] = step.ledger()
-    module.zero_grad()
+            optimizer.step()
+
+        step()
+        with trace(ledger=True) as traced:
+            step()
+        ledgers[title] = traced.ledger()
     return "memory ledger of one training step, both ways:\n" + ledgers_side_by_side(ledgers)
 
 

@@ -24,12 +24,9 @@ Served = Iterator[tuple[int, Any, int, str]]  # (replica, device, bytes, detail)
 
 
 class Recorder(Protocol):
-    """What a describer may ask of the recorder: to watch the backward of the replicas a call made, and
-    to count bytes that stay on a device for the memory ledger."""
+    """What a describer may ask of the recorder: to watch the backward of the replicas a call made."""
 
     def watch_replicas(self, replicas: Sequence[Any], parameters: Sequence[Sequence[torch.Tensor]]) -> None: ...
-
-    def account(self, device: str, share: str, nbytes: int) -> None: ...
 
 
 Describer = Callable[[Recorder, dict, Any], Callable[[], Served]]
@@ -72,7 +69,6 @@ def scatter(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Serv
             chunk = _tensors(piece)
             shapes = ", ".join(str(tuple(t.shape)) for t in chunk)
             copied = _bytes_outside(chunk, sources)
-            tracer.account(str(devices[replica]), "inputs", copied)
             yield replica, str(devices[replica]), copied, f"chunks {shapes}"
 
     return served
@@ -115,12 +111,9 @@ def replicate(tracer: Recorder, arguments: dict, result: list) -> Callable[[], S
 
     def served() -> Served:
         originals = _storages(walked[0][0]) if walked else set()
-        if walked:
-            tracer.account(_device_of(walked[0][0], "cpu"), "parameters", sum(t.nbytes for t in walked[0][0]))
         for replica, (_, params, buffers) in enumerate(walked):
             copied = {"parameter": _bytes_outside(params, originals), "buffer": _bytes_outside(buffers, originals)}
             device = _device_of(params + buffers, arguments["devices"][replica])
-            tracer.account(device, "parameters", copied["parameter"] + copied["buffer"])
             yield replica, device, copied["parameter"] + copied["buffer"], (
                 f"parameters {copied['parameter']} B copied, buffers {copied['buffer']} B copied"
                 + (" (parameters alias the original's storage)" if params and copied["parameter"] == 0 else "")
@@ -133,10 +126,7 @@ def gather(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Serve
     outputs = [_tensors(output) for output in arguments["outputs"]]
 
     def served() -> Served:
-        gathered_tensors = _tensors(result)
-        gathered = _storages(gathered_tensors)
-        tracer.account(str(as_device(arguments["target_device"], "target_device")), "gathered outputs",
-                       sum(t.nbytes for t in gathered_tensors))
+        gathered = _storages(_tensors(result))
         for replica, tensors in enumerate(outputs):
             yield replica, _device_of(tensors, arguments["target_device"]), _bytes_outside(tensors, gathered), (
                 f"into {arguments['target_device']}"
