@@ -67,6 +67,7 @@ from torch import nn
 
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
+from .parallel_backward import made_by
 from .step2_replicate import Slots, bind, build_skeletons, check_module_device, replica_tensors, tensor_slots
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
@@ -238,7 +239,8 @@ class _Entry:
 
     def _watch_backward(self, tensors: list[torch.Tensor]) -> None:
         """BACKWARD_PENDING until every autograd node that made ``tensors`` (one ``Broadcast`` per step) has run backward."""
-        nodes = {id(t.grad_fn): t.grad_fn for t in tensors if t.grad_fn is not None}
+        made = [made_by(t) for t in tensors]  # through a CPU replica's entry: the Broadcast (minidp.parallel_backward)
+        nodes = {id(node): node for node in made if node is not None}
         self._pending_nodes = len(nodes)
         self.state = EntryState.BACKWARD_PENDING if nodes else EntryState.BOUND
         entry = weakref.ref(self)  # the node must not keep the skeletons alive: they hold its outputs

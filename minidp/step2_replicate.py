@@ -29,6 +29,7 @@ from torch import nn
 from . import comm
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
+from .parallel_backward import applies as parallel_backward_applies, enter
 from .step5_reduce import Broadcast
 
 
@@ -232,4 +233,7 @@ def _broadcast_parameters(
         return [[t.detach() for t in copies] for copies in comm.broadcast_coalesced(tensors, devices)]
     flat = Broadcast.apply(devices, reduce_backend, *tensors)
     n = len(tensors)
-    return [list(flat[i : i + n]) for i in range(0, len(flat), n)]
+    copies = [list(flat[i : i + n]) for i in range(0, len(flat), n)]
+    if parallel_backward_applies(devices):  # each CPU replica's graph ends at an entry of its own (minidp.parallel_backward)
+        copies = [enter(device_copies) for device_copies in copies]
+    return copies
