@@ -11,7 +11,10 @@ What autograd records: the parameters reach the replicas through
 :class:`minidp.step5_reduce.Broadcast`, one autograd node for all of them. Its backward is step 5,
 the reduction: it sums the gradient each replica produced for each parameter, in replica order,
 onto the module's device, and autograd adds that sum into the original parameter's ``.grad`` once. So replica parameters are not leaves (they have
-no ``.grad`` of their own) and ``replica.parameters()`` is empty, as in stock.
+no ``.grad`` of their own) and ``replica.parameters()`` is empty, as in stock. Replicas on the CPU
+(two or more, while grad is recorded) receive them through one more node each, an identity,
+:class:`minidp.parallel_backward.ReplicaEntry`: where each replica's graph ends, so that its
+backward can run in its own thread (:mod:`minidp.parallel_backward`).
 
 Buffers (BatchNorm's running statistics, say) are not differentiated. Replica 0 shares the
 original's buffers, so its in-place updates persist; every other replica works on its own copy,

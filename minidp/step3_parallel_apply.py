@@ -14,6 +14,11 @@ their own CUDA stream so that their kernels can overlap.
 An exception in any replica is re-raised in the caller, with its type, the replica's index and
 device in the message, and the replica's traceback attached as the cause, once every replica has
 finished: no thread is left running.
+
+The backward. CPU replicas receive their tensors that require grad through an entry node of their
+own, and, when every replica's graph ends at its entries, their outputs come back through one
+:class:`minidp.parallel_backward.ParallelBackward` node, whose backward runs each replica's backward
+in the same worker threads, the same way (errors named by replica, Ctrl-C held until all are done).
 """
 
 from __future__ import annotations
