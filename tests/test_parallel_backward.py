@@ -83,6 +83,15 @@ def test_each_replica_backward_runs_in_its_own_thread(generator):
     assert len({threads[0], threads[1], threads[2]}) == 3
 
 
+def test_the_tracer_shows_each_replica_backward_on_its_own_track_from_its_own_thread(generator):
+    model = minidp.DataParallel(SmallCNN(), cpu_ids(3))
+    with minidp.trace() as step:
+        model(_images(generator, 12)).sum().backward()
+    threads = {e.replica: e.thread for e in step.events if e.stage == "backward"}
+    assert sorted(threads) == [0, 1, 2]  # one event per replica: one track each
+    assert threads[0] == threading.current_thread().name and len(set(threads.values())) == 3
+
+
 def test_hooks_on_replica_modules_inputs_and_parameters_fire_once_each(generator):
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     fired = {"module": 0, "original parameter": 0}
