@@ -162,11 +162,14 @@ def region(entries: Sequence[Any], output: Any) -> Optional[Region]:
     return Region(list(entries), outputs)
 
 
-def entries_of(module: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> list[Any]:
-    """The entry nodes that a replica's tensors (its modules' and ``inputs``) come through, each once, in order found."""
+def entries_of(module: Any, inputs: Sequence[torch.Tensor]) -> list[Any]:
+    """The entry nodes that a replica's tensors (its modules' and ``inputs``) come through, each once, in order found.
+
+    ``module`` may be any callable (parallel_apply takes functions too): only a module's tree is searched.
+    """
     found: dict[int, Any] = {}
     tensors = list(inputs)
-    for submodule in module.modules():
+    for submodule in module.modules() if isinstance(module, torch.nn.Module) else ():
         tensors.extend(v for v in submodule.__dict__.values() if isinstance(v, torch.Tensor))
         tensors.extend(v for v in submodule._buffers.values() if v is not None)
     for tensor in tensors:

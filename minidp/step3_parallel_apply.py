@@ -313,7 +313,7 @@ def parallel_apply(
     return results
 
 
-def _enter_replica(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict, list]:
+def _enter_replica(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, list]:
     """The replica's arguments through an entry of their own, and every entry its tensors come through."""
     entered = parallel_backward.enter([t for _, t in tensors_in((args, kwargs))])
     aliases = iter(entered)
