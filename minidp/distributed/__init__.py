@@ -9,6 +9,8 @@ module each:
 * :mod:`~minidp.distributed.buckets`: which gradients share an all-reduce, exactly as torch DDP plans it;
 * :mod:`~minidp.distributed.reducer`: the hooks, the asynchronous all-reduces and the write-back;
 * :mod:`~minidp.distributed.ddp`: :class:`DistributedDataParallel`, which composes them;
+* :mod:`~minidp.distributed.zero`: :class:`ZeroRedundancyOptimizer`, each rank keeping the optimizer
+  state of its share of the parameters and broadcasting the share it updated;
 * :mod:`~minidp.distributed.timeline`: each rank's timings, merged into one Chrome trace;
 * :mod:`~minidp.distributed.launch`: N processes on this machine joined over the loopback address.
 
@@ -19,6 +21,7 @@ from .buckets import GradBucket
 from .ddp import DistributedDataParallel
 from .launch import RankFailed, launch, run_demo
 from .timeline import chrome_trace, gather_timelines, hidden_share, plot_timelines, write_chrome_trace
+from .zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
 __all__ = [
     "DistributedDataParallel",
@@ -31,4 +34,6 @@ __all__ = [
     "run_demo",
     "plot_timelines",
     "write_chrome_trace",
+    "ZeroRedundancyOptimizer",
+    "optimizer_state_bytes",
 ]
