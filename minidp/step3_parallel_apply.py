@@ -327,8 +327,8 @@ def _run_backwards(devices: Sequence[torch.device], calls: Sequence[Callable[[],
 
     Unlike a forward, each backward runs with the caller's whole intra-op thread count: the count that
     autograd's serial backward runs every replica's kernels with, so that they split their work, and
-    round their sums, as there (gradients bit for bit the same). Measured under load, 2 and 4 CNN
-    replicas on 2 cores: no slower than with a share each (see BENCHMARKS.md, "CPU replicas' backward in parallel").
+    round their sums, as there (gradients bit for bit the same). The cost: K teams of intra-op threads
+    share the cores (BENCHMARKS.md, "CPU replicas' backward in parallel").
     """
     caller = _CallerState(1)  # one replica's worth: the caller's whole count, set in every worker
 
