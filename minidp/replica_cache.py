@@ -68,6 +68,7 @@ from torch import nn
 from .comm import check_reduce_backend
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
+from .parallel_backward import made_by
 from .step2_replicate import Slots, bind, build_skeletons, check_is_module, check_module_device, replica_tensors, tensor_slots
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
@@ -117,7 +118,6 @@ def _module_parts(module: nn.Module) -> dict[str, dict[str, int]]:
 
 _device_of = attrgetter("device")
 _dtype_of = attrgetter("dtype")
-_grad_fn_of = attrgetter("grad_fn")
 
 
 def _same_placement(tensors: list[torch.Tensor], device: torch.device, dtypes: tuple) -> bool:
@@ -240,7 +240,8 @@ class _Entry:
 
     def _watch_backward(self, tensors: list[torch.Tensor]) -> None:
         """BACKWARD_PENDING until every autograd node that made ``tensors`` (one ``Broadcast`` per step) has run backward."""
-        nodes = set(map(_grad_fn_of, tensors))  # one Broadcast node for all the parameters, None for plain buffers
+        # One Broadcast node for all the parameters (through a CPU replica's entry: minidp.parallel_backward), None for plain buffers
+        nodes = set(map(made_by, tensors))
         nodes.discard(None)
         self._pending_nodes = len(nodes)
         self.state = EntryState.BACKWARD_PENDING if nodes else EntryState.BOUND

@@ -11,7 +11,10 @@ What autograd records: the parameters reach the replicas through
 :class:`minidp.step5_reduce.Broadcast`, one autograd node for all of them. Its backward is step 5,
 the reduction: it sums the gradient each replica produced for each parameter, in replica order,
 onto the module's device, and autograd adds that sum into the original parameter's ``.grad`` once. So replica parameters are not leaves (they have
-no ``.grad`` of their own) and ``replica.parameters()`` is empty, as in stock.
+no ``.grad`` of their own) and ``replica.parameters()`` is empty, as in stock. Replicas on the CPU
+(two or more, while grad is recorded) receive them through one more node each, an identity,
+:class:`minidp.parallel_backward.ReplicaEntry`: where each replica's graph ends, so that its
+backward can run in its own thread (:mod:`minidp.parallel_backward`).
 
 Buffers (BatchNorm's running statistics, say) are not differentiated. Replica 0 shares the
 original's buffers, so its in-place updates persist; every other replica works on its own copy,
@@ -29,6 +32,7 @@ from torch import nn
 from . import comm
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
+from .parallel_backward import applies as parallel_backward_applies, enter
 from .step5_reduce import Broadcast
 
 
@@ -234,4 +238,7 @@ def _broadcast_parameters(
         return [[t.detach() for t in copies] for copies in comm.broadcast_coalesced(tensors, devices)]
     flat = Broadcast.apply(devices, reduce_backend, *tensors)
     n = len(tensors)
-    return [list(flat[i : i + n]) for i in range(0, len(flat), n)]
+    copies = [list(flat[i : i + n]) for i in range(0, len(flat), n)]
+    if parallel_backward_applies(devices):  # each CPU replica's graph ends at an entry of its own (minidp.parallel_backward)
+        copies = [enter(device_copies) for device_copies in copies]
+    return copies

@@ -99,16 +99,18 @@ def fresh_python(*args: str, timeout: float = 120) -> subprocess.CompletedProces
 
 # The configurations of DataParallel's defaults that every test runs under (tests/conftest.py).
 CONFIGURATIONS = {
-    "cached-torch": {"cache_replicas": True, "backend": "torch"},
-    "uncached-ext": {"cache_replicas": False, "backend": "auto-with-ext"},
+    "cached-torch": {"cache_replicas": True, "backend": "torch", "parallel_backward": True},
+    "uncached-ext": {"cache_replicas": False, "backend": "auto-with-ext", "parallel_backward": False},
 }
 
 
-def configure_dataparallel(monkeypatch, cache_replicas: bool, backend: str) -> None:
-    """Make ``cache_replicas`` DataParallel's default and ``backend`` the global reduce backend for one test.
+def configure_dataparallel(monkeypatch, cache_replicas: bool, backend: str, parallel_backward: bool = True) -> None:
+    """Make ``cache_replicas`` DataParallel's default, ``backend`` the global reduce backend, and
+    ``parallel_backward`` whether CPU replicas run their backwards in parallel, for one test.
 
     ``"auto-with-ext"`` is ``"auto"`` with the extension loaded (``"torch"`` where it cannot be built).
     """
+    monkeypatch.setattr(minidp.parallel_backward, "_enabled", parallel_backward)
     defaults = dict(minidp.DataParallel.__init__.__kwdefaults__)
     defaults["cache_replicas"] = cache_replicas
     monkeypatch.setattr(minidp.DataParallel.__init__, "__kwdefaults__", defaults)

@@ -22,8 +22,11 @@ What each event measures (``Event.bytes`` is always "bytes written to fresh memo
 | reduce    | replica       | the whole call (run by autograd in the backward of replicate) | replica i's gradients summed into the original parameters |
 
 Scatter, replicate, gather and reduce are one call on one thread that serves every replica, so
-their events share one interval. Backward spans can overlap: autograd runs the backward of all
-replicas on one device in that device's single autograd thread, interleaving their nodes.
+their events share one interval. Backward spans sit side by side, one track per replica, each
+recorded in the thread that ran it: CPU replicas run their backwards in their own worker threads
+(:mod:`minidp.parallel_backward`), replicas on different GPUs in their GPUs' autograd threads. Where
+a graph keeps the serial backward, replicas on one device share its one autograd thread, and their
+spans overlap, interleaving their nodes.
 
 The backward of replica i is stitched from two ends without any shared state between the steps:
 the replicate call names the replica modules it made (their parameters' gradients end the span),
