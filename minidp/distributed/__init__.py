@@ -9,6 +9,8 @@ module each:
 * :mod:`~minidp.distributed.buckets`: which gradients share an all-reduce, exactly as torch DDP plans it;
 * :mod:`~minidp.distributed.reducer`: the hooks, the asynchronous all-reduces and the write-back;
 * :mod:`~minidp.distributed.ddp`: :class:`DistributedDataParallel`, which composes them;
+* :mod:`~minidp.distributed.fully_shard`: :func:`fully_shard`, FSDP2's sharding of parameters,
+  gradients and optimizer state (each rank keeps 1/W), and :func:`full_state_dict`;
 * :mod:`~minidp.distributed.timeline`: each rank's timings, merged into one Chrome trace;
 * :mod:`~minidp.distributed.launch`: N processes on this machine joined over the loopback address.
 
@@ -17,6 +19,7 @@ minidp's core never imports ``torch.distributed``; only this package does.
 
 from .buckets import GradBucket
 from .ddp import DistributedDataParallel
+from .fully_shard import full_state_dict, fully_shard
 from .launch import RankFailed, launch, run_demo
 from .timeline import chrome_trace, gather_timelines, hidden_share, plot_timelines, write_chrome_trace
 
@@ -25,6 +28,8 @@ __all__ = [
     "GradBucket",
     "RankFailed",
     "chrome_trace",
+    "full_state_dict",
+    "fully_shard",
     "gather_timelines",
     "hidden_share",
     "launch",

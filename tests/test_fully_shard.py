@@ -1,0 +1,162 @@
+"""minidp.distributed.fully_shard against torch's FSDP2 (torch.distributed.fsdp.fully_shard), in real
+Gloo processes on 127.0.0.1.
+
+The processes are started once per world size (``minidp.distributed.launch``, bounded by
+``job_timeout``, every process ended by it); each runs every check of ``fsdp_checks`` on a fresh
+seed and sends back plain facts. "Equal" means bitwise (``torch.equal``): this rank's parameter
+shards, their gradients and the optimizer's state, after every backward and every step.
+
+What is compared is FSDP2 in torch 2.13 (torch/distributed/fsdp/_fully_shard/): the shards of
+``_fsdp_param.py`` (``_init_sharded_param``: ``torch.chunk`` on dim 0, padded to chunk 0's size),
+the all-gather copy-in and copy-out and the reduce-scatter of ``_fsdp_collectives.py``
+(``foreach_all_gather``, ``foreach_all_gather_copy_out``, ``foreach_reduce``) and its division of
+the gradients (``_get_gradient_divide_factors``: ``ReduceOp.AVG`` in float32, SUM between a
+division before and one after in float64).
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+
+import pytest
+import torch
+
+from . import fsdp_checks as checks
+from minidp.distributed import RankFailed, launch
+
+
+@pytest.fixture(autouse=True)
+def dataparallel_configuration():
+    """These checks run in processes of their own, which start with DataParallel's defaults: the two
+    configurations of tests/conftest.py would run them twice alike, so they run once."""
+
+
+JOB_TIMEOUT = 300.0  # seconds for a whole job; the process group's own timeout is launch()'s 60 s
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+MATRIX = list(itertools.product(DTYPES, checks.OPTIMIZERS, [True, False]))
+
+
+def _name(dtype: str, optimizer: str, reshard: bool) -> str:
+    return f"{dtype}-{optimizer}-{'reshard' if reshard else 'keep'}"
+
+
+def _against_fsdp2_plan() -> dict:
+    return {_name(d, o, r): (checks.against_fsdp2, {"dtype": DTYPES[d], "optimizer": o, "reshard_after_forward": r})
+            for d, o, r in MATRIX}
+
+
+TWO_PROCESSES = {
+    **_against_fsdp2_plan(),
+    "accumulate": (checks.against_fsdp2, {"micro_batches": 2, "optimizer": "adamw"}),
+    "tied": (checks.against_fsdp2, {"model": "tied", "dtype": torch.float64}),
+    "already_sharded": (checks.already_sharded, {}),
+    "shared_between_groups": (checks.shared_between_groups, {}),
+    "mismatched_model": (checks.mismatched_model, {}),
+}
+
+THREE_PROCESSES = {
+    **_against_fsdp2_plan(),
+    "accumulate": (checks.against_fsdp2, {"micro_batches": 2, "reshard_after_forward": False}),
+}
+
+
+def _run(world_size: int, plan: dict) -> list[dict]:
+    seed = int(torch.randint(0, 2**20, ()).item())
+    print(f"job seed: {seed}")
+    return launch(checks.run_checks, world_size, (plan, seed), job_timeout=JOB_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict]:
+    """Every check of TWO_PROCESSES, as each of 2 ranks saw it."""
+    return _run(2, TWO_PROCESSES)
+
+
+@pytest.fixture(scope="module")
+def three() -> list[dict]:
+    return _run(3, THREE_PROCESSES)
+
+
+def _each_rank(results: list[dict], check: str) -> list:
+    return [ranks_results[check] for ranks_results in results]
+
+
+def assert_same_as_fsdp2(results: list[dict], check: str) -> None:
+    for rank, result in enumerate(_each_rank(results, check)):
+        assert result["differences"] == [None] * len(result["differences"]), f"rank {rank}: {result['differences']}"
+
+
+# ---- bitwise equal to FSDP2 after every backward and every step ----------------------------------
+
+
+@pytest.mark.parametrize("dtype,optimizer,reshard", MATRIX)
+def test_shards_gradients_and_optimizer_state_equal_fsdp2_two_processes(two, dtype, optimizer, reshard):
+    assert_same_as_fsdp2(two, _name(dtype, optimizer, reshard))
+
+
+@pytest.mark.parametrize("dtype,optimizer,reshard", MATRIX)
+def test_shards_gradients_and_optimizer_state_equal_fsdp2_three_processes(three, dtype, optimizer, reshard):
+    # with 3 ranks a bias of 2 rows leaves rank 2 an empty shard; float64 divides by 2, then by 1.5
+    assert_same_as_fsdp2(three, _name(dtype, optimizer, reshard))
+
+
+@pytest.mark.parametrize("world", ["two", "three"])
+def test_gradients_of_several_backwards_accumulate_in_the_shards_as_fsdp2(world, request):
+    assert_same_as_fsdp2(request.getfixturevalue(world), "accumulate")
+
+
+def test_a_weight_tied_inside_one_group_is_gathered_once_and_reduced_once_as_fsdp2(two):
+    assert_same_as_fsdp2(two, "tied")
+
+
+def test_each_rank_keeps_its_torch_chunk_rows_padded_to_chunk_0(three):
+    # Net's head bias has 2 rows: torch.chunk(bias, 3) gives two chunks of 1, rank 2 none
+    shapes = [result["shard_shapes"] for result in _each_rank(three, "float32-sgd-reshard")]
+    assert [s[0] for s in shapes] == [(5,), (5,), (3,)]  # LayerNorm(13): 5, 5, 3
+    assert [s[-1] for s in shapes] == [(1,), (1,), (0,)]
+
+
+# ---- the full state dict -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", ["two", "three"])
+def test_full_state_dict_equals_fsdp2_full_tensors_on_every_rank(world, request):
+    for name, _ in _against_fsdp2_plan().items():
+        assert all(r["state_dict_equal"] for r in _each_rank(request.getfixturevalue(world), name)), name
+
+
+@pytest.mark.parametrize("world", ["two", "three"])
+def test_a_full_state_dict_loads_back_into_the_shards(world, request):
+    for name, _ in _against_fsdp2_plan().items():
+        assert all(r["reloaded"] for r in _each_rank(request.getfixturevalue(world), name)), name
+
+
+# ---- bad input: the same clear error on every rank, never a hang ----------------------------------
+
+
+def test_sharding_a_module_twice_is_refused_on_every_rank(two):
+    for message in _each_rank(two, "already_sharded"):
+        assert "fully_shard was already applied to this Net" in message
+
+
+def test_a_parameter_shared_between_two_groups_is_refused_where_fsdp2_refuses_it(two):
+    for errors in _each_rank(two, "shared_between_groups"):
+        assert "fully_shard(Linear): parameter 'weight' is also parameter 'weight' of the Linear" in errors["minidp"]
+        assert "common parent" in errors["minidp"]
+        assert "is shared with a parameter already managed by another FSDP group" in errors["fsdp2"]
+
+
+def test_ranks_with_different_models_raise_the_same_error_naming_the_parameter(two):
+    messages = _each_rank(two, "mismatched_model")
+    assert messages[0] == messages[1]
+    assert "parameter 0 ('linear.weight') has shape (30, 13) on rank 1 and (29, 13) on rank 0" in messages[0]
+
+
+def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error():
+    # process-group timeout 300 s > job_timeout 90 s: only ending the job on the error passes
+    with pytest.raises(RankFailed, match="rank 1 raised:(.|\n)*planted failure in step 2 on rank 1") as failure:
+        launch(checks.raise_in_step_2, 2, (1,), timeout=300, job_timeout=90)
+    assert failure.value.rank == 1
+    assert multiprocessing.active_children() == []
