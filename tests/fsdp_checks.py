@@ -175,3 +175,21 @@ def raise_in_step_2(failing_rank: int) -> None:
 def run_checks(checks: dict[str, tuple[Callable[..., Any], dict]], seed: int) -> dict[str, Any]:
     """Run ``checks`` (name: (function, keyword arguments)) in order, each given ``seed``; their results by name."""
     return {name: function(seed=seed, **kwargs) for name, (function, kwargs) in checks.items()}
+
+
+def timeline_and_memory(seed: int, steps: int = 3) -> dict:
+    """The third step's timeline of every rank (the first has nothing to prefetch), and the memory
+    ledgers of the same model under minidp's DDP and sharded, after a step of AdamW."""
+    torch.manual_seed(seed)
+    ledgers = {}
+    for name in ("ddp", "sharded"):
+        model = Net(features=64, hidden=256, classes=8)
+        model = md.DistributedDataParallel(model) if name == "ddp" else shard(model, md.fully_shard, True)
+        optimizer = torch.optim.AdamW(model.parameters())
+        for step in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(8, 64)).pow(2).mean().backward()
+            optimizer.step()
+        ledgers[name] = md.memory_ledger(model, optimizer)
+    return {"timelines": md.gather_timelines(md.sharded_timeline(model)), "ledgers": ledgers,
+            "table": md.format_ledgers(ledgers)}

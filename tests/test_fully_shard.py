@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from . import fsdp_checks as checks
-from minidp.distributed import RankFailed, launch
+from minidp.distributed import RankFailed, chrome_trace, launch
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +54,7 @@ TWO_PROCESSES = {
     "already_sharded": (checks.already_sharded, {}),
     "shared_between_groups": (checks.shared_between_groups, {}),
     "mismatched_model": (checks.mismatched_model, {}),
+    "timeline_and_memory": (checks.timeline_and_memory, {}),
 }
 
 THREE_PROCESSES = {
@@ -131,6 +132,47 @@ def test_full_state_dict_equals_fsdp2_full_tensors_on_every_rank(world, request)
 def test_a_full_state_dict_loads_back_into_the_shards(world, request):
     for name, _ in _against_fsdp2_plan().items():
         assert all(r["reloaded"] for r in _each_rank(request.getfixturevalue(world), name)), name
+
+
+# ---- seen: every rank's timeline and memory ----------------------------------------------------------
+
+
+def _spans(timeline: list[dict], stage: str, group: str) -> list[dict]:
+    return [e for e in timeline if e["stage"] == stage and e["group"] == group]
+
+
+def test_every_group_is_gathered_in_forward_and_backward_and_reduced_once(two):
+    # reshard_after_forward=True: FSDP2's pre_forward and pre_backward unshard, post_backward reduces
+    for timeline in two[0]["timeline_and_memory"]["timelines"]:
+        for group in ["", "blocks.0", "blocks.1", "blocks.2"]:
+            counts = {stage: len(_spans(timeline, stage, group))
+                      for stage in ("all-gather", "copy-out", "forward", "backward", "reduce-scatter")}
+            assert counts == {"all-gather": 2, "copy-out": 2, "forward": 1, "backward": 1, "reduce-scatter": 1}, group
+
+
+def test_the_next_groups_all_gather_is_launched_before_the_current_one_has_computed(two):
+    for timeline in two[0]["timeline_and_memory"]["timelines"]:
+        for current, following in [("blocks.0", "blocks.1"), ("blocks.1", "blocks.2")]:  # forward
+            assert _spans(timeline, "all-gather", following)[0]["start"] < _spans(timeline, "forward", current)[0]["end"]
+        for current, previous in [("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]:  # backward, FSDP2's order
+            assert _spans(timeline, "all-gather", previous)[1]["start"] < _spans(timeline, "backward", current)[0]["end"]
+
+
+def test_timelines_merge_into_one_chrome_trace_with_collective_rows(two):
+    events = chrome_trace(two[0]["timeline_and_memory"]["timelines"])["traceEvents"]
+    rows = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
+    assert rows == {(rank, row) for rank in (0, 1) for row in ("forward and backward", "all-gathers", "reduce-scatters")}
+
+
+def test_each_rank_holds_half_of_ddps_parameters_gradients_and_optimizer_state_between_steps(two):
+    for result in _each_rank(two, "timeline_and_memory"):
+        ddp, sharded = result["ledgers"]["ddp"], result["ledgers"]["sharded"]
+        for row in ("parameters", "gradients", "optimizer_state"):
+            assert abs(sharded[row] / ddp[row] - 0.5) <= 0.005, row  # a padded or a short row per parameter
+        assert sharded["gathered"] == sharded["buckets"] == 0
+        assert ddp["buckets"] == ddp["gradients"]  # DDP's buckets: one more copy of the gradients
+        assert sharded["total_peak"] < ddp["total_peak"]
+        assert "optimizer_state" in result["table"]
 
 
 # ---- bad input: the same clear error on every rank, never a hang ----------------------------------

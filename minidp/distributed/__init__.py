@@ -11,6 +11,7 @@ module each:
 * :mod:`~minidp.distributed.ddp`: :class:`DistributedDataParallel`, which composes them;
 * :mod:`~minidp.distributed.fully_shard`: :func:`fully_shard`, FSDP2's sharding of parameters,
   gradients and optimizer state (each rank keeps 1/W), and :func:`full_state_dict`;
+* :mod:`~minidp.distributed.memory`: what one rank holds, DDP's and sharded, side by side;
 * :mod:`~minidp.distributed.timeline`: each rank's timings, merged into one Chrome trace;
 * :mod:`~minidp.distributed.launch`: N processes on this machine joined over the loopback address.
 
@@ -19,8 +20,9 @@ minidp's core never imports ``torch.distributed``; only this package does.
 
 from .buckets import GradBucket
 from .ddp import DistributedDataParallel
-from .fully_shard import full_state_dict, fully_shard
+from .fully_shard import full_state_dict, fully_shard, sharded_timeline
 from .launch import RankFailed, launch, run_demo
+from .memory import format_ledgers, memory_ledger
 from .timeline import chrome_trace, gather_timelines, hidden_share, plot_timelines, write_chrome_trace
 
 __all__ = [
@@ -28,12 +30,15 @@ __all__ = [
     "GradBucket",
     "RankFailed",
     "chrome_trace",
+    "format_ledgers",
     "full_state_dict",
     "fully_shard",
     "gather_timelines",
     "hidden_share",
     "launch",
-    "run_demo",
+    "memory_ledger",
     "plot_timelines",
+    "run_demo",
+    "sharded_timeline",
     "write_chrome_trace",
 ]

@@ -63,10 +63,10 @@ def division(dtype: torch.dtype, world_size: int) -> tuple[Optional[float], dist
     """How FSDP2 averages gradients over ``world_size`` ranks in ``dtype``: (divide before, op, divide after).
 
     FSDP2 (``_fsdp_collectives.py``, ``_get_gradient_divide_factors``): float32 and bfloat16 reduce
-    with ``ReduceOp.AVG``, which Gloo and NCCL compute as the sum divided by W. Other dtypes (float64,
-    float16), where FSDP2 fears overflow, reduce with SUM between two divisions: first by the largest
-    power of two p with p * p <= W that divides W... precisely: p doubles while W % p == 0 and
-    W / p > p; then by W / p after. With W = 3 that is / 2 before and / 1.5 after.
+    with ``ReduceOp.AVG`` (the backend divides the sum by W). Other dtypes (float64, float16), where
+    FSDP2 guards against overflow, reduce with SUM between two divisions: by p before, where p
+    doubles from 1 while W % p == 0 and W / p > p, and by W / p after. W = 2: / 2 then / 1;
+    W = 3: / 2 then / 1.5; W = 8: / 4 then / 2.
     """
     if world_size == 1:
         return None, dist.ReduceOp.SUM, None
@@ -152,6 +152,8 @@ class ShardGroup:
         self.pending: Optional[tuple[dist.Work, torch.Tensor, float]] = None  # an all-gather under way
         self.reduced_this_backward = False
         self.dtype = params[0].padded.dtype if params else None
+        self._forward_start = 0.0
+        self._backward_start: Optional[float] = None
 
     # ---- all-gather ----------------------------------------------------------------------------
 
@@ -166,16 +168,20 @@ class ShardGroup:
         mine = flat.narrow(0, slot * self.rank, slot)
         torch._foreach_copy_(list(torch.split(mine, sizes)), [p.padded for p in self.params])
         work = _all_gather(flat, mine, group=self.process_group, async_op=True)
-        self.pending = (work, flat, start)
+        self._record_when_done(work, "all-gather", start)
+        self.pending = (work, flat)
 
     def unshard(self) -> None:
         """The whole parameters on the module: wait for (or run) the all-gather, then copy-out."""
         if self.gathered or not self.params:
             return
         self.launch_all_gather()
-        work, flat, start = self.pending
+        work, flat = self.pending
         work.wait()
         self.pending = None
+        start = time.time()
+        if self.iteration is not None:
+            self.iteration.poll(waited=work)
         sizes = [p.shard_numel for p in self.params]
         outs = []
         for p in self.params:
@@ -193,7 +199,9 @@ class ShardGroup:
                 p.full = nn.Parameter(view, requires_grad=p.shard.requires_grad)
             p.set_on_modules(p.full)
         self.gathered = True
-        self._record("all-gather", start)
+        self._record("copy-out", start)
+        if self.iteration is not None:
+            self.iteration.note_memory()
 
     def reshard(self) -> None:
         """The shards back on the module; the gathered storage released."""
@@ -217,6 +225,9 @@ class ShardGroup:
         if self.reduced_this_backward:
             return
         self.reduced_this_backward = True
+        if self._backward_start is not None:
+            self._record("backward", self._backward_start)
+            self._backward_start = None
         with_grad = [p for p in self.params if p.full is not None and p.full.grad is not None]
         grads = [p.full.grad for p in with_grad]
         for p in with_grad:
@@ -234,12 +245,17 @@ class ShardGroup:
         if before is not None:
             flat.div_(before)
         mine = torch.empty(slot, dtype=flat.dtype, device=self.device)
+        self.iteration.poll()
+        self.iteration.note_memory(extra=flat.untyped_storage().nbytes() + mine.untyped_storage().nbytes())
         work = _reduce_scatter(mine, flat, op=op, group=self.process_group, async_op=True)
-        self.iteration.reductions.append((self, work, mine, flat, with_grad, after, start))
+        self._record_when_done(work, "reduce-scatter", start)
+        self.iteration.reductions.append((self, work, mine, flat, with_grad, after))
 
-    def finish_reduction(self, work: dist.Work, mine: torch.Tensor, with_grad: list[ShardedParameter],
-                         after: Optional[float], start: float) -> None:
+    def finish_reduction(self, work: dist.Work, mine: torch.Tensor, flat: torch.Tensor,
+                         with_grad: list[ShardedParameter], after: Optional[float]) -> None:
         work.wait()
+        self.iteration.poll(waited=work)
+        del flat  # kept alive until here: the reduce-scatter read it in the background
         if after is not None:
             mine.div_(after)
         offset = 0
@@ -250,7 +266,6 @@ class ShardGroup:
             else:
                 p.shard.grad += grad
             offset += p.shard_numel
-        self._record("reduce-scatter", start)
 
     # ---- the hooks -----------------------------------------------------------------------------
 
@@ -290,13 +305,21 @@ class ShardGroup:
         return output
 
     def _before_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._backward_start is None:
+            self._backward_start = time.time()
         self.iteration.before_backward(self)
         return grad
 
-    def _record(self, stage: str, start: float) -> None:
+    def _record(self, stage: str, start: float, end: Optional[float] = None) -> None:
+        """One event of this rank's timeline (:func:`sharded_timeline`); ``bucket`` is the group's index."""
         if self.iteration is not None:
-            self.iteration.events.append(
-                {"rank": dist.get_rank(), "stage": stage, "bucket": self.index, "start": start, "end": time.time()})
+            self.iteration.events.append({"rank": dist.get_rank(), "stage": stage, "bucket": self.index,
+                                          "group": self.name, "start": start, "end": end or time.time()})
+
+    def _record_when_done(self, work: dist.Work, stage: str, start: float) -> None:
+        """Record a collective from its launch to when this rank first sees it complete (:meth:`Iteration.poll`)."""
+        if self.iteration is not None:
+            self.iteration.open_collectives.append((self, work, stage, start))
 
 
 def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
@@ -330,13 +353,35 @@ class Iteration:
         self.backward_started = False
         self.reductions: list[tuple] = []
         self.events: list[dict] = []
+        self.peak_transient = 0  # bytes: gathered parameters and reduce-scatter buffers, at their highest
+        self.open_collectives: list[tuple[ShardGroup, dist.Work, str, float]] = []
+
+    def poll(self, waited: Optional[dist.Work] = None) -> None:
+        """Stamp the end of the collectives that have completed since the last look (at every hook: the
+        timeline's ends are late by at most the time between two hooks), and of ``waited``."""
+        still_open = []
+        for group, work, stage, start in self.open_collectives:
+            if work is waited or work.is_completed():
+                group._record(stage, start)
+            else:
+                still_open.append((group, work, stage, start))
+        self.open_collectives = still_open
+
+    def note_memory(self, extra: int = 0) -> None:
+        """Update :attr:`peak_transient` with what is gathered now, plus ``extra`` bytes in flight."""
+        gathered = sum(p.gathered_bytes() for g in self.groups for p in g.params)
+        in_flight = sum(r[1].untyped_storage().nbytes() + r[2].untyped_storage().nbytes() for _, *r in self.reductions)
+        self.peak_transient = max(self.peak_transient, gathered + in_flight + extra)
 
     def begin_forward(self, root: ShardGroup) -> None:
         self.forward_root = root
         self.forward_order, self.post_forward_order, self.events = [], [], []
+        self.peak_transient = 0
+        self.open_collectives = []
 
     def entered_forward(self, group: ShardGroup) -> None:
         """Record the order, and prefetch the group that came next in the previous forward."""
+        self.poll()
         self.forward_order.append(group)
         position = len(self.forward_order)
         if position < len(self.last_forward_order):
@@ -353,6 +398,7 @@ class Iteration:
             group.reduced_this_backward = False
 
     def before_backward(self, group: ShardGroup) -> None:
+        self.poll()
         if not self.backward_started:
             self.backward_started = True
             Variable._execution_engine.queue_callback(self.end_backward)
@@ -371,13 +417,14 @@ class Iteration:
             if not group.reduced_this_backward and any(p.full is not None and p.full.grad is not None
                                                        for p in group.params):
                 group.reduce_gradients()
-        for group, work, mine, flat, with_grad, after, start in self.reductions:
-            group.finish_reduction(work, mine, with_grad, after, start)
+        for group, *reduction in self.reductions:
+            group.finish_reduction(*reduction)
         self.reductions = []
         for group in self.groups:
             group.drop_pending()
             group.reshard()
             group.reduced_this_backward = False
+            group._backward_start = None
         self.backward_started = False
         self.post_forward_order = []
 
@@ -517,15 +564,36 @@ def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefi
                 state_dict[key] = chunks[group.rank] if group.rank < len(chunks) else p.shard.detach()[:0]
 
 
+def sharded_groups(module: nn.Module) -> list[ShardGroup]:
+    """The groups of ``module`` and its sub-modules (one per ``fully_shard`` call), outermost first."""
+    groups = []
+    for sub in module.modules():
+        group = _GROUPS.get(sub)
+        if group is not None and group not in groups:
+            groups.append(group)
+    return groups
+
+
+def sharded_timeline(module: nn.Module) -> list[dict]:
+    """This rank's events of the last forward and backward of ``module`` (the root ``fully_shard`` was
+    applied to last), in the format of :meth:`DistributedDataParallel.timeline`: ``stage`` is
+    ``"all-gather"`` and ``"reduce-scatter"`` (from launch to completion: a bar that overlaps a
+    compute bar was hidden behind it), ``"copy-out"``, ``"forward"`` and ``"backward"`` (of one group;
+    the root's spans its sub-modules'); ``bucket`` the group's index, ``group`` its module's name.
+    :func:`minidp.distributed.chrome_trace` merges several ranks' into one trace."""
+    group = _GROUPS.get(module)
+    if group is None or group.iteration is None:
+        raise ValueError("sharded_timeline needs the root module fully_shard was applied to, after one forward")
+    return sorted(group.iteration.events, key=lambda e: e["start"])
+
+
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every sharded parameter whole again, on every rank (a collective:
     call it on every rank). ``module.load_state_dict`` takes it back, each rank keeping its rows."""
     shards: dict[int, tuple[ShardGroup, ShardedParameter]] = {}
-    for sub in module.modules():
-        group = _GROUPS.get(sub)
-        if group is not None:
-            group.reshard()
-            shards.update({id(p.shard): (group, p) for p in group.params})
+    for group in sharded_groups(module):
+        group.reshard()
+        shards.update({id(p.shard): (group, p) for p in group.params})
     full = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) not in shards:
