@@ -235,6 +235,9 @@ class ShardGroup:
         self.reshard()
         if not grads:
             return
+        # One reduce-scatter in flight at a time, as FSDP2 (reduce_scatter_max_input_buffers=1): the
+        # previous group's, which overlapped this group's backward, ends before this one's buffer exists.
+        self.iteration.finish_reductions()
         start = time.time()
         before, op, after = division(grads[0].dtype, self.world_size)
         slot = sum(p.shard_numel for p in with_grad)
@@ -373,6 +376,12 @@ class Iteration:
         in_flight = sum(r[1].untyped_storage().nbytes() + r[2].untyped_storage().nbytes() for _, *r in self.reductions)
         self.peak_transient = max(self.peak_transient, gathered + in_flight + extra)
 
+    def finish_reductions(self) -> None:
+        """Wait for the reduce-scatters under way and hand their rows to the shards' ``.grad``."""
+        for group, *reduction in self.reductions:
+            group.finish_reduction(*reduction)
+        self.reductions = []
+
     def begin_forward(self, root: ShardGroup) -> None:
         self.forward_root = root
         self.forward_order, self.post_forward_order, self.events = [], [], []
@@ -417,9 +426,7 @@ class Iteration:
             if not group.reduced_this_backward and any(p.full is not None and p.full.grad is not None
                                                        for p in group.params):
                 group.reduce_gradients()
-        for group, *reduction in self.reductions:
-            group.finish_reduction(*reduction)
-        self.reductions = []
+        self.finish_reductions()
         for group in self.groups:
             group.drop_pending()
             group.reshard()
