@@ -6,11 +6,13 @@ on the same data; each returns plain facts that tests/test_fully_shard.py assert
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import minidp.distributed as md
@@ -127,14 +129,17 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
             "shard_shapes": [tuple(p.shape) for p in ours.parameters()]}
 
 
-def already_sharded(seed: int) -> str:
-    """fully_shard applied twice to one module: the error."""
-    model = md.fully_shard(Net())
-    try:
-        md.fully_shard(model)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+def already_wrapped(seed: int) -> dict:
+    """fully_shard on a module it already sharded, on one torch's fully_shard sharded, on a DDP: the errors."""
+    errors = {}
+    for name, wrap in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard), ("ddp", md.DistributedDataParallel)):
+        wrapped = wrap(Net())
+        try:
+            md.fully_shard(wrapped)
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
 
 
 def shared_between_groups(seed: int) -> dict:
@@ -193,3 +198,14 @@ def timeline_and_memory(seed: int, steps: int = 3) -> dict:
         ledgers[name] = md.memory_ledger(model, optimizer)
     return {"timelines": md.gather_timelines(md.sharded_timeline(model)), "ledgers": ledgers,
             "table": md.format_ledgers(ledgers)}
+
+
+@record
+def _main() -> None:
+    dist.init_process_group("gloo")
+    raise_in_step_2(int(sys.argv[1]))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # under torchrun: torchrun --nproc_per_node=2 -m tests.fsdp_checks FAILING_RANK
+    _main()

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from . import fsdp_checks as checks
+from .test_distributed_launch import torchrun
 from minidp.distributed import RankFailed, chrome_trace, launch
 
 
@@ -51,7 +52,7 @@ TWO_PROCESSES = {
     **_against_fsdp2_plan(),
     "accumulate": (checks.against_fsdp2, {"micro_batches": 2, "optimizer": "adamw"}),
     "tied": (checks.against_fsdp2, {"model": "tied", "dtype": torch.float64}),
-    "already_sharded": (checks.already_sharded, {}),
+    "already_wrapped": (checks.already_wrapped, {}),
     "shared_between_groups": (checks.shared_between_groups, {}),
     "mismatched_model": (checks.mismatched_model, {}),
     "timeline_and_memory": (checks.timeline_and_memory, {}),
@@ -150,12 +151,17 @@ def test_every_group_is_gathered_in_forward_and_backward_and_reduced_once(two):
             assert counts == {"all-gather": 2, "copy-out": 2, "forward": 1, "backward": 1, "reduce-scatter": 1}, group
 
 
-def test_the_next_groups_all_gather_is_launched_before_the_current_one_has_computed(two):
+def test_in_the_backward_the_previous_groups_all_gather_is_launched_before_the_current_one_has_computed(two):
+    # FSDP2's _backward_prefetch: the group before it in post-forward order
     for timeline in two[0]["timeline_and_memory"]["timelines"]:
-        for current, following in [("blocks.0", "blocks.1"), ("blocks.1", "blocks.2")]:  # forward
-            assert _spans(timeline, "all-gather", following)[0]["start"] < _spans(timeline, "forward", current)[0]["end"]
-        for current, previous in [("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]:  # backward, FSDP2's order
+        for current, previous in [("", "blocks.2"), ("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]:
             assert _spans(timeline, "all-gather", previous)[1]["start"] < _spans(timeline, "backward", current)[0]["end"]
+
+
+def test_the_forward_gathers_one_group_at_a_time_as_fsdp2(two):
+    for timeline in two[0]["timeline_and_memory"]["timelines"]:
+        for current, following in [("blocks.0", "blocks.1"), ("blocks.1", "blocks.2")]:
+            assert _spans(timeline, "all-gather", following)[0]["start"] > _spans(timeline, "forward", current)[0]["end"]
 
 
 def test_timelines_merge_into_one_chrome_trace_with_collective_rows(two):
@@ -178,9 +184,11 @@ def test_each_rank_holds_half_of_ddps_parameters_gradients_and_optimizer_state_b
 # ---- bad input: the same clear error on every rank, never a hang ----------------------------------
 
 
-def test_sharding_a_module_twice_is_refused_on_every_rank(two):
-    for message in _each_rank(two, "already_sharded"):
-        assert "fully_shard was already applied to this Net" in message
+def test_a_module_already_sharded_or_wrapped_is_refused_on_every_rank(two):
+    for errors in _each_rank(two, "already_wrapped"):
+        assert "fully_shard was already applied to this Net" in errors["minidp"]
+        assert "already wrapped (FSDPNet)" in errors["fsdp2"]  # torch's fully_shard swaps the class
+        assert "already wrapped (DistributedDataParallel)" in errors["ddp"] and "pass the plain model" in errors["ddp"]
 
 
 def test_a_parameter_shared_between_two_groups_is_refused_where_fsdp2_refuses_it(two):
@@ -202,3 +210,11 @@ def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error():
         launch(checks.raise_in_step_2, 2, (1,), timeout=300, job_timeout=90)
     assert failure.value.rank == 1
     assert multiprocessing.active_children() == []
+
+
+def test_a_rank_that_raises_mid_step_under_torchrun_ends_the_job_with_its_error():
+    # rank 0 is then blocked in an all-gather; Gloo sees rank 1's connection close and raises
+    done = torchrun("-m", "tests.fsdp_checks", "1")
+    assert done.returncode != 0
+    assert "RuntimeError: planted failure in step 2 on rank 1" in done.stdout
+    assert "rank      : 1" in done.stdout.split("Root Cause")[1]

@@ -103,7 +103,7 @@ def train(
             optimizer.zero_grad()
             loss.backward()  # the gradients are averaged over the ranks during this call
             optimizer.step()
-            if shard and epoch == 1 and totals[2] == len(label):  # the second step: the first had no earlier forward to prefetch by
+            if shard and epoch == 1 and totals[2] == 0:
                 _say_step(model, say)
             totals += torch.tensor([loss.item() * len(label), (output.argmax(1) == label).sum().item(), len(label)],
                                    dtype=torch.float64, device=device)
@@ -151,9 +151,9 @@ def _say_step(model: nn.Module, say) -> None:
     """Rank 0's last training step, event by event, from its timeline."""
     events = sharded_timeline(model)
     origin = events[0]["start"]
-    say("steps 2-5 in the second training step, as rank 0 ran them (ms from the first event; a collective "
+    say("steps 2-5 in the first training step, as rank 0 ran them (ms from the first event; a collective "
         "spans its launch to when rank 0 saw it complete):")
-    meaning = {"all-gather": "all-gather its shards (launched early: while the group before it computes)",
+    meaning = {"all-gather": "all-gather its shards (in the backward, launched while the group after it computes)",
                "copy-out": "copy each parameter out of the gathered buffer; the module now holds it whole",
                "forward": "forward with the whole parameters, then free them (reshard_after_forward)",
                "backward": "backward of its layers, then free the parameters again",

@@ -30,8 +30,12 @@ The steps, and where each lives:
    as the all-gather laid out the parameters (rank r's rows of every gradient, padded, in slot r),
    one ``reduce_scatter_tensor`` leaves each rank the sum of its slot, divided by W as FSDP2 divides
    (:func:`division`), and rank r's rows become the shards' ``.grad``.
-5. **prefetch** (:class:`Iteration`): while a module computes, the next module's all-gather is
-   already under way (asynchronous); in the backward, the module that ran before it in the forward.
+5. **prefetch and overlap** (:class:`Iteration`): as FSDP2's backward does, each group's backward
+   launches the all-gather of the group that ran just before it in the forward, which then runs
+   while this one computes; each reduce-scatter runs while the next group computes its backward,
+   and is finished (its buffer freed) before the next one starts, FSDP2's one buffer in flight.
+   The forward does not prefetch, as FSDP2's does not unless asked
+   (``set_modules_to_forward_prefetch``): it would hold two groups' parameters at once.
 6. the optimizer steps on the shards, each rank on its own 1/W.
 
 :func:`full_state_dict` gathers every parameter on every rank; ``module.load_state_dict`` takes
@@ -237,6 +241,8 @@ class ShardGroup:
             return
         # One reduce-scatter in flight at a time, as FSDP2 (reduce_scatter_max_input_buffers=1): the
         # previous group's, which overlapped this group's backward, ends before this one's buffer exists.
+        # All collectives are asynchronous (async_op=True) on every backend; the order in which they
+        # are launched, the same on every rank, is what matches them up.
         self.iteration.finish_reductions()
         start = time.time()
         before, op, after = division(grads[0].dtype, self.world_size)
@@ -282,7 +288,7 @@ class ShardGroup:
         if iteration.forward_root is None:
             iteration.begin_forward(self)
         self.unshard()
-        iteration.entered_forward(self)
+        iteration.poll()
         if torch.is_grad_enabled():
             inputs = [t for _, t in tensors_in((args, kwargs)) if t.requires_grad]
             if inputs:
@@ -350,9 +356,7 @@ class Iteration:
             group.iteration, group.name, group.index = self, name, len(self.groups)
             self.groups.append(group)
         self.forward_root: Optional[ShardGroup] = None
-        self.forward_order: list[ShardGroup] = []  # pre-forward order of this pass
-        self.last_forward_order: list[ShardGroup] = []  # of the previous pass: who to prefetch next
-        self.post_forward_order: list[ShardGroup] = []
+        self.post_forward_order: list[ShardGroup] = []  # the backward prefetches in its reverse
         self.backward_started = False
         self.reductions: list[tuple] = []
         self.events: list[dict] = []
@@ -384,24 +388,15 @@ class Iteration:
 
     def begin_forward(self, root: ShardGroup) -> None:
         self.forward_root = root
-        self.forward_order, self.post_forward_order, self.events = [], [], []
+        self.post_forward_order, self.events = [], []
         self.peak_transient = 0
         self.open_collectives = []
-
-    def entered_forward(self, group: ShardGroup) -> None:
-        """Record the order, and prefetch the group that came next in the previous forward."""
-        self.poll()
-        self.forward_order.append(group)
-        position = len(self.forward_order)
-        if position < len(self.last_forward_order):
-            self.last_forward_order[position].launch_all_gather()
 
     def left_forward(self, group: ShardGroup) -> None:
         self.post_forward_order.append(group)
 
     def end_forward(self) -> None:
         self.forward_root = None
-        self.last_forward_order = self.forward_order
         for group in self.groups:
             group.drop_pending()
             group.reduced_this_backward = False
@@ -412,7 +407,8 @@ class Iteration:
             self.backward_started = True
             Variable._execution_engine.queue_callback(self.end_backward)
         group.unshard()
-        # prefetch: the group that finished its forward just before this one
+        # Prefetch, as FSDP2's backward does: the group that finished its forward just before this one
+        # is the next to run backward; its all-gather runs while this group computes.
         if group in self.post_forward_order:
             position = self.post_forward_order.index(group)
             self.post_forward_order.remove(group)
