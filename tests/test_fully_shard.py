@@ -24,6 +24,7 @@ import torch
 
 from . import fsdp_checks as checks
 from .test_distributed_launch import torchrun
+from minidp.cli import main
 from minidp.distributed import RankFailed, chrome_trace, launch
 
 
@@ -218,3 +219,29 @@ def test_a_rank_that_raises_mid_step_under_torchrun_ends_the_job_with_its_error(
     assert done.returncode != 0
     assert "RuntimeError: planted failure in step 2 on rank 1" in done.stdout
     assert "rank      : 1" in done.stdout.split("Root Cause")[1]
+
+
+# ---- the demo ----------------------------------------------------------------------------------
+
+
+def test_demo_shard_trains_and_prints_the_steps_and_both_ledgers(tmp_path, capfd):
+    argv = ["demo", "--processes", "2", "--shard", "--samples", "200", "--epochs", "1", "--batch-size", "40",
+            "--trace", str(tmp_path)]
+    assert main(argv) == 0
+    out = capfd.readouterr().out  # printed by rank 0, a process of its own
+    assert "classifier.1.weight    (10, 1568)       -> (5, 1568)" in out  # step 1: rank 0's rows
+    for stage in ("all-gather", "copy-out", "forward", "backward", "reduce-scatter"):
+        assert f"classifier.1   {stage}" in out
+    ledger = out.split("memory per rank")[1]
+    parameters = next(line for line in ledger.splitlines() if line.startswith("parameters")).split()
+    assert parameters[-1] == "0.50"  # fully_shard / DDP
+    assert (tmp_path / "fsdp_timeline.json").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shard"], "--shard needs --processes N"),
+    (["--shard", "--processes", "2", "--replicas", "2"], "--shard and --replicas: choose one"),
+])
+def test_demo_shard_refuses_what_it_cannot_do(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["demo", *argv])
