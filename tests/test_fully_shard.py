@@ -26,6 +26,7 @@ from . import fsdp_checks as checks
 from .test_distributed_launch import torchrun
 from minidp.cli import main
 from minidp.distributed import RankFailed, chrome_trace, launch
+from minidp.distributed.fully_shard import division
 
 
 @pytest.fixture(autouse=True)
@@ -119,6 +120,29 @@ def test_each_rank_keeps_its_torch_chunk_rows_padded_to_chunk_0(three):
     shapes = [result["shard_shapes"] for result in _each_rank(three, "float32-sgd-reshard")]
     assert [s[0] for s in shapes] == [(5,), (5,), (3,)]  # LayerNorm(13): 5, 5, 3
     assert [s[-1] for s in shapes] == [(1,), (1,), (0,)]
+
+
+class _Group:
+    """What FSDP2's divide-factor rule reads of a process group: its size."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_gradients_are_divided_before_during_and_after_the_reduction_as_fsdp2_divides_them(dtype, world_size):
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    before, after, reduce_op, _ = _get_gradient_divide_factors(_Group(world_size), None, dtype, "cpu")
+    no_division = (None, 1)  # FSDP2's _div_if_needed skips both
+    ours = division(dtype, world_size)
+    assert (ours[0] in no_division, ours[1], ours[2] in no_division) == (before in no_division, reduce_op,
+                                                                         after in no_division)
+    assert [f for f in (ours[0], ours[2]) if f not in no_division] == [f for f in (before, after) if f not in no_division]
 
 
 # ---- the full state dict -------------------------------------------------------------------------

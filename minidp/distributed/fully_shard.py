@@ -153,7 +153,7 @@ class ShardGroup:
         self.index = 0  # position among the root's groups
         self.iteration: Optional[Iteration] = None  # set by the root's first forward
         self.gathered = False
-        self.pending: Optional[tuple[dist.Work, torch.Tensor, float]] = None  # an all-gather under way
+        self.pending: Optional[tuple[dist.Work, torch.Tensor]] = None  # an all-gather under way, and its buffer
         self.reduced_this_backward = False
         self.dtype = params[0].padded.dtype if params else None
         self._forward_start = 0.0
@@ -217,7 +217,8 @@ class ShardGroup:
         self.gathered = False
 
     def drop_pending(self) -> None:
-        """A prefetched all-gather that the pass did not use: finish it and forget its result."""
+        """A prefetched all-gather that the backward did not use (its group's backward never ran): finish
+        it, so that no collective is left behind, and forget its result."""
         if self.pending is not None:
             self.pending[0].wait()
             self.pending = None
@@ -262,9 +263,10 @@ class ShardGroup:
 
     def finish_reduction(self, work: dist.Work, mine: torch.Tensor, flat: torch.Tensor,
                          with_grad: list[ShardedParameter], after: Optional[float]) -> None:
+        # ``flat``, the reduce-scatter's input, stayed referenced (in Iteration.reductions) until this
+        # wait: the collective reads it in the background.
         work.wait()
         self.iteration.poll(waited=work)
-        del flat  # kept alive until here: the reduce-scatter read it in the background
         if after is not None:
             mine.div_(after)
         offset = 0
@@ -319,11 +321,11 @@ class ShardGroup:
         self.iteration.before_backward(self)
         return grad
 
-    def _record(self, stage: str, start: float, end: Optional[float] = None) -> None:
+    def _record(self, stage: str, start: float) -> None:
         """One event of this rank's timeline (:func:`sharded_timeline`); ``bucket`` is the group's index."""
         if self.iteration is not None:
             self.iteration.events.append({"rank": dist.get_rank(), "stage": stage, "bucket": self.index,
-                                          "group": self.name, "start": start, "end": end or time.time()})
+                                          "group": self.name, "start": start, "end": time.time()})
 
     def _record_when_done(self, work: dist.Work, stage: str, start: float) -> None:
         """Record a collective from its launch to when this rank first sees it complete (:meth:`Iteration.poll`)."""
@@ -343,7 +345,6 @@ class Iteration:
     """What the groups under one root share: the order they ran in, the reductions under way, the timeline."""
 
     def __init__(self, root: ShardGroup) -> None:
-        self.root = root
         self.groups: list[ShardGroup] = []
         for name, module in root.module.named_modules():
             group = _GROUPS.get(module)
@@ -398,7 +399,6 @@ class Iteration:
     def end_forward(self) -> None:
         self.forward_root = None
         for group in self.groups:
-            group.drop_pending()
             group.reduced_this_backward = False
 
     def before_backward(self, group: ShardGroup) -> None:
@@ -416,9 +416,10 @@ class Iteration:
                 self.post_forward_order[position - 1].launch_all_gather()
 
     def end_backward(self) -> None:
-        """After the whole backward: reduce the groups whose inputs needed no gradient, wait for every
+        """After the whole backward: reduce the groups whose inputs needed no gradient (the root first,
+        then in module order, as FSDP2's ``_root_post_backward_final_callback``), wait for every
         reduce-scatter, free what is still gathered."""
-        for group in reversed(self.groups):
+        for group in self.groups:
             if not group.reduced_this_backward and any(p.full is not None and p.full.grad is not None
                                                        for p in group.params):
                 group.reduce_gradients()
