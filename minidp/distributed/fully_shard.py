@@ -53,9 +53,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.fsdp import FSDPModule
 
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, first_difference
+from .ddp import DistributedDataParallel
 
 
 # torch 2.13 names them all_gather_single and reduce_scatter_single (the older names warn); same calls.
@@ -465,8 +467,7 @@ def _check_module(module: nn.Module) -> None:
         raise ValueError(
             f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
             f"(sub-modules first, then the root)")
-    if type(module).__name__.startswith("FSDP") or isinstance(module, nn.parallel.DistributedDataParallel) \
-            or type(module).__name__ == "DistributedDataParallel":
+    if isinstance(module, (FSDPModule, nn.parallel.DistributedDataParallel, DistributedDataParallel)):
         raise ValueError(
             f"fully_shard got a module already wrapped ({type(module).__name__}); pass the plain model, "
             f"not one that torch's fully_shard or a DistributedDataParallel already manages")
