@@ -12,6 +12,8 @@ module each:
 * :mod:`~minidp.distributed.fully_shard`: :func:`fully_shard`, FSDP2's sharding of parameters,
   gradients and optimizer state (each rank keeps 1/W), and :func:`full_state_dict`;
 * :mod:`~minidp.distributed.memory`: what one rank holds, DDP's and sharded, side by side;
+* :mod:`~minidp.distributed.zero`: :class:`ZeroRedundancyOptimizer`, each rank keeping the optimizer
+  state of its share of the parameters and broadcasting the share it updated;
 * :mod:`~minidp.distributed.timeline`: each rank's timings, merged into one Chrome trace;
 * :mod:`~minidp.distributed.launch`: N processes on this machine joined over the loopback address.
 
@@ -24,11 +26,13 @@ from .fully_shard import full_state_dict, fully_shard, sharded_timeline
 from .launch import RankFailed, launch, run_demo
 from .memory import format_ledgers, memory_ledger
 from .timeline import chrome_trace, gather_timelines, hidden_share, plot_timelines, write_chrome_trace
+from .zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
 __all__ = [
     "DistributedDataParallel",
     "GradBucket",
     "RankFailed",
+    "ZeroRedundancyOptimizer",
     "chrome_trace",
     "format_ledgers",
     "full_state_dict",
@@ -37,6 +41,7 @@ __all__ = [
     "hidden_share",
     "launch",
     "memory_ledger",
+    "optimizer_state_bytes",
     "plot_timelines",
     "run_demo",
     "sharded_timeline",

@@ -1,16 +1,22 @@
-"""The construction-time check that every rank wraps the same model.
+"""The checks that every rank holds the same model, and that an error on one rank is raised on all.
 
 torch DDP checks the parameters' count, shapes and strides against rank 0's
 (``_verify_param_shape_across_processes``), and only the rank that differs learns why: the others
 see their next collective fail ("Connection closed by peer"). Here every rank describes its
 parameters and buffers (name, shape, stride, dtype), every rank receives every description
 (``all_gather_object``), and every rank raises the same error, naming the first difference.
+
+An error that only some ranks meet (a bad argument on one rank, an optimizer step that fails on
+one rank) would leave the others waiting in their next collective for a rank that has left it:
+:func:`raise_on_every_rank` is a meeting point where every rank learns whether any failed.
 """
 
 from __future__ import annotations
 
+import builtins
 from typing import NamedTuple, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -90,3 +96,42 @@ def reducer_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str]
         if isinstance(p, nn.parameter.UninitializedParameter):
             raise RuntimeError(f"'{name}' is not initialized yet (a lazy module): run one forward pass before wrapping it")
     return [p for _, p in named], [n for n, _ in named]
+
+
+def start_failure_vote(error: Optional[Exception], group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
+    """Each rank says whether it failed: an asynchronous all-reduce of one number (a collective), which
+    :func:`raise_on_every_rank` waits for; other collectives may be issued in between."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    failed = torch.tensor([0 if error is None else 1], device=device)
+    return failed, dist.all_reduce(failed, group=group, async_op=True)
+
+
+def raise_on_every_rank(
+    error: Optional[Exception],
+    group: dist.ProcessGroup,
+    doing: str,
+    advice: str = "",
+    vote: Optional[tuple[torch.Tensor, dist.Work]] = None,
+) -> None:
+    """If ``error`` is not None on any rank of ``group``, raise on every rank (a collective).
+
+    The ranks vote (:func:`start_failure_vote`, unless ``vote`` was started earlier): one all-reduce
+    of one number, the whole cost when none failed. If one did, every rank receives every rank's
+    error (``all_gather_object``) and raises the first failing rank's, naming the rank and
+    ``doing``, with the same exception type where it is a built-in one (``ValueError``,
+    ``TypeError``, ...) and ``RuntimeError`` otherwise; ``advice``, if given, ends the message.
+    """
+    failed, work = vote if vote is not None else start_failure_vote(error, group)
+    work.wait()
+    if failed.item() == 0:
+        return
+    errors: list[Optional[tuple[str, str]]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)), group=group)
+    rank, (kind, message) = next((rank, e) for rank, e in enumerate(errors) if e is not None)
+    text = f"{doing} failed on rank {rank}: {message}" + (f"; {advice}" if advice else "")
+    exception_type = getattr(builtins, kind, None)
+    try:
+        same_kind = exception_type(text) if isinstance(exception_type, type) and issubclass(exception_type, Exception) else None
+    except TypeError:  # a built-in exception that takes more than a message
+        same_kind = None
+    raise (same_kind or RuntimeError(text)) from error

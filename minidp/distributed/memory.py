@@ -17,6 +17,7 @@ from torch import nn
 
 from .ddp import DistributedDataParallel
 from .fully_shard import sharded_groups
+from .zero import optimizer_state_bytes
 
 
 def _bytes(tensor: Optional[torch.Tensor]) -> int:
@@ -29,7 +30,8 @@ def memory_ledger(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     reduce-scatter buffers in the last step; DDP's buckets) and ``total_peak`` (the steady ones plus it).
 
     ``model``: a module ``fully_shard`` was applied to (its root), a minidp
-    :class:`DistributedDataParallel`, or a plain module. A shard counts with its padding.
+    :class:`DistributedDataParallel`, or a plain module; ``optimizer``: any, a
+    :class:`~minidp.distributed.ZeroRedundancyOptimizer` too. A shard counts with its padding.
     """
     groups = sharded_groups(model)
     padded = {id(p.shard): p.padded for g in groups for p in g.params}
@@ -37,8 +39,7 @@ def memory_ledger(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     ledger = {
         "parameters": sum(_bytes(padded.get(id(p), p)) for p in params),
         "gradients": sum(_bytes(p.grad) for p in params),
-        "optimizer_state": 0 if optimizer is None else sum(
-            _bytes(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)),
+        "optimizer_state": 0 if optimizer is None else optimizer_state_bytes(optimizer),
         "gathered": sum(p.gathered_bytes() for g in groups for p in g.params),
         "buckets": sum(_bytes(b.buffer) for b in model.reducer.buckets) if isinstance(model, DistributedDataParallel) else 0,
     }

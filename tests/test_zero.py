@@ -1,0 +1,262 @@
+"""minidp.distributed.ZeroRedundancyOptimizer against torch's, in real Gloo processes on 127.0.0.1.
+
+Each test reads one result of a job: the processes are started once per world size
+(``minidp.distributed.launch``, bounded by ``job_timeout``, every process ended by it), run all the
+checks of ``zero_checks`` on fresh seeds, and send back plain facts. "Equal" is bitwise
+(``torch.equal``). The stock behaviour cited is torch 2.13's
+``torch/distributed/optim/zero_redundancy_optimizer.py`` (ZRO below).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from . import ddp_checks
+from . import zero_checks as checks
+from minidp.distributed import ZeroRedundancyOptimizer, launch
+from minidp.distributed.zero import partition
+
+
+@pytest.fixture(autouse=True)
+def dataparallel_configuration():
+    """These checks run in processes of their own, which start with DataParallel's defaults: the two
+    configurations of tests/conftest.py would run them twice alike, so they run once."""
+
+
+JOB_TIMEOUT = 300.0  # seconds for a whole job; the process group's own timeout is launch()'s 60 s
+
+TRAINING = {
+    f"{dtype}_{optimizer}_{wrapper}": (checks.against_torch, {"dtype": getattr(torch, dtype), "optimizer": optimizer, "wrapper": wrapper})
+    for dtype in ("float32", "float64") for optimizer in ("sgd", "adamw") for wrapper in ("minidp", "torch")
+}
+
+TWO_PROCESSES = {
+    **TRAINING,
+    "bucket_view_sgd": (checks.against_torch, {"optimizer": "sgd", "parameters_as_bucket_view": True}),
+    "bucket_view_adamw": (checks.against_torch, {"optimizer": "adamw", "parameters_as_bucket_view": True, "wrapper": "torch"}),
+    "add_param_group": (checks.add_param_group, {}),
+    "closure": (checks.closure, {}),
+    "checkpoint": (checks.checkpoint, {"to": 1}),
+    "state_memory": (checks.state_memory, {}),
+    "empty_everywhere": (checks.empty_params, {"ranks": (0, 1)}),
+    "empty_on_rank_1": (checks.empty_params, {"ranks": (1,)}),
+    "mismatched_shapes": (checks.mismatched_shapes, {}),
+    "mismatched_groups": (checks.mismatched_groups, {}),
+    "mixed_dtypes": (checks.mixed_dtypes, {}),
+    "failing_step": (checks.failing_step, {"failing_rank": 1}),
+    "add_param_group_refused": (checks.add_param_group_refused_on_one_rank, {}),
+}
+
+THREE_PROCESSES = {
+    **TRAINING,
+    "bucket_view_adamw": (checks.against_torch, {"optimizer": "adamw", "parameters_as_bucket_view": True}),
+    "add_param_group": (checks.add_param_group, {}),
+    "checkpoint": (checks.checkpoint, {"to": 2}),
+    "state_memory": (checks.state_memory, {}),
+    "failing_step": (checks.failing_step, {"failing_rank": 2}),
+}
+
+
+def _run(world_size: int, plan: dict) -> list[dict]:
+    seed = int(torch.randint(0, 2**20, ()).item())
+    print(f"job seed: {seed}")
+    return launch(ddp_checks.run_checks, world_size, (plan, seed), job_timeout=JOB_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict]:
+    """Every check of TWO_PROCESSES, as each of 2 ranks saw it."""
+    return _run(2, TWO_PROCESSES)
+
+
+@pytest.fixture(scope="module")
+def three() -> list[dict]:
+    return _run(3, THREE_PROCESSES)
+
+
+def _each_rank(results: list[dict], check: str) -> list:
+    return [ranks_results[check] for ranks_results in results]
+
+
+def assert_same_as_torch(results: list[dict], check: str) -> None:
+    for rank, result in enumerate(_each_rank(results, check)):
+        assert result["differences"] == [None] * len(result["differences"]), f"rank {rank}: {result['differences']}"
+
+
+# ---- step 1: the partition ------------------------------------------------------------------------
+
+
+def test_partition_deals_largest_first_to_the_rank_with_fewest_elements(generator):
+    # ZRO lines 689-697: sorted by numel, largest first; each to _get_min_index(sizes), the lowest
+    # rank among those with the fewest elements; the totals carry over from group to group
+    sizes = [int(n) for n in torch.randint(1, 50, (9,), generator=generator)]
+    tensors = [torch.empty(n) for n in sizes]
+    groups = [tensors[:5], tensors[5:]]
+    shares = partition(groups, 3)
+    totals = [0, 0, 0]
+    for g, group in enumerate(groups):
+        for t in sorted(group, key=lambda t: t.numel(), reverse=True):
+            owner = next(r for r in range(3) if any(x is t for x in shares[r][g]))
+            assert totals[owner] == min(totals)
+            assert all(totals[r] > totals[owner] for r in range(owner))
+            totals[owner] += t.numel()
+    assert sorted(id(t) for share in shares for group in share for t in group) == sorted(map(id, tensors))
+
+
+@pytest.mark.parametrize("check", list(TRAINING))
+def test_partition_equals_torchs(two, three, check):
+    for results in (two, three):
+        for result in _each_rank(results, check):
+            assert result["partition"] == result["torch_partition"]
+
+
+# ---- steps 2 and 3: bitwise equal to torch's ZeroRedundancyOptimizer --------------------------------
+
+
+@pytest.mark.parametrize("check", list(TRAINING))
+def test_parameters_state_and_settings_equal_torch_after_every_step_two_processes(two, check):
+    # every parameter on every rank, this rank's local optimizer state (ZRO's self.optim), and the
+    # groups' settings as a StepLR schedule changes them, after each of 4 steps
+    assert_same_as_torch(two, check)
+
+
+@pytest.mark.parametrize("check", list(TRAINING))
+def test_parameters_state_and_settings_equal_torch_after_every_step_three_processes(three, check):
+    assert_same_as_torch(three, check)
+
+
+@pytest.mark.parametrize("check", ["bucket_view_sgd", "bucket_view_adamw"])
+def test_parameters_as_bucket_view_equals_torch_and_keeps_each_share_in_one_bucket(two, three, check):
+    # ZRO _build_param_buckets (lines 1317-1376): each rank's share, per device, in one flat tensor
+    for results in (two, three) if check in THREE_PROCESSES else (two,):
+        assert_same_as_torch(results, check)
+        assert all(result["in_owners_bucket"] for result in _each_rank(results, check))
+
+
+def test_add_param_group_deals_out_the_new_group_as_torch_does(two, three):
+    # ZRO add_param_group (lines 467-511): the new group's parameters partitioned after the others'
+    for results in (two, three):
+        assert_same_as_torch(results, "add_param_group")
+        for result in _each_rank(results, "add_param_group"):
+            assert result["partitions"][0] == result["partitions"][1]
+
+
+def test_step_with_a_closure_returns_its_loss_and_equals_torch(two):
+    # ZRO step (lines 1124-1153): the closure is handed to the local optimizer's step
+    assert_same_as_torch(two, "closure")
+    for result in _each_rank(two, "closure"):
+        assert all(ours == theirs for ours, theirs in result["losses"])
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+
+
+def test_consolidated_state_dict_equals_torchs_on_the_target_rank(two, three):
+    for results, to in ((two, 1), (three, 2)):
+        result = _each_rank(results, "checkpoint")[to]
+        assert result["same_state_dict"]
+        assert result["entries"] == 6  # every parameter has AdamW state after two steps
+
+
+def test_state_dict_elsewhere_raises_torchs_error(two, three):
+    # ZRO state_dict (lines 1243-1248)
+    for results, to in ((two, 1), (three, 2)):
+        for rank, result in enumerate(_each_rank(results, "checkpoint")):
+            if rank != to:
+                assert result["not_consolidated"].startswith("Optimizer state has not been consolidated on this rank")
+                assert f"consolidate_state_dict(to={rank})" in result["not_consolidated"]
+
+
+def test_state_dicts_load_across_implementations_and_training_goes_on_identically(two, three):
+    for results in (two, three):
+        for result in _each_rank(results, "checkpoint"):
+            assert result["after_load"] is None
+            assert result["differences"] == [None, None]
+
+
+# ---- memory -----------------------------------------------------------------------------------------
+
+
+def test_each_rank_holds_its_share_of_the_optimizer_state(two, three):
+    for results in (two, three):
+        world = len(results)
+        memory = _each_rank(results, "state_memory")
+        plain = memory[0]["plain"]
+        assert [m["minidp"] for m in memory] == [m["torch"] for m in memory]  # the same bytes as torch's, rank by rank
+        assert sum(m["minidp"] for m in memory) == plain  # nothing held twice
+        for m in memory:
+            assert m["plain"] == plain
+            assert m["minidp"] <= plain / world + m["largest_parameter"]  # the greedy partition's bound
+            assert m["minidp"] < plain
+
+
+# ---- bad input: an error on every rank, never a hang ---------------------------------------------
+
+
+def test_empty_params_raise_torchs_error_on_every_rank(two):
+    # ZRO line 1455
+    for kind, message in _each_rank(two, "empty_everywhere"):
+        assert kind == "ValueError" and "ZeroRedundancyOptimizer got an empty parameter list" in message
+
+
+def test_empty_params_on_one_rank_raise_on_every_rank_naming_it(two):
+    for kind, message in _each_rank(two, "empty_on_rank_1"):
+        assert kind == "ValueError"
+        assert "construction failed on rank 1: ZeroRedundancyOptimizer got an empty parameter list" in message
+
+
+def test_parameters_that_differ_between_ranks_are_named_on_every_rank(two):
+    for kind, message in _each_rank(two, "mismatched_shapes"):
+        assert kind == "ValueError"
+        assert "parameter 2 ('param_groups[0]['params'][2]') has shape (17, 24) on rank 1 and (16, 24) on rank 0" in message
+
+
+def test_parameter_groups_that_differ_between_ranks_are_named_on_every_rank(two):
+    for kind, message in _each_rank(two, "mismatched_groups"):
+        assert kind == "ValueError" and "rank 1 has parameter groups of sizes [3, 3] and rank 0 [6]" in message
+
+
+def test_parameters_of_two_dtypes_raise_torchs_error(two):
+    # ZRO lines 1496-1510
+    for kind, message in _each_rank(two, "mixed_dtypes"):
+        assert kind == "ValueError"
+        assert "same dense type for all parameters but got both torch.FloatTensor and torch.DoubleTensor" in message
+
+
+def test_a_local_step_that_fails_on_one_rank_raises_on_every_rank_with_the_same_parameters_everywhere(two, three):
+    # torch's ZRO: the failing rank leaves step() while the others wait in its broadcast (ZRO line 1151)
+    for results, failing in ((two, 1), (three, 2)):
+        for result in _each_rank(results, "failing_step"):
+            kind, message = result["error"]
+            assert kind == "RuntimeError"
+            assert f"(the local step) failed on rank {failing}: planted failure in the second step" in message
+            assert "load the last checkpoint" in message
+            assert result["same_parameters"]
+
+
+def test_add_param_group_refused_on_one_rank_is_refused_on_every_rank_and_kept_by_none(two):
+    for result in _each_rank(two, "add_param_group_refused"):
+        kind, message = result["error"]
+        assert kind == "ValueError" and "add_param_group failed on rank 1: some parameters appear in more than one" in message
+        assert result["groups"] == result["local_groups"] == 1
+
+
+def test_overlap_with_ddp_is_refused_with_the_way_out():
+    with pytest.raises(NotImplementedError, match="overlap_with_ddp=True is not supported.*leave it False"):
+        ZeroRedundancyOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+
+
+def test_without_a_process_group_the_error_says_how_to_make_one():
+    with pytest.raises(RuntimeError, match="init_process_group.*minidp.distributed.launch"):
+        ZeroRedundancyOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)
+    assert torch.distributed.is_initialized() is False
+
+
+def test_a_functional_optimizer_is_refused_as_torch_refuses_it():
+    # ZRO _get_optimizer_constructor (lines 1668-1675): functional optimizers serve overlap_with_ddp only
+    from torch.distributed.optim.functional_sgd import _FunctionalSGD
+
+    with pytest.raises(ValueError, match="Passing in a functional optimizer .* when `overlap_with_ddp=False`"):
+        ZeroRedundancyOptimizer(nn.Linear(2, 2).parameters(), _FunctionalSGD, lr=0.1)
