@@ -18,7 +18,7 @@ The steps, and where each lives:
 2. **all-gather** (a forward pre-hook, and the backward's first gradient hook on the module's
    outputs when the forward resharded, :meth:`ShardGroup.unshard`): the group's padded shards are
    copied side by side into this rank's slot of one flat buffer ("copy-in"), one
-   ``all_gather_into_tensor`` fills the other ranks' slots, and each parameter's rows are copied out
+   ``all_gather_single`` (``all_gather_into_tensor``) fills the other ranks' slots, and each parameter's rows are copied out
    of every slot into a buffer of its own ("copy-out"), of which the full parameter is a view. That
    view, an ``nn.Parameter``, is set on the module for its forward; autograd saves it.
 3. **free** (a forward hook with ``reshard_after_forward=True``, and after the backward,
@@ -28,7 +28,7 @@ The steps, and where each lives:
 4. **reduce-scatter** (an autograd function on the module's inputs, whose backward runs once the
    module's backward is done, :meth:`ShardGroup.reduce_gradients`): the full gradients are laid out
    as the all-gather laid out the parameters (rank r's rows of every gradient, padded, in slot r),
-   one ``reduce_scatter_tensor`` leaves each rank the sum of its slot, divided by W as FSDP2 divides
+   one ``reduce_scatter_single`` (``reduce_scatter_tensor``) leaves each rank the sum of its slot, divided by W as FSDP2 divides
    (:func:`division`), and rank r's rows become the shards' ``.grad``.
 5. **prefetch and overlap** (:class:`Iteration`): as FSDP2's backward does, each group's backward
    launches the all-gather of the group that ran just before it in the forward, which then runs
