@@ -65,9 +65,10 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from .comm import check_reduce_backend
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
-from .step2_replicate import Slots, bind, build_skeletons, check_module_device, replica_tensors, tensor_slots
+from .step2_replicate import Slots, bind, build_skeletons, check_is_module, check_module_device, replica_tensors, tensor_slots
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 _dict_of = attrgetter("__dict__")
@@ -116,6 +117,7 @@ def _module_parts(module: nn.Module) -> dict[str, dict[str, int]]:
 
 _device_of = attrgetter("device")
 _dtype_of = attrgetter("dtype")
+_grad_fn_of = attrgetter("grad_fn")
 
 
 def _same_placement(tensors: list[torch.Tensor], device: torch.device, dtypes: tuple) -> bool:
@@ -238,7 +240,8 @@ class _Entry:
 
     def _watch_backward(self, tensors: list[torch.Tensor]) -> None:
         """BACKWARD_PENDING until every autograd node that made ``tensors`` (one ``Broadcast`` per step) has run backward."""
-        nodes = {id(t.grad_fn): t.grad_fn for t in tensors if t.grad_fn is not None}
+        nodes = set(map(_grad_fn_of, tensors))  # one Broadcast node for all the parameters, None for plain buffers
+        nodes.discard(None)
         self._pending_nodes = len(nodes)
         self.state = EntryState.BACKWARD_PENDING if nodes else EntryState.BOUND
         entry = weakref.ref(self)  # the node must not keep the skeletons alive: they hold its outputs
@@ -250,7 +253,7 @@ class _Entry:
                 if live._pending_nodes == 0:
                     live.state = EntryState.RELEASED
 
-        for node in nodes.values():
+        for node in nodes:
             node.register_hook(backward_done)
 
     def reset(self) -> None:
@@ -292,7 +295,9 @@ class ReplicaCache:
         self, network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False, reduce_backend: Optional[str] = None
     ) -> list[nn.Module]:
         """:func:`minidp.replicate` of ``network`` on ``devices``, from kept skeletons where they still fit."""
+        check_is_module(network, "network")
         devices = as_devices(devices, "devices")
+        reduce_backend = check_reduce_backend(reduce_backend, "reduce_backend")
         if not devices:
             return []
         key = (threading.get_ident(), tuple(devices))

@@ -26,14 +26,14 @@ import threading
 import traceback
 from itertools import chain
 from concurrent.futures import Future
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from .device_ids import DeviceLike, as_devices
 from .hooks import observe_replica
-from .nested import tensors_in
+from .nested import is_per_replica, tensors_in
 from .replica_group import ReplicaGroup
 
 
@@ -240,6 +240,11 @@ def parallel_apply(
     its parameters, or of its inputs for a module without parameters.
     Inside, replica i is member i of a :class:`minidp.replica_group.ReplicaGroup` of the n replicas.
     """
+    for name, values in (("modules", modules), ("inputs", inputs), ("kwargs_tup", kwargs_tup), ("devices", devices)):
+        if values is not None and not is_per_replica(values):
+            raise TypeError(
+                f"parallel_apply: {name} must be a list with one entry per module (replica), got {type(values).__name__}"
+            )
     n = len(modules)
     if n == 0:
         raise ValueError("parallel_apply: 'modules' is empty; give at least one module")
@@ -247,6 +252,17 @@ def parallel_apply(
         if values is not None and len(values) != n:
             raise ValueError(
                 f"parallel_apply: {n} modules but {len(values)} {name}; give one entry per module (replica)"
+            )
+    # Checked here, not where each replica calls: by then the others may have run and changed their state.
+    for i, module in enumerate(modules):
+        if not callable(module):
+            raise TypeError(
+                f"parallel_apply: modules[{i}] (of type {type(module).__name__}) cannot be called; give modules (replicas)"
+            )
+    for i, kwargs in enumerate(kwargs_tup or ()):
+        if type(kwargs) is not dict and not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"parallel_apply: kwargs_tup[{i}] is of type {type(kwargs).__name__}; give a dict of keyword arguments per module"
             )
     kwargs_tup = kwargs_tup if kwargs_tup is not None else [{}] * n
     if devices is None or any(d is None for d in devices):

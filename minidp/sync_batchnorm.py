@@ -22,6 +22,14 @@ its own output and through the statistics of all the others, which is the backwa
 on the whole batch. (It could not meet anyway: on the CPU, autograd runs the backward of every
 replica in one thread.)
 
+Across processes (``minidp.distributed.DistributedDataParallel``, with or without several replicas per
+process): the wrapper gives each layer an *exchange* (``across_processes``), a differentiable collective
+that turns this process's list of replica statistics into every process's, in rank order. Replica 0 of
+each process calls it once per layer and step, and hands the result to its replicas at a second
+meeting; every replica then combines the statistics of every replica of every process, in (rank,
+replica) order: the statistics of the global batch. The core never imports ``torch.distributed``: the
+exchange is a callable it is given.
+
 When nothing is synchronised, a call is exactly ``nn.BatchNorm``'s: outside parallel_apply, with
 one replica, and whenever ``F.batch_norm`` would use the running statistics rather than the batch's
 (eval mode with running statistics). Eval mode without running statistics normalises by batch
@@ -31,7 +39,7 @@ statistics, so there the replicas do meet, and the result is the full batch's
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -62,6 +70,14 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         # What this layer's replicas meet at: a plain attribute, so every replica (a shallow copy of
         # this module) shares this very object, while a deepcopy or another layer gets its own.
         self._meeting_key = object()
+        # Set by minidp.distributed's wrapper: this process's replicas' statistics -> every process's
+        # (a collective). Not pickled: it holds a process group; the wrapper sets it again.
+        self.across_processes: Optional[Callable[[list[_Statistics]], list[_Statistics]]] = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["across_processes"] = None
+        return state
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -71,19 +87,28 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         self._check_input_dim(input)
         membership = replica_group.current()
         batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
-        if membership is None or membership.count == 1 or not batch_statistics:
+        alone = membership is None or membership.count == 1
+        if (alone and self.across_processes is None) or not batch_statistics:
             return super().forward(input)
-        return self._synchronised_forward(input, membership)
+        return self._synchronised_forward(input, None if alone else membership)
 
-    def _synchronised_forward(self, input: torch.Tensor, membership: Membership) -> torch.Tensor:
-        """Normalise ``input`` (this replica's chunk) by the statistics of every replica's chunk."""
+    def _synchronised_forward(self, input: torch.Tensor, membership: Optional[Membership]) -> torch.Tensor:
+        """Normalise ``input`` (this replica's chunk) by the statistics of every replica's chunk (of
+        every process's, with ``across_processes``); ``membership`` None: this process's only replica."""
         if input.size(1) != self.num_features:
             raise ValueError(
                 f"SyncBatchNorm(num_features={self.num_features}) got an input with {input.size(1)} channels "
                 f"(dim 1 of shape {tuple(input.shape)}); give it {self.num_features} channels"
             )
-        index, _, group = membership
-        everyone = group.meet(index, self._meeting_key, _chunk_statistics(input), where=self)
+        index, group = (0, None) if membership is None else (membership.index, membership.group)
+        everyone = [_chunk_statistics(input)]
+        if group is not None:
+            everyone = group.meet(index, self._meeting_key, everyone[0], where=self)
+        if self.across_processes is not None:
+            # one collective per process: replica 0 makes it, its replicas receive the result
+            everyone = self.across_processes(everyone) if index == 0 else None
+            if group is not None:
+                everyone = group.meet(index, (self._meeting_key, "processes"), everyone, where=self)[0]
         mean, variance, total = _combine(everyone, input.device)
 
         if index == 0 and self.training and self.track_running_stats:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ from torch import nn
 
 import minidp
 from minidp import ext
+from minidp.distributed.launch import loopback_interface
 
 # float64 comparisons: data parallelism only reorders sums, so results agree to rounding.
 RTOL_FLOAT64 = 1e-10
@@ -113,3 +115,22 @@ def configure_dataparallel(monkeypatch, cache_replicas: bool, backend: str) -> N
     if backend == "auto-with-ext":
         backend = "auto" if ext.is_available() else "torch"
     monkeypatch.setattr(minidp.comm, "_default_reduce_backend", backend)
+
+
+def torchrun(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=2 ARGS`` in a fresh session; the whole session is
+    killed if it runs past ``timeout`` (then the test fails)."""
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    if loopback_interface():
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # Gloo's connections stay on this machine
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"torchrun ran past {timeout} s:\n{output}")
+    return subprocess.CompletedProcess(command, process.returncode, output)

@@ -14,17 +14,6 @@ def dataparallel_configuration():
     """minidp.DataParallel's defaults play no part here: once, not under both configurations of tests/conftest.py."""
 
 
-def test_static_graph_is_refused_with_the_way_out():
-    with pytest.raises(NotImplementedError, match="static_graph=True is not supported.*leave it False"):
-        DistributedDataParallel(nn.Linear(2, 2), static_graph=True)
-
-
-def test_sparse_embeddings_are_refused_naming_the_module():
-    model = nn.Sequential(nn.Embedding(10, 3, sparse=True))
-    with pytest.raises(ValueError, match="'0' produces sparse gradients"):
-        DistributedDataParallel(model)
-
-
 def test_a_bucket_cap_must_be_positive():
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive, got -1"):
         DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1)

@@ -1,4 +1,4 @@
-"""Rank 0's parameters and buffers, copied into every rank's tensors in place.
+"""Rank 0's (or another rank's) parameters and buffers, copied into every rank's tensors in place.
 
 DDP broadcasts the parameters and buffers once at construction (``_sync_module_states``) and the
 buffers again before every forward that follows a synchronised one (``_sync_buffers``), so that
@@ -16,14 +16,19 @@ import torch.distributed as dist
 
 
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Overwrite ``tensors`` on every rank of ``group`` with rank 0's values (a collective).
+    """Overwrite ``tensors`` on every rank of ``group`` with rank 0's values (a collective)."""
+    broadcast_from(tensors, group, 0)
+
+
+def broadcast_from(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, rank: int) -> None:
+    """Overwrite ``tensors`` on every rank of ``group`` with those of ``rank`` (its rank in ``group``).
 
     Version counters are preserved, as DDP preserves them for buffers: a buffer that an earlier
     forward saved for its backward, not yet run, must not fail autograd's version check because
     rank 0's value was copied over it.
     """
-    source = dist.get_global_rank(group, 0)
-    receiving = dist.get_rank(group) != 0
+    source = dist.get_global_rank(group, rank)
+    receiving = dist.get_rank(group) != rank
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t.detach())

@@ -68,20 +68,26 @@ class BucketCaps:
 
 
 def assign_buckets(
-    tensors: Sequence[torch.Tensor], limits: Sequence[int], indices: Optional[Sequence[int]] = None
+    tensors: Sequence[torch.Tensor], limits: Sequence[int], indices: Optional[Sequence[int]] = None,
+    sparse: Optional[Sequence[bool]] = None,
 ) -> list[list[int]]:
     """Rule 1: group ``tensors`` into buckets of at least ``limits[k]`` bytes (k: that dtype's k-th bucket).
 
     ``indices[i]`` is the index recorded for ``tensors[i]`` (default ``i``). Without ``indices`` the
     buckets are sorted by their smallest index; with them (a rebuild, tensors in arrival order) they
-    keep the order in which they closed.
+    keep the order in which they closed. ``sparse[i]``: ``tensors[i]`` gets sparse gradients, so a
+    bucket of its own, closed at once (sparse gradients are not flattened together).
     """
     in_registration_order = indices is None
     indices = list(range(len(tensors))) if indices is None else list(indices)
+    sparse = [False] * len(tensors) if sparse is None else list(sparse)
     closed: list[list[int]] = []
     open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}  # key -> (indices, bytes)
     next_limit: dict[tuple[torch.dtype, torch.device], int] = {}  # key -> position in limits
-    for index, tensor in zip(indices, tensors):
+    for index, tensor, alone in zip(indices, tensors, sparse):
+        if alone:
+            closed.append([index])
+            continue
         key = (tensor.dtype, tensor.device)
         members, size = open_buckets.get(key, ([], 0))
         members.append(index)
@@ -98,15 +104,20 @@ def assign_buckets(
     return closed
 
 
-def initial_plan(params: Sequence[torch.Tensor], caps: BucketCaps, find_unused_parameters: bool) -> list[list[int]]:
+def initial_plan(
+    params: Sequence[torch.Tensor], caps: BucketCaps, find_unused_parameters: bool, sparse: Optional[Sequence[bool]] = None
+) -> list[list[int]]:
     """Rule 3: the plan of the first backward, buckets in the order they are reduced."""
     limits = caps.limits() if find_unused_parameters else [NO_LIMIT]
-    return list(reversed(assign_buckets(params, limits)))
+    return list(reversed(assign_buckets(params, limits, sparse=sparse)))
 
 
-def rebuilt_plan(params: Sequence[torch.Tensor], arrival_order: Sequence[int], caps: BucketCaps) -> list[list[int]]:
+def rebuilt_plan(
+    params: Sequence[torch.Tensor], arrival_order: Sequence[int], caps: BucketCaps, sparse: Optional[Sequence[bool]] = None
+) -> list[list[int]]:
     """Rule 4: the plan made from the order the gradients of ``params`` arrived in."""
-    return assign_buckets([params[i] for i in arrival_order], [caps.first, caps.cap], arrival_order)
+    in_order = None if sparse is None else [sparse[i] for i in arrival_order]
+    return assign_buckets([params[i] for i in arrival_order], [caps.first, caps.cap], arrival_order, in_order)
 
 
 def _dense_strides(tensor: torch.Tensor) -> bool:
@@ -126,7 +137,8 @@ class Bucket:
     A view has the parameter's strides when the parameter is dense (so a channels-last weight's
     gradient copies in without a transpose), else it is row-major: the layout autograd gives gradients
     (reducer.cpp, ``initialize_bucket_views``). ``pending`` counts the gradients still to arrive in
-    this backward; ``future`` is the all-reduce in flight.
+    this backward; ``future`` is the all-reduce in flight. A ``sparse`` bucket holds one parameter and
+    no flat buffer: its ``buffer`` is the parameter's sparse gradient once it arrives.
     """
 
     index: int
@@ -136,10 +148,13 @@ class Bucket:
     views: list[torch.Tensor]
     pending: int = 0
     future: Optional[torch.futures.Future] = None
+    sparse: bool = False
 
     @classmethod
-    def allocate(cls, index: int, indices: list[int], params: Sequence[torch.Tensor]) -> "Bucket":
+    def allocate(cls, index: int, indices: list[int], params: Sequence[torch.Tensor], sparse: bool = False) -> "Bucket":
         members = [params[i] for i in indices]
+        if sparse:
+            return cls(index, list(indices), members, torch.empty(0, dtype=members[0].dtype), [], sparse=True)
         first = members[0]
         for i, p in zip(indices, members):
             if (p.dtype, p.device) != (first.dtype, first.device):
@@ -187,8 +202,8 @@ class GradBucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """Views of ``buffer()``, one per parameter, shaped like it."""
-        return views_of(self._buffer, self._bucket.params)
+        """Views of ``buffer()``, one per parameter, shaped like it (a sparse bucket: its one gradient)."""
+        return [self._buffer] if self._bucket.sparse else views_of(self._buffer, self._bucket.params)
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self._bucket.params)

@@ -1,4 +1,5 @@
-"""The checks that every rank holds the same model, and that an error on one rank is raised on all.
+"""What DDP checks and learns about the model at construction: the same model on every rank (an error on
+one rank raised on all), the parameters to reduce, which of them have sparse gradients.
 
 torch DDP checks the parameters' count, shapes and strides against rank 0's
 (``_verify_param_shape_across_processes``), and only the rank that differs learns why: the others
@@ -74,14 +75,15 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup, buffers: bool)
         )
 
 
-def check_dense_gradients(module: nn.Module) -> None:
-    """Sparse gradients (``nn.Embedding(sparse=True)``) are not bucketed here: say so before training."""
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-            raise ValueError(
-                f"'{name}' produces sparse gradients (sparse=True), which minidp.distributed does not reduce; "
-                f"use sparse=False, or torch.nn.parallel.DistributedDataParallel for this model"
-            )
+def sparse_gradient_flags(module: nn.Module, params: list[nn.Parameter]) -> list[bool]:
+    """For each of ``params``, whether its gradient will be sparse: the weight of an ``nn.Embedding`` or
+    ``nn.EmbeddingBag`` with ``sparse=True`` (``_build_params_for_reducer``'s ``produces_sparse_gradient``).
+    Such a gradient gets a bucket of its own and its own all-reduce of indices and values."""
+    sparse = {
+        id(p) for sub in module.modules() if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
+        for p in sub.parameters(recurse=False)
+    }
+    return [id(p) in sparse for p in params]
 
 
 def reducer_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str]]:

@@ -21,25 +21,30 @@ reducer then averages those sums over the processes.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-import minidp
+from torch.distributed.algorithms.join import Join, Joinable
 
 from ..hooks import profiled
-from .broadcast import broadcast_from_rank0
+from ..wrapper import DataParallel
+from .batchnorm import attach_exchange, check_torch_sync_batchnorm
+from .broadcast import broadcast_from, broadcast_from_rank0
 from .buckets import BucketCaps
-from .checks import check_dense_gradients, check_same_model, reducer_parameters
-from .reducer import CommHook, Reducer
+from .checks import check_same_model, reducer_parameters, sparse_gradient_flags
+from .comm_hooks import CommHook, builtin_hook, check_comm_hook
+from .join import DDPJoinHook, common_rank, sync_backward_vote
+from .logging_data import LoggingData
+from .reducer import Reducer
 
 DeviceLike = Union[int, str, torch.device]
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism across processes, with torch DDP's signature, defaults and arithmetic.
 
     Args:
@@ -58,7 +63,10 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: allow parameters that get no gradient in a backward: the graph is
             searched after each forward and their buckets do not wait for them.
         gradient_as_bucket_view: leave each ``.grad`` a view of its bucket instead of copying into it.
-        static_graph: not supported (raises); torch DDP's static-graph mode.
+        static_graph: the graph is the same at every iteration: unused parameters are found once, in
+            the first backward, which reduces everything at its end; a parameter used several times
+            per backward (re-entrant checkpointing) is reduced after its last use
+            (:meth:`~minidp.distributed.reducer.Reducer.set_static_graph`).
     """
 
     def __init__(
@@ -75,13 +83,8 @@ class DistributedDataParallel(nn.Module):
         static_graph: bool = False,
     ) -> None:
         super().__init__()
-        if static_graph:
-            raise NotImplementedError(
-                "static_graph=True is not supported by minidp.distributed; leave it False (same results, "
-                "without torch DDP's static-graph optimisations), or use torch.nn.parallel.DistributedDataParallel"
-            )
+        Joinable.__init__(self)  # not in a Join context until join() or Join([...]) says so
         caps = BucketCaps.from_mb(bucket_cap_mb)
-        check_dense_gradients(module)
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call torch.distributed.init_process_group() first "
@@ -93,36 +96,144 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
         self.device_ids = None if device_ids is None else list(device_ids)
-        # Several replicas per process: the wrapper shares `module`, so it is kept out of the
-        # registry of sub-modules, where it would repeat every key of the state dict.
-        self.__dict__["_replicas"] = (
-            None if device_ids is None else minidp.DataParallel(module, device_ids, output_device, dim)
-        )
-        params, names = reducer_parameters(module)  # after DataParallel, which may move a module to its one device
+        self.output_device = output_device
+        self._bucket_caps = caps
+        self._attach_replicas()  # before the parameters are listed: DataParallel may move a module to its one device
         check_same_model(module, self.process_group, buffers=broadcast_buffers)
         broadcast_from_rank0(
             list(module.parameters()) + (list(module.buffers()) if broadcast_buffers else []),
             self.process_group,
         )
-        self.reducer = Reducer(params, names, self.process_group, caps, find_unused_parameters, gradient_as_bucket_view)
+        self._attach_reducer()
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the last forward was synchronised
+        self._divide_by_initial_world_size = True  # under Join (see minidp.distributed.join)
+
+    def _attach_replicas(self) -> None:
+        """Several replicas per process: a DataParallel over ``device_ids``. It shares ``module``, so it
+        is kept out of the registry of sub-modules, where it would repeat every key of the state dict."""
+        self.__dict__["_replicas"] = (
+            None if self.device_ids is None
+            else DataParallel(self.module, self.device_ids, self.output_device, self.dim)
+        )
+
+    def _attach_reducer(self) -> None:
+        """The reducer of this process's parameters (``_ddp_init_helper``): no collective, so that
+        unpickling on one rank alone works."""
+        params, names = reducer_parameters(self.module)
+        check_torch_sync_batchnorm(self.module, params[0].device)
+        attach_exchange(self.module, self.process_group)  # minidp.SyncBatchNorm: statistics of every process
+        sparse = sparse_gradient_flags(self.module, params)
+        if any(sparse) and self._replicas is not None and len(self._replicas.device_ids) > 1:
+            raise ValueError(
+                f"'{names[sparse.index(True)]}' has sparse gradients, which several replicas per process "
+                f"(device_ids={self.device_ids}) do not sum; pass one device_id (or None), or use sparse=False"
+            )
+        self.reducer = Reducer(params, names, self.process_group, self._bucket_caps, self.find_unused_parameters,
+                               self.gradient_as_bucket_view, self.static_graph, sparse)
+        self._logging = LoggingData()
+        self._logging.set_construction_data(
+            self.module, params, self.process_group, device_ids=self.device_ids, output_device=self.output_device,
+            broadcast_buffers=self.broadcast_buffers, bucket_cap_bytes=self._bucket_caps.cap,
+            find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=self.gradient_as_bucket_view,
+            bucket_sizes=[b.buffer.numel() * b.buffer.element_size() for b in self.reducer.buckets],
+        )
+        if self.static_graph:
+            self._logging.entries["static_graph"] = 1
+
+    # ---- pickling: torch.save, copy.deepcopy ------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        """What is pickled: everything but the process group, the reducer (its hooks and buckets belong to
+        these parameters) and the replicas, as torch DDP drops its process group, reducer and logger."""
+        if self.process_group is not _default_group_or_none():
+            raise RuntimeError(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process group. That "
+                "is, when you have called init_process_group and have not passed process_group argument to DDP "
+                "constructor"
+            )
+        state = dict(self.__dict__)
+        for transient in ("process_group", "reducer", "_replicas"):
+            state.pop(transient, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (``torch.load``, ``copy.deepcopy``): the default process group, and a fresh reducer with
+        hooks on the unpickled parameters (torch DDP's ``__setstate__``). Nothing is broadcast or checked."""
+        process_group = _default_group_or_none()
+        if process_group is None:
+            raise RuntimeError(
+                "unpickling a DistributedDataParallel needs the default process group: call "
+                "torch.distributed.init_process_group() first, or unpickle the wrapped .module instead"
+            )
+        super().__setstate__(state)
+        self.process_group = process_group
+        self.__dict__.setdefault("require_forward_param_sync", True)
+        self.__dict__.setdefault("require_backward_grad_sync", True)
+        self._attach_replicas()
+        self._attach_reducer()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiled("minidp.DistributedDataParallel.forward"):
             recording = torch.is_grad_enabled()
+            if recording and self.require_backward_grad_sync:
+                # the previous iteration's statistics, when sampled (set_runtime_stats_and_log), before a rebuild
+                if self._logging.should_sample(self.reducer.iteration):
+                    self._logging.record(self.reducer.iteration, self.reducer.last_stamps, self.reducer.runtime_facts())
+                self.reducer.prepare_for_forward()
             if recording:
                 self.reducer.before_forward()
-            if self.broadcast_buffers and self.require_forward_param_sync:
-                buffers = list(self.module.buffers())  # looked up each time: a module may replace its buffers
-                if buffers:
-                    broadcast_from_rank0(buffers, self.process_group)
+            # under Join: tell the joined ranks that this one still trains (minidp.distributed.join)
+            work = Join.notify_join_context(self)
+            self.reducer.set_forward_pass_work(work, self._divide_by_initial_world_size)
+            if self.will_sync_module_buffers():
+                # under Join rank 0 may have joined with stale buffers: the newest rank still training sends
+                source = common_rank(self, candidate=True) if self._join_config.enable else 0
+                broadcast_from(self._buffers_to_sync(), self.process_group, source)
+            if self._join_config.enable:
+                sync_backward_vote(self, joined=False)
             output = (self.module if self._replicas is None else self._replicas)(*inputs, **kwargs)
             self.require_forward_param_sync = recording and self.require_backward_grad_sync
             if self.require_forward_param_sync:
                 self.reducer.prepare_for_backward(output)
             return output
+
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        return list(self.module.buffers())  # looked up each time: a module may replace its buffers
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether this forward starts with a broadcast of the buffers (``will_sync_module_buffers``)."""
+        return self.broadcast_buffers and self.require_forward_param_sync and bool(self._buffers_to_sync())
+
+    # ---- uneven inputs: torch.distributed.algorithms.Join ----------------------------------
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """Train on uneven inputs: wrap the training loop in ``with ddp.join():`` (torch DDP's ``join``).
+
+        A rank that runs out of data shadows the others' collectives until every rank has, then the
+        last rank to finish sends its model to all (:mod:`minidp.distributed.join`).
+        ``divide_by_initial_world_size``: divide gradients by the starting world size (default), or by
+        the number of ranks still training. ``enable=False``: no shadowing (inputs known to be even).
+        ``throw_on_early_termination``: every rank raises as soon as one runs out of data.
+        """
+        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """The hook ``Join`` runs on a rank that has joined; ``divide_by_initial_world_size`` (default True)."""
+        return DDPJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where ``Join``'s own flags live: the parameters' device."""
+        return next(iter(self.module.parameters())).device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -143,8 +254,54 @@ class DistributedDataParallel(nn.Module):
         *not* divided by the world size; ``hook`` returns a ``torch.futures.Future`` of the reduced
         buffer. Stock hooks work: ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``'
         ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``. Once, before the backward.
+        Checked as torch DDP checks it (:func:`~minidp.distributed.comm_hooks.check_comm_hook`).
         """
+        check_comm_hook(hook)
         self.reducer.register_comm_hook(state, hook)
+        self._logging.entries["comm_hook"] = getattr(hook, "__qualname__", type(hook).__qualname__)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """torch DDP's built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``, ``FP16_COMPRESS``): the Python
+        ``default_hooks`` with their arithmetic, on this wrapper's process group."""
+        self.reducer.register_comm_hook(self.process_group, builtin_hook(comm_hook_type), builtin=True)
+        self._logging.entries["comm_hook"] = str(comm_hook_type)
+
+    def _set_static_graph(self) -> None:
+        """``static_graph=True`` after construction, before the first forward (torch's private API, its warnings).
+        The first plan stays the one made at construction."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        self.reducer.set_static_graph()
+        self.static_graph = True
+        self._logging.entries["static_graph"] = 1
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` will detect "
+                "unused parameters automatically, so you do not need to set find_unused_parameters=true, just be "
+                "sure these unused parameters will not change during training loop while calling "
+                "`_set_static_graph`.",
+                stacklevel=2,
+            )
+
+    # ---- runtime statistics ------------------------------------------------------------------
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch DDP's construction data and sampled runtime statistics, same keys, same meanings
+        (:mod:`minidp.distributed.logging_data`)."""
+        return self._logging.as_dict()
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Keep the runtime statistics of the first 10 iterations and then of every ``sample_rate``-th (default 100)."""
+        self._logging.set_sample_rate(sample_rate)
+
+    def _check_reducer_finalized(self) -> None:
+        """Raise if the last backward left gradients unreduced (call it after ``backward()`` to fail early)."""
+        self.reducer._check_reducer_finalized()
+
+    def _remove_autograd_hooks(self) -> None:
+        """Stop reducing gradients in the backward (the reducer's hooks removed)."""
+        self.reducer._remove_autograd_hooks()
 
     def bucket_plan(self) -> list[list[int]]:
         """The buckets the next backward will use, in reduction order: each a list of parameter indices
@@ -156,3 +313,7 @@ class DistributedDataParallel(nn.Module):
         """The events of the last synchronised backward on this rank (see :meth:`Reducer.timeline`);
         :func:`minidp.distributed.timeline.chrome_trace` merges several ranks' into one trace."""
         return self.reducer.timeline()
+
+
+def _default_group_or_none() -> Optional[dist.ProcessGroup]:
+    return dist.group.WORLD if dist.is_initialized() else None

@@ -31,8 +31,10 @@ write-back at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -42,8 +44,16 @@ from torch.autograd import Variable
 
 from ..nested import tensors_in
 from .buckets import Bucket, BucketCaps, GradBucket, initial_plan, rebuilt_plan, views_of
+from .comm_hooks import ONLY_ONCE, ONLY_ONCE_BUILTIN, CommHook, future_result
 
-CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+# reducer.cpp warns once when a gradient arriving in a bucket requires grad; the same words.
+CREATE_GRAPH_WARNING = (
+    "Using DistributedDataParallel with create_graph=True  is not well-supported. The higher-order gradient will "
+    " not be synchronized across ranks, and backpropagation  through all_reduce operations will not occur. If you "
+    "require  DDP to work with higher-order gradients for your use case,  please ping "
+    "https://github.com/pytorch/pytorch/issues/63929"
+)
 
 # Timestamps: time.perf_counter() (monotonic, fine-grained), reported as seconds since the Unix
 # epoch through one anchor per process, so that the timelines of ranks on one machine line up.
@@ -78,9 +88,12 @@ class Reducer:
         caps: BucketCaps,
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
+        static_graph: bool = False,
+        sparse: Optional[Sequence[bool]] = None,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
+        self.sparse = [False] * len(self.params) if sparse is None else list(sparse)  # gradients that are sparse
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -90,29 +103,55 @@ class Reducer:
         self.comm_hook: Optional[CommHook] = None
         self.comm_state: Any = None
         self._lock = threading.Lock()
+        self._warned_create_graph = False
 
-        self._install_plan(initial_plan(self.params, caps, find_unused_parameters))
-        # DDP rebuilds once, and never when it looks for unused parameters (should_rebuild_buckets).
+        # what gradients are divided by: the world size, or under Join with divide_by_initial_world_size=False
+        # the number of ranks still training, the sum of an all-reduce launched before the forward
+        self._divisor = self.world_size
+        self._divisor_work: Optional[dist.Work] = None
+
+        self._install_plan(initial_plan(self.params, caps, find_unused_parameters and not static_graph, self.sparse))
+        # DDP rebuilds once, and never when it looks for unused parameters, unless the graph is static
+        # (should_rebuild_buckets).
         self._will_rebuild = not find_unused_parameters
         self._arrival_order: list[int] = []
         self._rebuilt: Optional[list[list[int]]] = None
+        self.iteration = 0  # synchronised forwards so far (num_iterations_)
+        self.has_rebuilt_buckets = False
+        # this synchronised iteration's time.perf_counter() stamps, and the last finished one's (runtime statistics)
+        self._stamps: dict[str, float] = {}
+        self.last_stamps: dict[str, float] = {}
+        self._grad_ready_order: list[int] = []  # this backward's arrivals
+        self._last_facts: dict[str, Any] = {}
+
+        # static_graph (set_static_graph): the first backward counts each parameter's hooks and reduces
+        # everything at its end; later ones reduce a parameter at its last hook of the count.
+        self.static_graph = False
+        self._static_counts: Optional[list[int]] = None  # hooks per parameter in the first backward
+        self._remaining: list[int] = []  # this backward's hooks still to come, per parameter
+        self._static_unused: Optional[set[int]] = None  # used by no rank in the first backward
 
         self._expect_hooks = False  # True from the end of a synchronised forward to the end of its backward
         self._require_finalize = False  # a gradient was marked ready and the backward has not finished
         self._hooks_fired = False
+        self._arrived = False
+        self._finish_queued = False
         self._ready = [False] * len(self.params)
         self._next_bucket = 0
         self._unused: list[int] = []
+        # Which parameters this rank used since the last reduction (no_sync steps count), summed over
+        # the ranks after the last bucket: 0 means no rank used it, so its .grad is left alone. Kept on
+        # the CPU (set once per gradient), all-reduced from a copy on the parameters' device.
+        self._local_used = torch.zeros(len(self.params), dtype=torch.int32)
+        self._used_future: Optional[torch.futures.Future] = None
+        self._used_on_device = torch.zeros_like(self._local_used)  # the last sum, as all-reduced (local_used_map_dev_)
+        self._used_reduced = False
         if find_unused_parameters:
-            # Which parameters this rank used since the last reduction (no_sync steps count), summed
-            # over the ranks after the last bucket: 0 means no rank used it, so its .grad is left alone.
-            # Kept on the CPU (set once per gradient), all-reduced from a copy on the parameters' device.
-            self._local_used = torch.zeros(len(self.params), dtype=torch.int32)
-            self._used_future: Optional[torch.futures.Future] = None
-            self._used_reduced = False
             # The gradient accumulator of each parameter: the graph node whose presence says it is used.
             with torch.enable_grad():
                 self._accumulators = {p.view_as(p).grad_fn.next_functions[0][0]: i for i, p in enumerate(self.params)}
+        if static_graph:
+            self.set_static_graph()
 
         self._events: list[dict] = []  # this backward's, filled as it runs
         self._reduce_events: dict[int, dict] = {}  # bucket index -> its all-reduce event
@@ -127,12 +166,12 @@ class Reducer:
     def _install_plan(self, plan: list[list[int]]) -> None:
         """Allocate one flat buffer per bucket (``initialize_buckets``). With ``gradient_as_bucket_view``
         a gradient already there is copied into its new view and ``.grad`` becomes that view."""
-        self.buckets = [Bucket.allocate(b, indices, self.params) for b, indices in enumerate(plan)]
+        self.buckets = [Bucket.allocate(b, indices, self.params, self.sparse[indices[0]]) for b, indices in enumerate(plan)]
         self._locator = [(0, 0)] * len(self.params)
         for bucket in self.buckets:
             for position, index in enumerate(bucket.indices):
                 self._locator[index] = (bucket.index, position)
-                if self.gradient_as_bucket_view:
+                if self.gradient_as_bucket_view and not bucket.sparse:
                     param, view = bucket.params[position], bucket.views[position]
                     if param.grad is not None and not _shares_storage(param.grad, view):
                         view.copy_(param.grad)
@@ -148,21 +187,70 @@ class Reducer:
         dist.broadcast_object_list(shared, src=dist.get_global_rank(self.group, 0), group=self.group)
         return shared[0]
 
+    # ---- static graph -------------------------------------------------------------------------
+
+    def set_static_graph(self) -> None:
+        """The graph is the same at every iteration (``Reducer::set_static_graph``): what the first backward
+        learns (how many hooks each parameter fires, which parameters no rank uses) holds for every later
+        one. So unused parameters need no search, and a parameter whose hook fires several times per
+        backward (a layer used twice under re-entrant checkpointing) is reduced after its last one."""
+        if self.iteration != 0:
+            raise RuntimeError(
+                "set_static_graph() should be called before training loop starts and after "
+                "DistributedDataParallel is constructed."
+            )
+        self.static_graph = True
+        self._will_rebuild = True
+
+    def _counting(self) -> bool:
+        """The first backward of a static graph: hooks are counted, and everything is reduced at its end."""
+        return self.static_graph and self._static_counts is None
+
+    def _tracks_use(self) -> bool:
+        """Whether this backward all-reduces which parameters each rank used (``local_used_map``)."""
+        return (self.find_unused_parameters and not self.static_graph) or self._counting()
+
     # ---- steps 1 and 2: around the forward -------------------------------------------------
+
+    def prepare_for_forward(self) -> None:
+        """Called before every synchronised forward (``Reducer::prepare_for_forward``): count it, time it."""
+        self.iteration += 1
+        self._stamps = {"forward_compute_start": time.perf_counter()}
 
     def before_forward(self) -> None:
         """Called before every forward that records gradients."""
         if self._require_finalize:
             raise RuntimeError(self._unreduced_message("the previous backward"))
-        if self._rebuilt is not None:
-            with torch.no_grad():
-                self._install_plan(self._rebuilt)
-            self._rebuilt = None
+        self.rebuild_buckets()
+
+    def rebuild_buckets(self) -> bool:
+        """Install the rebuilt plan if one is waiting (``Reducer::rebuild_buckets``); whether it did."""
+        if self._rebuilt is None:
+            return False
+        with torch.no_grad():
+            self._install_plan(self._rebuilt)
+        self._rebuilt = None
+        self.has_rebuilt_buckets = True
+        return True
+
+    _rebuild_buckets = rebuild_buckets  # the name torch's Reducer has (Lightning calls it)
+
+    def set_forward_pass_work(self, work: Optional[dist.Work], divide_by_initial_world_size: bool) -> None:
+        """Before each forward (``_set_forward_pass_work_handle``): under ``Join``, ``work`` is the all-reduce
+        counting the ranks still training; with ``divide_by_initial_world_size=False`` this backward's
+        gradients are divided by that count, read when the first gradient arrives."""
+        self._divisor = self.world_size
+        self._divisor_work = work if work is not None and not divide_by_initial_world_size else None
 
     def prepare_for_backward(self, output: Any) -> None:
-        """Called after a synchronised forward: the next backward reduces."""
+        """Called after a synchronised forward: the next backward reduces. ``output``: the forward's output,
+        whose tensors are searched for unused parameters (torch's Reducer takes their list; accelerate and
+        Lightning call it again from outside, with ``[]`` or the loss)."""
+        self._stamps["backward_compute_start"] = time.perf_counter()
+        self._grad_ready_order = []
         self._expect_hooks = True
         self._hooks_fired = False
+        self._arrived = False  # a gradient of this forward's backward has arrived
         self._ready = [False] * len(self.params)
         self._next_bucket = 0
         for bucket in self.buckets:
@@ -174,12 +262,28 @@ class Reducer:
         outputs = [t for _, t in tensors_in(output) if t.requires_grad]
         for t in outputs:
             t.register_hook(self._note_backward_start)
-        if self.find_unused_parameters:
+        if self._counting():
+            self._remaining = [0] * len(self.params)  # counted up in this backward
+        elif self.static_graph:
+            self._remaining = list(self._static_counts)
+            self._unused = [i for i, count in enumerate(self._static_counts) if count == 0]
+        elif self.find_unused_parameters:
             self._unused = self._unreached(outputs)
 
     def _note_backward_start(self, grad: torch.Tensor) -> None:
+        """The gradient reached an output: the backward of this forward started, in the outermost
+        backward pass. The end-of-backward callback is queued here (as torch DDP's ``_DDPSink`` queues
+        its own), so that it runs when that pass ends, not at the end of a re-entrant inner backward
+        (``checkpoint(use_reentrant=True)``) in which some parameter's hook happens to fire first."""
         if self._backward_start is None:
             self._backward_start = time.perf_counter()
+        if self._expect_hooks:
+            self._queue_finish()
+
+    def _queue_finish(self) -> None:
+        if not self._finish_queued:
+            self._finish_queued = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _unreached(self, outputs: list[torch.Tensor]) -> list[int]:
         """Indices of the parameters whose gradient accumulator the graph of ``outputs`` does not
@@ -199,17 +303,27 @@ class Reducer:
         """Parameter ``index``'s gradient is in its ``.grad`` (``Reducer::autograd_hook``)."""
         with self._lock:
             self._last_gradient = time.perf_counter()
-            if self.find_unused_parameters:
-                self._local_used[index] = 1  # also under no_sync: used once since the last reduction is used
+            if (self.find_unused_parameters or self.static_graph) and self._tracks_use():
+                # also under no_sync: used once since the last reduction is used. An undefined gradient
+                # (the hook runs, .grad stays None) is no use, as reducer.cpp checks grad.defined()
+                if self.params[index].grad is not None:
+                    self._local_used[index] = 1
             if not self._expect_hooks:  # no_sync, or a backward without a synchronised forward
                 return
+            self._arrived = True
+            if not self._finish_queued:  # queued already, unless the backward did not start at an output
+                self._queue_finish()
+            if self.static_graph:
+                self._remaining[index] += 1 if self._counting() else -1
+                if self._counting() or self._remaining[index] > 0:
+                    return  # counted; or more hooks of this parameter to come in this backward
             if not self._hooks_fired:
                 self._hooks_fired = True
-                Variable._execution_engine.queue_callback(self._finish_backward)
                 for unused in self._unused:  # nothing will arrive for these: their buckets need not wait
                     self._mark_ready(unused)
             if self._will_rebuild:
                 self._arrival_order.append(index)
+            self._grad_ready_order.append(index)
             self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
@@ -234,6 +348,13 @@ class Reducer:
     def _copy_into_bucket(self, bucket: Bucket, position: int) -> None:
         """``mark_variable_ready_dense``: the gradient into its view, divided by the world size unless a
         hook will do it; no gradient: zeros."""
+        if self._divisor_work is not None:
+            self._divisor_work.wait()
+            self._divisor = int(self._divisor_work.result()[0].item())
+            self._divisor_work = None
+        if bucket.sparse:
+            self._take_sparse_gradient(bucket)
+            return
         param, view = bucket.params[position], bucket.views[position]
         grad = param.grad
         if grad is None:
@@ -241,71 +362,179 @@ class Reducer:
         elif self.gradient_as_bucket_view and _shares_storage(grad, view):
             # autograd accumulated straight into the view: only the division is left
             if self.comm_hook is None:
-                view.div_(self.world_size)
+                view.div_(self._divisor)
         else:
+            if grad.requires_grad:  # backward(create_graph=True): the values go into the bucket, not the graph
+                self._warn_create_graph()
+                grad = grad.detach()
             if self.comm_hook is None:
                 # times 1/world_size, as reducer.cpp (a double scalar): a division would round
                 # differently wherever 1/world_size is inexact (3 ranks)
-                torch.mul(grad, 1.0 / self.world_size, out=view)
+                torch.mul(grad, 1.0 / self._divisor, out=view)
             else:
                 view.copy_(grad)
             if self.gradient_as_bucket_view:
                 param.grad = view
+
+    def _take_sparse_gradient(self, bucket: Bucket) -> None:
+        """``mark_variable_ready_sparse``: the sparse gradient itself is the bucket, divided in place by the
+        world size (unless a hook will), all-reduced alone (indices and values), copied back in place."""
+        grad = bucket.params[0].grad
+        if grad is None:
+            raise RuntimeError(
+                f"Expected sparse gradient to be defined: parameter {bucket.indices[0]} ('{self.names[bucket.indices[0]]}') "
+                f"got none in this backward on rank {self.rank}; a sparse embedding must be used in every synchronised "
+                f"forward"
+            )
+        if not grad.is_sparse:
+            raise RuntimeError(f"Expected variable to have sparse gradient: '{self.names[bucket.indices[0]]}'")
+        if self.comm_hook is None:
+            grad.div_(self._divisor)
+        bucket.buffer = grad
 
     def _launch_ready_buckets(self) -> None:
         """All-reduce every full bucket from the next one due, in order, stopping at the first that is not full."""
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
             bucket = self.buckets[self._next_bucket]
             event = {"stage": "all-reduce", "bucket": bucket.index, "start": time.perf_counter(), "end": None}
+            self._stamps.setdefault("backward_comm_start", event["start"])
             if self.comm_hook is None:
                 bucket.future = dist.all_reduce(bucket.buffer, group=self.group, async_op=True).get_future()
             else:
                 bucket.future = self.comm_hook(self.comm_state, GradBucket(bucket, len(self.buckets)))
+                future_result(bucket.future, bucket.index)
             bucket.future.add_done_callback(lambda _, event=event: _stamp_end(event))
             self._events.append(event)
             self._reduce_events[bucket.index] = event
             self._next_bucket += 1
-            if self._next_bucket == len(self.buckets) and self.find_unused_parameters:
-                on_device = self._local_used.to(self.params[0].device, copy=True)
-                self._used_future = dist.all_reduce(on_device, group=self.group, async_op=True).get_future()
+            if self._next_bucket == len(self.buckets) and self._tracks_use():
+                self._used_on_device = self._local_used.to(self.params[0].device, copy=True)
+                self._used_future = dist.all_reduce(self._used_on_device, group=self.group, async_op=True).get_future()
                 self._used_reduced = False
+
+    def shadow_backward(self) -> None:
+        """A rank that has joined (:mod:`minidp.distributed.join`) takes part in the backward of the ranks
+        still training: every bucket's all-reduce in bucket order, of zeros (through the comm hook if
+        there is one), the used-parameter map, and, if their first backward rebuilds the buckets, the
+        rebuilt plan (``_match_all_reduce_for_bwd_pass``, ``_push_all_rebuilt_params``)."""
+        with torch.no_grad():
+            if any(bucket.sparse for bucket in self.buckets):
+                raise RuntimeError(
+                    "DistributedDataParallel under Join: a joined rank cannot shadow the all-reduce of a sparse "
+                    "gradient (its indices are not known); use sparse=False embeddings, or even inputs"
+                )
+            futures = []
+            for bucket in self.buckets:
+                zeros = torch.zeros_like(bucket.buffer)
+                if self.comm_hook is None:
+                    futures.append(dist.all_reduce(zeros, group=self.group, async_op=True).get_future())
+                else:
+                    shadow = dataclasses.replace(bucket, buffer=zeros, views=views_of(zeros, bucket.params))
+                    futures.append(self.comm_hook(self.comm_state, GradBucket(shadow, len(self.buckets))))
+            torch.futures.wait_all(futures)
+            if self._tracks_use():
+                # torch's joined rank offers the sum of its last reduction (``_get_local_used_map``), in place:
+                # parameters used then count as used, and the others' gradients for them come out zero
+                dist.all_reduce(self._used_on_device, group=self.group)
+            if self._will_rebuild and not self.static_graph:
+                self._rebuilt = self._sync_plan(
+                    rebuilt_plan(self.params, list(range(len(self.params))), self.caps, self.sparse))
+                self._will_rebuild = False
 
     # ---- step 4: the end of the backward ----------------------------------------------------
 
     def _finish_backward(self) -> None:
-        """Queued on the autograd engine by the first hook of a backward; runs when the backward is done."""
+        """Queued on the autograd engine when the backward reaches an output (or at the first hook);
+        runs when that backward is done."""
         with self._lock, torch.no_grad():
+            self._finish_queued = False
+            if not self._expect_hooks or not self._arrived:
+                return  # no parameter's gradient in this pass (autograd.grad on the inputs): wait for the next
             end = time.perf_counter()
+            self._stamps["backward_compute_end"] = end
             # the backward's computation: from the gradient reaching the outputs to the last parameter's
             start = self._backward_start if self._backward_start is not None else self._last_gradient
             self._events.append({"stage": "backward", "bucket": None, "start": start, "end": self._last_gradient})
+            # the static graph's first backward (delay_all_reduce): every parameter is reduced now
+            counting = self._counting()
             missing = [i for i, ready in enumerate(self._ready) if not ready]
-            if missing and not self.find_unused_parameters:
+            if missing and not counting and (self.static_graph or not self.find_unused_parameters):
                 self._expect_hooks = False
                 raise RuntimeError(self._unreduced_message("this backward"))
             for index in missing:
                 # Reached from an output that the loss did not use: DDP's hook fires for it with no
                 # incoming gradient (its _DDPSink sees to that) and counts it used if .grad is set.
-                if self.params[index].grad is not None:
+                if self.params[index].grad is not None and not counting:
                     self._local_used[index] = 1
                 self._mark_ready(index)
             self._expect_hooks = False
             self._require_finalize = False
             for bucket in self.buckets:
                 self._write_back(bucket, self._result_of(bucket))
-            if self.find_unused_parameters:
-                if not self._used_reduced:
-                    self._used_future.wait()
+            if self._tracks_use():
+                self._wait_for_use()
+                if counting:  # what every later backward waits for, and leaves alone
+                    self._static_counts = list(self._remaining)
+                    self._static_unused = {i for i, used in enumerate(self._local_used.tolist()) if not used}
                 self._local_used.zero_()
             if self._will_rebuild and self._arrival_order:
-                self._rebuilt = self._sync_plan(rebuilt_plan(self.params, self._arrival_order, self.caps))
+                # parameters that got no gradient close the order, in registration order
+                arrived = set(self._arrival_order)
+                order = self._arrival_order + [i for i in range(len(self.params)) if i not in arrived]
+                self._rebuilt = self._sync_plan(rebuilt_plan(self.params, order, self.caps, self.sparse))
                 self._will_rebuild = False
                 self._arrival_order = []
             self._events.append({"stage": "write-back", "bucket": None, "start": end, "end": time.perf_counter()})
             self._last_events = self._events
+            self._stamps["backward_comm_end"] = self._events[-1]["end"]
+            self.last_stamps = self._stamps
+            self._last_facts = {
+                "num_buckets_reduced": len(self.buckets),
+                "unused_parameter_size": sum(self.params[i].numel() * self.params[i].element_size() for i in self._unused),
+                "prev_iteration_grad_ready_order_indices": ", ".join(map(str, self._grad_ready_order)),
+            }
+
+    def runtime_facts(self) -> dict[str, Any]:
+        """The last finished backward's facts for the runtime statistics (:mod:`.logging_data`)."""
+        facts = {**self._last_facts, "has_rebuilt_buckets": int(self.has_rebuilt_buckets)}
+        if self.has_rebuilt_buckets:
+            facts["rebuilt_bucket_sizes"] = ", ".join(str(b.buffer.numel() * b.buffer.element_size()) for b in self.buckets)
+            facts["rebuilt_per_bucket_param_indices"] = ", ".join(" ".join(map(str, b.indices)) for b in self.buckets)
+        return facts
+
+    # ---- what frameworks call on torch's Reducer ---------------------------------------------
+
+    def _delay_all_reduce(self) -> None:
+        """Reduce now what a static graph's first backward has gathered (Lightning calls it after a manual
+        backward); here the end of the backward has done it already, unless it is still waiting."""
+        if self._expect_hooks and self._arrived:
+            self._finish_backward()
+
+    def _check_reducer_finalized(self) -> None:
+        """Raise if the last backward left gradients unreduced (``DistributedDataParallel._check_reducer_finalized``)."""
+        if self._require_finalize:
+            raise RuntimeError(self._unreduced_message("the last backward"))
+
+    def _remove_autograd_hooks(self) -> None:
+        """Stop reducing: the parameters' hooks removed (``_remove_autograd_hooks``)."""
+        _remove(self._handles)
+
+    def _wait_for_use(self) -> None:
+        """The sum over ranks of which parameters they used, into ``_local_used``."""
+        if not self._used_reduced:
+            self._local_used.copy_(self._used_future.wait()[0])
+            self._used_reduced = True
 
     def _result_of(self, bucket: Bucket) -> torch.Tensor:
-        value = bucket.future.wait()
+        try:
+            value = bucket.future.wait()
+        except RuntimeError as error:  # Gloo's "Timed out waiting ... for recv", NCCL's watchdog, a closed peer
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.rank}: the all-reduce of bucket {bucket.index} did not "
+                f"complete: another rank stopped taking part in this backward (it ran out of data, raised, or left "
+                f"the training loop). With uneven inputs across ranks, wrap the loop in `with ddp.join():` (or "
+                f"torch.distributed.algorithms.Join([ddp])); the cause: {error}"
+            ) from error
         _stamp_end(self._reduce_events[bucket.index])  # in case the done-callback has not run yet
         result = value[0] if isinstance(value, (list, tuple)) else value
         if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
@@ -317,17 +546,21 @@ class Reducer:
         return result
 
     def _globally_unused(self, index: int) -> bool:
-        """Whether no rank used parameter ``index`` since the last reduction; waits for the sum only if
-        this rank did not use it (DDP waits lazily too)."""
-        if not self.find_unused_parameters or self._local_used[index]:
+        """Whether no rank used parameter ``index`` since the last reduction (in a static graph: in the
+        first backward); waits for the sum only if this rank did not use it (DDP waits lazily too)."""
+        if self._static_unused is not None:
+            return index in self._static_unused
+        if not self._tracks_use() or self._local_used[index]:
             return False
-        if not self._used_reduced:
-            self._local_used.copy_(self._used_future.wait()[0])
-            self._used_reduced = True
+        self._wait_for_use()
         return not self._local_used[index]
 
     def _write_back(self, bucket: Bucket, result: torch.Tensor) -> None:
         """``finalize_bucket_dense``: the reduced gradients into ``.grad``; a gradient no rank used stays as it was."""
+        if bucket.sparse:
+            if result is not bucket.buffer:
+                bucket.buffer.copy_(result)  # into the parameter's own .grad, as reducer.cpp does
+            return
         views = bucket.views if result is bucket.buffer else views_of(result, bucket.params)
         into, values = [], []
         for position, (index, param) in enumerate(zip(bucket.indices, bucket.params)):
@@ -348,6 +581,12 @@ class Reducer:
                 continue
             elif param.grad is None:
                 param.grad = torch.empty_like(param).copy_(views[position])  # the parameter's layout
+            elif param.grad.requires_grad:
+                # backward(create_graph=True): the mean copied in while autograd records, as reducer.cpp
+                # copies it (.grad keeps its graph, now ending in a CopyBackwards). The graph does not
+                # reach the other ranks: a second backward through .grad differentiates this rank's part.
+                with torch.enable_grad():
+                    param.grad.copy_(views[position])
             else:
                 into.append(param.grad)
                 values.append(views[position])
@@ -365,13 +604,17 @@ class Reducer:
             f"requires_grad=False on the parameters you do not train."
         )
 
+    def _warn_create_graph(self) -> None:
+        if not self._warned_create_graph:
+            self._warned_create_graph = True
+            warnings.warn(CREATE_GRAPH_WARNING, stacklevel=2)
+
     # ---- hooks and timings ------------------------------------------------------------------
 
-    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        if not callable(hook):
-            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+    def register_comm_hook(self, state: Any, hook: CommHook, builtin: bool = False) -> None:
+        """Let ``hook(state, bucket)`` reduce each bucket (checked by the caller, :mod:`.comm_hooks`); once."""
         if self.comm_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once (torch DDP has the same rule)")
+            raise RuntimeError(ONLY_ONCE_BUILTIN if builtin else ONLY_ONCE)
         self.comm_hook, self.comm_state = hook, state
 
     def timeline(self) -> list[dict]:

@@ -4,8 +4,8 @@ A describer runs when its primitive returns, with ``arguments`` (the call's argu
 name, defaults filled in, as ``inspect.Signature.bind`` and ``apply_defaults`` give them) and the
 result. It does at once only what needs the live call (registering the backward's hooks, walking the
 replica modules that a replica cache re-binds on its next call) and returns the rest as a function,
-``served()``, that the recorder calls when the trace ends: counting bytes and writing details is pure
-bookkeeping, kept out of the step and out of the stage's own time. ``served()`` lists
+``served()``, that the recorder calls when the trace's events are first read: counting bytes and writing
+details is pure bookkeeping, kept out of the step and out of the stage's own time. ``served()`` lists
 ``(replica, device, bytes, detail)`` for every replica the call served; ``bytes`` is always "bytes
 written to fresh memory by this step".
 """
@@ -39,13 +39,20 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for _, t in tensors_in(obj)]
 
 
+def _storage_of(t: torch.Tensor) -> tuple[torch.device, int]:
+    """Where ``t``'s memory starts: its device and its storage's first byte. Computed from the tensor's own
+    pointer and offset, without making the storage's Python object (``untyped_storage()``), which costs more
+    and stays alive as long as the memory does."""
+    return t.device, t.data_ptr() - t.storage_offset() * t.element_size()
+
+
 def _storages(tensors: Sequence[torch.Tensor]) -> set[tuple[torch.device, int]]:
-    return {(t.device, t.untyped_storage().data_ptr()) for t in tensors}
+    return set(map(_storage_of, tensors))
 
 
 def _bytes_outside(tensors: Sequence[torch.Tensor], owned: set[tuple[torch.device, int]]) -> int:
     """Bytes of ``tensors`` that live in memory none of ``owned`` is (so they were copied)."""
-    return sum(t.nbytes for t in tensors if (t.device, t.untyped_storage().data_ptr()) not in owned)
+    return sum(t.nbytes for t in tensors if _storage_of(t) not in owned)
 
 
 def _device_of(tensors: Sequence[torch.Tensor], default: Any) -> str:
@@ -142,14 +149,14 @@ def reduce(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Serve
     inputs = arguments["inputs"]  # which backend summed what is decided now: the default is a setting
     chosen = reduce_backends(inputs[0], arguments["backend"]) if inputs and inputs[0] else []
     backend = ", ".join(f"{name} ({chosen.count(name)})" for name in sorted(set(chosen))) or "-"
+    destination = _device_of(list(result), arguments["destination"])
+    # Counted now: held until the events are read, the replicas' gradients would stay alive (K copies).
+    grads = [list(replica_grads) for replica_grads in inputs]
+    counted = [(_device_of(g, destination), sum(t.nbytes for t in g), len(g)) for g in grads]
 
     def served() -> Served:
-        destination = _device_of(list(result), arguments["destination"])
-        for replica, grads in enumerate(arguments["inputs"]):
-            grads = list(grads)
-            yield replica, _device_of(grads, destination), sum(g.nbytes for g in grads), (
-                f"{len(grads)} gradients summed onto {destination}, backends: {backend}"
-            )
+        for replica, (device, nbytes, count) in enumerate(counted):
+            yield replica, device, nbytes, f"{count} gradients summed onto {destination}, backends: {backend}"
 
     return served
 

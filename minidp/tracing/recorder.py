@@ -112,13 +112,21 @@ class Trace:
     ``events`` lists every step of every replica; ``duration`` is the length of the ``with`` block
     (the "step" the table's shares refer to); ``memory`` the peak memory of each device.
     Run the backward inside the block too: its events are recorded by hooks as it runs.
+
+    The block itself only notes when each call ran and what it was given; the events (bytes moved,
+    details) are written from those notes when first read (``events``, ``ledger()``, the views), so
+    that bookkeeping is no part of the step's time. Until then the trace holds the tensors the notes
+    name: the inputs' chunks, the replicas' tensors and outputs, the gathered output (never the
+    replicas' gradients, counted at once).
     """
 
     def __init__(self) -> None:
-        self.events: list[Event] = []
+        self._events: list[Event] = []
         self.duration = 0.0
         self.memory: list[MemoryPeak] = []
         self._lock = threading.Lock()
+        self._writing = threading.Lock()  # one writer of the events at a time (they count into the ledger)
+        self._sorted = 0  # how many events were in self._events when it was last sorted
         self._origin = 0.0
         self._pending: list[_Closed] = []
         self._cuda_origin: dict[int, tuple[float, "torch.cuda.Event"]] = {}
@@ -144,13 +152,25 @@ class Trace:
             for index in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(index)
         self.duration = time.perf_counter() - self._origin
-        for closed in self._pending:
-            self._record(closed)
-        self._pending.clear()  # let go of the step's tensors
         self._backward_of.clear()
         self._finish_backward()
-        self.events.sort(key=lambda e: (e.start, hooks.STAGES.index(e.stage)))
         self.memory = self._device_memory.peaks()
+
+    @property
+    def events(self) -> list[Event]:
+        """Every step of every replica, by start time; written from the calls' notes when first read."""
+        self._write_events()
+        return self._events
+
+    def _write_events(self) -> None:
+        with self._writing:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            for closed in pending:
+                self._record(closed)
+            if len(self._events) != self._sorted:  # written now, or the backward's, added in __exit__
+                self._events.sort(key=lambda e: (e.start, hooks.STAGES.index(e.stage)))
+                self._sorted = len(self._events)
 
     # -- what minidp.hooks calls --------------------------------------------------------------------
 
@@ -190,6 +210,7 @@ class Trace:
 
     def ledger(self) -> list[LedgerRow]:
         """Per device, the step's peak memory and what it is made of (see :class:`LedgerRow`)."""
+        self._write_events()  # the shares are counted as the events are written
         return memory_ledger(self.memory, self._accounted)
 
     # -- recording ----------------------------------------------------------------------------------
@@ -233,7 +254,7 @@ class Trace:
         if span.cuda_start is not None:
             start = self._cuda_time(span.cuda_start)
             duration = span.cuda_start.elapsed_time(closed.cuda_end) / 1e3
-        self.events.extend(
+        self._events.extend(
             Event(closed.stage, replica, str(device), start, duration, nbytes, span.thread, detail)
             for replica, device, nbytes, detail in closed.served()
         )
@@ -258,7 +279,7 @@ class Trace:
                 continue  # no backward ran (inference), or it ran after the trace ended
             first = min(backward.start, key=when)
             start, end = when(first), max(when(m) for m in backward.end)
-            self.events.append(
+            self._events.append(
                 Event("backward", backward.replica, str(first.device), start, max(end - start, 0.0), 0,
                       first.thread.name, f"{len(backward.end)} parameter gradients")
             )

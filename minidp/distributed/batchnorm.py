@@ -1,0 +1,88 @@
+"""Batch normalisation across processes: minidp.SyncBatchNorm's exchange, and torch's SyncBatchNorm refused on the CPU.
+
+:class:`minidp.SyncBatchNorm` combines the per-channel statistics (count, mean, biased variance) of
+every replica it is told about (see ``minidp/sync_batchnorm.py``). Inside
+``minidp.distributed.DistributedDataParallel`` each such layer is given a :class:`ProcessExchange`:
+replica 0 of each process hands it the statistics of the process's replicas, and gets back those of
+every replica of every process, in (rank, replica) order, so that each replica normalises by the
+statistics of the global batch, which is what ``nn.BatchNorm`` computes on all the ranks' samples.
+
+What moves: per layer and step, one all-reduce of a ``world_size x replicas x 2 x channels`` table in
+which each process fills its own rows (the others are zeros), and one of the counts. The table's
+all-reduce is differentiable (:class:`_SumOverProcesses`): its backward is the all-reduce of the
+gradients, so the gradient of the loss of every rank reaches every rank's inputs through the shared
+statistics, as in torch's ``SyncBatchNorm`` backward. Every process must run the same number of replicas.
+
+``torch.nn.SyncBatchNorm`` synchronises only GPU inputs; torch DDP refuses it on the CPU at
+construction (``_passing_sync_batchnorm_handle``), and so does minidp's wrapper, with torch's words.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..sync_batchnorm import SyncBatchNorm, _Statistics
+
+
+class _SumOverProcesses(torch.autograd.Function):
+    """The sum of ``x`` over the processes of ``group``, on every process; d sum / d x_r is the identity
+    for every r, so each process's gradient is the sum of every process's gradient of the sum."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+class ProcessExchange:
+    """This process's replicas' statistics -> every process's, in rank order (a differentiable collective)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, mine: list[_Statistics]) -> list[_Statistics]:
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        replicas = len(mine)
+        device = mine[0].mean.device
+        rows = torch.stack([torch.stack([s.mean.to(device), s.variance.to(device)]) for s in mine])
+        blank = rows.new_zeros((replicas, *rows.shape[1:]))
+        table = torch.cat([blank] * rank + [rows] + [blank] * (world - rank - 1))
+        table = _SumOverProcesses.apply(table, self.group)
+        counts = torch.zeros(world * replicas, dtype=torch.int64, device=device)
+        counts[rank * replicas:(rank + 1) * replicas] = torch.tensor([s.count for s in mine])
+        dist.all_reduce(counts, group=self.group)
+        ready = None
+        if table.is_cuda:  # the other replicas read these on their own streams
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        return [_Statistics(int(count), row[0], row[1], ready) for count, row in zip(counts.tolist(), table)]
+
+
+def attach_exchange(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Give every :class:`minidp.SyncBatchNorm` in ``module`` the exchange over ``group`` (more than one process)."""
+    exchange = ProcessExchange(group) if dist.get_world_size(group) > 1 else None
+    for layer in module.modules():
+        if isinstance(layer, SyncBatchNorm):
+            layer.across_processes = exchange
+
+
+def check_torch_sync_batchnorm(module: nn.Module, device: torch.device) -> None:
+    """torch DDP's ``_passing_sync_batchnorm_handle``: ``torch.nn.SyncBatchNorm`` needs GPU modules."""
+    if device.type == "cpu":
+        for name, layer in module.named_modules():
+            if isinstance(layer, nn.SyncBatchNorm):
+                raise ValueError(
+                    f"SyncBatchNorm layers only work with GPU modules ('{name}' is torch.nn.SyncBatchNorm on the CPU); "
+                    f"minidp.SyncBatchNorm.convert_sync_batchnorm(module) synchronises on the CPU, across the "
+                    f"processes and the replicas of each"
+                )

@@ -1,0 +1,569 @@
+"""Checks of torch DDP's features beyond the basic step, run inside every rank of a job started by
+``minidp.distributed.launch`` (as :mod:`tests.ddp_checks`, whose comparison helpers they reuse).
+
+Each check drives stock ``torch.nn.parallel.DistributedDataParallel`` and minidp's class side by side
+in the same process, on the same data, and returns plain facts for ``tests/test_ddp_*.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import os
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms import Join
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils.checkpoint import checkpoint
+
+import minidp
+import minidp.distributed as md
+
+from .ddp_checks import TorchDDP, _difference
+from .helpers import max_relative_error
+
+
+def _quiet(build: Callable[[], Any]) -> Any:
+    """Stock DDP warns about deprecated names and create_graph; the checks compare results, not warnings."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build()
+
+
+def _pair(build: Callable[[], nn.Module], seed: int, **options: Any) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+    """Stock DDP and minidp's around two copies of one model, different weights on every rank (the
+    constructors broadcast rank 0's): (stock wrapper, minidp wrapper, stock module, minidp module)."""
+    torch.manual_seed(seed + dist.get_rank())
+    theirs_module = build()
+    ours_module = copy.deepcopy(theirs_module)
+    theirs = _quiet(lambda: TorchDDP(theirs_module, **options))
+    ours = md.DistributedDataParallel(ours_module, **options)
+    return theirs, ours, theirs_module, ours_module
+
+
+def _inputs(seed: int, step: int, *shape: int) -> torch.Tensor:
+    """This rank's batch at ``step``: different on every rank and step, the same for both wrappers."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed + 1000 * step + dist.get_rank()))
+
+
+def _tanh_mlp() -> nn.Module:
+    """Smooth everywhere, so that second derivatives are not zero (ReLU's are)."""
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+# ---- pickling -----------------------------------------------------------------------------------
+
+
+def _sgd_steps(pairs, seed: int, first_step: int, steps: int) -> list:
+    """Train each (wrapper, module, optimizer) of ``pairs`` (stock first) on the same batches; per step,
+    the first difference between the two modules."""
+    differences = []
+    for step in range(first_step, first_step + steps):
+        for ddp, _, optimizer in pairs:
+            optimizer.zero_grad()
+            ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+            optimizer.step()
+        differences.append(_difference(pairs[1][1], pairs[0][1]))
+    return differences
+
+
+def pickled_then_trained(seed: int, how: str) -> dict:
+    """Train two steps, copy both wrappers (``how``: "torch.save" or "deepcopy"), train the copies two more
+    steps: the copies must go on exactly as stock's copy does, with hooks on their own parameters."""
+    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)
+    pairs = [(d, m, torch.optim.SGD(d.parameters(), lr=0.1, momentum=0.9)) for d, m in ((theirs, theirs_module), (ours, ours_module))]
+    before = _sgd_steps(pairs, seed, 0, 2)
+
+    def copied(ddp: nn.Module) -> nn.Module:
+        if how == "deepcopy":
+            return _quiet(lambda: copy.deepcopy(ddp))
+        buffer = io.BytesIO()
+        torch.save(ddp, buffer)
+        buffer.seek(0)
+        return _quiet(lambda: torch.load(buffer, weights_only=False))
+
+    copies = [copied(theirs), copied(ours)]
+    ours_copy = copies[1]
+    pairs = [(c, c.module, torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9)) for c in copies]
+    after = _sgd_steps(pairs, seed, 2, 2)
+    return {
+        "differences": before + after,
+        "process_group_is_default": ours_copy.process_group is dist.group.WORLD,
+        "shares_parameters": any(a is b for a, b in zip(ours_copy.parameters(), ours_module.parameters())),
+        "original_untouched": _difference(ours_module, theirs_module),
+    }
+
+
+def pickling_with_a_subgroup(seed: int) -> dict:
+    """torch DDP pickles only with the default group; both errors."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    errors = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        ddp = _quiet(lambda: wrapper(nn.Linear(3, 3), process_group=group))
+        try:
+            torch.save(ddp, io.BytesIO())
+            errors[name] = "no error"
+        except RuntimeError as error:
+            errors[name] = str(error)
+    return errors
+
+
+# ---- second-order gradients -----------------------------------------------------------------------
+
+
+class _Power(nn.Module):
+    """One parameter, the model of torch's ``test_ddp_create_graph``: stock DDP supports this case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(3))
+
+    def forward(self) -> torch.Tensor:
+        return self.p.pow(3).sum()
+
+
+def create_graph_as_stock(seed: int) -> dict:
+    """``backward(create_graph=True)`` six times (gradients accumulate with their graphs), as in torch's
+    test: per backward, the gradient's values, ``requires_grad`` and ``grad_fn``, in stock and minidp, and
+    whether minidp's ``.grad`` differentiates to zero (its graph ends in the copy of the mean; stock's
+    reaches back through its C++ bucket copies to a value that is no derivative of the mean: stock
+    warns that this is not supported, and minidp does not imitate it)."""
+    theirs, ours, theirs_module, ours_module = _pair(_Power, seed)
+    seen: dict[str, list] = {"stock": [], "minidp": []}
+    for name, ddp, module in (("stock", theirs, theirs_module), ("minidp", ours, ours_module)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(6):
+                ddp().backward(create_graph=True)
+                grad = module.p.grad
+                (through,) = torch.autograd.grad(grad.pow(2).sum(), module.p, retain_graph=True)
+                seen[name].append((grad.detach().clone(), through, grad.requires_grad, type(grad.grad_fn).__name__))
+        if name == "minidp":
+            seen["warnings"] = [str(w.message) for w in caught if "create_graph=True" in str(w.message)]
+    return {
+        "equal": all(torch.equal(a[0], b[0]) and a[2:] == b[2:] for a, b in zip(seen["stock"], seen["minidp"])),
+        "through_is_zero": all(not s[1].any() for s in seen["minidp"]),
+        "stock": [s[2:] for s in seen["stock"]],
+        "warnings": seen["warnings"],
+    }
+
+
+def create_graph_with_several_parameters(seed: int) -> dict:
+    """Several parameters (stock raises "a leaf Variable that requires grad is being used in an in-place
+    operation" here): minidp's ``.grad`` holds the mean over ranks of every rank's gradient, compared with
+    the same model unwrapped on every rank's batch (float64), and keeps ``requires_grad``; as in stock's
+    one-parameter case, its graph ends in the copy of the mean, so differentiating through it gives zeros."""
+    torch.manual_seed(seed)
+    module = _tanh_mlp().double()
+    ddp = md.DistributedDataParallel(module)
+    single = copy.deepcopy(module)
+    x = _inputs(seed, 0, 4, 6).double()
+    everyone = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ddp(x).pow(2).mean().backward(create_graph=True)
+    per_rank = [torch.autograd.grad(single(xr).pow(2).mean(), list(single.parameters())) for xr in everyone]
+    mean = [sum(g) / len(everyone) for g in zip(*per_rank)]
+    through = torch.autograd.grad(sum(p.grad.pow(2).sum() for p in module.parameters()), list(module.parameters()))
+    return {
+        "error": max(max_relative_error(p.grad, m) for p, m in zip(module.parameters(), mean)),
+        "requires_grad": all(p.grad.requires_grad for p in module.parameters()),
+        "through_is_zero": all(not t.any() for t in through),
+    }
+
+
+def gradient_penalty_as_stock(seed: int, steps: int = 3) -> list:
+    """A gradient penalty on the inputs (``autograd.grad(create_graph=True)`` inside the loss, WGAN-GP's
+    pattern), then an ordinary backward: bitwise stock's parameters after every step."""
+    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)
+    optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in (theirs, ours)]
+    differences = []
+    for step in range(steps):
+        for ddp, optimizer in zip((theirs, ours), optimizers):
+            optimizer.zero_grad()
+            x = _inputs(seed, step, 5, 6).requires_grad_()
+            out = ddp(x)
+            (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            (out.pow(2).mean() + (slope.norm(dim=1) - 1).pow(2).mean()).backward()
+            optimizer.step()
+        differences.append(_difference(ours_module, theirs_module))
+    return differences
+
+
+# ---- communication hooks ---------------------------------------------------------------------------
+
+
+def _allreduce(state, bucket):
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _unnamed_bucket(state, b):
+    return default_hooks.allreduce_hook(state, b)
+
+
+def _int_bucket(state, bucket: int):
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _int_result(state, bucket) -> int:
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _annotated(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _returns_a_number(state, bucket):
+    return 5
+
+
+def comm_hook_errors(seed: int) -> dict:
+    """Each way of registering a hook wrongly, in stock and minidp: the error's type and message, or "ok"."""
+    builtin = dist.BuiltinCommHookType.ALLREDUCE
+    cases: dict[str, Callable[[nn.Module], Any]] = {
+        "not_callable": lambda d: d.register_comm_hook(None, 3),
+        "bucket_not_named_bucket": lambda d: d.register_comm_hook(None, _unnamed_bucket),
+        "bucket_annotation": lambda d: d.register_comm_hook(None, _int_bucket),
+        "return_annotation": lambda d: d.register_comm_hook(None, _int_result),
+        "stock_annotations": lambda d: d.register_comm_hook(None, _annotated),
+        "twice": lambda d: (d.register_comm_hook(None, _allreduce), d.register_comm_hook(None, _allreduce)),
+        "hook_then_builtin": lambda d: (d.register_comm_hook(None, _allreduce), d._register_builtin_comm_hook(builtin)),
+        "builtin_then_hook": lambda d: (d._register_builtin_comm_hook(builtin), d.register_comm_hook(None, _allreduce)),
+        "after_a_backward": lambda d: (d(torch.randn(2, 3)).sum().backward(), d.register_comm_hook(None, _allreduce)),
+        "not_a_future": lambda d: (d.register_comm_hook(None, _returns_a_number), d(torch.randn(2, 3)).sum().backward()),
+    }
+    seen: dict[str, dict] = {}
+    for case, call in cases.items():
+        for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+            ddp = _quiet(lambda: wrapper(nn.Linear(3, 3)))
+            try:
+                call(ddp)
+                outcome = "ok"
+            except Exception as error:  # every kind: the test compares them
+                outcome = f"{type(error).__name__}: {error}"
+            seen.setdefault(case, {})[name] = outcome
+    return seen
+
+
+def builtin_hook_as_stock(seed: int, hook_type: str, steps: int = 3) -> list:
+    """``_register_builtin_comm_hook(dist.BuiltinCommHookType.<hook_type>)`` in both: bitwise after every step."""
+    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)
+    for ddp in (theirs, ours):
+        ddp._register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, hook_type))
+    pairs = [(theirs, theirs_module, torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)),
+             (ours, ours_module, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9))]
+    return _sgd_steps(pairs, seed, 0, steps)
+
+
+# ---- static graph and activation checkpointing ------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    """Two layers under ``torch.utils.checkpoint`` (re-entrant or not); with ``twice``, the second layer
+    runs again in a second checkpointed segment, so its hook fires twice per backward."""
+
+    def __init__(self, reentrant: bool, twice: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+        self.reentrant, self.twice = reentrant, twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = checkpoint(lambda y: torch.tanh(self.b(torch.tanh(self.a(y)))), x, use_reentrant=self.reentrant)
+        if self.twice:
+            x = checkpoint(lambda y: torch.tanh(self.b(y)), x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+def checkpointing_as_stock(seed: int, reentrant: bool, twice: bool, steps: int = 4, **options: Any) -> dict:
+    """Train both wrappers with ``options`` (``find_unused_parameters``, ``static_graph``): stock's outcome
+    ("ok" or its error), minidp's, and, where both train, the first difference after every step."""
+    outcome: dict[str, Any] = {}
+    theirs, ours, theirs_module, ours_module = _pair(lambda: Checkpointed(reentrant, twice), seed, **options)
+    pairs = [(theirs, theirs_module, torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)),
+             (ours, ours_module, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9))]
+    differences = []
+    for step in range(steps):
+        for name, (ddp, _, optimizer) in zip(("stock", "minidp"), pairs):
+            if name in outcome:
+                continue
+            try:
+                optimizer.zero_grad()
+                # the input requires grad, as re-entrant checkpointing needs to record its segment
+                ddp(_inputs(seed, step, 5, 6).requires_grad_()).pow(2).mean().backward()
+                optimizer.step()
+            except RuntimeError as error:
+                outcome[name] = str(error)
+        if not outcome:
+            differences.append(_difference(ours_module, theirs_module))
+    return {"stock": outcome.get("stock", "ok"), "minidp": outcome.get("minidp", "ok"), "differences": differences}
+
+
+class _Recorder:
+    """A communication hook that notes each bucket's parameter indices, per backward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.index_of = {id(p): i for i, p in enumerate(module.parameters())}
+        self.backwards: list[list[list[int]]] = []
+
+    def hook(self, state, bucket):  # a method: stock reads the hook's __name__
+        self.backwards[-1].append([self.index_of[id(p)] for p in bucket.parameters()])
+        return default_hooks.allreduce_hook(state, bucket)
+
+
+class _Wide(nn.Module):
+    """Wide enough for two buckets once rebuilt (1 MiB first bucket); ``never`` is used by no rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 600)
+        self.b = nn.Linear(600, 600)
+        self.never = nn.Linear(6, 6)
+        self.c = nn.Linear(600, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def static_graph_buckets(seed: int, late: bool, steps: int = 4) -> dict:
+    """Per backward, the buckets a static graph hands a hook, in stock and minidp (``late``: set by
+    ``_set_static_graph()`` after construction rather than ``static_graph=True``), and the parameters."""
+    options = {} if late else {"static_graph": True}
+    theirs, ours, theirs_module, ours_module = _pair(_Wide, seed, **options)
+    recorders = {}
+    for name, ddp, module in (("stock", theirs, theirs_module), ("minidp", ours, ours_module)):
+        if late:
+            ddp._set_static_graph()
+        recorders[name] = _Recorder(module)
+        ddp.register_comm_hook(None, recorders[name].hook)
+    pairs = [(theirs, theirs_module, torch.optim.SGD(theirs.parameters(), lr=0.1)),
+             (ours, ours_module, torch.optim.SGD(ours.parameters(), lr=0.1))]
+    differences = []
+    for step in range(steps):
+        for recorder in recorders.values():
+            recorder.backwards.append([])
+        differences += _sgd_steps(pairs, seed, step, 1)
+    return {"stock": recorders["stock"].backwards, "minidp": recorders["minidp"].backwards,
+            "differences": differences, "never_grad": [p.grad for p in ours_module.never.parameters()]}
+
+
+def static_graph_set_late(seed: int) -> dict:
+    """``_set_static_graph()`` twice, and after a forward: stock's and minidp's warnings and errors."""
+    seen: dict[str, list] = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = wrapper(nn.Linear(3, 3), static_graph=True)
+            ddp._set_static_graph()
+        after = wrapper(nn.Linear(3, 3))
+        after(torch.randn(2, 3)).sum().backward()
+        try:
+            after._set_static_graph()
+            error = "no error"
+        except RuntimeError as e:
+            error = str(e)
+        seen[name] = [[str(w.message) for w in caught if "static_graph" in str(w.message)], error]
+    return seen
+
+
+# ---- uneven inputs: Join ----------------------------------------------------------------------------
+
+
+def uneven_inputs_as_stock(seed: int, model: str = "tanh_mlp", through: str = "join", **join_options: Any) -> dict:
+    """Rank r trains on 2 + 2r batches inside ``ddp.join(**join_options)`` (``through="Join"``:
+    ``Join([ddp], **join_options)``), stock then minidp: the first difference between the two models
+    after the context, and each one's error if it raised."""
+    build = {"tanh_mlp": _tanh_mlp, "batch_norm": lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)),
+             "partly_used": _PartlyUsedBy0}[model]
+    options = {"find_unused_parameters": True} if model == "partly_used" else {}
+    theirs, ours, theirs_module, ours_module = _pair(build, seed, **options)
+    errors = {}
+    for name, ddp in (("stock", theirs), ("minidp", ours)):
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        if through == "join":
+            context = ddp.join(**join_options)
+        else:
+            kwargs = {k: v for k, v in join_options.items() if k == "divide_by_initial_world_size"}
+            context = Join([ddp], join_options.get("enable", True), join_options.get("throw_on_early_termination", False),
+                           **kwargs)
+        try:
+            with context:
+                for step in range(2 + 2 * dist.get_rank()):
+                    optimizer.zero_grad()
+                    out = ddp(_inputs(seed, step, 5, 6))
+                    (out[0] if isinstance(out, tuple) else out).pow(2).mean().backward()
+                    optimizer.step()
+        except RuntimeError as error:
+            errors[name] = str(error)
+    return {"difference": _difference(ours_module, theirs_module), "errors": errors}
+
+
+class _PartlyUsedBy0(nn.Module):
+    """A layer that only rank 0 uses (find_unused_parameters=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.only_rank_0 = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if dist.get_rank() == 0:
+            h = self.only_rank_0(h)
+        return self.head(h)
+
+
+# ---- runtime statistics: _get_ddp_logging_data ---------------------------------------------------------
+
+
+def _with_batch_norm() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+def logging_data_as_stock(seed: int, steps: int, sample_rate: Optional[int] = None, hook: Optional[str] = None,
+                          under_join: bool = False, **options: Any) -> dict:
+    """``_get_ddp_logging_data()`` of both after ``steps`` training steps (``sample_rate``: set first;
+    ``hook``: "python" or "builtin"; ``under_join``: inside ``ddp.join()``), per wrapper."""
+    theirs, ours, _, _ = _pair(_with_batch_norm, seed, **options)
+    data = {}
+    for name, ddp in (("stock", theirs), ("minidp", ours)):
+        if sample_rate is not None:
+            ddp._set_ddp_runtime_logging_sample_rate(sample_rate)
+        if hook == "python":
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif hook == "builtin":
+            ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        with ddp.join() if under_join else contextlib.nullcontext():
+            for step in range(steps):
+                ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+        data[name] = ddp._get_ddp_logging_data()
+    return data
+
+
+def sample_rate_errors(seed: int) -> dict:
+    errors = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        try:
+            wrapper(nn.Linear(2, 2))._set_ddp_runtime_logging_sample_rate(0)
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+# ---- sparse gradients ------------------------------------------------------------------------------------
+
+
+class SparseModel(nn.Module):
+    """An embedding bag and an embedding with sparse gradients between dense layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 6, mode="sum", sparse=True)
+        self.dense = nn.Linear(6, 6)
+        self.embedding = nn.Embedding(20, 6, sparse=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, bags: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.dense(self.bag(bags))) + self.embedding(tokens))
+
+
+def _same_gradient(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    if a is None or b is None:
+        return a is b
+    if a.is_sparse or b.is_sparse:
+        return (a.is_sparse and b.is_sparse and a.is_coalesced() == b.is_coalesced()
+                and torch.equal(a._indices(), b._indices()) and torch.equal(a._values(), b._values()))
+    return torch.equal(a, b)
+
+
+def sparse_gradients_as_stock(seed: int, steps: int = 3, **options: Any) -> dict:
+    """SGD on :class:`SparseModel`, each rank its own indices: per step, whether every parameter and
+    gradient (sparse: indices, values, coalescing) is stock's, and both rebuilt plans."""
+    theirs, ours, theirs_module, ours_module = _pair(SparseModel, seed, **options)
+    optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in (theirs, ours)]
+    same = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(seed + 100 * step + dist.get_rank())
+        bags, tokens = torch.randint(0, 20, (4, 3), generator=generator), torch.randint(0, 20, (4,), generator=generator)
+        for ddp, optimizer in zip((theirs, ours), optimizers):
+            optimizer.zero_grad()
+            ddp(bags, tokens).pow(2).mean().backward()
+            optimizer.step()
+        same.append(all(torch.equal(a, b) and _same_gradient(a.grad, b.grad)
+                        for a, b in zip(ours_module.parameters(), theirs_module.parameters())))
+    key = "rebuilt_per_bucket_param_indices"
+    return {"same": same, "sparse_grads": [p.grad.is_sparse for p in ours_module.parameters()],
+            "plans": [d._get_ddp_logging_data().get(key) for d in (theirs, ours)]}
+
+
+# ---- batch normalisation across processes ----------------------------------------------------------------
+
+
+def sync_batchnorm_matches_global_batch(seed: int, device_ids: Optional[list] = None, steps: int = 3,
+                                        per_rank: int = 6) -> float:
+    """minidp.SyncBatchNorm inside minidp's DDP (``device_ids``: replicas in each process) against
+    ``nn.BatchNorm1d`` in one process on every rank's samples at once, float64, SGD with momentum: the
+    largest relative difference in parameters and running statistics."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed)
+    reference = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
+    module = minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    ddp = md.DistributedDataParallel(module, device_ids=device_ids)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, reference)]
+    worst = 0.0
+    for step in range(steps):
+        inputs = [_inputs(seed, step, per_rank, 6).double()]
+        everyone = [torch.empty_like(inputs[0]) for _ in range(world)]
+        dist.all_gather(everyone, inputs[0])
+        for model, optimizer, x in ((ddp, optimizers[0], everyone[rank]), (reference, optimizers[1], torch.cat(everyone))):
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+        pairs = list(zip(module.parameters(), reference.parameters())) + [
+            (module[1].running_mean, reference[1].running_mean), (module[1].running_var, reference[1].running_var)]
+        worst = max([worst, *(max_relative_error(a, b) for a, b in pairs)])
+        assert int(module[1].num_batches_tracked) == int(reference[1].num_batches_tracked) == step + 1
+    return worst
+
+
+def torch_sync_batchnorm_on_cpu(seed: int) -> dict:
+    """torch.nn.SyncBatchNorm in a CPU model: both wrappers' errors at construction."""
+    errors = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+        try:
+            _quiet(lambda: wrapper(model))
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+# ---- a rank that runs out of data without Join ---------------------------------------------------------
+
+
+def runs_out_without_join(directory: str) -> None:
+    """Rank r trains 2 + r steps without Join, then waits at a barrier; each rank writes the error it got
+    (or "finished") and the seconds it took to ``directory/rank<r>.txt``. The job's process group has a
+    short timeout: the test bounds the time and reads the files."""
+    ddp = md.DistributedDataParallel(nn.Linear(4, 4))
+    start = time.monotonic()
+    try:
+        for _ in range(2 + dist.get_rank()):
+            ddp(torch.randn(3, 4)).sum().backward()
+        dist.barrier()
+        outcome = "finished"
+    except RuntimeError as error:
+        outcome = str(error)
+    with open(os.path.join(directory, f"rank{dist.get_rank()}.txt"), "w") as file:
+        file.write(f"{time.monotonic() - start:.1f}\n{outcome}")

@@ -1,0 +1,299 @@
+"""torch DDP's features beyond the basic training step, in minidp.distributed, against stock torch DDP in real
+Gloo processes on 127.0.0.1 (one job per world size, bounded; see ``tests/test_distributed.py``).
+
+Each test cites the torch 2.13 source it mirrors: ``torch/nn/parallel/distributed.py`` (DDP) and the
+behaviour of its C++ reducer as torch's own tests exercise it
+(``torch/testing/_internal/distributed/distributed_test.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import ddp_feature_checks as checks
+from .helpers import RTOL_FLOAT64, cpu_ids
+from minidp.distributed import RankFailed, launch
+from minidp.distributed.reducer import CREATE_GRAPH_WARNING
+
+
+@pytest.fixture(autouse=True)
+def dataparallel_configuration():
+    """These checks run in processes of their own: once, not under both configurations of tests/conftest.py."""
+
+
+JOB_TIMEOUT = 300.0
+
+TWO_PROCESSES = {
+    "saved": (checks.pickled_then_trained, {"how": "torch.save"}),
+    "deepcopied": (checks.pickled_then_trained, {"how": "deepcopy"}),
+    "pickling_subgroup": (checks.pickling_with_a_subgroup, {}),
+    "create_graph": (checks.create_graph_as_stock, {}),
+    "create_graph_second": (checks.create_graph_with_several_parameters, {}),
+    "gradient_penalty": (checks.gradient_penalty_as_stock, {}),
+    "comm_hook_errors": (checks.comm_hook_errors, {}),
+    "builtin_allreduce": (checks.builtin_hook_as_stock, {"hook_type": "ALLREDUCE"}),
+    "builtin_fp16": (checks.builtin_hook_as_stock, {"hook_type": "FP16_COMPRESS"}),
+    **{f"checkpoint_{'reentrant' if r else 'plain'}_{'twice' if t else 'once'}_{'unused' if u else 'all'}_"
+       f"{'static' if g else 'dynamic'}": (checks.checkpointing_as_stock, {
+           "reentrant": r, "twice": t, "find_unused_parameters": u, "static_graph": g})
+       for r in (True, False) for t in (False, True) for u in (False, True) for g in (False, True)},
+    "static_buckets": (checks.static_graph_buckets, {"late": False}),
+    "static_buckets_late": (checks.static_graph_buckets, {"late": True}),
+    "static_set_late": (checks.static_graph_set_late, {}),
+    "join": (checks.uneven_inputs_as_stock, {}),
+    "join_effective_world_size": (checks.uneven_inputs_as_stock, {"divide_by_initial_world_size": False}),
+    "join_generic": (checks.uneven_inputs_as_stock, {"through": "Join", "divide_by_initial_world_size": False}),
+    "join_batch_norm": (checks.uneven_inputs_as_stock, {"model": "batch_norm"}),
+    "join_find_unused": (checks.uneven_inputs_as_stock, {"model": "partly_used"}),
+    "join_throw": (checks.uneven_inputs_as_stock, {"throw_on_early_termination": True}),
+    "logging_constructed": (checks.logging_data_as_stock, {"steps": 0, "bucket_cap_mb": 1}),
+    "logging_rebuilt": (checks.logging_data_as_stock, {"steps": 3, "bucket_cap_mb": 1}),
+    "logging_sampled": (checks.logging_data_as_stock, {
+        "steps": 14, "sample_rate": 2, "find_unused_parameters": True, "gradient_as_bucket_view": True}),
+    "logging_static_hook": (checks.logging_data_as_stock, {"steps": 3, "static_graph": True, "hook": "python"}),
+    "logging_builtin_join": (checks.logging_data_as_stock, {"steps": 2, "hook": "builtin", "under_join": True}),
+    "logging_sample_rate_errors": (checks.sample_rate_errors, {}),
+    "sparse": (checks.sparse_gradients_as_stock, {}),
+    "sparse_small_buckets": (checks.sparse_gradients_as_stock, {"bucket_cap_mb": 0.0001}),
+    "sparse_find_unused": (checks.sparse_gradients_as_stock, {"find_unused_parameters": True}),
+    "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
+    "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
+    "torch_sync_bn_cpu": (checks.torch_sync_batchnorm_on_cpu, {}),
+}
+
+
+def _run_checks(checks_by_name: dict, seed: int) -> dict:
+    return {name: function(seed=seed, **kwargs) for name, (function, kwargs) in checks_by_name.items()}
+
+
+THREE_PROCESSES = {
+    "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
+    "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
+}
+
+
+def _job(world_size: int, plan: dict) -> list[dict]:
+    seed = int(torch.randint(0, 2**20, ()).item())
+    print(f"job seed: {seed}")
+    return launch(_run_checks, world_size, (plan, seed), job_timeout=JOB_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict]:
+    return _job(2, TWO_PROCESSES)
+
+
+@pytest.fixture(scope="module")
+def three() -> list[dict]:
+    return _job(3, THREE_PROCESSES)
+
+
+def _each_rank(results: list[dict], check: str) -> list:
+    return [by_name[check] for by_name in results]
+
+
+# ---- pickling: DistributedDataParallel.__getstate__ / __setstate__ (distributed.py:1485-1521) ----
+
+
+@pytest.mark.parametrize("check", ["saved", "deepcopied"])
+def test_a_saved_or_deepcopied_wrapper_trains_on_exactly_as_stock(two, check):
+    for result in _each_rank(two, check):
+        assert result["differences"] == [None] * 4
+        assert result["process_group_is_default"]  # re-attached to the default group
+        assert not result["shares_parameters"]  # the copy's reducer hooks its own parameters
+        assert result["original_untouched"] is None
+
+
+def test_pickling_with_a_non_default_group_raises_stocks_error(two):
+    for errors in _each_rank(two, "pickling_subgroup"):
+        assert errors["minidp"] == errors["stock"]
+        assert errors["minidp"].startswith("DDP Pickling/Unpickling are only supported")
+
+
+# ---- second-order gradients (reducer.cpp's create_graph warning; distributed_test.py test_ddp_create_graph) ----
+
+
+def test_create_graph_gradients_accumulate_with_their_graph_as_stock(two):
+    for result in _each_rank(two, "create_graph"):
+        assert result["equal"] and result["through_is_zero"]
+        assert result["stock"] == [(True, "CopyBackwards")] * 6  # the graph ends in the copy of the mean
+        assert result["warnings"] == [CREATE_GRAPH_WARNING]  # once, stock's words
+
+
+def test_create_graph_with_several_parameters_averages_the_values_where_stock_raises(two):
+    for result in _each_rank(two, "create_graph_second"):
+        assert result["error"] <= RTOL_FLOAT64
+        assert result["requires_grad"] and result["through_is_zero"]  # stock's one-parameter semantics
+
+
+def test_gradient_penalty_on_the_inputs_matches_stock_bitwise(two):
+    for differences in _each_rank(two, "gradient_penalty"):
+        assert differences == [None] * 3
+
+
+# ---- communication hooks: _check_comm_hook (distributed.py:2462), _register_builtin_comm_hook (:2260) ----
+
+
+@pytest.mark.parametrize("case", ["not_callable", "bucket_annotation", "return_annotation", "stock_annotations",
+                                  "twice", "hook_then_builtin", "builtin_then_hook", "after_a_backward"])
+def test_comm_hook_registration_is_checked_with_stocks_errors(two, case):
+    for seen in _each_rank(two, "comm_hook_errors"):
+        assert seen[case]["minidp"] == seen[case]["stock"]
+
+
+def test_a_hook_without_a_bucket_parameter_gets_a_clearer_error_than_stocks_key_error(two):
+    for seen in _each_rank(two, "comm_hook_errors"):
+        assert seen["bucket_not_named_bucket"]["stock"] == "KeyError: 'bucket'"
+        assert "define it as hook(state, bucket)" in seen["bucket_not_named_bucket"]["minidp"]
+
+
+def test_a_hook_that_returns_no_future_is_named_as_stock_names_it(two):
+    for seen in _each_rank(two, "comm_hook_errors"):
+        expected = "DDP communication hook's callback must return a torch.futures.Future object, but got builtins.int"
+        assert expected in seen["not_a_future"]["stock"] and expected in seen["not_a_future"]["minidp"]
+
+
+@pytest.mark.parametrize("hook_type", ["allreduce", "fp16"])
+def test_builtin_comm_hooks_give_stocks_bits(two, hook_type):
+    for differences in _each_rank(two, f"builtin_{hook_type}"):
+        assert differences == [None] * 3
+
+
+# ---- static graph (distributed.py:2589 _set_static_graph, _DDPSink's delayed all-reduce) and checkpointing ----
+
+CHECKPOINT_CASES = [f"{'reentrant' if r else 'plain'}_{'twice' if t else 'once'}_{'unused' if u else 'all'}_"
+                    f"{'static' if g else 'dynamic'}"
+                    for r in (True, False) for t in (False, True) for u in (False, True) for g in (False, True)]
+
+
+@pytest.mark.parametrize("case", CHECKPOINT_CASES)
+def test_activation_checkpointing_trains_as_stock_or_fails_where_stock_fails(two, case):
+    # torch DDP refuses re-entrant checkpointing of a layer used twice, or with find_unused_parameters,
+    # unless static_graph=True ("Expected to mark a variable ready only once"); everything else trains
+    for result in _each_rank(two, f"checkpoint_{case}"):
+        if result["stock"] == "ok":
+            assert result["minidp"] == "ok" and result["differences"] == [None] * 4
+        else:
+            assert result["stock"].startswith("Expected to mark a variable ready only once")
+            assert "got its gradient twice in one backward" in result["minidp"]
+
+
+def test_stock_refuses_exactly_the_reentrant_cases_without_static_graph(two):
+    refused = {case for case in CHECKPOINT_CASES if _each_rank(two, f"checkpoint_{case}")[0]["stock"] != "ok"}
+    assert refused == {"reentrant_once_unused_dynamic", "reentrant_twice_all_dynamic", "reentrant_twice_unused_dynamic"}
+
+
+@pytest.mark.parametrize("check", ["static_buckets", "static_buckets_late"])
+def test_static_graph_reduces_all_at_the_end_first_then_rebuilds_after_the_second_backward_as_stock(two, check):
+    for result in _each_rank(two, check):
+        assert result["minidp"] == result["stock"]
+        assert result["differences"] == [None] * 4
+        assert result["never_grad"] == [None, None]
+    first, second, third, _ = _each_rank(two, "static_buckets")[0]["stock"]
+    assert first == second == [[0, 1, 2, 3, 4, 5, 6, 7]]  # one bucket until the rebuild
+    assert third == [[7, 6, 3, 2], [1, 0, 4, 5]]  # arrival order, the unused parameters last
+
+
+def test_set_static_graph_warns_and_refuses_as_stock(two):
+    for seen in _each_rank(two, "static_set_late"):
+        assert seen["minidp"] == seen["stock"]
+        assert seen["minidp"][0] == ["You've set static_graph to be True, no need to set it again."]
+
+
+# ---- uneven inputs: join() (distributed.py:1989), Join (torch/distributed/algorithms/join.py), _DDPJoinHook ----
+
+
+@pytest.mark.parametrize("check", ["join", "join_effective_world_size", "join_generic", "join_batch_norm",
+                                   "join_find_unused"])
+def test_uneven_inputs_under_join_end_with_stocks_model_on_every_rank(two, check):
+    # rank 1 trains 4 steps, rank 0 2 and then shadows; the last rank to join sends its model to all
+    for result in _each_rank(two, check):
+        assert result["errors"] == {}
+        assert result["difference"] is None
+
+
+def test_throw_on_early_termination_raises_stocks_errors_on_every_rank(two):
+    rank_0, rank_1 = _each_rank(two, "join_throw")
+    assert rank_0["errors"] == {"stock": "Rank 0 exhausted all inputs.", "minidp": "Rank 0 exhausted all inputs."}
+    expected = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+    assert rank_1["errors"] == {"stock": expected, "minidp": expected}
+
+
+# ---- runtime statistics: _get_ddp_logging_data (distributed.py:2552), _set_ddp_runtime_logging_sample_rate ----
+
+LOGGING_CASES = ["logging_constructed", "logging_rebuilt", "logging_sampled", "logging_static_hook",
+                 "logging_builtin_join"]
+
+
+def _is_timing(key: str) -> bool:
+    return key.endswith(("_time", "_start", "_end")) or key.startswith("avg_")
+
+
+@pytest.mark.parametrize("check", LOGGING_CASES)
+def test_logging_data_has_stocks_keys_and_values_but_times(two, check):
+    for data in _each_rank(two, check):
+        assert sorted(data["minidp"]) == sorted(data["stock"])
+        assert {k: v for k, v in data["minidp"].items() if not _is_timing(k)} == \
+               {k: v for k, v in data["stock"].items() if not _is_timing(k)}
+
+
+@pytest.mark.parametrize("check", ["logging_rebuilt", "logging_sampled", "logging_static_hook"])
+def test_logged_times_are_nanoseconds_between_the_logged_stamps(two, check):
+    for data in _each_rank(two, check):
+        ours = data["minidp"]
+        assert ours["forward_compute_time"] == ours["backward_compute_time_start"] - ours["forward_compute_time_start"]
+        assert ours["backward_compute_time"] == ours["backward_compute_time_end"] - ours["backward_compute_time_start"]
+        assert ours["backward_comm_time"] == ours["backward_comm_time_end"] - ours["backward_comm_time_start"]
+        assert ours["backward_compute_comm_overlap_time"] == \
+               ours["backward_compute_time_end"] - ours["backward_comm_time_start"]
+        assert all(ours[k] > 0 for k in ours if k.startswith("avg_"))
+
+
+def test_a_sample_rate_below_one_is_refused_as_stock(two):
+    for errors in _each_rank(two, "logging_sample_rate_errors"):
+        assert errors["minidp"] == errors["stock"] == "DDP runtime logging sample rate should be equal or greater than 1"
+
+
+# ---- sparse gradients (distributed.py:1554 produces_sparse_gradient; reducer.cpp mark_variable_ready_sparse) ----
+
+
+@pytest.mark.parametrize("check", ["sparse", "sparse_small_buckets", "sparse_find_unused"])
+def test_sparse_gradients_are_reduced_on_their_own_as_stock(two, check):
+    for result in _each_rank(two, check):
+        assert result["same"] == [True] * 3
+        assert result["sparse_grads"] == [True, False, False, True, False, False]
+        assert result["plans"][1] == result["plans"][0]  # each sparse gradient a bucket of its own
+
+
+# ---- batch normalisation: minidp.SyncBatchNorm across processes; torch's refused on the CPU (distributed.py:2453) ----
+
+
+@pytest.mark.parametrize("check", ["sync_bn_processes", "sync_bn_hybrid"])
+def test_sync_batchnorm_across_every_replica_of_every_process_is_batchnorm_on_the_global_batch(two, three, check):
+    for results in (two, three):
+        for worst in _each_rank(results, check):
+            assert worst <= RTOL_FLOAT64
+
+
+def test_torch_sync_batchnorm_on_the_cpu_is_refused_with_stocks_words_and_the_way_out(two):
+    for errors in _each_rank(two, "torch_sync_bn_cpu"):
+        assert errors["stock"] == "SyncBatchNorm layers only work with GPU modules"
+        assert errors["minidp"].startswith("SyncBatchNorm layers only work with GPU modules")
+        assert "minidp.SyncBatchNorm.convert_sync_batchnorm" in errors["minidp"]
+
+
+# ---- a rank that runs out of data without Join: torch DDP waits past the process group's timeout ----
+
+
+def test_a_rank_out_of_data_without_join_is_an_error_on_every_rank_within_the_timeout(tmp_path):
+    # rank 0 stops after 2 steps and waits at a barrier; rank 1's third backward waits for rank 0
+    try:
+        launch(checks.runs_out_without_join, 2, (str(tmp_path),), timeout=6, job_timeout=120)
+    except RankFailed:
+        pass  # the job's own closing barrier may fail too, after both ranks wrote what they got
+    outcomes = [(tmp_path / f"rank{rank}.txt").read_text().split("\n", 1) for rank in (0, 1)]
+    assert all(float(seconds) < 60 for seconds, _ in outcomes)  # the process group's timeout, not a hang
+    assert "Timed out" in outcomes[0][1] or "Connection closed" in outcomes[0][1]  # its barrier, outside DDP
+    assert "rank 1: the all-reduce of bucket 0 did not complete" in outcomes[1][1]
+    assert "with ddp.join():" in outcomes[1][1]
