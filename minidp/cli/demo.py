@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train with minidp.distributed in this many processes (Gloo on the loopback address, or NCCL "
         "with --device cuda), --replicas replicas in each; --batch-size is the total per step (default: 1)",
     )
+    parser.add_argument(
+        "--shard", action="store_true",
+        help="with --processes N: shard the model with minidp.distributed.fully_shard instead of DDP (each process "
+        "keeps 1/N of the parameters, gradients and optimizer state); prints the first step's events and the "
+        "memory per process beside DDP's",
+    )
 
 
 def choose_device_ids(device: str, replicas: Optional[int]) -> list[Union[int, str]]:
@@ -231,10 +237,14 @@ def run(args: argparse.Namespace) -> int:
 
         if args.balanced:
             raise SystemExit("--balanced and --processes: choose one (the distributed demo gathers in each process)")
+        if args.shard and args.replicas:
+            raise SystemExit("--shard and --replicas: choose one (a sharded process runs its model once)")
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         run_demo(args.processes, backend="nccl" if device == "cuda" else "gloo", epochs=args.epochs,
                  batch_size=args.batch_size, replicas=args.replicas or 1, lr=args.lr, seed=args.seed,
-                 samples=args.samples, trace=args.trace)
+                 samples=args.samples, trace=args.trace, shard=args.shard)
         return 0
+    if args.shard:
+        raise SystemExit("--shard needs --processes N (N > 1): sharding splits the model across processes")
     train(args)
     return 0
