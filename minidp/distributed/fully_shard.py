@@ -31,11 +31,22 @@ The steps, and where each lives:
    one ``reduce_scatter_single`` (``reduce_scatter_tensor``) leaves each rank the sum of its slot, divided by W as FSDP2 divides
    (:func:`division`), and rank r's rows become the shards' ``.grad``.
 5. **prefetch and overlap** (:class:`Iteration`): as FSDP2's backward does, each group's backward
-   launches the all-gather of the group that ran just before it in the forward, which then runs
-   while this one computes; each reduce-scatter runs while the next group computes its backward,
-   and is finished (its buffer freed) before the next one starts, FSDP2's one buffer in flight.
-   The forward does not prefetch, as FSDP2's does not unless asked
+   launches the all-gather of the group that ran just before it in the forward; each
+   reduce-scatter is finished (its buffer freed) before the next one starts, FSDP2's one buffer in
+   flight. The forward does not prefetch, as FSDP2's does not unless asked
    (``set_modules_to_forward_prefetch``): it would hold two groups' parameters at once.
+   *Where they overlap compute* follows FSDP2 too. Off the CPU (NCCL) the collectives are left
+   running: the prefetched all-gather runs while this group computes, each reduce-scatter while
+   the next group computes its backward, as FSDP2's run on their own CUDA streams. On the CPU
+   FSDP2 has no streams and waits for each collective when it is issued (``_fsdp_param_group.py``:
+   ``unshard_async_op`` is False; ``_fsdp_collectives.py``, ``foreach_reduce``: the reduce-scatter
+   without ``async_op``); minidp does the same
+   (``ShardGroup.overlap``), because overlap there costs memory: a reduce-scatter left running
+   keeps its full-size input, its output and Gloo's work on it alive through the next group's
+   backward, which made a step add 1.4-1.6x FSDP2's memory (BENCHMARKS.md, "Sharding"). What
+   waiting costs: Gloo's transfer no longer hides behind the next group's compute on the CPU.
+   The arithmetic is the same either way (only when each wait happens changes), so training stays
+   bitwise equal to FSDP2.
 6. the optimizer steps on the shards, each rank on its own 1/W.
 
 :func:`full_state_dict` gathers every parameter on every rank; ``module.load_state_dict`` takes
@@ -151,6 +162,9 @@ class ShardGroup:
         self.rank, self.world_size = process_group.rank(), process_group.size()
         self.reshard_after_forward = reshard_after_forward
         self.device = device
+        # Collectives overlap compute only off the CPU, where FSDP2's overlap (its CUDA streams) is
+        # too; on the CPU each is waited for at once (the module docstring, step 5, says why).
+        self.overlap = device.type != "cpu"
         self.name = ""  # the module's name under the root, set on the first forward
         self.index = 0  # position among the root's groups
         self.iteration: Optional[Iteration] = None  # set by the root's first forward
@@ -176,6 +190,10 @@ class ShardGroup:
         work = _all_gather(flat, mine, group=self.process_group, async_op=True)
         self._record_when_done(work, "all-gather", start)
         self.pending = (work, flat)
+        if not self.overlap:  # FSDP2 on the CPU: the all-gather is done when the call returns
+            work.wait()
+            if self.iteration is not None:
+                self.iteration.poll(waited=work)
 
     def unshard(self) -> None:
         """The whole parameters on the module: wait for (or run) the all-gather, then copy-out."""
@@ -244,8 +262,8 @@ class ShardGroup:
             return
         # One reduce-scatter in flight at a time, as FSDP2 (reduce_scatter_max_input_buffers=1): the
         # previous group's, which overlapped this group's backward, ends before this one's buffer exists.
-        # All collectives are asynchronous (async_op=True) on every backend; the order in which they
-        # are launched, the same on every rank, is what matches them up.
+        # Collectives are launched with async_op=True on every backend (on the CPU, waited for at once);
+        # the order in which they are launched, the same on every rank, is what matches them up.
         self.iteration.finish_reductions()
         start = time.time()
         before, op, after = division(grads[0].dtype, self.world_size)
@@ -262,6 +280,8 @@ class ShardGroup:
         work = _reduce_scatter(mine, flat, op=op, group=self.process_group, async_op=True)
         self._record_when_done(work, "reduce-scatter", start)
         self.iteration.reductions.append((self, work, mine, flat, with_grad, after))
+        if not self.overlap:  # FSDP2 on the CPU: wait at once, and ``flat`` is freed before the next backward
+            self.iteration.finish_reductions()
 
     def finish_reduction(self, work: dist.Work, mine: torch.Tensor, flat: torch.Tensor,
                          with_grad: list[ShardedParameter], after: Optional[float]) -> None:
