@@ -6,7 +6,10 @@
 
 Each group is one case and replica count K; its members, measured in the same run:
 
-* ``ext``: ``minidp.ext.reduce_add_coalesced`` (allocates its outputs, as every other member does);
+* ``comm``: ``minidp.comm.reduce_add_coalesced(..., backend="ext")``, the reduction as a step uses it
+  (its checks in Python, then the extension); the sums are dropped before the next call, as
+  ``zero_grad(set_to_none=True)`` drops gradients, so their memory is reused;
+* ``ext``: ``minidp.ext.reduce_add_coalesced`` alone, its sums dropped the same way;
 * ``ext_into``: the extension writing into outputs allocated once beforehand, i.e. the kernel alone;
 * ``torch``: the core's torch backend, ``minidp.comm.reduce_add_coalesced(..., backend="torch")``;
 * ``stock``: on a GPU, ``torch.nn.parallel.comm.reduce_add_coalesced`` itself. It asserts on CPU
@@ -105,6 +108,7 @@ def members(inputs: list[list[torch.Tensor]]) -> dict[str, Callable[[], object]]
     outputs = [torch.empty_like(t).fill_(0) for t in inputs[0]]
     op = ext.load()
     return {
+        "comm": lambda: comm.reduce_add_coalesced(inputs, DEVICE, backend="ext"),
         "ext": lambda: ext.reduce_add_coalesced(inputs, DEVICE),
         "ext_into": lambda: op.reduce_add_into(inputs, outputs),
         "torch": lambda: comm.reduce_add_coalesced(inputs, DEVICE, backend="torch"),
@@ -128,7 +132,7 @@ def synchronized(fn: Callable[[], object]) -> Callable[[], object]:
 
 # --- pytest-benchmark ---------------------------------------------------------------------
 
-MEMBERS = ("ext", "ext_into", "torch", "stock", "copy")
+MEMBERS = ("comm", "ext", "ext_into", "torch", "stock", "copy")
 _inputs_cache: dict[tuple[str, int], list[list[torch.Tensor]]] = {}
 
 
@@ -190,6 +194,7 @@ def summary() -> list[dict]:
                 "copy_GBps": 2 * elements * inputs[0][0].element_size() / ms["copy"] / 1e6,
                 "floor_ms": floor_ms,
                 "ext/torch": ms["ext"] / ms["torch"], "ext/stock": ms["ext"] / ms["stock"],
+                "comm/torch": ms["comm"] / ms["torch"], "comm_floor_pct": 100 * floor_ms / ms["comm"],
                 "ext_floor_pct": 100 * floor_ms / ms["ext"], "ext_into_floor_pct": 100 * floor_ms / ms["ext_into"],
                 # A store first reads its cache line (read for ownership): a copy moves 3 streams,
                 # not 2, and the reduction K + 2. The same floor counted that way:
@@ -202,12 +207,13 @@ def summary() -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     print(f"device {DEVICE}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"median of {ROUNDS}, quick={QUICK}, load average {os.getloadavg()[0]:.1f}")
-    head = ("case", "K", "ext ms", "into ms", "torch ms", "stock ms", "copy GB/s", "floor ms",
-            "ext/torch", "ext/stock", "ext %floor", "into %floor", "ext %rfo")
+    head = ("case", "K", "comm ms", "ext ms", "into ms", "torch ms", "stock ms", "copy GB/s", "floor ms",
+            "comm/torch", "ext/stock", "comm %floor", "ext %floor", "into %floor", "ext %rfo")
     print("  ".join(f"{h:>11}" for h in head))
     for r in rows:
-        cells = (r["case"], r["K"], r["ext_ms"], r["ext_into_ms"], r["torch_ms"], r["stock_ms"], r["copy_GBps"],
-                 r["floor_ms"], r["ext/torch"], r["ext/stock"], r["ext_floor_pct"], r["ext_into_floor_pct"], r["ext_rfo_floor_pct"])
+        cells = (r["case"], r["K"], r["comm_ms"], r["ext_ms"], r["ext_into_ms"], r["torch_ms"], r["stock_ms"],
+                 r["copy_GBps"], r["floor_ms"], r["comm/torch"], r["ext/stock"], r["comm_floor_pct"], r["ext_floor_pct"],
+                 r["ext_into_floor_pct"], r["ext_rfo_floor_pct"])
         print("  ".join(f"{c:>11.2f}" if isinstance(c, float) else f"{c:>11}" for c in cells))
 
 

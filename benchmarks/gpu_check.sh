@@ -3,7 +3,7 @@
 # benchmarks (the reduction of BENCHMARKS.md and the runtime ratios of its second part), and write
 # OUTDIR/gpu_check.json and OUTDIR/summary.txt (one screen; also printed).
 # Every step runs, with its own time limit, even when an earlier one fails; each step's exit
-# status and output (OUTDIR/<step>.log) are kept. About 6 minutes on one GPU, 10 at most.
+# status and output (OUTDIR/<step>.log) are kept. About 6 minutes on one GPU, 11 at most.
 #
 #   bash benchmarks/gpu_check.sh OUTDIR
 set -u
@@ -39,6 +39,7 @@ step ratios 60 "$py" -m minidp bench --device cuda
 step groups 60 env MINIDP_BENCH_QUICK=1 "$py" -m pytest benchmarks/ -m cuda -q -p no:cacheprovider --benchmark-columns=median,min,rounds --benchmark-sort=name
 step memory 40 "$py" -m benchmarks.steady_memory --device cuda --steps 1000
 step nccl 90 "$py" benchmarks/bench_ddp.py --backend nccl --rounds 20   # says why when NCCL cannot run 2 ranks here
+step fsdp 90 "$py" benchmarks/bench_fsdp.py --backend nccl --rounds 20  # fully_shard vs FSDP2; the same
 
 # gpu_check.json: each step's exit status and seconds, and the benchmark rows when there are any.
 {
@@ -62,6 +63,7 @@ step nccl 90 "$py" benchmarks/bench_ddp.py --backend nccl --rounds 20   # says w
   echo "-- runtime ratios"; tail -n 25 "$out/ratios.log"
   echo "-- steady memory"; tail -n 4 "$out/memory.log"
   echo "-- minidp.distributed vs torch DDP on NCCL"; tail -n 6 "$out/nccl.log"
+  echo "-- fully_shard vs FSDP2 on NCCL"; tail -n 6 "$out/fsdp.log"
   echo "-- failing steps"
   for i in "${!names[@]}"; do
     [ "${codes[$i]}" -ne 0 ] && { echo "   ${names[$i]}:"; tail -n 8 "$out/${names[$i]}.log" | sed 's/^/     /'; }

@@ -1,9 +1,15 @@
 """What tracing costs: one training step of the demo CNN with and without ``minidp.trace()``.
 
-    python benchmarks/trace_overhead.py [--steps 30] [--batch 256] [--replicas 4]
+    python benchmarks/trace_overhead.py [--steps 30] [--batch 256] [--replicas 4] [--ledger]
 
 Traced and untraced steps alternate, so both see the same machine; the medians are compared as a
 ratio. Also measured: what an instrumented primitive costs with no tracer active (the flag check).
+
+``--ledger`` adds two more kinds of step to the rotation: ``minidp.trace(ledger=True)`` (the memory ledger
+counts every allocation), and, for comparison, the step under ``torch.profiler.profile(profile_memory=True,
+record_shapes=True, with_stack=True)`` followed by the analysis behind its memory timeline
+(``torch.profiler._memory_profiler.MemoryProfile``), which sees only the calling thread's allocations; and
+what the ledger costs per operator, on a small ``torch.add`` watched and not, alternating.
 """
 
 from __future__ import annotations
@@ -12,11 +18,14 @@ import argparse
 import statistics
 import time
 import timeit
+from typing import Callable
 
 import torch
+from torch.profiler._memory_profiler import MemoryProfile
 
 import minidp
 from minidp.hooks import observed
+from minidp.tracing.memory import AllocationLedger
 from minidp.zoo import ZOO
 
 
@@ -25,6 +34,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--ledger", action="store_true",
+                        help="also time minidp.trace(ledger=True) and torch's memory profile")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -38,28 +49,47 @@ def main() -> None:
         entry.loss(model(*inputs)).backward()
         optimizer.step()
 
-    def timed(traced: bool) -> tuple[float, float]:
+    def traced() -> None:
+        with minidp.trace():
+            step()
+
+    def ledger() -> None:
+        with minidp.trace(ledger=True) as recorded:
+            step()
+        recorded.ledger()
+
+    def torch_memory_profile() -> None:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                    record_shapes=True, with_stack=True) as profile:
+            step()
+        MemoryProfile(profile.profiler.kineto_results).timeline
+
+    kinds = {"tracing off": step, "tracing on": traced}
+    if args.ledger:
+        kinds.update({"ledger on": ledger, "torch memory profile": torch_memory_profile})
+
+    def timed(run: Callable[[], None]) -> tuple[float, float]:
         """Wall time and CPU time (all threads of the process) of one step."""
         start, cpu_start = time.perf_counter(), time.process_time()
-        if traced:
-            with minidp.trace():
-                step()
-        else:
-            step()
+        run()
         return time.perf_counter() - start, time.process_time() - cpu_start
 
     for _ in range(3):
         step()
-    plain, with_trace = [], []
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in kinds}
     for _ in range(args.steps):
-        plain.append(timed(False))
-        with_trace.append(timed(True))
+        for name, run in kinds.items():
+            times[name].append(timed(run))
     print(f"cnn, batch {args.batch}, {args.replicas} CPU replicas, {args.steps} steps each, alternating")
     for clock, index in (("wall", 0), ("CPU", 1)):
-        p = statistics.median(t[index] for t in plain)
-        t = statistics.median(t[index] for t in with_trace)
-        print(f"{clock:>4} time per step: tracing off {p * 1e3:.2f} ms, on {t * 1e3:.2f} ms (median): "
-              f"overhead {(t / p - 1) * 100:+.1f}%")
+        plain = statistics.median(t[index] for t in times["tracing off"])
+        for name in list(kinds)[1:]:
+            other = statistics.median(t[index] for t in times[name])
+            print(f"{clock:>4} time per step: tracing off {plain * 1e3:.2f} ms, {name} {other * 1e3:.2f} ms (median): "
+                  f"overhead {(other / plain - 1) * 100:+.1f}%")
+
+    if args.ledger:  # the ledger's cost per operator, away from the step's noise: a small add, watched or not
+        print(f"the ledger's cost per operator: {ledger_cost_per_operator() * 1e6:.1f} us (torch.add on 4 floats)")
 
     # The flag check alone: an instrumented no-op against the bare no-op.
     def bare() -> None:
@@ -70,6 +100,28 @@ def main() -> None:
     off = min(timeit.repeat(instrumented, number=n, repeat=7)) / n
     plain_call = min(timeit.repeat(bare, number=n, repeat=7)) / n
     print(f"an instrumented call with no tracer active: {(off - plain_call) * 1e9:.0f} ns more than the bare call")
+
+def ledger_cost_per_operator(operators: int = 2000, rounds: int = 7) -> float:
+    """Seconds one operator costs more while an AllocationLedger watches: best of ``rounds`` alternating rounds."""
+    a = torch.ones(4)
+
+    def run() -> float:
+        start = time.perf_counter()
+        for _ in range(operators):
+            torch.add(a, a)
+        return time.perf_counter() - start
+
+    plain, watched = [], []
+    for _ in range(rounds):
+        plain.append(run())
+        ledger = AllocationLedger()
+        ledger.start()
+        try:
+            watched.append(run())
+        finally:
+            ledger.stop()
+    return (min(watched) - min(plain)) / operators
+
 
 if __name__ == "__main__":
     main()

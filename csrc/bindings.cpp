@@ -2,6 +2,7 @@
 // it, builds the ReduceTable and runs the CPU or the CUDA kernel.
 //
 // The CUDA half is compiled only with -DMINIDP_WITH_CUDA, so a CPU build needs no CUDA headers.
+#include <c10/core/CPUAllocator.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -248,43 +249,146 @@ void reduce_add_into(const std::vector<TensorList>& inputs, const TensorList& ou
 // A fresh output's pages are mapped on its first write, inside the kernel, and for a big tensor
 // those 4 KiB page faults cost as much as the sums. Asking for transparent huge pages first
 // (the hint torch gives itself under THP_MEM_ALLOC_ENABLE=1) makes them 512 times fewer. Only
-// whole 2 MiB pages inside the tensor are advised; it does nothing where THP is off.
-void prefer_huge_pages(const at::Tensor& t) {
+// whole 2 MiB pages inside the memory are advised; it does nothing where THP is off.
+void prefer_huge_pages(void* data, size_t nbytes) {
 #ifdef __linux__
   constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
-  const auto start = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const auto start = reinterpret_cast<uintptr_t>(data);
   const uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1);
-  const uintptr_t end = (start + t.nbytes()) & ~(kHugePage - 1);
+  const uintptr_t end = (start + nbytes) & ~(kHugePage - 1);
   if (end > begin) {
     madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
   }
 #endif
 }
 
-// Fresh tensors on `destination` holding the sums, one per position, shaped like replica 0's.
-TensorList reduce_add(const std::vector<TensorList>& inputs, at::Device destination) {
-  check_inputs(inputs);
-  py::gil_scoped_release no_gil;
-  TensorList outputs;
-  outputs.reserve(inputs[0].size());
-  for (const at::Tensor& like : inputs[0]) {
-    outputs.push_back(at::empty(like.sizes(), like.options().device(destination)));
-    if (destination.is_cpu()) {
-      prefer_huge_pages(outputs.back());
-    }
+// Where the sums of a CPU reduction are written: memory that stays mapped from one step to the
+// next, as DDP's gradient buckets do, handed out again only once nobody can see it any more.
+//
+// A step's sums are all carved out of one block of memory (a Storage). Each sum is a tensor of
+// its own over that Storage (its own TensorImpl and version counter, not a view of another
+// tensor), so the Storage's use count is 1 (the pool) plus one per tensor still alive anywhere:
+// a sum the user keeps as .grad, a view of one, a graph that saved one. A block is reused only
+// when that count is back to 1, so nothing the user still holds is ever written again; otherwise
+// the call takes another block (a fresh one, mapped by the kernel on first write). Freshly
+// allocated memory costs a page fault and a zero-fill per page inside the reduction, about one
+// more write of every sum: reusing a block is what brings a reduction to the copy-bandwidth floor.
+//
+// At most `max_blocks` blocks are kept; a new one beyond that drops the least recently used
+// (its memory is freed when the last tensor over it goes). GPU sums are fresh tensors: the CUDA
+// caching allocator already hands out memory that is mapped.
+class OutputPool {
+ public:
+  explicit OutputPool(int64_t max_blocks) : max_blocks_(max_blocks) {
+    TORCH_CHECK_VALUE(max_blocks >= 1, "OutputPool needs max_blocks >= 1, got ", max_blocks);
   }
-  reduce_add_checked(inputs, outputs);
-  return outputs;
-}
+
+  // Fresh tensors on `destination` holding the sums, one per position, shaped like replica 0's.
+  TensorList reduce_add(const std::vector<TensorList>& inputs, at::Device destination) {
+    check_inputs(inputs);
+    TensorList outputs = destination.is_cpu() ? carve(inputs[0]) : fresh(inputs[0], destination);
+    py::gil_scoped_release no_gil;
+    reduce_add_checked(inputs, outputs);
+    return outputs;
+  }
+
+  // Bytes of the blocks the pool holds, whether in use or free.
+  int64_t held_bytes() const {
+    int64_t total = 0;
+    for (const c10::Storage& block : blocks_) {
+      total += static_cast<int64_t>(block.nbytes());
+    }
+    return total;
+  }
+
+  // Drops every block: a block still in use is freed when its last tensor goes.
+  void clear() { blocks_.clear(); }
+
+ private:
+  // Each sum starts on a cache line of its own (as at::empty's allocations do).
+  static constexpr int64_t kAlign = 64;
+
+  static TensorList fresh(const TensorList& like, at::Device destination) {
+    TensorList outputs;
+    outputs.reserve(like.size());
+    for (const at::Tensor& t : like) {
+      outputs.push_back(at::empty(t.sizes(), t.options().device(destination)));
+    }
+    return outputs;
+  }
+
+  // The sums as tensors over one free block of the pool (taken, or allocated and kept).
+  TensorList carve(const TensorList& like) {
+    std::vector<int64_t> offsets(like.size());
+    int64_t nbytes = 0;
+    for (size_t i = 0; i < like.size(); ++i) {
+      offsets[i] = nbytes;
+      nbytes += (static_cast<int64_t>(like[i].numel()) * like[i].element_size() + kAlign - 1) / kAlign * kAlign;
+    }
+    c10::Storage block = take(nbytes);
+    TensorList outputs;
+    outputs.reserve(like.size());
+    for (size_t i = 0; i < like.size(); ++i) {
+      const at::Tensor& t = like[i];
+      at::Tensor out = at::empty({0}, t.options().device(at::kCPU));
+      out.set_(block, offsets[i] / t.element_size(), t.sizes());
+      outputs.push_back(std::move(out));
+    }
+    return outputs;
+  }
+
+  // The smallest free block of at least `nbytes`, made most recently used; else a new one.
+  c10::Storage take(int64_t nbytes) {
+    auto best = blocks_.end();
+    for (auto it = blocks_.begin(); it != blocks_.end(); ++it) {
+      const bool free = unused(*it) && static_cast<int64_t>(it->nbytes()) >= nbytes;
+      if (free && (best == blocks_.end() || it->nbytes() < best->nbytes())) {
+        best = it;
+      }
+    }
+    c10::Storage block;
+    if (best != blocks_.end()) {
+      block = *best;
+      blocks_.erase(best);
+    } else {
+      block = c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetCPUAllocator(),
+                           /*resizable=*/false);
+      prefer_huge_pages(block.mutable_data(), block.nbytes());
+      if (static_cast<int64_t>(blocks_.size()) == max_blocks_) {
+        blocks_.erase(blocks_.begin());
+      }
+    }
+    blocks_.push_back(block);
+    return block;
+  }
+
+  // Whether no tensor over `block` is alive anywhere: only the pool holds it. A Python storage
+  // object made for it (tensor.untyped_storage()) holds it too, and is itself kept alive by torch
+  // for as long as C++ holds the block (c10/util/intrusive_ptr.h, "PyObject preservation"): that
+  // object, referenced by nothing but the block, counts as unused. Called with the GIL held.
+  static bool unused(const c10::Storage& block) {
+    const size_t holders = block.use_count();
+    return holders == 1 || (holders == 2 && block.unsafeGetStorageImpl()->pyobj_slot()->has_unique_reference());
+  }
+
+  int64_t max_blocks_;
+  std::vector<c10::Storage> blocks_;  // least recently used first
+};
 
 }  // namespace
 }  // namespace minidp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused gradient reduction: out[i] = sum over replicas k of inputs[k][i].";
-  m.def("reduce_add", &minidp::reduce_add, py::arg("inputs"), py::arg("destination"),
-        "Sums inputs[k][i] over replicas k into fresh tensors on `destination`, "
-        "adding in replica order (half types accumulate in float32).");
+  py::class_<minidp::OutputPool>(m, "OutputPool",
+                                 "Reductions whose CPU sums are written into memory kept mapped between "
+                                 "calls, reused only once no tensor over it is alive.")
+      .def(py::init<int64_t>(), py::arg("max_blocks"))
+      .def("reduce_add", &minidp::OutputPool::reduce_add, py::arg("inputs"), py::arg("destination"),
+           "Sums inputs[k][i] over replicas k into new tensors on `destination`, adding in replica "
+           "order (half types accumulate in float32).")
+      .def("held_bytes", &minidp::OutputPool::held_bytes)
+      .def("clear", &minidp::OutputPool::clear);
   m.def("reduce_add_into", &minidp::reduce_add_into, py::arg("inputs"), py::arg("outputs"),
         "Like reduce_add, but writes into existing contiguous `outputs`.");
   m.attr("has_cuda") = py::bool_(

@@ -39,9 +39,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-import minidp
-
 from .device_ids import DeviceLike, as_devices
+from .step1_scatter import scatter_kwargs
+from .step2_replicate import check_is_module
 
 
 def calibrate(
@@ -58,9 +58,12 @@ def calibrate(
     else one argument), on any device. ``loss_fn(output)``: the scalar to run the backward from
     (default: the sum of the output, which must then be a tensor). ``steps``: timed passes per device.
     """
+    check_is_module(model, "model")
     devices = as_devices(device_ids, "device_ids")
     if not devices:
         raise ValueError("device_ids is empty: give the devices the replicas will run on, e.g. ['cpu'] * 2")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function from the model's output to a scalar, got {type(loss_fn).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if not isinstance(sample_inputs, tuple):
@@ -92,7 +95,7 @@ def _median_step_seconds(
 ) -> float:
     """The median time of a forward and backward pass of a copy of ``model`` on ``device``."""
     replica = copy.deepcopy(model).to(device)
-    ((inputs,), (kwargs,)) = minidp.scatter_kwargs(sample_inputs, {}, [device])  # the whole batch, moved
+    ((inputs,), (kwargs,)) = scatter_kwargs(sample_inputs, {}, [device])  # the whole batch, moved
 
     def step() -> None:
         output = replica(*inputs, **kwargs)

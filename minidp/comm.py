@@ -87,6 +87,7 @@ def broadcast(
     if (devices is None) == (out is None):
         raise ValueError("broadcast: give exactly one of 'devices' and 'out'")
     if out is not None:
+        check_out(out, tensor.shape, None, "broadcast")
         for target in out:
             target.copy_(tensor)
         return tuple(out)
@@ -222,7 +223,9 @@ def reduce_add_coalesced(
     """Sum tensors from several replicas: ``result[i] = inputs[0][i] + inputs[1][i] + ...``.
 
     ``inputs[replica]`` is one replica's list of tensors (e.g. its parameters' gradients); the sums
-    are fresh tensors on ``destination`` (default: the device of ``inputs[0][0]``). The sum runs in
+    are new tensors on ``destination`` (default: the device of ``inputs[0][0]``), never aliases of an
+    input or of anything the caller still holds (the extension writes CPU sums into memory it reuses
+    once no tensor over it is alive: :func:`minidp.ext.reduce_add_coalesced`). The sum runs in
     replica order, so every backend gives bitwise the same result; half-precision inputs are summed
     in float32 and rounded once. Each position goes to the backend :func:`reduce_backends` picks.
     ``buffer_size`` is accepted for compatibility with ``torch.nn.parallel.comm`` and unused: no
@@ -330,14 +333,16 @@ def chunk_sizes_for_weights(batch_size: int, chunk_weights: Sequence[float]) -> 
     return sizes
 
 
-def check_chunk_sizes(chunk_sizes: Sequence[int], batch_size: int, num_devices: int) -> list[int]:
-    """Validate an explicit split of ``batch_size`` rows over ``num_devices`` devices."""
+def check_chunk_sizes(chunk_sizes: Sequence[int], batch_size: Optional[int], num_devices: int) -> list[int]:
+    """Validate an explicit split of ``batch_size`` rows over ``num_devices`` devices (``None``: any number of rows)."""
+    if isinstance(chunk_sizes, (str, bytes)) or not isinstance(chunk_sizes, Sequence):
+        raise TypeError(f"chunk_sizes must be a list of ints, one size per device, e.g. [3, 2], got {chunk_sizes!r}")
     chunk_sizes = list(chunk_sizes)
     if len(chunk_sizes) != num_devices:
         raise ValueError(f"chunk_sizes has {len(chunk_sizes)} entries but there are {num_devices} devices; give one size per device")
-    if any(not isinstance(s, int) or s <= 0 for s in chunk_sizes):
+    if any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in chunk_sizes):
         raise ValueError(f"chunk_sizes must be positive ints, got {chunk_sizes}; drop a device from the device list to give it nothing")
-    if sum(chunk_sizes) != batch_size:
+    if batch_size is not None and sum(chunk_sizes) != batch_size:
         raise ValueError(f"chunk_sizes {chunk_sizes} add up to {sum(chunk_sizes)}, but the batch has {batch_size} rows")
     return chunk_sizes
 
@@ -370,6 +375,26 @@ def check_splittable(tensor: torch.Tensor, dim: int, name: str = "tensor") -> No
         )
 
 
+def check_out(out: Sequence[torch.Tensor], shape: Sequence[int], dim: Optional[int], caller: str) -> None:
+    """Raise unless every ``out[i]`` is a tensor of ``shape``; with ``dim``, pieces of it: ``shape``
+    outside ``dim``, their sizes along ``dim`` adding up to its. Checked before anything is copied, so
+    a bad ``out[1]`` does not leave ``out[0]`` written."""
+    listed = isinstance(out, Sequence) and not isinstance(out, (str, bytes))
+    if not listed or not out or not all(isinstance(o, torch.Tensor) for o in out):
+        raise TypeError(f"{caller}: out must be a non-empty list of tensors, one per device, got {type(out).__name__}")
+    joined = None if dim is None else dim % len(shape)
+    outside = [size for d, size in enumerate(shape) if d != joined]
+    for i, o in enumerate(out):
+        if o.dim() != len(shape) or [size for d, size in enumerate(o.shape) if d != joined] != outside:
+            where = "" if dim is None else f" outside dim {dim}"
+            raise ValueError(f"{caller}: out[{i}] has shape {tuple(o.shape)}, where {tuple(shape)}{where} is needed")
+    if joined is not None and sum(o.shape[joined] for o in out) != shape[joined]:
+        raise ValueError(
+            f"{caller}: the sizes of out along dim {dim} add up to {sum(o.shape[joined] for o in out)}, "
+            f"but the tensor has {shape[joined]} rows there"
+        )
+
+
 def split_to_devices(
     tensor: torch.Tensor, devices: Sequence[torch.device], chunk_sizes: Sequence[int], dim: int
 ) -> list[torch.Tensor]:
@@ -396,6 +421,9 @@ def scatter(
         raise ValueError("scatter: give exactly one of 'devices' and 'out'")
     check_splittable(tensor, check_dim(dim), "tensor")
     if out is not None:
+        if chunk_sizes is not None:
+            raise ValueError("scatter: give chunk_sizes or out, not both: the sizes of out along dim are the split")
+        check_out(out, tensor.shape, dim, "scatter")
         pieces = torch.split(tensor, [o.shape[dim] for o in out], dim)
         for target, piece in zip(out, pieces):
             target.copy_(piece)
@@ -423,6 +451,8 @@ def gather(
     """
     if len(tensors) == 0:
         raise ValueError("gather: 'tensors' is empty")
+    if out is not None and destination is not None:
+        raise ValueError("gather: give destination or out, not both: the result goes where out is")
     destination = as_device(destination, "destination") if destination is not None else tensors[0].device
     reference = tensors[0]
     if not -reference.dim() <= check_dim(dim) < max(reference.dim(), 1):
@@ -440,6 +470,9 @@ def gather(
                 f"{tuple(reference.shape)} outside dim {dim}"
             )
     if out is not None:
+        if reference.dim():  # (0-dim tensors cannot be concatenated: torch.cat says so)
+            rows = sum(t.shape[joined] for t in tensors)
+            check_out([out], (*reference.shape[:joined], rows, *reference.shape[joined + 1:]), None, "gather")
         return torch.cat([t.to(out.device) for t in tensors], dim, out=out)
     if len(tensors) == 1 and reference.device == destination:
         return reference

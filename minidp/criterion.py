@@ -56,9 +56,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import minidp
-
+from .comm import check_dim
 from .device_ids import DeviceLike, as_device
+from .step1_scatter import scatter
+from .step3_parallel_apply import parallel_apply
+from .step4_gather import gather
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -162,7 +164,7 @@ def parallel_criterion(
     """
     if not callable(criterion):
         raise TypeError(f"criterion must be callable, e.g. nn.CrossEntropyLoss(), got {type(criterion).__name__}")
-    dim, rows, devices = _check_outputs(outputs, dim)
+    dim, rows, devices = _check_outputs(outputs, check_dim(dim))
     rule = _rule_for(criterion)
     reduction = criterion.reduction if rule is not None else "mean"  # no rule: the row-weighted mean
     if reduction not in REDUCTIONS:
@@ -180,12 +182,12 @@ def parallel_criterion(
     else:
         tensors = _criterion_tensors(criterion, rule, outputs[0].dim(), dim, rows, devices)
         per_replica = [_rule_terms(criterion, rule, tensors_i) for tensors_i in tensors]
-    terms = minidp.parallel_apply(per_replica, list(zip(outputs, chunks)), None, devices)
+    terms = parallel_apply(per_replica, list(zip(outputs, chunks)), None, devices)
     if reduction == "none":
         # The batch axis of the per-element loss, counted from the right: broadcasting may add
         # leading axes to it. (Class criteria: dim 0, their class axis 1 is gone.)
-        return minidp.gather(terms, destination, dim=0 if rule.class_targets else dim - outputs[0].dim())
-    gathered = minidp.gather(terms, destination)
+        return gather(terms, destination, dim=0 if rule.class_targets else dim - outputs[0].dim())
+    gathered = gather(terms, destination)
     return gathered.sum() if reduction == "sum" else _ratio(gathered)
 
 
@@ -222,7 +224,7 @@ def _scatter_targets(targets: Any, devices: list[torch.device], dim: int, rows: 
             f"along dim {dim} ({rows} per replica); pass the targets of the whole batch"
         )
     try:
-        return list(minidp.scatter(targets, devices, dim, chunk_sizes=rows))
+        return list(scatter(targets, devices, dim, chunk_sizes=rows))
     except ValueError as error:
         raise ValueError(f"targets do not split into the outputs' rows {rows} along dim {dim}: {error}") from error
 
@@ -244,7 +246,7 @@ def _criterion_tensors(
                         f"criterion.{name} of shape {tuple(tensor.shape)} has {tensor.shape[axis]} rows where the "
                         f"batch has {sum(rows)}: it does not broadcast against the output"
                     )
-                pieces = list(minidp.scatter(tensor, devices, axis, chunk_sizes=rows))
+                pieces = list(scatter(tensor, devices, axis, chunk_sizes=rows))
             else:
                 pieces = [tensor.to(device) for device in devices]
         for tensors_i, piece in zip(per_replica, pieces):

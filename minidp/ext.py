@@ -42,8 +42,13 @@ import torch
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
+# How many blocks of reduction outputs stay mapped between steps (see reduce_add_coalesced): one per model
+# reduced each step, one more for a step whose predecessor's gradients the user still holds.
+REUSED_OUTPUT_BLOCKS = 4
+
 _lock = threading.Lock()
 _module: ModuleType | None = None
+_outputs = None  # the extension's OutputPool: where CPU sums are written, built with the module
 _failure: str | None = None  # why the build failed; a failed build is not retried
 
 
@@ -89,13 +94,15 @@ def load(verbose: bool = False) -> ModuleType:
     Raises RuntimeError when it is disabled (MINIDP_EXT=0) or cannot be built. A failed build
     warns once unless MINIDP_EXT=1, where the RuntimeError is the whole report.
     """
-    global _module, _failure
+    global _module, _outputs, _failure
     if _mode() == "0":
         raise RuntimeError("the minidp extension is disabled by MINIDP_EXT=0")
     with _lock:
         if _module is None and _failure is None:
             try:
-                _module = _build(verbose)
+                module = _build(verbose)
+                _outputs = module.OutputPool(REUSED_OUTPUT_BLOCKS)
+                _module = module
             except Exception as exc:  # compiler errors come in many types; all mean "no extension"
                 # A compiler log can be long; its end says what went wrong.
                 _failure = f"{type(exc).__name__}: " + "\n".join(str(exc).splitlines()[-15:])
@@ -122,8 +129,28 @@ def reduce_add_coalesced(
     non-contiguous or live on other devices: those are made contiguous, and copied to
     ``destination`` unless it can read them in place (a GPU with peer access). Returns one new
     contiguous tensor per position, never an alias of an input; with K = 1 these are copies.
+
+    On the CPU the sums are written into memory kept mapped from one call to the next, as DDP's gradient
+    buckets are: a fresh allocation of that size is faulted in and zero-filled page by page inside the
+    reduction, about one more write of every sum. The sums of one call are tensors of their own over one
+    block of memory; a block is written again only once no tensor over it is alive anywhere (the user
+    dropped the gradients, e.g. with ``zero_grad(set_to_none=True)``), so nothing still held is ever
+    overwritten: a kept gradient keeps its whole block, and the next call takes another.
+    :func:`reduce_output_bytes` says how much is kept, :func:`release_reduce_outputs` frees it.
     """
-    return load().reduce_add([list(replica) for replica in inputs], torch.device(destination))
+    load()
+    return _outputs.reduce_add([list(replica) for replica in inputs], torch.device(destination))
+
+
+def reduce_output_bytes() -> int:
+    """Bytes of CPU memory kept for the sums of :func:`reduce_add_coalesced` (in use or free); 0 before a load."""
+    return _outputs.held_bytes() if _outputs is not None else 0
+
+
+def release_reduce_outputs() -> None:
+    """Let go of the memory kept for CPU sums; blocks whose sums are still alive go when they do."""
+    if _outputs is not None:
+        _outputs.clear()
 
 
 def supports(tensor: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -27,6 +27,15 @@ def is_namedtuple(obj: Any) -> bool:
 
 def is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def is_per_replica(obj: Any) -> bool:
+    """Whether ``obj`` can be the list of one entry per replica that parallel_apply and gather take:
+    it has a length and is indexed by position. Not a tensor (its length is its rows, which would
+    pass for replicas), a string or a mapping."""
+    if type(obj) in (list, tuple):
+        return True
+    return not isinstance(obj, (torch.Tensor, str, bytes, Mapping)) and hasattr(obj, "__len__") and hasattr(obj, "__getitem__")
 
 
 def rebuild_dict(like: dict, items) -> dict:

@@ -8,24 +8,35 @@ device and one chunk after the other:
 2. chunk 0 runs on the module itself, so buffers that a forward updates in place (BatchNorm's running
    statistics) change from chunk 0 only, as they do under data parallelism, where replica 0 shares
    the original's buffers;
-3. every other chunk runs with the same parameters but private copies of the buffers, taken before
-   chunk 0 runs (``torch.func.functional_call``), as replicas 1.. run on private copies;
+3. every other chunk runs on a copy of the whole module taken before chunk 0 runs
+   (:func:`private_copy`): the very same parameters, its own copies of the buffers, as replicas 1..
+   hold private copies of the buffers;
 4. the chunk outputs are joined by :func:`minidp.gather`, as the replicas' outputs are; with one
    chunk, the output is returned as it is (``DataParallel`` on one device does not gather).
 
+Why whole copies, not the module called with other buffers swapped in for the call
+(``torch.func.functional_call``): a layer may run its forward again *in the backward*
+(``torch.utils.checkpoint``, re-entrant or not, recomputes what it did not save). That second
+forward updates running statistics a second time, long after the call has returned. Under data
+parallelism it runs on the replica that ran the first one: replica 0 updates the original's
+statistics twice, each other replica its own private copy twice (and drops it). A copy that
+outlives the call gets that right; a swap undone when the call returns would send the other
+chunks' second updates into the original's buffers.
+
 Autograd records the plain single-device graph: one loss on the joined output sends every chunk's
-gradient into the original parameters, where they add up. :func:`minidp.verify` compares a
-parallel run with this reference, and the tests check the reference itself against stock
-``torch.nn.DataParallel`` (run on the CPU through the tests' emulation of its CUDA calls).
+gradient into the original parameters (the copies hold the same parameter tensors), where they add
+up. :func:`minidp.verify` compares a parallel run with this reference, and the tests check the
+reference itself against stock ``torch.nn.DataParallel`` (run on the CPU through the tests'
+emulation of its CUDA calls).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from .step1_scatter import scatter_kwargs
 from .step4_gather import gather
@@ -36,6 +47,18 @@ def module_device(module: nn.Module) -> torch.device:
     for tensor in (*module.parameters(), *module.buffers()):
         return tensor.device
     return torch.device("cpu")
+
+
+def private_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` that holds ``module``'s own parameters and copies of its buffers.
+
+    The parameters are the same tensors (a gradient computed through the copy lands in the
+    original's ``.grad``); each buffer is a ``clone()``, so in-place updates stay in the copy, and a
+    buffer that requires grad sends its gradient back to the original's, as a replica's does.
+    """
+    shared = {id(p): p for p in module.parameters()}
+    shared.update({id(b): b.clone() for b in module.buffers()})
+    return copy.deepcopy(module, memo=shared)
 
 
 def chunked_reference(
@@ -51,9 +74,8 @@ def chunked_reference(
     chunk_inputs, chunk_kwargs = scatter_kwargs(inputs, kwargs, [device] * replicas, dim, chunk_sizes)
     if not chunk_inputs:  # no arguments at all: one call, as DataParallel makes
         chunk_inputs, chunk_kwargs = ((),), ({},)
-    parameters = dict(module.named_parameters())
-    private_buffers = [{name: b.clone() for name, b in module.named_buffers()} for _ in chunk_inputs[1:]]
+    copies = [private_copy(module) for _ in chunk_inputs[1:]]  # before chunk 0 changes the buffers
     outputs = [module(*chunk_inputs[0], **chunk_kwargs[0])]
-    for args, chunk_kw, buffers in zip(chunk_inputs[1:], chunk_kwargs[1:], private_buffers):
-        outputs.append(functional_call(module, {**parameters, **buffers}, tuple(args), chunk_kw))
+    for args, chunk_kw, module_copy in zip(chunk_inputs[1:], chunk_kwargs[1:], copies):
+        outputs.append(module_copy(*args, **chunk_kw))
     return outputs[0] if replicas == 1 else gather(outputs, device, dim)

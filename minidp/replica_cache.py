@@ -65,9 +65,11 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from .comm import check_reduce_backend
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
-from .step2_replicate import Slots, bind, build_skeletons, check_module_device, replica_tensors, tensor_slots
+from .parallel_backward import made_by
+from .step2_replicate import Slots, bind, build_skeletons, check_is_module, check_module_device, replica_tensors, tensor_slots
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 _dict_of = attrgetter("__dict__")
@@ -238,7 +240,9 @@ class _Entry:
 
     def _watch_backward(self, tensors: list[torch.Tensor]) -> None:
         """BACKWARD_PENDING until every autograd node that made ``tensors`` (one ``Broadcast`` per step) has run backward."""
-        nodes = {id(t.grad_fn): t.grad_fn for t in tensors if t.grad_fn is not None}
+        # One Broadcast node for all the parameters (through a CPU replica's entry: minidp.parallel_backward), None for plain buffers
+        nodes = set(map(made_by, tensors))
+        nodes.discard(None)
         self._pending_nodes = len(nodes)
         self.state = EntryState.BACKWARD_PENDING if nodes else EntryState.BOUND
         entry = weakref.ref(self)  # the node must not keep the skeletons alive: they hold its outputs
@@ -250,7 +254,7 @@ class _Entry:
                 if live._pending_nodes == 0:
                     live.state = EntryState.RELEASED
 
-        for node in nodes.values():
+        for node in nodes:
             node.register_hook(backward_done)
 
     def reset(self) -> None:
@@ -292,7 +296,9 @@ class ReplicaCache:
         self, network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False, reduce_backend: Optional[str] = None
     ) -> list[nn.Module]:
         """:func:`minidp.replicate` of ``network`` on ``devices``, from kept skeletons where they still fit."""
+        check_is_module(network, "network")
         devices = as_devices(devices, "devices")
+        reduce_backend = check_reduce_backend(reduce_backend, "reduce_backend")
         if not devices:
             return []
         key = (threading.get_ident(), tuple(devices))

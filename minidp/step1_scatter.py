@@ -122,18 +122,17 @@ def scatter(
     different sizes must cut into the same number of chunks (see the module docstring).
     ``chunk_sizes``: one explicit split, one size per device; every tensor must have its total size.
     """
-    return _scatter(inputs, target_devices, dim, chunk_sizes, chunk_weights, [("inputs", inputs)])
+    devices = _checked_arguments(target_devices, dim, chunk_sizes, chunk_weights)
+    return _scatter(inputs, devices, dim, chunk_sizes, chunk_weights, [("inputs", inputs)])
 
 
-def _scatter(
-    inputs: Any,
+def _checked_arguments(
     target_devices: Sequence[DeviceLike],
     dim: int,
     chunk_sizes: Optional[Sequence[int]],
     chunk_weights: Optional[Sequence[float]],
-    roots: Sequence[tuple[str, Any]],
-) -> Any:
-    """:func:`scatter`, with ``roots`` naming the parts of ``inputs`` in error messages."""
+) -> list[torch.device]:
+    """The devices; raises on a bad device, dim, split or weights, whatever the inputs hold (tensors or not)."""
     devices = as_devices(target_devices, "target_devices")
     comm.check_dim(dim)
     if not devices:
@@ -142,6 +141,20 @@ def _scatter(
         raise ValueError("give chunk_sizes or chunk_weights, not both: the sizes are the split, the weights ask for one")
     if chunk_weights is not None:
         comm.check_chunk_weights(chunk_weights, len(devices))
+    if chunk_sizes is not None:
+        comm.check_chunk_sizes(chunk_sizes, None, len(devices))  # their total against each tensor: plan_splits
+    return devices
+
+
+def _scatter(
+    inputs: Any,
+    devices: list[torch.device],
+    dim: int,
+    chunk_sizes: Optional[Sequence[int]],
+    chunk_weights: Optional[Sequence[float]],
+    roots: Sequence[tuple[str, Any]],
+) -> Any:
+    """:func:`scatter` on checked arguments, with ``roots`` naming the parts of ``inputs`` in error messages."""
     splits = plan_splits(roots, dim, len(devices), chunk_sizes, chunk_weights)
     if not splits:
         return [inputs for _ in devices]
@@ -180,11 +193,12 @@ def scatter_kwargs(
             f"scatter_kwargs: kwargs must be a dict of keyword arguments or None, got a {type(kwargs).__name__}; "
             f"positional arguments go in inputs"
         )
+    devices = _checked_arguments(target_devices, dim, chunk_sizes, chunk_weights)
     if not inputs and not kwargs:
         return (), ()
     pieces = _scatter(
         (tuple(inputs), kwargs or {}),
-        target_devices,
+        devices,
         dim,
         chunk_sizes,
         chunk_weights,

@@ -11,7 +11,10 @@ What autograd records: the parameters reach the replicas through
 :class:`minidp.step5_reduce.Broadcast`, one autograd node for all of them. Its backward is step 5,
 the reduction: it sums the gradient each replica produced for each parameter, in replica order,
 onto the module's device, and autograd adds that sum into the original parameter's ``.grad`` once. So replica parameters are not leaves (they have
-no ``.grad`` of their own) and ``replica.parameters()`` is empty, as in stock.
+no ``.grad`` of their own) and ``replica.parameters()`` is empty, as in stock. Replicas on the CPU
+(two or more, while grad is recorded) receive them through one more node each, an identity,
+:class:`minidp.parallel_backward.ReplicaEntry`: where each replica's graph ends, so that its
+backward can run in its own thread (:mod:`minidp.parallel_backward`).
 
 Buffers (BatchNorm's running statistics, say) are not differentiated. Replica 0 shares the
 original's buffers, so its in-place updates persist; every other replica works on its own copy,
@@ -29,6 +32,7 @@ from torch import nn
 from . import comm
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
+from .parallel_backward import applies as parallel_backward_applies, enter
 from .step5_reduce import Broadcast
 
 
@@ -103,11 +107,12 @@ def _copy_buffers(buffers: list[torch.Tensor], devices: list[torch.device]) -> l
     if not buffers:
         return [[] for _ in devices]
     source = buffers[0].device
-    # On the source device one clone per buffer is cheaper than packing them (cached replicate of ResNet-50's
-    # 159 buffers, x4: 1.27x the previous landing with clones, 1.86x packed, by benchmarks/compare_revisions.py);
-    # to another device, packed buffers make few large copies.
+    # On the source device clones are cheaper than packing the buffers (cached replicate of ResNet-50's
+    # 159 buffers, x4: 1.27x the previous landing with clones, 1.86x packed, by benchmarks/compare_revisions.py),
+    # and one `_foreach_clone` (a loop in C++, each clone a new tensor) is cheaper than 159 `clone()` calls
+    # from Python; to another device, packed buffers make few large copies.
     return [list(buffers)] + [
-        [b.clone() for b in buffers] if device == source else list(comm.copy_coalesced(buffers, device))
+        torch._foreach_clone(buffers) if device == source else list(comm.copy_coalesced(buffers, device))
         for device in devices[1:]
     ]
 
@@ -131,6 +136,7 @@ def replicate(
     """
     check_is_module(network, "network")
     devices = as_devices(devices, "devices")
+    reduce_backend = comm.check_reduce_backend(reduce_backend, "reduce_backend")  # not first in the backward
     if not devices:
         return []
     check_module_device(network, devices[0])
@@ -232,4 +238,7 @@ def _broadcast_parameters(
         return [[t.detach() for t in copies] for copies in comm.broadcast_coalesced(tensors, devices)]
     flat = Broadcast.apply(devices, reduce_backend, *tensors)
     n = len(tensors)
-    return [list(flat[i : i + n]) for i in range(0, len(flat), n)]
+    copies = [list(flat[i : i + n]) for i in range(0, len(flat), n)]
+    if parallel_backward_applies(devices):  # each CPU replica's graph ends at an entry of its own (minidp.parallel_backward)
+        copies = [enter(device_copies) for device_copies in copies]
+    return copies

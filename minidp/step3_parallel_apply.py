@@ -14,6 +14,11 @@ their own CUDA stream so that their kernels can overlap.
 An exception in any replica is re-raised in the caller, with its type, the replica's index and
 device in the message, and the replica's traceback attached as the cause, once every replica has
 finished: no thread is left running.
+
+The backward. CPU replicas receive their tensors that require grad through an entry node of their
+own, and, when every replica's graph ends at its entries, their outputs come back through one
+:class:`minidp.parallel_backward.ParallelBackward` node, whose backward runs each replica's backward
+in the same worker threads, the same way (errors named by replica, Ctrl-C held until all are done).
 """
 
 from __future__ import annotations
@@ -26,14 +31,15 @@ import threading
 import traceback
 from itertools import chain
 from concurrent.futures import Future
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
+from . import parallel_backward
 from .device_ids import DeviceLike, as_devices
 from .hooks import observe_replica
-from .nested import tensors_in
+from .nested import is_per_replica, map_tensors, tensors_in
 from .replica_group import ReplicaGroup
 
 
@@ -214,11 +220,12 @@ class _ReplicaFailure:
         self.error = error
         self.traceback = "".join(traceback.format_exception(error))
 
-    def reraise(self, replica: int, device: torch.device) -> None:
+    def reraise(self, replica: int, device: torch.device, stage: str = "forward") -> None:
         if not isinstance(self.error, Exception):  # KeyboardInterrupt and friends pass through
             raise self.error
+        where = f"replica {replica}" if stage == "forward" else f"the {stage} of replica {replica}"
         message = _Message(
-            f"Caught {type(self.error).__name__} in replica {replica} on device {device}.\nOriginal {self.traceback}"
+            f"Caught {type(self.error).__name__} in {where} on device {device}.\nOriginal {self.traceback}"
         )
         try:
             wrapped = type(self.error)(message)
@@ -240,6 +247,11 @@ def parallel_apply(
     its parameters, or of its inputs for a module without parameters.
     Inside, replica i is member i of a :class:`minidp.replica_group.ReplicaGroup` of the n replicas.
     """
+    for name, values in (("modules", modules), ("inputs", inputs), ("kwargs_tup", kwargs_tup), ("devices", devices)):
+        if values is not None and not is_per_replica(values):
+            raise TypeError(
+                f"parallel_apply: {name} must be a list with one entry per module (replica), got {type(values).__name__}"
+            )
     n = len(modules)
     if n == 0:
         raise ValueError("parallel_apply: 'modules' is empty; give at least one module")
@@ -247,6 +259,17 @@ def parallel_apply(
         if values is not None and len(values) != n:
             raise ValueError(
                 f"parallel_apply: {n} modules but {len(values)} {name}; give one entry per module (replica)"
+            )
+    # Checked here, not where each replica calls: by then the others may have run and changed their state.
+    for i, module in enumerate(modules):
+        if not callable(module):
+            raise TypeError(
+                f"parallel_apply: modules[{i}] (of type {type(module).__name__}) cannot be called; give modules (replicas)"
+            )
+    for i, kwargs in enumerate(kwargs_tup or ()):
+        if type(kwargs) is not dict and not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"parallel_apply: kwargs_tup[{i}] is of type {type(kwargs).__name__}; give a dict of keyword arguments per module"
             )
     kwargs_tup = kwargs_tup if kwargs_tup is not None else [{}] * n
     if devices is None or any(d is None for d in devices):
@@ -264,11 +287,20 @@ def parallel_apply(
     caller = _CallerState(sum(d.type == "cpu" for d in devices))
     group = ReplicaGroup(n, modules)  # what the replicas meet in (minidp.replica_group)
 
+    cut = parallel_backward.applies(devices)  # CPU replicas: each one's backward in its thread, if it can
+    regions: list[Optional[parallel_backward.Region]] = [None] * n
+
     def run(i: int) -> Any:
         args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
+        kwargs = kwargs_tup[i]
         try:
             with group.member(i), caller.enter(devices[i], streams[i]):
-                return observe_replica(i, devices[i], modules[i], lambda: modules[i](*args, **kwargs_tup[i]))
+                if cut:
+                    args, kwargs, entries = _enter_replica(modules[i], args, kwargs)
+                output = observe_replica(i, devices[i], modules[i], lambda: modules[i](*args, **kwargs))
+                if cut:  # walked here, in the replica's thread, while the others run
+                    regions[i] = parallel_backward.region(entries, output)
+                return output
         except BaseException as error:  # re-raised by the caller once every replica is done
             return _ReplicaFailure(error)
 
@@ -289,4 +321,45 @@ def parallel_apply(
     for i, result in enumerate(results):
         if isinstance(result, _ReplicaFailure):
             result.reraise(i, devices[i])
+    if cut and all(r is not None for r in regions):
+        aliases = parallel_backward.join(regions, functools.partial(_run_backwards, devices))
+        if aliases is not None:
+            replaced = iter(aliases)
+            results = [map_tensors(lambda t: next(replaced) if t.requires_grad else t, r) for r in results]
+    return results
+
+
+def _enter_replica(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, list]:
+    """The replica's arguments through an entry of their own, and every entry its tensors come through."""
+    entered = parallel_backward.enter([t for _, t in tensors_in((args, kwargs))])
+    aliases = iter(entered)
+    args, kwargs = map_tensors(lambda _: next(aliases), (args, kwargs))
+    return args, kwargs, parallel_backward.entries_of(module, entered)
+
+
+def _run_backwards(devices: Sequence[torch.device], calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Replica i's backward ``calls[i]()`` in its worker thread, in the caller's state; an error re-raised
+    naming the replica, once every replica is done.
+
+    Unlike a forward, each backward runs with the caller's whole intra-op thread count: the count that
+    autograd's serial backward runs every replica's kernels with, so that they split their work, and
+    round their sums, as there (gradients bit for bit the same). The cost: K teams of intra-op threads
+    share the cores (BENCHMARKS.md, "CPU replicas' backward in parallel").
+    """
+    caller = _CallerState(1)  # one replica's worth: the caller's whole count, set in every worker
+
+    def run(i: int) -> Any:
+        try:
+            with caller.enter(devices[i], None):
+                return calls[i]()
+        except BaseException as error:
+            return _ReplicaFailure(error)
+
+    try:
+        results = _threads.run_all([functools.partial(run, i) for i in range(len(calls))])
+    finally:
+        caller.restore()
+    for i, result in enumerate(results):
+        if isinstance(result, _ReplicaFailure):
+            result.reraise(i, devices[i], "backward")
     return results

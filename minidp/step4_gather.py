@@ -29,7 +29,7 @@ import torch
 
 from . import comm
 from .device_ids import DeviceLike, as_device
-from .nested import children, rebuild, rebuild_dict
+from .nested import children, is_per_replica, rebuild, rebuild_dict
 from .hooks import observed
 
 # Leaves gathered into the list of the replicas' values (stock: "<map object ...>" for a string, a
@@ -45,6 +45,8 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
     0-dim tensors (a per-replica loss, say) are gathered into a vector with one entry per replica,
     with the same warning stock gives.
     """
+    if not is_per_replica(outputs):
+        raise TypeError(f"gather: outputs must be a list with one output per replica, got {type(outputs).__name__}")
     if len(outputs) == 0:
         raise ValueError("gather: 'outputs' is empty; there must be one output per replica")
     destination = as_device(target_device, "target_device")

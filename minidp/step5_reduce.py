@@ -16,11 +16,15 @@ for every parameter is summed onto the parameters' device, in replica order
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Optional
 
 import torch
 
 from . import comm
+
+_detach = torch.Tensor.detach
+_requires_grad = attrgetter("requires_grad")
 
 
 class Broadcast(torch.autograd.Function):
@@ -31,19 +35,18 @@ class Broadcast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, devices: list[torch.device], reduce_backend: Optional[str], *tensors: torch.Tensor):
-        ctx.source_device = tensors[0].device
+        source = ctx.source_device = tensors[0].device
         ctx.num_tensors = len(tensors)
         ctx.reduce_backend = reduce_backend
         # On the source device broadcast returns the tensors themselves. Returned as they are, autograd
         # would turn each into a view of its input; a detached alias is the same storage (no copy, and
         # the same version counter, so in-place changes stay visible), takes this node as its grad_fn
         # just the same, and costs a third of the time to create.
-        outputs = [
-            copy.detach() if copy is original else copy
-            for copies in comm.broadcast_coalesced(tensors, devices)
-            for copy, original in zip(copies, tensors)
-        ]
-        ctx.mark_non_differentiable(*[o for o, t in zip(outputs, tensors * len(devices)) if not t.requires_grad])
+        outputs: list[torch.Tensor] = []
+        for device, copies in zip(devices, comm.broadcast_coalesced(tensors, devices)):
+            outputs += map(_detach, tensors) if device == source else copies
+        if not all(map(_requires_grad, tensors)):  # frozen parameters: no gradient flows back to them
+            ctx.mark_non_differentiable(*[o for o, t in zip(outputs, tensors * len(devices)) if not t.requires_grad])
         return tuple(outputs)
 
     @staticmethod

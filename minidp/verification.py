@@ -5,8 +5,9 @@ its own deep copy, so the model passed in is never touched:
 
 1. **minidp**: wrapped in :class:`minidp.DataParallel` (or the ``wrapper`` given) on ``device_ids``;
 2. **chunked reference** (:func:`minidp.reference.chunked_reference`): on one device, chunk by
-   chunk, with chunk 0 on the model itself and private buffer copies for the others. This is what
-   data parallelism *should* compute, batch statistics (BatchNorm) included;
+   chunk, with chunk 0 on the model itself and every other chunk on a copy of the model taken
+   before the step (the same parameters, private buffers), as the replicas are. This is what data
+   parallelism *should* compute, batch statistics (BatchNorm) included;
 3. **full batch**: one plain call on the whole batch: what the user computes without data
    parallelism. Its Python attributes after the step are what a user expects too: an attribute
    that ``forward`` changes (a call counter, say) is changed on a replica and lost under data
@@ -32,6 +33,17 @@ with 3 except where a batch-statistics layer explains the difference:
   depends on the batch through something else (``x - x.mean(0)``): a failure. A layer named in
   ``batch_dependent=`` cannot be switched like this: with one, differing outputs and gradients
   are put down to it.
+
+Layers recomputed in the backward (``torch.utils.checkpoint``, re-entrant or not; torchvision's
+DenseNet with ``memory_efficient=True``) run their forward a second time inside ``backward``, and a
+stateful layer among them updates its state a second time: a BatchNorm's running statistics take
+two momentum steps and ``num_batches_tracked`` counts 2. Each replica does that on its own
+buffers: replica 0 updates the original's statistics twice, from chunk 0; every other replica its
+private copy, which is dropped. The chunked reference does the same (its copies live until the
+backward is done), so minidp, stock and the reference must agree there as everywhere. Against the
+full batch (two updates from the whole batch) such statistics are judged by the rule for buffers
+above: explained for a batch-statistics layer, a failure for anything else (a recomputed sample
+counter counts chunk 0 twice).
 
 Every run uses the same number of intra-op threads for its forward as a replica gets from
 :func:`minidp.parallel_apply` (on the CPU, the caller's threads shared out among the replicas):
@@ -63,6 +75,7 @@ import contextlib
 import copy
 import math
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -71,11 +84,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-import minidp
-from .wrapper import DataParallel
+from .comm import check_dim
 from .device_ids import DeviceLike, as_devices
 from .nested import leaves, map_tensors
 from .reference import chunked_reference
+from .step2_replicate import check_is_module
+from .step3_parallel_apply import parallel_apply
+from .wrapper import DataParallel
 
 REFERENCE = "chunked reference"
 FULL_BATCH = "full batch"
@@ -183,9 +198,18 @@ def verify(
         batch_dependent: your own layer types that compute batch statistics as BatchNorm does, e.g.
             ``(MyNorm,)``: differences from the full batch are put down to them (module docstring).
     """
+    check_is_module(module, "module")
+    check_dim(dim, "dim")
     devices = as_devices(device_ids if device_ids is not None else _default_devices(), "device_ids")
     if not devices:
         raise ValueError("device_ids is empty: give at least one device, e.g. ['cpu'] * 2")
+    for argument, function in (("loss", loss), ("wrapper", wrapper)):
+        if function is not None and not callable(function):
+            raise TypeError(f"{argument} must be callable (see verify's docstring), got {type(function).__name__}")
+    if rtol is not None and (isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 < rtol < math.inf):
+        raise ValueError(f"rtol must be a positive number (the largest accepted relative error), got {rtol!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype (e.g. torch.float64) or None, got {dtype!r}")
     batch_dependent = tuple(batch_dependent)
     if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in batch_dependent):
         raise TypeError(f"batch_dependent must hold nn.Module subclasses, e.g. (MyNorm,); got {batch_dependent!r}")
@@ -293,7 +317,7 @@ def _replica_threads(devices: Sequence[torch.device]) -> int:
     Asked of parallel_apply itself rather than computed here, so that verify follows whatever
     rule it has for sharing the caller's threads among CPU replicas.
     """
-    return minidp.parallel_apply([_IntraOpThreads() for _ in devices], [()] * len(devices), devices=devices)[0]
+    return parallel_apply([_IntraOpThreads() for _ in devices], [()] * len(devices), devices=devices)[0]
 
 
 @contextlib.contextmanager
@@ -377,7 +401,9 @@ def _drawing_modules(model: nn.Module, forward: Callable[[nn.Module], Any], thre
     ]
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     try:
-        with torch.random.fork_rng(devices=cuda), _intra_op_threads(threads), torch.no_grad():
+        with torch.random.fork_rng(devices=cuda), _intra_op_threads(threads), torch.no_grad(), warnings.catch_warnings():
+            # A re-entrant checkpoint warns that no input requires grad: true of this search, not of the model.
+            warnings.filterwarnings("ignore", "None of the inputs have requires_grad=True", UserWarning)
             forward(model)  # forked: the caller's generators are as they were after this
     finally:
         for handle in handles:

@@ -141,6 +141,10 @@ class DataParallel(nn.Module):
         super().__init__()
         check_is_module(module, "module")
         comm.check_dim(dim, "dim")
+        if not isinstance(gather_output, bool):  # "False" would read as true
+            raise TypeError(f"gather_output must be True or False, got {gather_output!r}")
+        if not isinstance(cache_replicas, (bool, ReplicaCache)):
+            raise TypeError(f"cache_replicas must be True, False or a ReplicaCache, got {cache_replicas!r}")
         self.module = module
         self.device_ids = resolve_device_ids(device_ids)
         if len(self.device_ids) > 1:
@@ -236,9 +240,15 @@ def data_parallel(
     """
     check_is_module(module, "module")
     comm.check_dim(dim, "dim")
+    if module_kwargs is not None and not isinstance(module_kwargs, dict):
+        raise TypeError(f"module_kwargs must be a dict of keyword arguments or None, got a {type(module_kwargs).__name__}")
+    if replica_cache is not None and not isinstance(replica_cache, ReplicaCache):
+        raise TypeError(f"replica_cache must be a ReplicaCache you keep between calls, or None; got {replica_cache!r}")
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
     devices = resolve_device_ids(device_ids)
+    if chunk_weights is not None:  # checked where no replica runs too, as DataParallel checks them
+        comm.check_chunk_weights(chunk_weights, len(devices) or None)
     if not devices:  # no GPU and no CPU ids: a plain call, where stock raises
         if output_device is not None:
             parse_device(output_device, "output_device")

@@ -11,6 +11,7 @@ benchmarks all draw from here, so "the MLP" means the same thing everywhere.
 | resnet_bn   | a residual block with BatchNorm: per-chunk batch statistics, running buffers   |
 | lstm        | a recurrent model, batch along ``dim=1``, tuple outputs                        |
 | kwargs_dict | keyword arguments in, a dict with a tensor, a string and ``None`` out          |
+| checkpoint  | BatchNorm recomputed in the backward (``torch.utils.checkpoint``)              |
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .wrapper import data_parallel
 from .device_ids import DeviceLike
@@ -108,6 +110,27 @@ class KwargsDict(nn.Module):
         return {"y": self.proj(x) * mask * scale, "kind": "masked", "extra": None}
 
 
+class CheckpointedBN(nn.Module):
+    """A BatchNorm block under ``torch.utils.checkpoint`` (non-re-entrant, torch's recommended mode).
+
+    Checkpointing saves no activation of the block: the backward runs the block's forward again, so
+    its BatchNorm updates the running statistics twice per step (``num_batches_tracked`` counts 2).
+    (Re-entrant checkpointing is checked in tests/test_recomputation.py: it runs one backward per
+    replica inside the backward, and the order in which those add into ``.grad`` is not the same from
+    one step to the next, so its float32 gradients are not bitwise repeatable, as the zoo's others are.)
+    """
+
+    def __init__(self, channels: int = 4, width: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv1d(channels, width, 3, padding=1)
+        self.block = nn.Sequential(nn.BatchNorm1d(width), nn.ReLU(), nn.Conv1d(width, width, 3, padding=1))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = checkpoint(self.block, self.stem(x), use_reentrant=False)
+        return self.head(y.mean(dim=2))
+
+
 @dataclass
 class ZooEntry:
     """How to build one zoo model and a batch for it (``inputs``, ``kwargs``), and its batch ``dim``."""
@@ -139,6 +162,7 @@ ZOO: dict[str, ZooEntry] = {
             lambda b, g: ((torch.randn(b, 8, generator=g),), {"mask": torch.rand(b, 8, generator=g), "scale": 0.5}),
             loss=lambda output: output["y"].pow(2).mean(),
         ),
+        ZooEntry("checkpoint", CheckpointedBN, lambda b, g: ((torch.randn(b, 4, 6, generator=g),), {})),
     ]
 }
 

@@ -2,11 +2,12 @@
 
 Every test runs twice, under two configurations of :class:`minidp.DataParallel`'s defaults:
 
-* ``cached-torch``: what a user gets by default: the replica cache on, and the ``"torch"`` backend (what
-  ``"auto"`` is until the extension is loaded; pinned, since an earlier test may have loaded it);
-* ``uncached-ext``: both features the other way: replicas built anew at every step, as stock does, and
+* ``cached-torch``: what a user gets by default: the replica cache on, the ``"torch"`` backend (what
+  ``"auto"`` is until the extension is loaded; pinned, since an earlier test may have loaded it), and the
+  backwards of CPU replicas in parallel, each in its replica's thread (:mod:`minidp.parallel_backward`);
+* ``uncached-ext``: the three features the other way: replicas built anew at every step, as stock does,
   ``"auto"`` with the extension loaded, so the extension sums every gradient it takes (``"torch"`` alone
-  where it cannot be built).
+  where it cannot be built), and the replicas' backwards one after the other, as autograd runs them.
 
 Features that are on by default must be exactly as safe as the stock path: both must pass. A test
 module about one of the features pins it with :func:`configure_dataparallel`.
@@ -52,5 +53,7 @@ def extension():
 def dataparallel_configuration(request, monkeypatch):
     """Run the test under one configuration of DataParallel's defaults (see the module docstring)."""
     configuration = CONFIGURATIONS[request.param]
-    configure_dataparallel(monkeypatch, configuration["cache_replicas"], configuration["backend"])
+    configure_dataparallel(
+        monkeypatch, configuration["cache_replicas"], configuration["backend"], configuration["parallel_backward"]
+    )
     return request.param

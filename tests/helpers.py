@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ from torch import nn
 
 import minidp
 from minidp import ext
+from minidp.distributed.launch import loopback_interface
 
 # float64 comparisons: data parallelism only reorders sums, so results agree to rounding.
 RTOL_FLOAT64 = 1e-10
@@ -97,19 +99,40 @@ def fresh_python(*args: str, timeout: float = 120) -> subprocess.CompletedProces
 
 # The configurations of DataParallel's defaults that every test runs under (tests/conftest.py).
 CONFIGURATIONS = {
-    "cached-torch": {"cache_replicas": True, "backend": "torch"},
-    "uncached-ext": {"cache_replicas": False, "backend": "auto-with-ext"},
+    "cached-torch": {"cache_replicas": True, "backend": "torch", "parallel_backward": True},
+    "uncached-ext": {"cache_replicas": False, "backend": "auto-with-ext", "parallel_backward": False},
 }
 
 
-def configure_dataparallel(monkeypatch, cache_replicas: bool, backend: str) -> None:
-    """Make ``cache_replicas`` DataParallel's default and ``backend`` the global reduce backend for one test.
+def configure_dataparallel(monkeypatch, cache_replicas: bool, backend: str, parallel_backward: bool = True) -> None:
+    """Make ``cache_replicas`` DataParallel's default, ``backend`` the global reduce backend, and
+    ``parallel_backward`` whether CPU replicas run their backwards in parallel, for one test.
 
     ``"auto-with-ext"`` is ``"auto"`` with the extension loaded (``"torch"`` where it cannot be built).
     """
+    monkeypatch.setattr(minidp.parallel_backward, "_enabled", parallel_backward)
     defaults = dict(minidp.DataParallel.__init__.__kwdefaults__)
     defaults["cache_replicas"] = cache_replicas
     monkeypatch.setattr(minidp.DataParallel.__init__, "__kwdefaults__", defaults)
     if backend == "auto-with-ext":
         backend = "auto" if ext.is_available() else "torch"
     monkeypatch.setattr(minidp.comm, "_default_reduce_backend", backend)
+
+
+def torchrun(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=2 ARGS`` in a fresh session; the whole session is
+    killed if it runs past ``timeout`` (then the test fails)."""
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    if loopback_interface():
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # Gloo's connections stay on this machine
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"torchrun ran past {timeout} s:\n{output}")
+    return subprocess.CompletedProcess(command, process.returncode, output)

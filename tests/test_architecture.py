@@ -5,7 +5,12 @@ Every ``import`` in ``minidp/`` counts, inside functions too. The rules:
 * no import circle anywhere in the package;
 * the primitives (the five steps and what they stand on) reach nothing above them, directly or through
   another module: not the tracer, the replica cache, verify, the wrapper or the command line;
-* the tracer and the command line are imported by nothing below them.
+* the tracer and the command line are imported by nothing below them;
+* no module imports the package's face (``import minidp``, ``from minidp import scatter``,
+  ``from . import scatter``): ``minidp/__init__.py`` re-exports every floor, so an import of it is
+  an arrow from the importer up to all of them. Modules import what they use from the module that
+  defines it (``from .step1_scatter import scatter``); importing a module (``from . import comm``) is
+  importing that module.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ PACKAGE = Path(minidp.__file__).resolve().parent
 
 # The bottom floor: the steps, the tensor-level copies, and what they stand on.
 PRIMITIVES = {
-    "hooks", "nested", "device_ids", "ext", "comm", "replica_group",
+    "hooks", "nested", "device_ids", "ext", "comm", "replica_group", "parallel_backward",
     "step1_scatter", "step2_replicate", "step3_parallel_apply", "step4_gather", "step5_reduce",
 }
 
@@ -43,11 +48,21 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 
+FACE = ""  # the package root, minidp/__init__.py, by its module name
+
+
 def resolve(importer: str, node: ast.AST) -> set[str]:
-    """The minidp modules an import statement in module ``importer`` loads (the package root excluded)."""
+    """The minidp modules an import statement in module ``importer`` loads.
+
+    The package root counts (as ``FACE``) only where the statement imports the face itself: ``import
+    minidp``, or a name from the root that is not a module (``from minidp import scatter``, ``from .
+    import scatter``); every other import loads the root only as the parent of its module.
+    """
     found: set[str] = set()
     if isinstance(node, ast.Import):
         for alias in node.names:
+            if alias.name == "minidp" or (alias.name.startswith("minidp.") and alias.asname is None):
+                found.add(FACE)  # binds the name `minidp`: the face, whatever module it loads besides
             if alias.name.startswith("minidp."):
                 found.add(alias.name.removeprefix("minidp."))
         return found & MODULES.keys()
@@ -68,7 +83,9 @@ def resolve(importer: str, node: ast.AST) -> set[str]:
         candidate = f"{base}.{alias.name}" if base else alias.name
         if candidate in MODULES:
             found.add(candidate)
-    return {name for name in found if name in MODULES and name != ""}
+        elif base == FACE:  # `from minidp import scatter`: a name the face re-exports
+            found.add(FACE)
+    return {name for name in found if name in MODULES and name != importer}
 
 
 def imports_of(name: str) -> set[str]:
@@ -80,7 +97,7 @@ def imports_of(name: str) -> set[str]:
     return found - {name}
 
 
-GRAPH = {name: imports_of(name) for name in MODULES if name}  # the root __init__ re-exports everything
+GRAPH = {name: imports_of(name) for name in MODULES}  # the root, FACE, re-exports every floor
 
 
 def reachable(start: str) -> set[str]:
@@ -100,6 +117,38 @@ def test_the_import_graph_is_read_from_the_sources():
     assert "step5_reduce" in GRAPH["step2_replicate"]
     assert "tracing.recorder" in GRAPH["tracing"]
     assert "hooks" in GRAPH["tracing.recorder"]
+    assert {"step1_scatter", "wrapper", "tracing"} <= GRAPH[FACE]
+
+
+@pytest.mark.parametrize(
+    "importer,statement,imported",
+    [
+        ("criterion", "import minidp", {FACE}),
+        ("criterion", "from minidp import scatter", {FACE}),
+        ("criterion", "from . import scatter", {FACE}),
+        ("distributed.ddp", "from .. import DataParallel", {FACE}),
+        ("distributed.ddp", "import minidp.wrapper", {FACE, "wrapper"}),
+        ("criterion", "from . import comm", {"comm"}),
+        ("criterion", "from .step1_scatter import scatter", {"step1_scatter"}),
+        ("distributed.ddp", "from ..wrapper import DataParallel", {"wrapper"}),
+        ("distributed.ddp", "import minidp.wrapper as wrapper", {"wrapper"}),
+    ],
+)
+def test_an_import_of_the_face_is_told_from_an_import_of_a_module(importer, statement, imported):
+    assert resolve(importer, ast.parse(statement).body[0]) == imported
+
+
+def test_no_module_imports_the_packages_face():
+    """``import minidp`` inside the package draws an arrow up to every floor (caught by the tests below
+    too, as a circle); this one names the statements and says what to write instead."""
+    found = [
+        f"minidp/{MODULES[name].relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}"
+        for name in MODULES if name != FACE
+        for node in ast.walk(ast.parse(MODULES[name].read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and FACE in resolve(name, node)
+    ]
+    assert not found, ("import what you use from the module that defines it (from .step1_scatter import scatter), "
+                       "not from the package's face:\n" + "\n".join(found))
 
 
 def test_there_is_no_import_circle_in_minidp():
@@ -124,7 +173,7 @@ def test_the_tracer_and_the_command_line_are_imported_by_nothing_below_them(top)
 
     importers = sorted(
         name for name, imported in GRAPH.items()
-        if not inside(name, top) and not any(inside(name, allowed) for allowed in ABOVE[top])
+        if name != FACE and not inside(name, top) and not any(inside(name, allowed) for allowed in ABOVE[top])
         and any(inside(i, top) for i in imported)
     )
     assert not importers, f"{importers} import {top}"

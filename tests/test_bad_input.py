@@ -499,3 +499,104 @@ def test_a_compiled_forward_inside_the_module_runs_on_every_replica(generator):
     out.sum().backward()
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=0)
     torch.testing.assert_close(model.linear.weight.grad, expected_grad, rtol=1e-12, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# every public primitive checks its arguments when it is called, before anything runs
+# --------------------------------------------------------------------------------------------------
+
+
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """A tensor whose length (2) equals the number of modules: stock would run each module on one of its rows."""
+    return torch.stack([x, x])
+
+
+BAD_ARGUMENTS = [
+    # (call, error, message): a call with one bad argument, and what it must raise at once
+    (lambda m, x: minidp.replicate(m, cpu_ids(2), reduce_backend="bogus"), ValueError,
+     r"reduce_backend must be one of \('auto', 'torch', 'ext'\), got 'bogus'"),
+    (lambda m, x: minidp.ReplicaCache().replicate(m, cpu_ids(2), reduce_backend="bogus"), ValueError,
+     r"reduce_backend must be one of \('auto', 'torch', 'ext'\), got 'bogus'"),
+    (lambda m, x: minidp.ReplicaCache().replicate(lambda y: y, cpu_ids(2)), TypeError, r"network must be an nn\.Module"),
+    (lambda m, x: minidp.parallel_apply([m, 3], [(x,), (x,)]), TypeError,
+     r"parallel_apply: modules\[1\] \(of type int\) cannot be called"),
+    (lambda m, x: minidp.parallel_apply([m, m], rows(x)), TypeError,
+     r"parallel_apply: inputs must be a list with one entry per module \(replica\), got Tensor"),
+    (lambda m, x: minidp.parallel_apply([m, m], [(x,), (x,)], [{}, [x]]), TypeError,
+     r"parallel_apply: kwargs_tup\[1\] is of type list; give a dict of keyword arguments per module"),
+    (lambda m, x: minidp.gather(rows(x), "cpu"), TypeError, r"gather: outputs must be a list with one output per replica, got Tensor"),
+    (lambda m, x: minidp.scatter(x, cpu_ids(2), chunk_sizes=6), TypeError, r"chunk_sizes must be a list of ints, one size per device"),
+    (lambda m, x: minidp.scatter("no tensor", cpu_ids(2), chunk_sizes=[6]), ValueError,
+     r"chunk_sizes has 1 entries but there are 2 devices"),
+    (lambda m, x: minidp.scatter_kwargs((), {}, cpu_ids(2), dim="0"), TypeError, r"dim must be an int"),
+    (lambda m, x: minidp.scatter_kwargs((), {}, []), ValueError, r"target_devices is empty"),
+    (lambda m, x: minidp.scatter_kwargs((), {}, cpu_ids(2), chunk_sizes=[True, 5]), ValueError, r"chunk_sizes must be positive ints"),
+    (lambda m, x: comm.scatter(x, chunk_sizes=[2, 4], out=[torch.empty(3, 4), torch.empty(3, 4)]), ValueError,
+     r"scatter: give chunk_sizes or out, not both"),
+    (lambda m, x: comm.gather([x, x], 0, "cpu", out=torch.empty(12, 4)), ValueError, r"gather: give destination or out, not both"),
+    (lambda m, x: comm.gather([x, x], 0, out=torch.empty(12, 5)), ValueError, r"gather: out\[0\] has shape \(12, 5\), where \(12, 4\) is needed"),
+    (lambda m, x: minidp.data_parallel(m, x, cpu_ids(2), module_kwargs=[x]), TypeError,
+     r"module_kwargs must be a dict of keyword arguments or None, got a list"),
+    (lambda m, x: minidp.data_parallel(m, x, cpu_ids(2), replica_cache=True), TypeError,
+     r"replica_cache must be a ReplicaCache you keep between calls, or None; got True"),
+    (lambda m, x: minidp.data_parallel(m, x, None, chunk_weights=[1, -1]), ValueError,
+     r"chunk_weights\[1\] is -1: every weight must be a positive finite number"),
+    (lambda m, x: minidp.DataParallel(m, cpu_ids(2), cache_replicas="no"), TypeError,
+     r"cache_replicas must be True, False or a ReplicaCache, got 'no'"),
+    (lambda m, x: minidp.DataParallel(m, cpu_ids(2), gather_output="False"), TypeError,
+     r"gather_output must be True or False, got 'False'"),
+    (lambda m, x: minidp.parallel_criterion(nn.MSELoss(), [x, x], torch.cat([x, x]), dim="0"), TypeError, r"dim must be an int"),
+    (lambda m, x: minidp.calibrate(lambda y: y, x, cpu_ids(2)), TypeError, r"model must be an nn\.Module"),
+    (lambda m, x: minidp.calibrate(m, x, cpu_ids(2), loss_fn="sum"), TypeError,
+     r"loss_fn must be a function from the model's output to a scalar, got str"),
+    (lambda m, x: minidp.verify(lambda y: y, x, cpu_ids(2)), TypeError, r"module must be an nn\.Module"),
+    (lambda m, x: minidp.verify(m, x, cpu_ids(2), dim="0"), TypeError, r"dim must be an int"),
+    (lambda m, x: minidp.verify(m, x, cpu_ids(2), loss="mse"), TypeError, r"loss must be callable"),
+    (lambda m, x: minidp.verify(m, x, cpu_ids(2), wrapper="DataParallel"), TypeError, r"wrapper must be callable"),
+    (lambda m, x: minidp.verify(m, x, cpu_ids(2), rtol=-1), ValueError, r"rtol must be a positive number"),
+    (lambda m, x: minidp.verify(m, x, cpu_ids(2), dtype=torch.int64), TypeError, r"dtype must be a floating-point torch\.dtype"),
+]
+
+
+@pytest.mark.parametrize("call,error,message", BAD_ARGUMENTS)
+def test_a_bad_argument_is_refused_at_the_call_naming_it(model, call, error, message, generator):
+    """Stock keeps what it is given and fails later, if at all: a backend at the first backward, a
+    non-callable module inside a replica after the others ran, a tensor passed as the list of inputs
+    or outputs cut into its rows. minidp refuses each at the call, before any replica runs (the
+    model's BatchNorm statistics would show one)."""
+    before = snapshot(model)
+    with pytest.raises(error, match=message):
+        call(model, torch.randn(6, 4, generator=generator))
+    assert_untouched(model, before)
+
+
+def test_an_unknown_reduce_backend_is_refused_by_replicate_before_the_forward(model, generator):
+    """The backend is used only in the backward, by the reduction; a misspelling used to be found there,
+    after the forward had updated the running statistics. Now the replicas are never built."""
+    cache = minidp.ReplicaCache()
+    before = snapshot(model)
+    for replicate in (minidp.replicate, cache.replicate):
+        with pytest.raises(ValueError, match="reduce_backend must be one of"):
+            replicate(model, cpu_ids(2), reduce_backend="bogus")
+    assert cache.info().misses == 0
+    assert_untouched(model, before)
+
+
+@pytest.mark.parametrize(
+    "call,shapes,message",
+    [
+        (comm.scatter, [(3, 4), (3, 5)], r"scatter: out\[1\] has shape \(3, 5\), where \(6, 4\) outside dim 0 is needed"),
+        (comm.broadcast, [(6, 4), (6, 5)], r"broadcast: out\[1\] has shape \(6, 5\), where \(6, 4\) is needed"),
+    ],
+)
+def test_a_bad_out_tensor_is_refused_before_any_is_written(call, shapes, message, generator):
+    """torch's error would come from ``out[1]``'s copy, after ``out[0]`` was written."""
+    out = [torch.zeros(shape) for shape in shapes]
+    with pytest.raises(ValueError, match=message):
+        call(torch.randn(6, 4, generator=generator), out=out)
+    assert all(not o.any() for o in out)
+
+
+def test_out_pieces_that_do_not_add_up_to_the_tensor_are_refused(generator):
+    with pytest.raises(ValueError, match=r"scatter: the sizes of out along dim 0 add up to 5, but the tensor has 6 rows there"):
+        comm.scatter(torch.randn(6, 4, generator=generator), out=[torch.zeros(3, 4), torch.zeros(2, 4)])

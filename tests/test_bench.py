@@ -28,3 +28,16 @@ def test_the_table_prints_each_row_with_its_ratios():
     rows = [bench.Row("step cnn b256 minidp x2", 0.01, 1.1, 1.05, "stock: direct call (no GPU)")]
     table = bench.format_rows(rows)
     assert "step cnn b256 minidp x2" in table and "1.100" in table and "1.050" in table
+
+
+def test_only_names_row_groups_and_refuses_unknown_ones():
+    import argparse
+
+    assert bench._groups("replicate, forward") == ("replicate", "forward")
+    with pytest.raises(argparse.ArgumentTypeError, match="choose from step, replicate, forward"):
+        bench._groups("replicate,steps")
+
+
+def test_the_deep_cheap_model_is_deep_and_holds_buffers():
+    network = bench.deep_cheap()
+    assert len(list(network.modules())) == 1 + 48 * 4 and len(list(network.buffers())) == 48 * 3

@@ -11,6 +11,7 @@ import torch
 from .helpers import requires_cuda
 from minidp.cli import demo
 from minidp.cli import build_parser, main
+from minidp.tracing.memory import CATEGORIES
 
 TINY = ["--samples", "1000", "--epochs", "3", "--batch-size", "32", "--lr", "5e-3"]
 
@@ -132,9 +133,13 @@ def test_balanced_trains_exactly_as_the_gathered_run_and_prints_both_ledgers(cap
         assert a.held_out_accuracy == pytest.approx(b.held_out_accuracy, abs=0.02)
     out = capsys.readouterr().out
     assert "the loss on the replicas" in out
-    ledger = out.split("memory ledger of one training step, both ways:")[1]
-    assert "outputs gathered" in ledger and "loss on replicas" in ledger
-    gathered_row = next(line for line in ledger.splitlines() if "gathered outputs" in line).split()
+    ledger = out.split("memory ledger of one training step, both ways:")[1].splitlines()
+    assert "outputs gathered" in ledger[1] and "loss on replicas" in ledger[1]
+    device = ledger[ledger.index(next(line for line in ledger if line.startswith("cpu "))) + 1:][:len(CATEGORIES)]
+    assert [line.split("  ")[1] for line in device] == list(CATEGORIES)
+    for line in device:  # on CPU replicas every category of the device holds memory, both ways
+        assert not line.endswith(" 0 B") and "  0 B " not in line, line
+    gathered_row = next(line for line in ledger if "gathered outputs" in line).split()
     assert gathered_row[-2:] == ["16", "B"]  # two replicas' numerator and denominator, float32
 
 

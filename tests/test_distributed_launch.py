@@ -8,45 +8,18 @@ will not complete before the process group's timeout, which is set longer than t
 from __future__ import annotations
 
 import multiprocessing
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from . import ddp_checks as checks
+from .helpers import torchrun
 from minidp.distributed import RankFailed, launch, run_demo
-from minidp.distributed.launch import loopback_interface
 
 
 @pytest.fixture(autouse=True)
 def dataparallel_configuration():
     """These checks run in processes of their own, which start with DataParallel's defaults: the two
     configurations of tests/conftest.py would run them twice alike, so they run once."""
-
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def torchrun(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node=2 ARGS`` in a fresh session; the whole session is
-    killed if it runs past ``timeout`` (then the test fails)."""
-    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    if loopback_interface():
-        env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # Gloo's connections stay on this machine
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"torchrun ran past {timeout} s:\n{output}")
-    return subprocess.CompletedProcess(command, process.returncode, output)
 
 
 def test_a_rank_that_raises_in_step_2_ends_the_launched_job_with_its_error():

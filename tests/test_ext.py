@@ -112,6 +112,63 @@ def test_reduce_add_into_writes_the_given_outputs(extension, generator):
     assert_bitwise_equal(outputs, torch_reduce(inputs, CPU))
 
 
+# --- CPU sums in memory kept mapped between calls -------------------------------------------
+# DDP writes gradients into bucket memory it keeps for the module's life (gradient_as_bucket_view,
+# torch/nn/parallel/distributed.py); here a block is reused only once no sum over it is alive.
+
+
+def _pointers(tensors):
+    return [t.data_ptr() for t in tensors]
+
+
+def test_sums_dropped_by_the_caller_are_written_into_the_same_memory_next_time(extension, generator):
+    inputs = random_replicas([(64, 3), (5,), (0,), ()], 3, torch.float32, generator)
+    first = ext.reduce_add_coalesced(inputs, CPU)
+    where = _pointers(first)
+    del first
+    again = ext.reduce_add_coalesced(inputs, CPU)
+    assert _pointers(again) == where
+    assert_bitwise_equal(again, torch_reduce(inputs, CPU))
+
+
+def test_a_sum_still_held_is_never_overwritten(extension, generator):
+    """A user keeping one gradient (or a view of it) past zero_grad(set_to_none=True) keeps its values."""
+    inputs = random_replicas([(64, 3), (5,)], 3, torch.float32, generator)
+    later = random_replicas([(64, 3), (5,)], 3, torch.float32, generator)
+    first = ext.reduce_add_coalesced(inputs, CPU)
+    kept, view, expected = first[1], first[0][2:], [t.clone() for t in first]
+    del first
+    second = ext.reduce_add_coalesced(later, CPU)
+    assert torch.equal(kept, expected[1]) and torch.equal(view, expected[0][2:])
+    assert set(_pointers(second)).isdisjoint(_pointers([kept, view]))
+    assert_bitwise_equal(second, torch_reduce(later, CPU))
+
+
+def test_sums_are_tensors_of_their_own_not_views_of_each_other(extension, generator):
+    outputs = ext.reduce_add_coalesced(random_replicas([(8,), (8,)], 2, torch.float32, generator), CPU)
+    assert all(o._base is None for o in outputs)
+    before = [o._version for o in outputs]
+    outputs[0].add_(1)  # an in-place change of one sum does not count as a change of the others
+    assert [o._version for o in outputs] == [before[0] + 1, before[1]]
+
+
+def test_memory_whose_python_storage_object_was_seen_is_reused_once_dropped(extension, generator):
+    """``tensor.untyped_storage()`` makes a Python object that torch keeps alive while C++ holds the memory."""
+    inputs = random_replicas([(16,)], 2, torch.float32, generator)
+    first = ext.reduce_add_coalesced(inputs, CPU)
+    where = _pointers(first)
+    assert first[0].untyped_storage().nbytes() >= 64
+    del first
+    assert _pointers(ext.reduce_add_coalesced(inputs, CPU)) == where
+
+
+def test_release_reduce_outputs_lets_go_of_the_kept_memory(extension, generator):
+    ext.reduce_add_coalesced(random_replicas([(1024,)], 2, torch.float32, generator), CPU)
+    assert ext.reduce_output_bytes() >= 4096
+    ext.release_reduce_outputs()
+    assert ext.reduce_output_bytes() == 0
+
+
 # --- errors name the tensor and the replica -----------------------------------------------
 
 

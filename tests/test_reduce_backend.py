@@ -72,6 +72,26 @@ def test_training_with_ext_equals_training_with_torch_bitwise(extension, generat
         assert torch.equal(a, b), name
 
 
+def test_gradients_kept_across_zero_grad_keep_their_values_after_another_step(extension, generator):
+    """The ext backend writes CPU sums into memory it reuses between steps: never memory the user still holds."""
+    model = MLP().double()
+    reference = copy.deepcopy(model)
+    dp = minidp.DataParallel(model, cpu_ids(3), reduce_backend="ext")
+    dp_reference = minidp.DataParallel(reference, cpu_ids(3), reduce_backend="torch")
+    first, second = (torch.randn(9, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    dp(first).pow(2).sum().backward()
+    kept = [p.grad for p in model.parameters()]
+    values = [g.clone() for g in kept]
+    for p in model.parameters():
+        p.grad = None  # what zero_grad(set_to_none=True) does
+    dp(second).pow(2).sum().backward()
+    dp_reference(second).pow(2).sum().backward()
+    for grad, value in zip(kept, values):
+        assert torch.equal(grad, value)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def test_the_backward_uses_the_backend_dataparallel_was_given(monkeypatch, generator):
     seen = []
     original = comm.reduce_add_coalesced

@@ -175,33 +175,3 @@ def test_plot_without_matplotlib_says_how_to_install_it(cnn_step, tmp_path, monk
         monkeypatch.setitem(sys.modules, name, None)  # makes `import name` raise ImportError
     with pytest.raises(ImportError, match=r"pip install 'minidp\[plot\]'"):
         cnn_step.plot(tmp_path / "step.png")
-
-
-def _cnn_batch(generator, rows: int = 8):
-    images = torch.randn(rows, 1, 28, 28, generator=generator)
-    return images, torch.randint(0, 10, (rows,), generator=generator)
-
-
-def test_the_ledger_counts_the_parameters_and_the_gathered_output_on_the_output_device(generator):
-    model = ZOO["cnn"].build()
-    wrapper = minidp.DataParallel(model, cpu_ids(2))
-    images, labels = _cnn_batch(generator)
-    with minidp.trace() as step:
-        output = wrapper(images)
-        nn.functional.cross_entropy(output, labels).backward()
-    (row,) = [r for r in step.ledger() if r.device == "cpu"]
-    buffers = sum(b.nbytes for b in model.buffers())  # replica 1's private copies
-    assert row.shares["parameters"] == sum(t.nbytes for t in (*model.parameters(), *model.buffers())) + buffers
-    assert row.shares["gathered outputs"] == output.nbytes
-    assert row.peak >= 0 and row.rest == max(row.peak - sum(row.shares.values()), 0)
-
-
-def test_with_the_loss_on_the_replicas_only_the_loss_terms_are_gathered(generator):
-    """Issue: GPU 0 runs out of memory first because it gathers every output; parallel_criterion does not."""
-    wrapper = minidp.DataParallel(ZOO["cnn"].build(), cpu_ids(2), gather_output=False)
-    images, labels = _cnn_batch(generator)
-    with minidp.trace() as step:
-        minidp.parallel_criterion(nn.CrossEntropyLoss(), wrapper(images), labels).backward()
-    (row,) = [r for r in step.ledger() if r.device == "cpu"]
-    assert row.shares["gathered outputs"] == 2 * 2 * 4  # a numerator and a denominator per replica, float32
-    assert "gathered outputs" in step.ledger_table()

@@ -12,6 +12,9 @@ Rows:
   is the single-device step; on a GPU, stock and minidp both run K replicas on GPU 0.
 * ``replicate resnet50``: replicating a ResNet-50-shaped tree (161 parameters, 159 buffers,
   151 modules) with minidp's cache vs without it (vs stock ``replicate`` on a GPU).
+* ``forward deep``: the forward of a deep, cheap model (:func:`deep_cheap`: 48 blocks of
+  ``Linear``, ``BatchNorm1d`` and ``ReLU``) through ``DataParallel`` with the replica cache vs
+  without it; the replicas' graph is then dropped, as a training step's backward leaves it.
 * ``overhead``: step time minus the single-device step time of the same batch, for minidp and
   for stock (GPU only): the cost of everything that is not the replicas' own compute.
 
@@ -124,6 +127,27 @@ def replicate_variants(device: torch.device, replicas: int) -> dict[str, Callabl
     return variants
 
 
+def deep_cheap(blocks: int = 48, width: int = 32) -> nn.Module:
+    """A deep, cheap model: ``blocks`` of ``Linear(width, width)``, ``BatchNorm1d`` and ``ReLU`` (3 buffers
+    each). Its operations are tiny, so a forward is mostly per-module work: replicating weighs most."""
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU()) for _ in range(blocks)])
+
+
+def forward_variants(device: torch.device, replicas: int) -> dict[str, Callable[[], object]]:
+    """A training forward of :func:`deep_cheap` on ``replicas`` replicas of ``device``, with and without the cache."""
+    torch.manual_seed(0)
+    model = deep_cheap().to(device)
+    x = torch.randn(16 * replicas, 32, device=device)
+    ids = [device.index or 0] * replicas if device.type == "cuda" else ["cpu"] * replicas
+    cached, uncached = DataParallel(model, ids), DataParallel(copy.deepcopy(model), ids, cache_replicas=False)
+
+    def cached_forward() -> None:
+        cached(x)
+        cached.replica_cache.release(cached.device_ids)  # no backward follows: the replicas are free to re-bind
+
+    return {"uncached": lambda: uncached(x), "cached": cached_forward}
+
+
 @dataclass
 class Row:
     name: str
@@ -133,22 +157,25 @@ class Row:
     note: str = ""
 
 
-def run_bench(device: torch.device, quick: bool) -> list[Row]:
+GROUPS = ("step", "replicate", "forward")
+
+
+def run_bench(device: torch.device, quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
     rounds, number = (3, 2) if quick else (7, 5)
     # Weights trained over and over on one batch can drift into denormal numbers, which the CPU
     # handles many times slower, and differently in each variant: flush them while timing.
     flushed = torch.set_flush_denormal(True)
     try:
-        return _run_bench(device, rounds, number)
+        return _run_bench(device, rounds, number, groups)
     finally:
         if flushed:
             torch.set_flush_denormal(False)
 
 
-def _run_bench(device: torch.device, rounds: int, number: int) -> list[Row]:
+def _run_bench(device: torch.device, rounds: int, number: int, groups: tuple[str, ...]) -> list[Row]:
     rows: list[Row] = []
     stock_note = "stock: K replicas on GPU" if device.type == "cuda" else "stock: direct call (no GPU)"
-    for case in STEP_CASES.values():
+    for case in STEP_CASES.values() if "step" in groups else ():
         times = side_by_side(step_variants(case, device, (1, 2, 4)), rounds, number)
         for name, seconds in times.items():
             if name.startswith("minidp"):
@@ -159,13 +186,24 @@ def _run_bench(device: torch.device, rounds: int, number: int) -> list[Row]:
             minidp_overhead = times["minidp x4"] - times["single"]
             stock_overhead = times["stock"] - times["single"]
             rows.append(Row(f"overhead {case.name} x4", minidp_overhead, minidp_overhead / stock_overhead, None, "step - single"))
-    for k in (2, 4):
+    for k in (2, 4) if "replicate" in groups else ():
         times = side_by_side(replicate_variants(device, k), rounds, 5 * number)
         rows.append(
             Row(
                 f"replicate resnet50 x{k} cached",
                 times["cached"],
                 times["cached"] / times["stock"] if "stock" in times else None,
+                None,
+                f"uncached {times['uncached'] * 1e3:.2f} ms, cached/uncached {times['cached'] / times['uncached']:.3f}",
+            )
+        )
+    for k in (2, 4) if "forward" in groups else ():
+        times = side_by_side(forward_variants(device, k), rounds, 5 * number)
+        rows.append(
+            Row(
+                f"forward deep x{k} cached",
+                times["cached"],
+                None,
                 None,
                 f"uncached {times['uncached'] * 1e3:.2f} ms, cached/uncached {times['cached'] / times['uncached']:.3f}",
             )
@@ -186,6 +224,18 @@ def format_rows(rows: list[Row]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=parse_device, default=None, help="cpu or cuda (default: cuda when a GPU is visible, else cpu)")
     parser.add_argument("--full", action="store_true", help="more rounds (default: a short run of about a minute)")
+    parser.add_argument(
+        "--only", type=_groups, default=GROUPS, metavar="ROWS",
+        help=f"comma-separated row groups to run, of {', '.join(GROUPS)} (default: all)",
+    )
+
+
+def _groups(text: str) -> tuple[str, ...]:
+    chosen = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in chosen if name not in GROUPS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown row group(s) {unknown or [text]}; choose from {', '.join(GROUPS)}")
+    return chosen
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,5 +244,5 @@ def run(args: argparse.Namespace) -> int:
     load = ", load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()) if hasattr(os, "getloadavg") else ""
     print(f"minidp bench on {device}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}{load}")
     print("times are medians of interleaved blocks; ratios compare variants measured in this run\n")
-    print(format_rows(run_bench(device, quick=not args.full)))
+    print(format_rows(run_bench(device, quick=not args.full, groups=args.only)))
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from copy import deepcopy as copy_module
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -62,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--processes", type=positive_int, default=1,
         help="train with minidp.distributed in this many processes (Gloo on the loopback address, or NCCL "
         "with --device cuda), --replicas replicas in each; --batch-size is the total per step (default: 1)",
+    )
+    parser.add_argument(
+        "--shard", action="store_true",
+        help="with --processes N: shard the model with minidp.distributed.fully_shard instead of DDP (each process "
+        "keeps 1/N of the parameters, gradients and optimizer state); prints the first step's events and the "
+        "memory per process beside DDP's",
     )
 
 
@@ -175,7 +182,7 @@ def train(args: argparse.Namespace) -> list[EpochResult]:
     if args.trace:
         trace_one_step(model, next(iter(train_loader)), optimizer, device, args.trace)
     if args.balanced:
-        print(compare_ledgers(model.module, device_ids, next(iter(train_loader)), device))
+        print(compare_ledgers(model.module, device_ids, next(iter(train_loader)), device, args.lr))
     return results
 
 
@@ -193,17 +200,29 @@ def trace_one_step(model: nn.Module, data: dict, optimizer: torch.optim.Optimize
         print(f"{kind}: {path}")
 
 
-def compare_ledgers(module: nn.Module, device_ids: list, data: dict, device: torch.device) -> str:
-    """One traced step of ``module`` each way (outputs gathered; loss on the replicas): both memory ledgers."""
+def compare_ledgers(module: nn.Module, device_ids: list, data: dict, device: torch.device, lr: float) -> str:
+    """One traced training step each way (outputs gathered; loss on the replicas): both memory ledgers.
+
+    Each way steps its own copy of ``module`` with its own Adam, one step to warm up (replica threads,
+    Adam's state) and one measured, so both start from the same weights and state and the trained
+    model is left as it is.
+    """
     label = data["label"].to(device)
     ledgers = {}
     for gather_output, title in ((True, "outputs gathered"), (False, "loss on replicas")):
-        model = DataParallel(module, device_ids=device_ids, gather_output=gather_output)
-        loss_and_correct(model, data["image"], label)[0].backward()  # warm: replica threads, allocator
-        with trace() as step:
+        copy = copy_module(module)
+        model = DataParallel(copy, device_ids=device_ids, gather_output=gather_output)
+        optimizer = torch.optim.Adam(copy.parameters(), lr=lr)
+
+        def step() -> None:
+            optimizer.zero_grad()
             loss_and_correct(model, data["image"], label)[0].backward()
-        ledgers[title] = step.ledger()
-    module.zero_grad()
+            optimizer.step()
+
+        step()
+        with trace(ledger=True) as traced:
+            step()
+        ledgers[title] = traced.ledger()
     return "memory ledger of one training step, both ways:\n" + ledgers_side_by_side(ledgers)
 
 
@@ -218,10 +237,14 @@ def run(args: argparse.Namespace) -> int:
 
         if args.balanced:
             raise SystemExit("--balanced and --processes: choose one (the distributed demo gathers in each process)")
+        if args.shard and args.replicas:
+            raise SystemExit("--shard and --replicas: choose one (a sharded process runs its model once)")
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         run_demo(args.processes, backend="nccl" if device == "cuda" else "gloo", epochs=args.epochs,
                  batch_size=args.batch_size, replicas=args.replicas or 1, lr=args.lr, seed=args.seed,
-                 samples=args.samples, trace=args.trace)
+                 samples=args.samples, trace=args.trace, shard=args.shard)
         return 0
+    if args.shard:
+        raise SystemExit("--shard needs --processes N (N > 1): sharding splits the model across processes")
     train(args)
     return 0

@@ -13,6 +13,9 @@ module each:
 * :mod:`~minidp.distributed.batchnorm`: :class:`minidp.SyncBatchNorm`'s statistics across processes;
 * :mod:`~minidp.distributed.logging_data`: torch DDP's runtime statistics (``_get_ddp_logging_data``);
 * :mod:`~minidp.distributed.ddp`: :class:`DistributedDataParallel`, which composes them;
+* :mod:`~minidp.distributed.fully_shard`: :func:`fully_shard`, FSDP2's sharding of parameters,
+  gradients and optimizer state (each rank keeps 1/W), and :func:`full_state_dict`;
+* :mod:`~minidp.distributed.memory`: what one rank holds, DDP's and sharded, side by side;
 * :mod:`~minidp.distributed.zero`: :class:`ZeroRedundancyOptimizer`, each rank keeping the optimizer
   state of its share of the parameters and broadcasting the share it updated;
 * :mod:`~minidp.distributed.timeline`: each rank's timings, merged into one Chrome trace;
@@ -23,7 +26,9 @@ minidp's core never imports ``torch.distributed``; only this package does.
 
 from .buckets import GradBucket
 from .ddp import DistributedDataParallel
+from .fully_shard import full_state_dict, fully_shard, sharded_timeline
 from .launch import RankFailed, launch, run_demo
+from .memory import format_ledgers, memory_ledger
 from .timeline import chrome_trace, gather_timelines, hidden_share, plot_timelines, write_chrome_trace
 from .zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
@@ -31,13 +36,18 @@ __all__ = [
     "DistributedDataParallel",
     "GradBucket",
     "RankFailed",
+    "ZeroRedundancyOptimizer",
     "chrome_trace",
+    "format_ledgers",
+    "full_state_dict",
+    "fully_shard",
     "gather_timelines",
     "hidden_share",
     "launch",
-    "run_demo",
-    "plot_timelines",
-    "write_chrome_trace",
-    "ZeroRedundancyOptimizer",
+    "memory_ledger",
     "optimizer_state_bytes",
+    "plot_timelines",
+    "run_demo",
+    "sharded_timeline",
+    "write_chrome_trace",
 ]

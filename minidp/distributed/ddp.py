@@ -30,9 +30,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-import minidp
-
 from ..hooks import profiled
+from ..wrapper import DataParallel
 from .batchnorm import attach_exchange, check_torch_sync_batchnorm
 from .broadcast import broadcast_from, broadcast_from_rank0
 from .buckets import BucketCaps
@@ -117,7 +116,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         is kept out of the registry of sub-modules, where it would repeat every key of the state dict."""
         self.__dict__["_replicas"] = (
             None if self.device_ids is None
-            else minidp.DataParallel(self.module, self.device_ids, self.output_device, self.dim)
+            else DataParallel(self.module, self.device_ids, self.output_device, self.dim)
         )
 
     def _attach_reducer(self) -> None:

@@ -312,7 +312,10 @@ class Reducer:
         with self._lock:
             self._last_gradient = time.perf_counter()
             if (self.find_unused_parameters or self.static_graph) and self._tracks_use():
-                self._local_used[index] = 1  # also under no_sync: used once since the last reduction is used
+                # also under no_sync: used once since the last reduction is used. An undefined gradient
+                # (the hook runs, .grad stays None) is no use, as reducer.cpp checks grad.defined()
+                if self.params[index].grad is not None:
+                    self._local_used[index] = 1
             if not self._expect_hooks:  # no_sync, or a backward without a synchronised forward
                 return
             self._arrived = True

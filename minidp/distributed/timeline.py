@@ -1,9 +1,11 @@
-"""Several ranks' timelines of a backward, merged into one Chrome trace (``chrome://tracing``, Perfetto).
+"""Several ranks' timelines of a step, merged into one Chrome trace (``chrome://tracing``, Perfetto).
 
-Each rank's :meth:`DistributedDataParallel.timeline` lists its events with times in seconds since
-the Unix epoch, so the ranks of one machine share a clock. In the trace every rank is one process
-row; inside it, one thread row holds the backward and the write-back, one the instants at which
-buckets filled, and one per bucket its all-reduce: an all-reduce that ends before the backward
+Each rank's :meth:`DistributedDataParallel.timeline` (or :func:`~minidp.distributed.sharded_timeline`)
+lists its events with times in seconds since the Unix epoch, so the ranks of one machine share a
+clock. In the trace every rank is one process row; inside it, one thread row holds the compute
+(DDP's backward and write-back; a sharded module's forwards, backwards and copy-outs), one the
+instants at which buckets filled, one per bucket its all-reduce, and, for a sharded module, one row
+of all-gathers and one of reduce-scatters: a collective that ends before the compute around it
 does was hidden behind it.
 """
 
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from ..tracing.views import write_atomically
 
 _COMPUTE, _READY = 0, 1  # thread rows; all-reduces of bucket b go on row 2 + b
+_SHARDED_ROWS = {"all-gather": (2, "all-gathers"), "reduce-scatter": (3, "reduce-scatters")}  # no all-reduce there
 
 
 def _row(event: dict) -> tuple[int, str]:
@@ -25,7 +28,9 @@ def _row(event: dict) -> tuple[int, str]:
         return 2 + event["bucket"], f"all-reduce bucket {event['bucket']}"
     if event["stage"] == "bucket ready":
         return _READY, "buckets ready"
-    return _COMPUTE, "backward"
+    if event["stage"] in _SHARDED_ROWS:
+        return _SHARDED_ROWS[event["stage"]]
+    return _COMPUTE, "forward and backward" if "group" in event else "backward"  # a sharded group's, or DDP's
 
 
 def chrome_trace(timelines: Sequence[Sequence[dict]]) -> dict:
@@ -67,7 +72,8 @@ def plot_timelines(path: Union[str, Path], timelines: Sequence[Sequence[dict]]) 
     events = [e for timeline in timelines for e in timeline]
     origin = min((e["start"] for e in events), default=0.0)
     lanes = sorted({(e["rank"], *_row(e)) for e in events if e["stage"] != "bucket ready"})
-    colours = {"backward": "#c44e52", "write-back": "#8172b3", "all-reduce": "#dd8452"}
+    colours = {"backward": "#c44e52", "write-back": "#8172b3", "all-reduce": "#dd8452", "forward": "#4c72b0",
+               "copy-out": "#8172b3", "all-gather": "#55a868", "reduce-scatter": "#dd8452"}
     figure = Figure(figsize=(9, 1.2 + 0.4 * len(lanes)), dpi=100)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()

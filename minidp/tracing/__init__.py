@@ -4,7 +4,8 @@ Built on :mod:`minidp.hooks`, above the primitives, which never import it:
 
 * ``recorder.py``: :class:`Trace`, the listener that turns calls and autograd hooks into events;
 * ``describers.py``: per stage, what a call moved to each replica (bytes, shapes);
-* ``memory.py``: peak memory per device during the trace;
+* ``memory.py``: the memory ledger (every allocation of the step, per device and replica, by category)
+  and the process's peak per device;
 * ``views.py``: the table, the Chrome trace and the PNG timeline, and the files they are written to.
 """
 

@@ -4,8 +4,8 @@ A describer runs when its primitive returns, with ``arguments`` (the call's argu
 name, defaults filled in, as ``inspect.Signature.bind`` and ``apply_defaults`` give them) and the
 result. It does at once only what needs the live call (registering the backward's hooks, walking the
 replica modules that a replica cache re-binds on its next call) and returns the rest as a function,
-``served()``, that the recorder calls when the trace ends: counting bytes and writing details is pure
-bookkeeping, kept out of the step and out of the stage's own time. ``served()`` lists
+``served()``, that the recorder calls when the trace's events are first read: counting bytes and writing
+details is pure bookkeeping, kept out of the step and out of the stage's own time. ``served()`` lists
 ``(replica, device, bytes, detail)`` for every replica the call served; ``bytes`` is always "bytes
 written to fresh memory by this step".
 """
@@ -24,12 +24,9 @@ Served = Iterator[tuple[int, Any, int, str]]  # (replica, device, bytes, detail)
 
 
 class Recorder(Protocol):
-    """What a describer may ask of the recorder: to watch the backward of the replicas a call made, and
-    to count bytes that stay on a device for the memory ledger."""
+    """What a describer may ask of the recorder: to watch the backward of the replicas a call made."""
 
     def watch_replicas(self, replicas: Sequence[Any], parameters: Sequence[Sequence[torch.Tensor]]) -> None: ...
-
-    def account(self, device: str, share: str, nbytes: int) -> None: ...
 
 
 Describer = Callable[[Recorder, dict, Any], Callable[[], Served]]
@@ -39,13 +36,20 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for _, t in tensors_in(obj)]
 
 
+def _storage_of(t: torch.Tensor) -> tuple[torch.device, int]:
+    """Where ``t``'s memory starts: its device and its storage's first byte. Computed from the tensor's own
+    pointer and offset, without making the storage's Python object (``untyped_storage()``), which costs more
+    and stays alive as long as the memory does."""
+    return t.device, t.data_ptr() - t.storage_offset() * t.element_size()
+
+
 def _storages(tensors: Sequence[torch.Tensor]) -> set[tuple[torch.device, int]]:
-    return {(t.device, t.untyped_storage().data_ptr()) for t in tensors}
+    return set(map(_storage_of, tensors))
 
 
 def _bytes_outside(tensors: Sequence[torch.Tensor], owned: set[tuple[torch.device, int]]) -> int:
     """Bytes of ``tensors`` that live in memory none of ``owned`` is (so they were copied)."""
-    return sum(t.nbytes for t in tensors if (t.device, t.untyped_storage().data_ptr()) not in owned)
+    return sum(t.nbytes for t in tensors if _storage_of(t) not in owned)
 
 
 def _device_of(tensors: Sequence[torch.Tensor], default: Any) -> str:
@@ -65,7 +69,6 @@ def scatter(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Serv
             chunk = _tensors(piece)
             shapes = ", ".join(str(tuple(t.shape)) for t in chunk)
             copied = _bytes_outside(chunk, sources)
-            tracer.account(str(devices[replica]), "inputs", copied)
             yield replica, str(devices[replica]), copied, f"chunks {shapes}"
 
     return served
@@ -108,12 +111,9 @@ def replicate(tracer: Recorder, arguments: dict, result: list) -> Callable[[], S
 
     def served() -> Served:
         originals = _storages(walked[0][0]) if walked else set()
-        if walked:
-            tracer.account(_device_of(walked[0][0], "cpu"), "parameters", sum(t.nbytes for t in walked[0][0]))
         for replica, (_, params, buffers) in enumerate(walked):
             copied = {"parameter": _bytes_outside(params, originals), "buffer": _bytes_outside(buffers, originals)}
             device = _device_of(params + buffers, arguments["devices"][replica])
-            tracer.account(device, "parameters", copied["parameter"] + copied["buffer"])
             yield replica, device, copied["parameter"] + copied["buffer"], (
                 f"parameters {copied['parameter']} B copied, buffers {copied['buffer']} B copied"
                 + (" (parameters alias the original's storage)" if params and copied["parameter"] == 0 else "")
@@ -126,10 +126,7 @@ def gather(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Serve
     outputs = [_tensors(output) for output in arguments["outputs"]]
 
     def served() -> Served:
-        gathered_tensors = _tensors(result)
-        gathered = _storages(gathered_tensors)
-        tracer.account(str(as_device(arguments["target_device"], "target_device")), "gathered outputs",
-                       sum(t.nbytes for t in gathered_tensors))
+        gathered = _storages(_tensors(result))
         for replica, tensors in enumerate(outputs):
             yield replica, _device_of(tensors, arguments["target_device"]), _bytes_outside(tensors, gathered), (
                 f"into {arguments['target_device']}"
@@ -142,14 +139,14 @@ def reduce(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Serve
     inputs = arguments["inputs"]  # which backend summed what is decided now: the default is a setting
     chosen = reduce_backends(inputs[0], arguments["backend"]) if inputs and inputs[0] else []
     backend = ", ".join(f"{name} ({chosen.count(name)})" for name in sorted(set(chosen))) or "-"
+    destination = _device_of(list(result), arguments["destination"])
+    # Counted now: held until the events are read, the replicas' gradients would stay alive (K copies).
+    grads = [list(replica_grads) for replica_grads in inputs]
+    counted = [(_device_of(g, destination), sum(t.nbytes for t in g), len(g)) for g in grads]
 
     def served() -> Served:
-        destination = _device_of(list(result), arguments["destination"])
-        for replica, grads in enumerate(arguments["inputs"]):
-            grads = list(grads)
-            yield replica, _device_of(grads, destination), sum(g.nbytes for g in grads), (
-                f"{len(grads)} gradients summed onto {destination}, backends: {backend}"
-            )
+        for replica, (device, nbytes, count) in enumerate(counted):
+            yield replica, device, nbytes, f"{count} gradients summed onto {destination}, backends: {backend}"
 
     return served
 

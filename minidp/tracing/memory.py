@@ -1,12 +1,88 @@
-"""Peak memory per device during a trace: the kernel's RSS high-water mark, CUDA's allocator peak."""
+"""Memory of a step: the ledger of what every device (and every replica on it) held, counted from allocations.
+
+Two measurements live here.
+
+**The ledger** (:class:`AllocationLedger`, :func:`measure_step`, and ``Trace.ledger()`` on top of them) counts
+the storages the step's tensors live in: every storage an operator returns is an allocation of exactly
+``storage.nbytes()`` bytes, and it is freed when its last user lets go of it. Three of torch's mechanisms
+see them, in every thread, on the CPU as on a GPU:
+
+* a ``TorchDispatchMode`` sees every operator and the tensors it takes and returns: a storage met for the
+  first time as an operator's *result* was allocated then; one met first as an *argument* was already
+  held when the measurement began (parameters, the batch, optimizer state), and counts from the start;
+* ``weakref.finalize`` on the storage's Python object (torch keeps that object alive exactly as long as
+  the storage) says when it is freed, in whichever thread lets go of it;
+* ``torch.optim``'s global step hooks say when an optimizer steps, and which tensors are its state.
+
+Every allocation and free gets a number from one counter, so the events of all threads fall in one order
+and the peak is exact: the most bytes held at once, per device, and per replica. Which *category* a storage
+belongs to is decided when the step is over, from what minidp knows (see :data:`CATEGORIES`):
+
+| category | a storage ... |
+|---|---|
+| parameters | of the module's parameters and buffers (``replicate``'s ``network``, an optimizer's parameters), or of the replicas' copies that ``replicate`` returns |
+| inputs | of the chunks ``scatter`` returns (on the batch's own device a chunk is a view and adds nothing), or held before the step began and none of the others (the batch, the targets) |
+| activations | made by a replica's forward and still held when the backward begins: kept for the backward (or by the caller, as the outputs that ``gather_output=False`` leaves on the replicas) |
+| gradients | of each replica's gradients handed to ``reduce``, of the sums it returns, and of the parameters' ``.grad`` |
+| gathered outputs | of what ``gather`` returns: the whole output, or with :func:`minidp.parallel_criterion` only the loss terms |
+| loss | made by the criterion (by the caller's code after the gather, or on the replicas) and held when the backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
+| optimizer state | of ``optimizer.state`` when an optimizer steps |
+| temporaries | anything else the step made: freed before the backward began, or made by the backward or the optimizer and none of the above |
+
+Where a storage was made is known from the thread it was made in: each replica's forward runs in a thread
+(``minidp.hooks`` tells the recorder which replica), and each stage's call is one call on one thread; the
+backward is whatever runs inside autograd's graph task (``torch._C._current_graph_task_id``). Code that
+knows more names it with :meth:`AllocationLedger.mark`: a sharded step, measured by :func:`measure_step`,
+would mark its gathered parameters so, and a category not in :data:`CATEGORIES` gets a line of its own after
+them.
+
+What this counts and what it does not: the bytes are the sizes the allocator is asked for. On the CPU,
+torch's allocator allocates exactly that (aligned to 64 bytes; the heap's own bookkeeping is not torch's);
+on a GPU the caching allocator rounds every block up to a multiple of 512 bytes and reuses a freed block
+only once the streams that used it are done, and its own figure is shown beside the ledger
+(``torch.cuda.max_memory_allocated`` above the start, as in the trace's table). Scratch
+memory that an operator allocates and frees inside its own kernel is not a tensor any operator returns and
+is not counted; nor are tensors that never pass through an operator (a tensor made by ``torch.from_numpy``
+in the step counts from the start, as if it had been there).
+
+Why not ``torch.profiler.profile(profile_memory=True)`` and its memory profile (``export_memory_timeline``,
+``torch.profiler._memory_profiler.MemoryProfile``), which attribute every allocation to the same kinds of
+category? In torch 2.13 the profiler records allocations only in the thread that started it: the forwards
+of replicas 1, 2, ... run in minidp's worker threads and are invisible to it, and with
+``experimental_config=_ExperimentalConfig(profile_all_threads=True)`` it records the other threads' operators
+but no allocation at all. Its categories are also inferred afterwards, by a data-flow analysis over every
+recorded operator, which with the profiler adds most of a step's time again (``python
+benchmarks/trace_overhead.py --ledger``, BENCHMARKS.md); here they come from the stages minidp ran, and the
+ledger adds a Python call per operator.
+
+**The process's peak** (:class:`DeviceMemory`) is what the trace's table prints: on a GPU the caching
+allocator's peak above the start; on the CPU the kernel's high-water mark of the process's resident memory
+(RSS), which does not move when the allocator reuses memory it already holds.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
-from dataclasses import dataclass
-from typing import Optional
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..nested import tensors_in
+from .describers import _replica_tensors, _tensors
+
+CATEGORIES = (
+    "parameters", "inputs", "activations", "gradients", "gathered outputs", "loss", "optimizer state", "temporaries",
+)
+
+
+# -- the process's peak, for the trace's table -----------------------------------------------------------
 
 
 @dataclass
@@ -86,43 +162,339 @@ class DeviceMemory:
         return found
 
 
-SHARES = ("parameters", "inputs", "gathered outputs")
+# -- the ledger ---------------------------------------------------------------------------------------------
 
 
 @dataclass
 class LedgerRow:
-    """One device's peak memory during a traced step, and what it is made of.
+    """What one device (``replica`` None), or one replica on it, held during a step.
 
-    ``shares`` are exact counts of the bytes each step left on the device: the module's parameters and
-    buffers with the replicas' copies of them (``parameters``), the input chunks copied to it
-    (``inputs``), the outputs gathered onto it (``gathered outputs``: the whole output, or with
-    :func:`minidp.parallel_criterion` only the loss terms). ``rest`` is the peak minus those: what the
-    forward keeps for the backward (activations), the loss, the gradients and the allocator's slack.
-    The CPU's peak is the process's (every CPU replica shares it), and its shares are summed over
-    every CPU device.
+    ``peak``: the most bytes held at once. ``held[category]``: the most bytes that category held at
+    once (categories peak at different moments, so these do not add up to ``peak``). ``at_peak[category]``:
+    what the bytes held at the moment of ``peak`` were made of (they add up to ``peak``).
+    ``allocator_peak``: on a GPU, the caching allocator's own peak above the start (rounded blocks, and
+    memory no tensor holds: kernels' scratch, cuBLAS workspaces); None on the CPU.
     """
 
     device: str
+    replica: Optional[int]
     peak: int
-    shares: dict[str, int]
-    measure: str
+    held: dict[str, int]
+    at_peak: dict[str, int]
+    allocator_peak: Optional[int] = None
 
     @property
-    def rest(self) -> int:
-        return max(self.peak - sum(self.shares.values()), 0)
+    def label(self) -> str:
+        return self.device if self.replica is None else f"{self.device} replica {self.replica}"
 
 
-def memory_ledger(peaks: list[MemoryPeak], accounted: dict[tuple[str, str], int]) -> list[LedgerRow]:
-    rows = []
-    for peak in peaks:
-        shares = {
-            share: sum(n for (device, kind), n in accounted.items() if kind == share and _same(device, peak.device))
-            for share in SHARES
-        }
-        rows.append(LedgerRow(peak.device, peak.bytes, shares, peak.measure))
-    return rows
+@dataclass
+class _Storage:
+    """One allocation: where and when it was made, and what it turned out to be."""
+
+    device: str
+    nbytes: int
+    born: int  # the counter's value when it was made; 0: held before the measurement began
+    phase: str  # what was running: a stage, "forward", "loss", "backward", "optimizer", "host", "found"
+    replica: Optional[int]
+    died: Optional[int] = None
+    category: Optional[str] = None  # named by what minidp knows of it (see AllocationLedger.mark)
+    named_replica: Optional[int] = None
+    resized: list[tuple[int, int]] = field(default_factory=list)  # (when, change in bytes)
 
 
-def _same(device: str, peak_device: str) -> bool:
-    """Whether bytes counted on ``device`` belong to the peak measured for ``peak_device``."""
-    return device.split(":")[0] == "cpu" if peak_device == "cpu" else device == peak_device
+class _Watch(TorchDispatchMode):
+    """Shows the ledger every operator's tensors: arguments first (held already), then results (made now)."""
+
+    def __init__(self, ledger: "AllocationLedger") -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten.lift_fresh.default:  # torch.tensor(...): its argument is new, not held
+            self.ledger.see(_operator_tensors(args), made_now=False)
+            self.ledger.see(_operator_tensors(kwargs.values()), made_now=False)
+        result = func(*args, **kwargs)
+        self.ledger.see(_operator_tensors((result,)), made_now=True)
+        return result
+
+
+def _operator_tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors among an operator's arguments or results. An operator's schema allows a tensor, a list of
+    tensors or a tuple of them, nothing deeper, so this is one level of lists, not ``minidp.nested``'s walk
+    (which would cost the ledger as much again per operator)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (item for item in value if isinstance(item, torch.Tensor))
+
+
+class AllocationLedger:
+    """Counts every storage the step's operators use, per device and replica (see the module docstring).
+
+    ``start()`` on the thread that runs the step, ``stop()`` there when it is over, ``rows()`` after.
+    Other threads that run part of the step are watched inside :meth:`watching`; what runs is named with
+    :meth:`phase`; what minidp knows a tensor to be is told with :meth:`mark`.
+    """
+
+    def __init__(self, kept_by_host: str = "loss") -> None:
+        """``kept_by_host``: what the calling thread's own code (outside every stage) keeps for the backward
+        is: in a data-parallel step the model runs in the replicas' forwards, so it is the loss (the default);
+        a step without minidp's stages runs its model there, so it is "activations"."""
+        self.kept_by_host = kept_by_host
+        self._lock = threading.RLock()  # a free may run inside see(), from a garbage collection
+        self._clock = itertools.count(1)
+        self._live: dict[int, _Storage] = {}  # the storage's address -> its record, while it lives
+        self._storages: list[_Storage] = []
+        self._device_names: dict[torch.device, str] = {}
+        self._finalizers: list[weakref.finalize] = []
+        self._thread = threading.local()  # .phases: a stack of (phase, replica); .watched: this thread is
+        self._replica_modules: set[int] = set()  # ids of the modules replicate made: their forward is the model's
+        self._parameters: list[torch.Tensor] = []  # whose .grad are gradients when the step ends
+        self._hooks: list[Any] = []
+        self._mode: Optional[_Watch] = None
+        self.backward_began: Optional[int] = None
+
+    # -- the measurement --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._hooks = [register_optimizer_step_pre_hook(self._optimizer_begins),
+                       register_optimizer_step_post_hook(self._optimizer_ends)]
+        self._mode = _Watch(self)
+        self._mode.__enter__()
+        self._thread.watched = True
+
+    def stop(self) -> None:
+        self._thread.watched = False
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for hook in self._hooks:
+            hook.remove()
+        self.mark([p.grad for p in self._parameters if p.grad is not None], "gradients")
+        self._parameters.clear()
+        with self._lock:
+            for finalizer in self._finalizers:  # frees after the step are not the step's
+                finalizer.detach()
+            self._finalizers.clear()
+            self._live.clear()
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Watch this thread too (a replica's worker) while inside; nothing more if it is watched already."""
+        if getattr(self._thread, "watched", False):
+            yield
+            return
+        self._thread.watched = True
+        try:
+            with _Watch(self):
+                yield
+        finally:
+            self._thread.watched = False
+
+    @contextlib.contextmanager
+    def phase(self, name: str, replica: Optional[int] = None) -> Iterator[None]:
+        """What this thread runs while inside: a stage's name, "forward" or "loss" of ``replica``, "optimizer"."""
+        phases = self._phases()
+        phases.append((name, replica))
+        try:
+            yield
+        finally:
+            phases.pop()
+
+    def watch_parameters(self, parameters: Iterable[torch.Tensor]) -> None:
+        """``parameters`` are the model's: counted as parameters, and their ``.grad`` as gradients at the end."""
+        parameters = list(parameters)
+        self.mark(parameters, "parameters")
+        self._parameters.extend(parameters)
+
+    def mark(self, tensors: Iterable[Any], category: str, replica: Optional[int] = None,
+             made_now: bool = False) -> None:
+        """The storages of ``tensors`` are ``category`` (of ``replica``); the first name a storage is given stands.
+
+        ``made_now``: a storage not met before was made just now (a stage's result, made by code no
+        operator shows, such as the extension's reduction); otherwise it was held from the start.
+        """
+        for tensor in tensors:
+            record = self._see_one(tensor, made_now)
+            if record is not None and record.category is None:
+                record.category, record.named_replica = category, replica
+
+    # -- what the step's threads call -------------------------------------------------------------------
+
+    def see(self, tensors: Iterable[torch.Tensor], made_now: bool) -> None:
+        for tensor in tensors:
+            self._see_one(tensor, made_now)
+
+    def _see_one(self, tensor: torch.Tensor, made_now: bool) -> Optional[_Storage]:
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError, TypeError):  # sparse, nested, no storage
+            return None
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        record = self._live.get(key)  # met before: the common case, read without the lock (one dict read)
+        if record is not None and record.nbytes == nbytes:
+            return record
+        with self._lock:
+            record = self._live.get(key)
+            if record is None:
+                phase, replica = self._where() if made_now else ("found", None)
+                device = self._device_names.get(tensor.device)
+                if device is None:  # str(device) costs as much as the rest of a lookup: named once per device
+                    device = self._device_names[tensor.device] = str(tensor.device)
+                record = _Storage(device, nbytes, next(self._clock) if made_now else 0, phase, replica)
+                if phase == "backward" and self.backward_began is None:
+                    self.backward_began = record.born
+                self._live[key] = record
+                self._storages.append(record)
+                self._finalizers.append(weakref.finalize(storage, self._freed, key, record))
+            elif record.nbytes != nbytes:  # resized in place (resize_, out= arguments)
+                record.resized.append((next(self._clock), nbytes - record.nbytes))
+                record.nbytes = nbytes
+            return record
+
+    def _freed(self, key: int, record: _Storage) -> None:
+        with self._lock:
+            record.died = next(self._clock)
+            if self._live.get(key) is record:
+                del self._live[key]
+
+    def _phases(self) -> list[tuple[str, Optional[int]]]:
+        phases = getattr(self._thread, "phases", None)
+        if phases is None:
+            phases = self._thread.phases = []
+        return phases
+
+    def _where(self) -> tuple[str, Optional[int]]:
+        phases = self._phases()
+        if phases:
+            return phases[-1]
+        if torch._C._current_graph_task_id() != -1:  # inside autograd's backward, in any of its threads
+            return "backward", None
+        return "host", None
+
+    def _optimizer_begins(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        self.mark(parameters, "parameters")
+        self.mark([p.grad for p in parameters if p.grad is not None], "gradients")
+        self.mark([t for _, t in tensors_in(list(optimizer.state.values()))], "optimizer state")
+        self._phases().append(("optimizer", None))
+
+    def _optimizer_ends(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.mark([t for _, t in tensors_in(list(optimizer.state.values()))], "optimizer state", made_now=True)
+        phases = self._phases()
+        if phases and phases[-1][0] == "optimizer":
+            phases.pop()
+
+    # -- what minidp's stages know ----------------------------------------------------------------------
+
+    def run_stage(self, stage: str, arguments: dict, call: Callable[[], Any]) -> Any:
+        """Run a stage's ``call()`` and name what it takes and makes (``arguments``: its arguments by name)."""
+        if stage == "scatter":
+            self.mark(_tensors(arguments["inputs"]), "inputs")
+        elif stage == "replicate":
+            self.watch_parameters(arguments["network"].parameters())
+            self.mark(arguments["network"].buffers(), "parameters")
+        elif stage == "reduce":
+            for replica, gradients in enumerate(arguments["inputs"]):
+                self.mark(gradients, "gradients", replica)
+        with self.phase(stage):
+            result = call()
+        if stage == "scatter":
+            pieces = zip(*result) if "kwargs" in arguments else result
+            for replica, piece in enumerate(pieces):
+                self.mark(_tensors(piece), "inputs", replica, made_now=True)
+        elif stage == "replicate":
+            for replica, module in enumerate(result):
+                self._replica_modules.add(id(module))
+                _, parameters, buffers = _replica_tensors(arguments["network"], module)
+                self.mark(parameters + buffers, "parameters", replica, made_now=True)
+        elif stage == "gather":
+            self.mark(_tensors(result), "gathered outputs", made_now=True)
+        elif stage == "reduce":
+            self.mark(_tensors(result), "gradients", made_now=True)
+        return result
+
+    def run_replica(self, replica: int, module: Any, call: Callable[[], Any]) -> Any:
+        """Run replica ``replica``'s ``call()`` in its thread: the model's forward if ``module`` is a replica
+        that replicate made, else the loss on the replica (:func:`minidp.parallel_criterion`'s terms)."""
+        name = "forward" if id(module) in self._replica_modules else "loss"
+        with self.watching(), self.phase(name, replica):
+            return call()
+
+    # -- the rows -------------------------------------------------------------------------------------------
+
+    def category(self, record: _Storage) -> str:
+        if record.category is not None:
+            return record.category
+        if record.phase == "found":
+            return "inputs"
+        began = self.backward_began
+        kept = began is not None and record.born < began and (record.died is None or record.died > began)
+        if kept and record.phase in ("forward", "loss", "host"):
+            return {"forward": "activations", "loss": "loss", "host": self.kept_by_host}[record.phase]
+        return "temporaries"
+
+    def rows(self, allocator_peaks: Optional[dict[str, int]] = None) -> list[LedgerRow]:
+        """One row per device (all it held), then one per replica on it (what that replica's own storages held)."""
+        allocator_peaks = allocator_peaks or {}
+        with self._lock:
+            storages = list(self._storages)
+        named = [(record, self.category(record),
+                  record.named_replica if record.category is not None else record.replica) for record in storages]
+        rows = []
+        for device in sorted({record.device for record in storages}):
+            on_device = [(r, c, k) for r, c, k in named if r.device == device]
+            rows.append(_row(device, None, [(r, c) for r, c, _ in on_device], allocator_peaks.get(device)))
+            for replica in sorted({k for _, _, k in on_device if k is not None}):
+                rows.append(_row(device, replica, [(r, c) for r, c, k in on_device if k == replica], None))
+        return rows
+
+
+def _row(device: str, replica: Optional[int], storages: list[tuple[_Storage, str]],
+         allocator_peak: Optional[int]) -> LedgerRow:
+    """Replay the allocations and frees of ``storages`` in order: the peak, each category's peak, the peak's make-up."""
+    events: list[tuple[int, int, str]] = []  # (when, bytes, category)
+    for record, category in storages:
+        size = record.nbytes - sum(change for _, change in record.resized)  # as it was made
+        events.append((record.born, size, category))
+        events.extend((when, change, category) for when, change in record.resized)
+        if record.died is not None:
+            events.append((record.died, -record.nbytes, category))
+    categories = list(CATEGORIES) + sorted({c for _, c in storages} - set(CATEGORIES))
+    now = dict.fromkeys(categories, 0)
+    held = dict.fromkeys(categories, 0)
+    total = peak = 0
+    at_peak = dict(now)
+    for _, nbytes, category in sorted(events, key=lambda event: (event[0], event[1] < 0)):
+        now[category] += nbytes
+        total += nbytes
+        held[category] = max(held[category], now[category])
+        if total > peak:
+            peak, at_peak = total, dict(now)
+    return LedgerRow(device, replica, peak, held, at_peak, allocator_peak)
+
+
+def measure_step(step: Callable[[], Any], parameters: Iterable[torch.Tensor] = (),
+                 kept_by_host: str = "activations") -> tuple[Any, list[LedgerRow]]:
+    """Run ``step()`` once and return its result and its ledger: one row per device (and per replica).
+
+    ``parameters``: the model's parameters (counted as parameters, their ``.grad`` as gradients; an
+    optimizer that steps inside ``step`` names its own). ``kept_by_host``: what code outside minidp's
+    stages keeps for the backward is (see :class:`AllocationLedger`). For a data-parallel step,
+    ``minidp.trace(ledger=True)`` and ``Trace.ledger()`` know more: which stage and replica made what.
+    """
+    device_memory = DeviceMemory()
+    device_memory.start()
+    ledger = AllocationLedger(kept_by_host)
+    ledger.start()
+    try:
+        ledger.watch_parameters(parameters)
+        result = step()
+    finally:
+        ledger.stop()
+    allocator = {peak.device: peak.bytes for peak in device_memory.peaks() if peak.device != "cpu"}
+    return result, ledger.rows(allocator)

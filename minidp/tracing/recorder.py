@@ -22,8 +22,11 @@ What each event measures (``Event.bytes`` is always "bytes written to fresh memo
 | reduce    | replica       | the whole call (run by autograd in the backward of replicate) | replica i's gradients summed into the original parameters |
 
 Scatter, replicate, gather and reduce are one call on one thread that serves every replica, so
-their events share one interval. Backward spans can overlap: autograd runs the backward of all
-replicas on one device in that device's single autograd thread, interleaving their nodes.
+their events share one interval. Backward spans sit side by side, one track per replica, each
+recorded in the thread that ran it: CPU replicas run their backwards in their own worker threads
+(:mod:`minidp.parallel_backward`), replicas on different GPUs in their GPUs' autograd threads. Where
+a graph keeps the serial backward, replicas on one device share its one autograd thread, and their
+spans overlap, interleaving their nodes.
 
 The backward of replica i is stitched from two ends without any shared state between the steps:
 the replicate call names the replica modules it made (their parameters' gradients end the span),
@@ -36,6 +39,7 @@ time to *issue* the copies, which run asynchronously.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import time
@@ -47,7 +51,7 @@ import torch
 
 from .. import hooks
 from . import describers, views
-from .memory import DeviceMemory, LedgerRow, MemoryPeak, memory_ledger
+from .memory import AllocationLedger, DeviceMemory, LedgerRow, MemoryPeak
 
 
 @dataclass
@@ -112,13 +116,22 @@ class Trace:
     ``events`` lists every step of every replica; ``duration`` is the length of the ``with`` block
     (the "step" the table's shares refer to); ``memory`` the peak memory of each device.
     Run the backward inside the block too: its events are recorded by hooks as it runs.
+
+    The block itself only notes when each call ran and what it was given; the events (bytes moved,
+    details) are written from those notes when first read (``events``, the views), so that bookkeeping
+    is no part of the step's time. Until then the trace holds the tensors the notes name: the inputs'
+    chunks, the replicas' tensors and outputs, the gathered output (never the replicas' gradients,
+    counted at once). ``ledger=True`` also counts every allocation of the step for :meth:`ledger`
+    (what it costs: BENCHMARKS.md, "Tracer overhead").
     """
 
-    def __init__(self) -> None:
-        self.events: list[Event] = []
+    def __init__(self, ledger: bool = False) -> None:
+        self._events: list[Event] = []
         self.duration = 0.0
         self.memory: list[MemoryPeak] = []
         self._lock = threading.Lock()
+        self._writing = threading.Lock()  # one writer of the events at a time (any thread may read them first)
+        self._sorted = 0  # how many events were in self._events when it was last sorted
         self._origin = 0.0
         self._pending: list[_Closed] = []
         self._cuda_origin: dict[int, tuple[float, "torch.cuda.Event"]] = {}
@@ -126,7 +139,7 @@ class Trace:
         self._backwards: list[_Backward] = []
         self._backward_of: dict[int, _Backward] = {}  # id(replica module) -> its latest backward
         self._device_memory = DeviceMemory()
-        self._accounted: dict[tuple[str, str], int] = {}  # (device, share) -> bytes, for the ledger
+        self._allocations: Optional[AllocationLedger] = AllocationLedger() if ledger else None
 
     # -- the with block -----------------------------------------------------------------------------
 
@@ -134,23 +147,39 @@ class Trace:
         if hooks.current_listener() is not None:
             raise RuntimeError("minidp.trace() is already active; traces do not nest. Use the outer one.")
         self._device_memory.start()
+        if self._allocations is not None:
+            self._allocations.start()
         self._origin = time.perf_counter()
         hooks.set_listener(self)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         hooks.set_listener(None)
+        if self._allocations is not None:
+            self._allocations.stop()
         if torch.cuda.is_initialized():
             for index in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(index)
         self.duration = time.perf_counter() - self._origin
-        for closed in self._pending:
-            self._record(closed)
-        self._pending.clear()  # let go of the step's tensors
         self._backward_of.clear()
         self._finish_backward()
-        self.events.sort(key=lambda e: (e.start, hooks.STAGES.index(e.stage)))
         self.memory = self._device_memory.peaks()
+
+    @property
+    def events(self) -> list[Event]:
+        """Every step of every replica, by start time; written from the calls' notes when first read."""
+        self._write_events()
+        return self._events
+
+    def _write_events(self) -> None:
+        with self._writing:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            for closed in pending:
+                self._record(closed)
+            if len(self._events) != self._sorted:  # written now, or the backward's, added in __exit__
+                self._events.sort(key=lambda e: (e.start, hooks.STAGES.index(e.stage)))
+                self._sorted = len(self._events)
 
     # -- what minidp.hooks calls --------------------------------------------------------------------
 
@@ -158,14 +187,17 @@ class Trace:
         arguments.apply_defaults()
         named = arguments.arguments
         span = self._open(describers.timing_device(stage, named))
-        result = function(*arguments.args, **arguments.kwargs)
+        if self._allocations is None:
+            result = function(*arguments.args, **arguments.kwargs)
+        else:
+            result = self._allocations.run_stage(stage, named, lambda: function(*arguments.args, **arguments.kwargs))
         self._close(span, stage, describers.DESCRIBERS[stage](self, named, result))
         return result
 
     def on_replica(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         span = self._open(device)
         try:
-            output = call()
+            output = call() if self._allocations is None else self._allocations.run_replica(replica, module, call)
         finally:
             self._close(span, "forward", lambda: iter([(replica, device, 0, "")]))
         backward = self._backward_of.get(id(module))
@@ -182,15 +214,13 @@ class Trace:
                 self._backward_of[id(module)] = backward
             self._watch(params, backward.end)
 
-    def account(self, device: str, share: str, nbytes: int) -> None:
-        """``nbytes`` of ``share`` ("parameters", "inputs", "gathered outputs") live on ``device`` in this step."""
-        with self._lock:
-            key = (device, share)
-            self._accounted[key] = self._accounted.get(key, 0) + nbytes
-
     def ledger(self) -> list[LedgerRow]:
-        """Per device, the step's peak memory and what it is made of (see :class:`LedgerRow`)."""
-        return memory_ledger(self.memory, self._accounted)
+        """Per device and per replica: the most memory the step held, and what it was made of, counted from
+        its allocations (see :mod:`minidp.tracing.memory`); needs ``minidp.trace(ledger=True)``."""
+        if self._allocations is None:
+            raise RuntimeError("this trace did not count allocations: trace with minidp.trace(ledger=True) "
+                               "to read its memory ledger")
+        return self._allocations.rows({peak.device: peak.bytes for peak in self.memory if peak.device != "cpu"})
 
     # -- recording ----------------------------------------------------------------------------------
 
@@ -221,9 +251,14 @@ class Trace:
         return _Span(self._now(), timing_device, self._cuda_event(timing_device), threading.current_thread().name)
 
     def _close(self, span: _Span, stage: str, served: Callable[[], describers.Served]) -> None:
-        """End ``span`` now; in ``__exit__``, record ``stage`` for every ``(replica, device, bytes,
+        """End ``span`` now; when the events are first read, record ``stage`` for every ``(replica, device, bytes,
         detail)`` that ``served()`` lists."""
         closed = _Closed(span, self._now(), self._cuda_event(span.timing_device), stage, served)
+        if self._allocations is not None:
+            # Count now, not at the end: served() holds the stage's tensors (a reduction's inputs and sums,
+            # the replicas' outputs) and would keep them alive to the end of the step, where the ledger
+            # would count them (and autograd, seeing the sums still referenced, would copy them into .grad).
+            closed.served = functools.partial(iter, list(served()))
         with self._lock:
             self._pending.append(closed)
 
@@ -233,7 +268,7 @@ class Trace:
         if span.cuda_start is not None:
             start = self._cuda_time(span.cuda_start)
             duration = span.cuda_start.elapsed_time(closed.cuda_end) / 1e3
-        self.events.extend(
+        self._events.extend(
             Event(closed.stage, replica, str(device), start, duration, nbytes, span.thread, detail)
             for replica, device, nbytes, detail in closed.served()
         )
@@ -258,7 +293,7 @@ class Trace:
                 continue  # no backward ran (inference), or it ran after the trace ended
             first = min(backward.start, key=when)
             start, end = when(first), max(when(m) for m in backward.end)
-            self.events.append(
+            self._events.append(
                 Event("backward", backward.replica, str(first.device), start, max(end - start, 0.0), 0,
                       first.thread.name, f"{len(backward.end)} parameter gradients")
             )
@@ -278,7 +313,7 @@ class Trace:
         return views.table(self)
 
     def ledger_table(self) -> str:
-        """The memory ledger as text: per device, the peak and its shares."""
+        """The memory ledger as text: per device and replica, the peak and what it was made of."""
         return views.ledger_table(self.ledger())
 
     def to_chrome(self, path: Union[str, Path]) -> Path:
@@ -293,6 +328,7 @@ class Trace:
         return views.plot(self, path)
 
 
-def trace() -> Trace:
-    """A tracer for the data-parallel steps run inside ``with minidp.trace() as step:``."""
-    return Trace()
+def trace(ledger: bool = False) -> Trace:
+    """A tracer for the data-parallel steps run inside ``with minidp.trace() as step:``; ``ledger=True``
+    also counts the step's allocations for ``step.ledger()``."""
+    return Trace(ledger)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Union
 
 from ..hooks import STAGES
-from .memory import SHARES, LedgerRow, MemoryPeak
+from .memory import LedgerRow, MemoryPeak
 
 
 class Recorded(Protocol):
@@ -76,33 +76,51 @@ def table(step: Recorded) -> str:
     return "\n".join(lines)
 
 
+LEDGER_NOTE = (
+    "counted from the step's allocations (minidp/tracing/memory.py); a category's figure is the most it held "
+    "at once, so they need not add up to the peak"
+)
+
+
 def ledger_table(rows: list[LedgerRow], title: str = "") -> str:
-    """The memory ledger: per device, the peak and its shares, as text."""
+    """The memory ledger: per device and replica, the peak; per category, the most it held and its part of the peak."""
     lines = [title] if title else []
-    lines.append(f"{'device':<8} {'peak':>11} " + " ".join(f"{share:>17}" for share in (*SHARES, "rest")))
+    lines.append(f"{'':<20} {'most held':>12} {'at the peak':>12}")
     for row in rows:
-        lines.append(f"{row.device:<8} {bytes_text(row.peak):>11} "
-                     + " ".join(f"{bytes_text(row.shares[share]):>17}" for share in SHARES) + f" {bytes_text(row.rest):>17}")
-    lines.append("rest: activations kept for the backward, the loss, the gradients, allocator slack")
+        allocator = "" if row.allocator_peak is None else f"   (allocator's peak {bytes_text(row.allocator_peak)})"
+        lines.append(f"{row.label:<20} {bytes_text(row.peak):>12} {bytes_text(row.peak):>12}   peak{allocator}")
+        for category in row.held:
+            lines.append(f"{'  ' + category:<20} {bytes_text(row.held[category]):>12} "
+                         f"{bytes_text(row.at_peak[category]):>12}")
+    lines.append(LEDGER_NOTE)
     return "\n".join(lines)
 
 
 def ledgers_side_by_side(ledgers: dict[str, list[LedgerRow]]) -> str:
-    """Several runs' ledgers in one table: a row per device and share, a column per run (``ledgers``: title -> rows)."""
+    """Several runs' ledgers in one table (``ledgers``: title -> rows): per device and replica, the peak and
+    the most each category held, a column per run."""
     titles = list(ledgers)
-    devices = sorted({row.device for rows in ledgers.values() for row in rows})
+    keyed = {title: {(row.device, row.replica): row for row in rows} for title, rows in ledgers.items()}
+    keys = sorted({key for rows in keyed.values() for key in rows}, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
     width = max(18, *map(len, titles))
-    lines = [f"{'device':<8} {'':<18} " + " ".join(f"{title:>{width}}" for title in titles)]
-    for device in devices:
-        rows = {title: next((r for r in ledgers[title] if r.device == device), None) for title in titles}
-        for label in ("peak", *SHARES, "rest"):
+    lines = [f"{'':<20} " + " ".join(f"{title:>{width}}" for title in titles)]
+    for key in keys:
+        rows = {title: keyed[title].get(key) for title in titles}
+        shown = next(row for row in rows.values() if row is not None)
+        labels = ["peak", *dict.fromkeys(c for row in rows.values() if row is not None for c in row.held)]
+        for label in labels:
             cells = []
             for title in titles:
                 row = rows[title]
-                value = None if row is None else row.peak if label == "peak" else row.rest if label == "rest" else row.shares[label]
+                value = None if row is None else row.peak if label == "peak" else row.held.get(label)
                 cells.append(f"{'-' if value is None else bytes_text(value):>{width}}")
-            lines.append(f"{device if label == 'peak' else '':<8} {label:<18} " + " ".join(cells))
-    lines.append("rest: activations kept for the backward, the loss, the gradients, allocator slack (peak minus the shares)")
+            name = shown.label if label == "peak" else "  " + label
+            lines.append(f"{name:<20} " + " ".join(cells))
+        allocator = [rows[t].allocator_peak if rows[t] is not None else None for t in titles]
+        if any(value is not None for value in allocator):
+            lines.append(f"{'  allocator peak':<20} " + " ".join(
+                f"{'-' if value is None else bytes_text(value):>{width}}" for value in allocator))
+    lines.append(LEDGER_NOTE)
     return "\n".join(lines)
 
 

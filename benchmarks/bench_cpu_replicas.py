@@ -1,0 +1,185 @@
+"""CPU replicas against one device and against torch DDP on Gloo: one training step of the same global batch.
+
+    python benchmarks/bench_cpu_replicas.py                  # the CNN at batch 256, 2 and 4 replicas
+    python benchmarks/bench_cpu_replicas.py --rounds 5       # shorter
+
+Variants, all on the same global batch (``--batch`` rows of 1x28x28 images, ``minidp.zoo.SmallCNN``,
+cross-entropy, SGD):
+
+* ``one device``: the model itself, in this process, with all its intra-op threads;
+* ``minidp xK``: ``minidp.DataParallel`` on K CPU replicas in this process, the replicas' backwards in
+  parallel (the default), and ``minidp xK serial backward``: the same with ``set_parallel_backward(False)``;
+* ``torch DDP xK``: ``torch.nn.parallel.DistributedDataParallel`` in K Gloo processes on this machine,
+  each with batch/K rows and cores/K intra-op threads, started once (``minidp.distributed.launch``'s
+  file rendezvous, over the loopback interface) and idle, blocked on a pipe, while the others run.
+
+A step is ``zero_grad``, forward, loss, backward, ``optimizer.step``. Each round runs every variant for
+``--number`` steps, in an order that rotates from round to round; a DDP variant's time is its slowest
+rank's, from a barrier. Printed: each variant's median step and its ratio to one device and to torch
+DDP with as many processes. On a machine shared with other work, compare ratios of one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import minidp  # noqa: E402
+from minidp.distributed.launch import loopback_interface  # noqa: E402
+from minidp.zoo import SmallCNN  # noqa: E402
+
+
+def _batch(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 1, 28, 28, generator=generator), torch.randint(0, 10, (rows,), generator=generator)
+
+
+def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def _ddp_rank(rank: int, world: int, store_path: str, threads: int, batch: int, commands, replies) -> None:
+    """One DDP process: join the group, then time ``number`` steps for every command, until told to stop."""
+    torch.set_num_threads(threads)
+    interface = loopback_interface()
+    if interface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(SmallCNN())
+    x, y = _batch(batch, 0)
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    step = _stepper(model, x, y)
+    while True:
+        number = commands.recv()
+        if number is None:
+            break
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(number):
+            step()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        replies.send(elapsed.item())
+    dist.destroy_process_group()
+
+
+class _DDPGroup:
+    """``world`` DDP processes, started once; :meth:`time` runs ``number`` steps on all of them."""
+
+    def __init__(self, world: int, batch: int) -> None:
+        self.directory = tempfile.mkdtemp(prefix="bench-ddp-")
+        context = mp.get_context("spawn")
+        threads = max(1, torch.get_num_threads() // world)
+        self.pipes, self.processes = [], []
+        for rank in range(world):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=_ddp_rank,
+                args=(rank, world, os.path.join(self.directory, "store"), threads, batch, theirs, theirs),
+                daemon=True,
+            )
+            process.start()
+            self.pipes.append(ours)
+            self.processes.append(process)
+
+    def time(self, number: int) -> float:
+        for pipe in self.pipes:
+            pipe.send(number)
+        return max(pipe.recv() for pipe in self.pipes)
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for process in self.processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--number", type=int, default=3, help="steps per variant per round")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    x, y = _batch(args.batch, 0)
+
+    def with_parallel_backward(enabled: bool, step):
+        def run() -> None:
+            previous = minidp.set_parallel_backward(enabled)
+            try:
+                step()
+            finally:
+                minidp.set_parallel_backward(previous)
+
+        return run
+
+    local = {"one device": _stepper(copy.deepcopy(model), x, y)}
+    for k in args.replicas:
+        step = _stepper(minidp.DataParallel(copy.deepcopy(model), ["cpu"] * k), x, y)
+        local[f"minidp x{k}"] = with_parallel_backward(True, step)
+        local[f"minidp x{k} serial backward"] = with_parallel_backward(False, step)
+    groups = {k: _DDPGroup(k, args.batch) for k in args.replicas}
+    try:
+        timers = {name: (lambda step=step: _time_local(step, args.number)) for name, step in local.items()}
+        timers.update({f"torch DDP x{k}": (lambda g=g: g.time(args.number)) for k, g in groups.items()})
+        for timer in timers.values():  # warm-up, DDP's bucket rebuild included
+            timer()
+            timer()
+        times: dict[str, list[float]] = {name: [] for name in timers}
+        names = list(timers)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                times[name].append(timers[name]() / args.number)
+    finally:
+        for group in groups.values():
+            group.close()
+
+    median = {name: statistics.median(values) for name, values in times.items()}
+    print(f"SmallCNN, global batch {args.batch}, {torch.get_num_threads()} intra-op threads in this process, "
+          f"{args.rounds} rounds x {args.number} steps, median step")
+    print(f"{'variant':<30} {'ms':>8} {'/ one device':>13} {'/ torch DDP':>12}")
+    for name, seconds in median.items():
+        k = next((k for k in args.replicas if f"x{k}" in name), None)
+        ddp = median.get(f"torch DDP x{k}") if k else None
+        vs_ddp = f"{seconds / ddp:.3f}" if ddp else "-"
+        print(f"{name:<30} {seconds * 1e3:8.1f} {seconds / median['one device']:13.3f} {vs_ddp:>12}")
+
+
+def _time_local(step, number: int) -> float:
+    start = time.perf_counter()
+    for _ in range(number):
+        step()
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,625 @@
+"""fully_shard: each rank keeps 1/W of every parameter, gathers a module's parameters just before it runs.
+
+``fully_shard(module)`` is torch's FSDP2 (``torch.distributed.fsdp.fully_shard``) rebuilt on plain
+tensors and ``torch.distributed``'s all-gather and reduce-scatter, with FSDP2's arithmetic: the same
+shards, the same padding, the same collectives on the same flat buffers, the same division of the
+gradients, so that training is bitwise equal to FSDP2's (tests/test_fully_shard.py). Call it on the
+sub-modules first (each call makes one *group*: the parameters of that module not already in a
+group), then on the root.
+
+The steps, and where each lives:
+
+1. **shard** (at ``fully_shard``, :class:`ShardedParameter`): each parameter is cut along dim 0 with
+   ``torch.chunk(param, W)``; rank r keeps chunk r, padded with zero rows to the size of chunk 0 so
+   that every rank sends the same number of elements (a rank past the last chunk keeps only
+   padding). The module's parameter is replaced by an ``nn.Parameter`` of rank r's rows: the
+   optimizer is built on these shards (FSDP2 registers a ``DTensor`` there instead, whose local
+   tensor is the same rows; see the README for why plain tensors here).
+2. **all-gather** (a forward pre-hook, and the backward's first gradient hook on the module's
+   outputs when the forward resharded, :meth:`ShardGroup.unshard`): the group's padded shards are
+   copied side by side into this rank's slot of one flat buffer ("copy-in"), one
+   ``all_gather_single`` (``all_gather_into_tensor``) fills the other ranks' slots, and each parameter's rows are copied out
+   of every slot into a buffer of its own ("copy-out"), of which the full parameter is a view. That
+   view, an ``nn.Parameter``, is set on the module for its forward; autograd saves it.
+3. **free** (a forward hook with ``reshard_after_forward=True``, and after the backward,
+   :meth:`ShardGroup.reshard`): the shard is set back on the module and the gathered buffers' storage
+   is released (``untyped_storage().resize_(0)``); the backward's all-gather refills the same storage,
+   so the tensors autograd saved are whole again when it needs them.
+4. **reduce-scatter** (an autograd function on the module's inputs, whose backward runs once the
+   module's backward is done, :meth:`ShardGroup.reduce_gradients`): the full gradients are laid out
+   as the all-gather laid out the parameters (rank r's rows of every gradient, padded, in slot r),
+   one ``reduce_scatter_single`` (``reduce_scatter_tensor``) leaves each rank the sum of its slot, divided by W as FSDP2 divides
+   (:func:`division`), and rank r's rows become the shards' ``.grad``.
+5. **prefetch and overlap** (:class:`Iteration`): as FSDP2's backward does, each group's backward
+   launches the all-gather of the group that ran just before it in the forward, which then runs
+   while this one computes; each reduce-scatter runs while the next group computes its backward,
+   and is finished (its buffer freed) before the next one starts, FSDP2's one buffer in flight.
+   The forward does not prefetch, as FSDP2's does not unless asked
+   (``set_modules_to_forward_prefetch``): it would hold two groups' parameters at once.
+6. the optimizer steps on the shards, each rank on its own 1/W.
+
+:func:`full_state_dict` gathers every parameter on every rank; ``module.load_state_dict`` takes
+full tensors back (each rank keeps its rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.distributed.fsdp import FSDPModule
+
+from ..nested import map_tensors, tensors_in
+from .checks import TensorSpec, first_difference
+from .ddp import DistributedDataParallel
+
+
+# torch 2.13 names them all_gather_single and reduce_scatter_single (the older names warn); same calls.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def division(dtype: torch.dtype, world_size: int) -> tuple[Optional[float], dist.ReduceOp, Optional[float]]:
+    """How FSDP2 averages gradients over ``world_size`` ranks in ``dtype``: (divide before, op, divide after).
+
+    FSDP2 (``_fsdp_collectives.py``, ``_get_gradient_divide_factors``): float32 and bfloat16 reduce
+    with ``ReduceOp.AVG`` (the backend divides the sum by W). Other dtypes (float64, float16), where
+    FSDP2 guards against overflow, reduce with SUM between two divisions: by p before, where p
+    doubles from 1 while W % p == 0 and W / p > p, and by W / p after. W = 2: / 2 then / 1;
+    W = 3: / 2 then / 1.5; W = 8: / 4 then / 2.
+    """
+    if world_size == 1:
+        return None, dist.ReduceOp.SUM, None
+    if dtype in (torch.float32, torch.bfloat16):
+        return None, dist.ReduceOp.AVG, None
+    before = 1
+    while world_size % before == 0 and world_size / before > before:
+        before *= 2
+    return float(before), dist.ReduceOp.SUM, world_size / before
+
+
+class ShardedParameter:
+    """One parameter: rank r's padded rows (the shard the optimizer steps) and, while gathered, the whole.
+
+    ``padded``: this rank's rows plus zero rows, ``padded_size`` (chunk 0's size) on every rank;
+    ``shard``: the ``nn.Parameter`` of this rank's rows only, a view at the start of ``padded``;
+    ``gathered``: W * padded numel elements, every rank's padded rows in rank order (storage freed
+    when resharded); ``full``: the ``nn.Parameter`` of the first ``full_size`` elements of ``gathered``.
+    """
+
+    def __init__(self, module: nn.Module, name: str, param: nn.Parameter, rank: int, world_size: int) -> None:
+        self.module, self.name = module, name
+        self.also_in: list[tuple[nn.Module, str]] = []  # the same parameter registered elsewhere in the group
+        self.original = weakref.ref(param)
+        self.full_size = param.size()
+        chunks = list(torch.chunk(param.detach(), world_size, dim=0))  # fewer than W when dim 0 < W
+        self.padded_size = chunks[0].size()
+        rows = chunks[rank].size(0) if rank < len(chunks) else 0
+        padded = param.detach().new_zeros(self.padded_size)
+        if rows:
+            padded[:rows].copy_(chunks[rank])
+        self.padded = padded.view(-1)  # what this rank contributes to the all-gather
+        self.shard = nn.Parameter(padded.narrow(0, 0, rows), requires_grad=param.requires_grad)
+        self.gathered: Optional[torch.Tensor] = None  # allocated at the first all-gather
+        self.full: Optional[nn.Parameter] = None
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded.numel()
+
+    def set_on_modules(self, tensor: nn.Parameter) -> None:
+        """Register ``tensor`` as this parameter on its module(s), past ``nn.Module.__setattr__``'s checks."""
+        for module, name in [(self.module, self.name), *self.also_in]:
+            module._parameters[name] = tensor
+
+    def gathered_bytes(self) -> int:
+        if self.gathered is None:
+            return 0
+        return self.gathered.untyped_storage().nbytes()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs when the gradients of those inputs are ready,
+    which is when the module's own backward, and so its parameters' gradients, are complete
+    (FSDP2's ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx: Any, group: "ShardGroup", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        ctx.group.reduce_gradients()
+        return (None, *grads)
+
+
+class ShardGroup:
+    """The parameters of one ``fully_shard`` call: gathered together, freed together, reduced together."""
+
+    def __init__(self, module: nn.Module, params: list[ShardedParameter], process_group: dist.ProcessGroup,
+                 reshard_after_forward: bool, device: torch.device) -> None:
+        self.module = module
+        self.params = params
+        self.process_group = process_group
+        self.rank, self.world_size = process_group.rank(), process_group.size()
+        self.reshard_after_forward = reshard_after_forward
+        self.device = device
+        self.name = ""  # the module's name under the root, set on the first forward
+        self.index = 0  # position among the root's groups
+        self.iteration: Optional[Iteration] = None  # set by the root's first forward
+        self.gathered = False
+        self.pending: Optional[tuple[dist.Work, torch.Tensor]] = None  # an all-gather under way, and its buffer
+        self.reduced_this_backward = False
+        self.dtype = params[0].padded.dtype if params else None
+        self._forward_start = 0.0
+        self._backward_start: Optional[float] = None
+
+    # ---- all-gather ----------------------------------------------------------------------------
+
+    def launch_all_gather(self) -> None:
+        """Copy-in and start the all-gather (asynchronous); :meth:`unshard` finishes it."""
+        if self.gathered or self.pending is not None or not self.params:
+            return
+        start = time.time()
+        sizes = [p.shard_numel for p in self.params]
+        slot = sum(sizes)
+        flat = torch.empty(slot * self.world_size, dtype=self.dtype, device=self.device)
+        mine = flat.narrow(0, slot * self.rank, slot)
+        torch._foreach_copy_(list(torch.split(mine, sizes)), [p.padded for p in self.params])
+        work = _all_gather(flat, mine, group=self.process_group, async_op=True)
+        self._record_when_done(work, "all-gather", start)
+        self.pending = (work, flat)
+
+    def unshard(self) -> None:
+        """The whole parameters on the module: wait for (or run) the all-gather, then copy-out."""
+        if self.gathered or not self.params:
+            return
+        self.launch_all_gather()
+        work, flat = self.pending
+        work.wait()
+        self.pending = None
+        start = time.time()
+        if self.iteration is not None:
+            self.iteration.poll(waited=work)
+        sizes = [p.shard_numel for p in self.params]
+        outs = []
+        for p in self.params:
+            if p.gathered is None:  # its own buffer, so that each full parameter starts a fresh allocation
+                p.gathered = torch.empty(p.shard_numel * self.world_size, dtype=self.dtype, device=self.device)
+            else:
+                p.gathered.untyped_storage().resize_(p.shard_numel * self.world_size * p.gathered.element_size())
+            outs.append(p.gathered.view(self.world_size, -1))
+        # Refilling the storage autograd saved is no in-place change of those values: keep their versions.
+        with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+            torch.split_with_sizes_copy(flat.view(self.world_size, -1), sizes, dim=1, out=outs)
+        for p in self.params:
+            if p.full is None:
+                view = torch.as_strided(p.gathered, p.full_size, _contiguous_strides(p.full_size), 0)
+                p.full = nn.Parameter(view, requires_grad=p.shard.requires_grad)
+            p.set_on_modules(p.full)
+        self.gathered = True
+        self._record("copy-out", start)
+        if self.iteration is not None:
+            self.iteration.note_memory()
+
+    def reshard(self) -> None:
+        """The shards back on the module; the gathered storage released."""
+        if not self.gathered:
+            return
+        for p in self.params:
+            p.set_on_modules(p.shard)
+            p.gathered.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def drop_pending(self) -> None:
+        """A prefetched all-gather that the backward did not use (its group's backward never ran): finish
+        it, so that no collective is left behind, and forget its result."""
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
+
+    # ---- reduce-scatter ------------------------------------------------------------------------
+
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the full gradients, divide them as FSDP2 does, hand rank r's rows to the shards."""
+        if self.reduced_this_backward:
+            return
+        self.reduced_this_backward = True
+        if self._backward_start is not None:
+            self._record("backward", self._backward_start)
+            self._backward_start = None
+        with_grad = [p for p in self.params if p.full is not None and p.full.grad is not None]
+        grads = [p.full.grad for p in with_grad]
+        for p in with_grad:
+            p.full.grad = None
+        self.reshard()
+        if not grads:
+            return
+        # One reduce-scatter in flight at a time, as FSDP2 (reduce_scatter_max_input_buffers=1): the
+        # previous group's, which overlapped this group's backward, ends before this one's buffer exists.
+        # All collectives are asynchronous (async_op=True) on every backend; the order in which they
+        # are launched, the same on every rank, is what matches them up.
+        self.iteration.finish_reductions()
+        start = time.time()
+        before, op, after = division(grads[0].dtype, self.world_size)
+        slot = sum(p.shard_numel for p in with_grad)
+        flat = torch.empty(slot * self.world_size, dtype=grads[0].dtype, device=self.device)
+        # Slot r holds rank r's rows of every gradient, each padded with zeros to chunk 0's size.
+        torch._chunk_cat(grads, 0, self.world_size, out=flat.view(self.world_size, -1))
+        del grads
+        if before is not None:
+            flat.div_(before)
+        mine = torch.empty(slot, dtype=flat.dtype, device=self.device)
+        self.iteration.poll()
+        self.iteration.note_memory(extra=flat.untyped_storage().nbytes() + mine.untyped_storage().nbytes())
+        work = _reduce_scatter(mine, flat, op=op, group=self.process_group, async_op=True)
+        self._record_when_done(work, "reduce-scatter", start)
+        self.iteration.reductions.append((self, work, mine, flat, with_grad, after))
+
+    def finish_reduction(self, work: dist.Work, mine: torch.Tensor, flat: torch.Tensor,
+                         with_grad: list[ShardedParameter], after: Optional[float]) -> None:
+        # ``flat``, the reduce-scatter's input, stayed referenced (in Iteration.reductions) until this
+        # wait: the collective reads it in the background.
+        work.wait()
+        self.iteration.poll(waited=work)
+        if after is not None:
+            mine.div_(after)
+        offset = 0
+        for p in with_grad:
+            grad = torch.as_strided(mine, p.shard.size(), _contiguous_strides(p.shard.size()), offset)
+            if p.shard.grad is None:
+                p.shard.grad = grad
+            else:
+                p.shard.grad += grad
+            offset += p.shard_numel
+
+    # ---- the hooks -----------------------------------------------------------------------------
+
+    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.iteration is None:
+            Iteration(self)  # the first group to run forward is the root
+        iteration = self.iteration
+        if iteration.backward_started:  # recomputation inside the backward (checkpointing)
+            self.unshard()
+            return args, kwargs
+        if iteration.forward_root is None:
+            iteration.begin_forward(self)
+        self.unshard()
+        iteration.poll()
+        if torch.is_grad_enabled():
+            inputs = [t for _, t in tensors_in((args, kwargs)) if t.requires_grad]
+            if inputs:
+                outputs = iter(_PostBackward.apply(self, *inputs))
+                args, kwargs = map_tensors(lambda t: next(outputs) if t.requires_grad else t, (args, kwargs))
+        self._forward_start = time.time()
+        return args, kwargs
+
+    def after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        iteration = self.iteration
+        if iteration.backward_started:
+            return output
+        self._record("forward", self._forward_start)
+        if self.reshard_after_forward:
+            self.reshard()
+        iteration.left_forward(self)
+        if torch.is_grad_enabled():
+            for _, tensor in tensors_in(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._before_backward)
+        if iteration.forward_root is self:
+            iteration.end_forward()
+        return output
+
+    def _before_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._backward_start is None:
+            self._backward_start = time.time()
+        self.iteration.before_backward(self)
+        return grad
+
+    def _record(self, stage: str, start: float) -> None:
+        """One event of this rank's timeline (:func:`sharded_timeline`); ``bucket`` is the group's index."""
+        if self.iteration is not None:
+            self.iteration.events.append({"rank": dist.get_rank(), "stage": stage, "bucket": self.index,
+                                          "group": self.name, "start": start, "end": time.time()})
+
+    def _record_when_done(self, work: dist.Work, stage: str, start: float) -> None:
+        """Record a collective from its launch to when this rank first sees it complete (:meth:`Iteration.poll`)."""
+        if self.iteration is not None:
+            self.iteration.open_collectives.append((self, work, stage, start))
+
+
+def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for extent in reversed(size):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+class Iteration:
+    """What the groups under one root share: the order they ran in, the reductions under way, the timeline."""
+
+    def __init__(self, root: ShardGroup) -> None:
+        self.groups: list[ShardGroup] = []
+        for name, module in root.module.named_modules():
+            group = _GROUPS.get(module)
+            if group is None or group in self.groups:
+                continue
+            if group.iteration is not None:
+                raise RuntimeError(
+                    f"fully_shard: '{name}' already ran forward as the root of its own groups; run the forward "
+                    f"of the outermost sharded module first")
+            group.iteration, group.name, group.index = self, name, len(self.groups)
+            self.groups.append(group)
+        self.forward_root: Optional[ShardGroup] = None
+        self.post_forward_order: list[ShardGroup] = []  # the backward prefetches in its reverse
+        self.backward_started = False
+        self.reductions: list[tuple] = []
+        self.events: list[dict] = []
+        self.peak_transient = 0  # bytes: gathered parameters and reduce-scatter buffers, at their highest
+        self.open_collectives: list[tuple[ShardGroup, dist.Work, str, float]] = []
+
+    def poll(self, waited: Optional[dist.Work] = None) -> None:
+        """Stamp the end of the collectives that have completed since the last look (at every hook: the
+        timeline's ends are late by at most the time between two hooks), and of ``waited``."""
+        still_open = []
+        for group, work, stage, start in self.open_collectives:
+            if work is waited or work.is_completed():
+                group._record(stage, start)
+            else:
+                still_open.append((group, work, stage, start))
+        self.open_collectives = still_open
+
+    def note_memory(self, extra: int = 0) -> None:
+        """Update :attr:`peak_transient` with what is gathered now, plus ``extra`` bytes in flight."""
+        gathered = sum(p.gathered_bytes() for g in self.groups for p in g.params)
+        in_flight = sum(r[1].untyped_storage().nbytes() + r[2].untyped_storage().nbytes() for _, *r in self.reductions)
+        self.peak_transient = max(self.peak_transient, gathered + in_flight + extra)
+
+    def finish_reductions(self) -> None:
+        """Wait for the reduce-scatters under way and hand their rows to the shards' ``.grad``."""
+        for group, *reduction in self.reductions:
+            group.finish_reduction(*reduction)
+        self.reductions = []
+
+    def begin_forward(self, root: ShardGroup) -> None:
+        self.forward_root = root
+        self.post_forward_order, self.events = [], []
+        self.peak_transient = 0
+        self.open_collectives = []
+
+    def left_forward(self, group: ShardGroup) -> None:
+        self.post_forward_order.append(group)
+
+    def end_forward(self) -> None:
+        self.forward_root = None
+        for group in self.groups:
+            group.reduced_this_backward = False
+
+    def before_backward(self, group: ShardGroup) -> None:
+        self.poll()
+        if not self.backward_started:
+            self.backward_started = True
+            Variable._execution_engine.queue_callback(self.end_backward)
+        group.unshard()
+        # Prefetch, as FSDP2's backward does: the group that finished its forward just before this one
+        # is the next to run backward; its all-gather runs while this group computes.
+        if group in self.post_forward_order:
+            position = self.post_forward_order.index(group)
+            self.post_forward_order.remove(group)
+            if position > 0:
+                self.post_forward_order[position - 1].launch_all_gather()
+
+    def end_backward(self) -> None:
+        """After the whole backward: reduce the groups whose inputs needed no gradient (the root first,
+        then in module order, as FSDP2's ``_root_post_backward_final_callback``), wait for every
+        reduce-scatter, free what is still gathered."""
+        for group in self.groups:
+            if not group.reduced_this_backward and any(p.full is not None and p.full.grad is not None
+                                                       for p in group.params):
+                group.reduce_gradients()
+        self.finish_reductions()
+        for group in self.groups:
+            group.drop_pending()
+            group.reshard()
+            group.reduced_this_backward = False
+            group._backward_start = None
+        self.backward_started = False
+        self.post_forward_order = []
+
+
+_GROUPS: "weakref.WeakKeyDictionary[nn.Module, ShardGroup]" = weakref.WeakKeyDictionary()
+# Set on a parameter that a fully_shard call replaced by shards (its name there): a module that still
+# holds it shares it with a sharded module.
+_SHARDED_AS = "_minidp_sharded_as"
+
+
+def _managed_modules(module: nn.Module) -> list[nn.Module]:
+    """``module`` and its sub-modules not inside an earlier ``fully_shard``, children before parents
+    (FSDP2's ``_get_managed_modules``: a depth-first walk, each module after its children)."""
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(sub: nn.Module) -> None:
+        if sub is not module and sub in _GROUPS:
+            return
+        seen.add(id(sub))
+        for child in sub.children():
+            if id(child) not in seen:
+                visit(child)
+        found.append(sub)
+
+    visit(module)
+    return found
+
+
+def _check_module(module: nn.Module) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if module in _GROUPS:
+        raise ValueError(
+            f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
+            f"(sub-modules first, then the root)")
+    if isinstance(module, (FSDPModule, nn.parallel.DistributedDataParallel, DistributedDataParallel)):
+        raise ValueError(
+            f"fully_shard got a module already wrapped ({type(module).__name__}); pass the plain model, "
+            f"not one that torch's fully_shard or a DistributedDataParallel already manages")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        raise ValueError(
+            f"fully_shard needs a module that runs forward, got a {type(module).__name__}: shard its items one by "
+            f"one, or the module that calls them")
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``module``'s parameters over the ranks of ``process_group``, FSDP2's way; returns ``module``.
+
+    Call it on the sub-modules first, then on the root: each call takes the parameters of ``module``
+    not already taken by an earlier call, and gathers them together before ``module``'s forward
+    (and before its backward when ``reshard_after_forward`` freed them after the forward). Every
+    rank must build the same model with the same values (as for FSDP2, nothing is broadcast:
+    seed every rank alike, or load a state dict on every rank); checked here on every rank.
+
+    Args:
+        module: the module whose parameters become one group.
+        process_group: the ranks to shard over (default: the default group).
+        reshard_after_forward: free the gathered parameters after the forward and gather them again
+            in the backward (less memory); ``False`` keeps them until the backward is done.
+
+    After this call, ``module``'s parameters are this rank's shards (rows of dim 0): build the
+    optimizer afterwards, on ``module.parameters()``.
+    """
+    _check_module(module)
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs a process group: call torch.distributed.init_process_group() first "
+            "(torchrun sets the environment it reads), or start the processes with minidp.distributed.launch()")
+    group = process_group if process_group is not None else dist.group.WORLD
+    rank, world_size = group.rank(), group.size()
+    modules = _managed_modules(module)
+    owners: dict[nn.Parameter, tuple[nn.Module, str]] = {}
+    order: list[nn.Parameter] = []
+    for sub in modules:
+        for name, param in sub.named_parameters(recurse=False):
+            if param not in owners:
+                owners[param] = (sub, name)
+                order.append(param)
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    for param in order:
+        name = names.get(id(param), owners[param][1])
+        if hasattr(param, _SHARDED_AS):
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): parameter '{name}' is also {getattr(param, _SHARDED_AS)}, "
+                f"which an earlier fully_shard call sharded; a parameter can belong to one group only: call "
+                f"fully_shard on a module that holds every user of it (their common parent), not on each user")
+        if param.dim() == 0:
+            raise ValueError(f"fully_shard: parameter '{name}' is a scalar; sharding needs at least one dimension "
+                             f"(make it a tensor of shape (1,))")
+        if not param.is_contiguous():
+            raise ValueError(f"fully_shard: parameter '{name}' is not contiguous; make it contiguous first")
+    devices = {p.device for p in order}
+    if len(devices) > 1:
+        raise ValueError(f"fully_shard: the parameters of one call must be on one device, found {sorted(map(str, devices))}")
+    dtypes = {p.dtype for p in order if p.requires_grad}
+    if len(dtypes) > 1:
+        raise ValueError(f"fully_shard: the parameters of one call must share one dtype, found {sorted(map(str, dtypes))}")
+    _check_same_parameters([(names.get(id(p), owners[p][1]), p) for p in order], group)
+    params = []
+    for param in order:
+        owner, name = owners[param]
+        sharded = ShardedParameter(owner, name, param, rank, world_size)
+        for sub in modules:  # the same parameter registered under another module or name of this group
+            for other_name, other in sub.named_parameters(recurse=False, remove_duplicate=False):
+                if other is param and (sub, other_name) != (owner, name):
+                    sharded.also_in.append((sub, other_name))
+        sharded.set_on_modules(sharded.shard)
+        setattr(param, _SHARDED_AS, f"parameter '{names.get(id(param), name)}' of the {type(module).__name__}")
+        params.append(sharded)
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    shard_group = ShardGroup(module, params, group, reshard_after_forward, device)
+    _GROUPS[module] = shard_group
+    module.register_forward_pre_hook(shard_group.before_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(shard_group.after_forward)
+    holders = {id(m): m for p in params for m, _ in [(p.module, p.name), *p.also_in]}
+    for holder in holders.values():
+        holder._register_load_state_dict_pre_hook(functools.partial(_keep_own_rows, shard_group, holder))
+    return module
+
+
+def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Before ``holder.load_state_dict``: a full tensor in ``state_dict`` is cut to this rank's rows (a
+    shard is loaded as it is), so that a full state dict loads into a sharded module."""
+    group.reshard()  # load into the shards, not into gathered copies
+    for p in group.params:
+        for module, name in [(p.module, p.name), *p.also_in]:
+            key = prefix + name
+            if module is holder and key in state_dict and state_dict[key].shape == p.full_size:
+                chunks = torch.chunk(state_dict[key], group.world_size, dim=0)
+                state_dict[key] = chunks[group.rank] if group.rank < len(chunks) else p.shard.detach()[:0]
+
+
+def sharded_groups(module: nn.Module) -> list[ShardGroup]:
+    """The groups of ``module`` and its sub-modules (one per ``fully_shard`` call), outermost first."""
+    groups = []
+    for sub in module.modules():
+        group = _GROUPS.get(sub)
+        if group is not None and group not in groups:
+            groups.append(group)
+    return groups
+
+
+def sharded_timeline(module: nn.Module) -> list[dict]:
+    """This rank's events of the last forward and backward of ``module`` (the root ``fully_shard`` was
+    applied to last), in the format of :meth:`DistributedDataParallel.timeline`: ``stage`` is
+    ``"all-gather"`` and ``"reduce-scatter"`` (from launch to completion: a bar that overlaps a
+    compute bar was hidden behind it), ``"copy-out"``, ``"forward"`` and ``"backward"`` (of one group;
+    the root's spans its sub-modules'); ``bucket`` the group's index, ``group`` its module's name.
+    :func:`minidp.distributed.chrome_trace` merges several ranks' into one trace."""
+    group = _GROUPS.get(module)
+    if group is None or group.iteration is None:
+        raise ValueError("sharded_timeline needs the root module fully_shard was applied to, after one forward")
+    return sorted(group.iteration.events, key=lambda e: e["start"])
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every sharded parameter whole again, on every rank (a collective:
+    call it on every rank). ``module.load_state_dict`` takes it back, each rank keeping its rows."""
+    shards: dict[int, tuple[ShardGroup, ShardedParameter]] = {}
+    for group in sharded_groups(module):
+        group.reshard()
+        shards.update({id(p.shard): (group, p) for p in group.params})
+    full = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) not in shards:
+            full[key] = tensor.detach()
+            continue
+        group, p = shards[id(tensor)]
+        gathered = torch.empty(p.shard_numel * group.world_size, dtype=p.padded.dtype, device=p.padded.device)
+        _all_gather(gathered, p.padded, group=group.process_group)
+        # rank r's padded rows sit in slot r; the real rows are the first full_size[0] of them all
+        rows = gathered.view(group.world_size * p.padded_size[0], *p.padded_size[1:])
+        full[key] = rows[: p.full_size[0]].clone()
+    return full
+
+
+def _check_same_parameters(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup) -> None:
+    """Every rank shards the same parameters (names, shapes, dtypes): one collective, the same error on every rank."""
+    mine = [TensorSpec("parameter", name, tuple(p.shape), _contiguous_strides(p.shape), str(p.dtype)) for name, p in named]
+    everyone: list[list[TensorSpec]] = [[] for _ in range(group.size())]
+    dist.all_gather_object(everyone, mine, group=group)
+    difference = first_difference(everyone)
+    if difference is not None:
+        raise ValueError(
+            f"fully_shard needs the same model on every rank, but {difference}. Build the model the same way on "
+            f"every rank and call fully_shard on the same modules in the same order")

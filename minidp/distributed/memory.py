@@ -1,0 +1,61 @@
+"""What one rank holds, in bytes: the ledger that shows what sharding saves.
+
+Between steps a rank of DistributedDataParallel holds the whole model three or four times over:
+its parameters, their gradients, the optimizer's state (SGD's momentum: one more copy; Adam's two
+moments: two), and DDP's gradient buckets (one more copy of the gradients, unless
+``gradient_as_bucket_view``). A rank of :func:`~minidp.distributed.fully_shard` holds 1/W of each
+(its padded shard), and for a while in each step the parameters of the groups it has gathered and
+the buffers of the reduce-scatters under way ("transient").
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .ddp import DistributedDataParallel
+from .fully_shard import sharded_groups
+from .zero import optimizer_state_bytes
+
+
+def _bytes(tensor: Optional[torch.Tensor]) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def memory_ledger(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+    """This rank's bytes: ``parameters``, ``gradients``, ``optimizer_state``, ``gathered`` (now),
+    ``buckets`` (DDP's), ``transient_peak`` (the highest bytes of gathered parameters and
+    reduce-scatter buffers in the last step; DDP's buckets) and ``total_peak`` (the steady ones plus it).
+
+    ``model``: a module ``fully_shard`` was applied to (its root), a minidp
+    :class:`DistributedDataParallel`, or a plain module; ``optimizer``: any, a
+    :class:`~minidp.distributed.ZeroRedundancyOptimizer` too. A shard counts with its padding.
+    """
+    groups = sharded_groups(model)
+    padded = {id(p.shard): p.padded for g in groups for p in g.params}
+    params = list(model.parameters())
+    ledger = {
+        "parameters": sum(_bytes(padded.get(id(p), p)) for p in params),
+        "gradients": sum(_bytes(p.grad) for p in params),
+        "optimizer_state": 0 if optimizer is None else optimizer_state_bytes(optimizer),
+        "gathered": sum(p.gathered_bytes() for g in groups for p in g.params),
+        "buckets": sum(_bytes(b.buffer) for b in model.reducer.buckets) if isinstance(model, DistributedDataParallel) else 0,
+    }
+    iteration = groups[0].iteration if groups else None
+    ledger["transient_peak"] = iteration.peak_transient if iteration is not None else ledger["buckets"]
+    ledger["total_peak"] = ledger["parameters"] + ledger["gradients"] + ledger["optimizer_state"] + ledger["transient_peak"]
+    return ledger
+
+
+def format_ledgers(ledgers: dict[str, dict[str, int]]) -> str:
+    """Ledgers side by side (a column each, in KiB), with each row's ratio to the first column."""
+    names = list(ledgers)
+    rows = ["parameters", "gradients", "optimizer_state", "gathered", "buckets", "transient_peak", "total_peak"]
+    lines = [f"{'bytes per rank (KiB)':<22}" + "".join(f"{n:>16}" for n in names) + f"{'ratio':>10}"]
+    for row in rows:
+        values = [ledgers[n][row] for n in names]
+        ratio = f"{values[-1] / values[0]:.2f}" if values[0] else "-"
+        lines.append(f"{row:<22}" + "".join(f"{v / 1024:>16.1f}" for v in values) + f"{ratio:>10}")
+    return "\n".join(lines)

@@ -1,0 +1,240 @@
+"""The backward of CPU replicas in parallel: each replica's part of the graph in its own worker thread.
+
+On a GPU every device has an autograd thread of its own, so replicas on different GPUs run their
+backwards at once. The CPU has one: autograd runs all the backward work of the CPU in the thread
+that called ``backward()``, so CPU replicas, whose forwards ran side by side in parallel_apply's
+threads, would run their backwards one after the other. This module cuts the graph so that they do not.
+
+What autograd records, for replicas whose backward can run on its own (see "When" below):
+
+    original params -> Broadcast -> ReplicaEntry_i -> replica i's forward -> o_i
+    input chunk i   ------------->  ReplicaEntry_i ---^
+    all outer tensors (Broadcast outputs, chunks) -> ParallelBackward -> aliases of o_0 .. o_{K-1} -> gather
+
+* :class:`ReplicaEntry`, one node per replica (per call of :func:`enter`): its outputs are aliases of
+  the tensors that enter the replica (its parameters, as replicate binds them; its input chunks, as
+  parallel_apply passes them). Replica ``i``'s graph ends there. Its backward is the identity.
+* :class:`ParallelBackward`, one node for the whole replicated region: its inputs are the tensors
+  the entries alias (so autograd's edges lead from it to the Broadcast and to the scatter), its
+  outputs are aliases of the replicas' outputs (so the gather's backward, a scatter, hands it each
+  replica's share of the gradient). Its backward runs, for every replica in its worker thread,
+  ``torch.autograd.grad(o_i, the entry's outputs, the gradient of o_i)``: on the CPU, autograd runs a
+  backward in the thread that calls it, reentrantly, as re-entrant checkpointing does. The gradients
+  of the entries come back as the gradients of the region's inputs, replica by replica, and autograd
+  goes on: the Broadcast's backward receives every replica's gradients at once and sums them in
+  replica order (step 5), exactly as it does when the replicas' backwards run one after the other.
+
+Each replica's part of the graph is the same graph either way, run by the same engine in the same
+order, so the gradients are the same, bit for bit, provided each kernel runs with the same number
+of intra-op threads (a kernel splits its sums by thread): every worker runs its replica's backward
+with the caller's count, as the serial backward runs it (not the share of a forward).
+
+Hooks fire once, where the gradient is made: a hook on a replica's parameter or input (the entry's
+outputs) fires in the replica's thread when its gradient is captured (the entry node itself never
+runs); a hook on an original parameter fires when autograd accumulates the sum. ``retain_graph``
+reaches each replica's backward; a second backward without it raises autograd's own error. A
+replica whose backward raises is named by its index, once every replica is done, and autograd stops
+before the reduction: the original parameters' gradients are untouched.
+
+When. parallel_apply cuts the graph only if every replica's graph, walked from its outputs, ends at
+its own entries: nothing else requiring grad is reached (a tensor the replica captured from outside,
+another replica's tensors as :class:`minidp.SyncBatchNorm` exchanges them, a parameter that did not
+come through an entry). Otherwise it leaves the outputs as they are and autograd runs the replicas'
+backwards one after the other, as before (the entries are then identity nodes on the way). Second-
+order gradients (``create_graph=True``) run the replicas' backwards one after the other in the
+calling thread, inside the node: the gradients it returns are differentiable, as the serial path's.
+
+On by default for CPU replicas; :func:`set_parallel_backward` switches it (the replicas' backwards
+then run one after the other, as autograd runs them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge
+from torch.utils import checkpoint
+
+from .nested import tensors_in
+
+_enabled = True
+
+# Re-entrant checkpointing's node hides the parameters the checkpointed function used: its backward
+# recomputes and runs a backward of its own that goes on past the replica's entries, into the reduction.
+_REENTRANT_CHECKPOINT = checkpoint.CheckpointFunction._backward_cls
+
+
+def set_parallel_backward(enabled: bool) -> bool:
+    """Run the backwards of CPU replicas in parallel (``True``, the default) or one after the other; returns the previous setting."""
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_parallel_backward: enabled must be True or False, got {enabled!r}")
+    previous, _enabled = _enabled, enabled
+    return previous
+
+
+def get_parallel_backward() -> bool:
+    """Whether the backwards of CPU replicas run in parallel (see :func:`set_parallel_backward`)."""
+    return _enabled
+
+
+def applies(devices: Sequence[torch.device]) -> bool:
+    """Whether replicas on ``devices`` get entries: switched on, grad recorded, two or more, all on the CPU.
+
+    (GPUs have an autograd thread each already.)
+    """
+    return _enabled and torch.is_grad_enabled() and len(devices) > 1 and all(d.type == "cpu" for d in devices)
+
+
+class ReplicaEntry(torch.autograd.Function):
+    """Forward: aliases of ``tensors`` (the same memory). Backward: the identity.
+
+    Where a replica's graph ends. The node keeps the tensors it aliases (``outer``), which
+    :class:`ParallelBackward` takes as its inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, *tensors: torch.Tensor):
+        ctx.outer = tensors
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return grads
+
+
+def is_entry(node: Any) -> bool:
+    return type(node) is ReplicaEntry._backward_cls
+
+
+def enter(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` as one replica receives them: those that require grad through one :class:`ReplicaEntry`."""
+    differentiable = [i for i, t in enumerate(tensors) if t.requires_grad]
+    if not differentiable:
+        return list(tensors)
+    aliases = list(tensors)
+    for i, alias in zip(differentiable, ReplicaEntry.apply(*[tensors[i] for i in differentiable])):
+        aliases[i] = alias
+    return aliases
+
+
+def made_by(tensor: torch.Tensor) -> Optional[Any]:
+    """The autograd node that made ``tensor``, looking through an entry (a Broadcast, for a replica's parameter)."""
+    node = tensor.grad_fn
+    return node.outer[tensor.output_nr].grad_fn if is_entry(node) else node
+
+
+class Region:
+    """One replica's part of the graph: where it starts (its outputs) and where it ends (its entries)."""
+
+    __slots__ = ("entries", "outputs")
+
+    def __init__(self, entries: list[Any], outputs: list[torch.Tensor]) -> None:
+        self.entries, self.outputs = entries, outputs
+
+
+def region(entries: Sequence[Any], output: Any) -> Optional[Region]:
+    """Replica's region, if its graph walked from ``output`` ends at ``entries`` (its own entry nodes) only; else ``None``.
+
+    Each node is visited once; the walk stops at the first end that is not one of ``entries``. Another
+    entry is walked through: it is an identity node, and either lies inside this replica (the entries
+    of a nested ``data_parallel`` whose replicas stayed serial) or leads outside to a leaf, as the
+    entries of another replica do, whose outputs a replica may receive (SyncBatchNorm's statistics).
+    """
+    own = {id(node) for node in entries}
+    outputs = [t for _, t in tensors_in(output) if t.requires_grad]
+    stack = [t.grad_fn for t in outputs]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None:
+            return None  # an output that is a leaf: not made in the replica
+        if id(node) in own or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node) is _REENTRANT_CHECKPOINT:
+            return None  # its backward runs one of its own, through the parameters into the Broadcast
+        nexts = [fn for fn, _ in node.next_functions if fn is not None]
+        if not nexts:
+            return None  # a leaf (its AccumulateGrad), reached from outside the replica
+        stack.extend(nexts)
+    return Region(list(entries), outputs)
+
+
+def entries_of(module: Any, inputs: Sequence[torch.Tensor]) -> list[Any]:
+    """The entry nodes that a replica's tensors (its modules' and ``inputs``) come through, each once, in order found.
+
+    ``module`` may be any callable (parallel_apply takes functions too): only a module's tree is searched.
+    """
+    found: dict[int, Any] = {}
+    tensors = list(inputs)
+    for submodule in module.modules() if isinstance(module, torch.nn.Module) else ():
+        tensors.extend(v for v in submodule.__dict__.values() if isinstance(v, torch.Tensor))
+        tensors.extend(v for v in submodule._buffers.values() if v is not None)
+    for tensor in tensors:
+        node = tensor.grad_fn
+        if node is not None and is_entry(node):
+            found.setdefault(id(node), node)
+    return list(found.values())
+
+
+Runner = Callable[[Sequence[Callable[[], Any]]], list[Any]]
+"""Runs one call per replica, replica i's in its worker thread; the results in order; an error names the replica."""
+
+
+class _Spec:
+    """What :class:`ParallelBackward`'s forward needs besides its tensor inputs (a plain object: not seen by autograd)."""
+
+    def __init__(self, regions: Sequence[Region], run: Runner) -> None:
+        self.regions, self.run = regions, run
+
+
+class ParallelBackward(torch.autograd.Function):
+    """Forward: aliases of every replica's outputs. Backward: each replica's graph, in its worker thread."""
+
+    @staticmethod
+    def forward(ctx, spec: _Spec, *outer: torch.Tensor):
+        ctx.set_materialize_grads(False)  # an output without a gradient needs no backward of its own
+        ctx.run = spec.run
+        ctx.outputs_per_replica = [len(r.outputs) for r in spec.regions]
+        # Per replica, the entries' outputs as edges: where its backward ends, and what its gradients are for.
+        ctx.edges = [[GradientEdge(n, k) for n in r.entries for k in range(len(n.outer))] for r in spec.regions]
+        outputs = [t for r in spec.regions for t in r.outputs]
+        ctx.save_for_backward(*outputs)  # freed by a backward without retain_graph, as autograd frees saved tensors
+        return tuple(t.detach() for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        outputs = ctx.saved_tensors  # raises autograd's error on a second backward without retain_graph
+        keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
+        create_graph = torch.is_grad_enabled()  # autograd runs a backward in grad mode only for create_graph=True
+        calls, start = [], 0
+        for count, edges in zip(ctx.outputs_per_replica, ctx.edges):
+            pairs = [(o, g) for o, g in zip(outputs[start : start + count], grads[start : start + count]) if g is not None]
+            start += count
+
+            def call(pairs=pairs, edges=edges) -> tuple:
+                if not pairs or not edges:
+                    return (None,) * len(edges)
+                roots, root_grads = zip(*pairs)
+                return torch.autograd.grad(
+                    roots, edges, root_grads, retain_graph=keep_graph, create_graph=create_graph, allow_unused=True
+                )
+
+            calls.append(call)
+        # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph.
+        results = [call() for call in calls] if create_graph else ctx.run(calls)
+        return (None, *(g for replica in results for g in replica))
+
+
+def join(regions: Sequence[Region], run: Runner) -> Optional[list[torch.Tensor]]:
+    """One :class:`ParallelBackward` node for the replicas' regions; the aliases of their outputs, in order.
+
+    ``None`` where two replicas share a tensor they enter with: autograd would sum its gradients in
+    an order of its own, so the replicas' backwards stay as autograd runs them.
+    """
+    outer = [t for r in regions for node in r.entries for t in node.outer]
+    if len({id(t) for t in outer}) != len(outer):
+        return None
+    return list(ParallelBackward.apply(_Spec(regions, run), *outer))

@@ -1,0 +1,241 @@
+"""Training jobs of real frameworks, each run twice under torchrun: with torch DDP, and with
+``minidp.distributed.DistributedDataParallel`` in its place.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.framework_jobs JOB WRAPPER OUT
+
+``JOB``: one of :data:`JOBS`; ``WRAPPER``: ``torch`` or ``minidp``; every rank writes
+``OUT/rank<r>.pt``: the class that wrapped the model, the loss of every forward, and the parameters
+and buffers after training. ``tests/test_frameworks.py`` compares the two runs bitwise.
+
+The swap: the frameworks construct ``torch.nn.parallel.DistributedDataParallel`` by that name
+(accelerate, hence Hugging Face's ``Trainer``, and ignite look it up on ``torch.nn.parallel`` when
+they wrap; Lightning imports it from ``torch.nn.parallel.distributed`` when it is imported, and
+checks ``isinstance`` against it). :func:`swap_in_minidp` rebinds both names to minidp's class
+before any framework is imported, so every construction and every ``isinstance`` check sees it.
+Everything else is the framework's own code.
+"""
+
+import os
+import sys
+import tempfile
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+def swap_in_minidp() -> None:
+    """Put minidp's DistributedDataParallel where frameworks look for torch's: call it first."""
+    import torch.nn.parallel.distributed
+
+    import minidp.distributed
+
+    torch.nn.parallel.DistributedDataParallel = minidp.distributed.DistributedDataParallel
+    torch.nn.parallel.distributed.DistributedDataParallel = minidp.distributed.DistributedDataParallel
+
+
+class Regression(Dataset):
+    """64 fixed samples: 8 features, one target; ``as_dict`` for Hugging Face's collator."""
+
+    def __init__(self, as_dict: bool = False, n: int = 64) -> None:
+        generator = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, 8, generator=generator)
+        self.y = self.x @ torch.randn(8, 1, generator=generator) + 0.1 * torch.randn(n, 1, generator=generator)
+        self.as_dict = as_dict
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> Any:
+        return {"x": self.x[i], "labels": self.y[i]} if self.as_dict else (self.x[i], self.y[i])
+
+
+def mlp(batch_norm: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)  # every rank alike, as the frameworks' seeding does
+    return nn.Sequential(nn.Linear(8, 16), *([nn.BatchNorm1d(16)] if batch_norm else []), nn.Tanh(), nn.Linear(16, 1))
+
+
+class HFRegressor(nn.Module):
+    """A model as ``Trainer`` takes it: keyword inputs, a dict with the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
+        logits = self.net(x)
+        return {"loss": nn.functional.mse_loss(logits, labels), "logits": logits}
+
+
+def trainer_job(out: dict) -> None:
+    """Hugging Face ``Trainer`` (through accelerate), 2 micro-batches accumulated per step."""
+    from transformers import Trainer, TrainingArguments
+
+    losses = out["losses"]
+
+    class RecordingTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+            losses.append((result[0] if return_outputs else result).detach().clone())
+            return result
+
+    with tempfile.TemporaryDirectory() as directory:
+        args = TrainingArguments(
+            output_dir=directory, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=4,
+            learning_rate=0.05, lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no",
+            use_cpu=True, seed=0, dataloader_num_workers=0, ddp_backend="gloo", disable_tqdm=True,
+        )
+        trainer = RecordingTrainer(model=HFRegressor(), args=args, train_dataset=Regression(as_dict=True))
+        trainer.train()
+    out["wrapper"] = type(trainer.model_wrapped)
+    out["module"] = trainer.model
+
+
+def accelerate_job(out: dict) -> None:
+    """accelerate's own loop: ``accumulate`` (no_sync on the first micro-batch), then ``no_sync`` with
+    ``trigger_sync_in_backward``, with the FP16 compression hook."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+    from accelerate.utils import DDPCommunicationHookType
+
+    accelerator = Accelerator(
+        cpu=True, gradient_accumulation_steps=2,
+        kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)],
+    )
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = DataLoader(Regression(), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    batches = list(loader)
+
+    def loss_of(batch):
+        x, y = batch
+        loss = nn.functional.mse_loss(model(x), y)
+        out["losses"].append(loss.detach().clone())
+        return loss
+
+    for batch in batches[:4]:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_of(batch))
+            optimizer.step()
+            optimizer.zero_grad()
+    for first, second in zip(batches[4::2], batches[5::2]):
+        with accelerator.no_sync(model):
+            accelerator.backward(loss_of(first))  # accumulated locally
+            loss = loss_of(second)
+        with accelerator.trigger_sync_in_backward(model):
+            accelerator.backward(loss)  # the sum of both reduced here
+        optimizer.step()
+        optimizer.zero_grad()
+    out["wrapper"] = type(model)
+    out["module"] = accelerator.unwrap_model(model)
+
+
+def _lightning_job(out: dict, manual: bool) -> None:
+    import pytorch_lightning as pl
+
+    class Module(pl.LightningModule):
+        """BatchNorm (buffers broadcast from rank 0), validation after every 2 steps."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp(batch_norm=True)
+            self.automatic_optimization = not manual
+
+        def training_step(self, batch, index):
+            out["wrapper"] = type(self.trainer.strategy.model)  # teardown unwraps it: look while training
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            out["losses"].append(loss.detach().clone())
+            if manual:  # two micro-batches accumulated per step, no_sync on the first (Lightning's docs)
+                optimizer = self.optimizers()
+                last = (index + 1) % 2 == 0
+                with self.trainer.strategy.block_backward_sync() if not last else nullcontext():
+                    self.manual_backward(loss)
+                if last:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            return loss
+
+        def validation_step(self, batch, index):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            out["losses"].append(loss.detach().clone())
+            self.log("val_loss", loss, sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    module = Module()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=4 if not manual else 8,
+        accumulate_grad_batches=1 if manual else 2, val_check_interval=2 if manual else 4, limit_val_batches=2,
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, deterministic=True,
+    )
+    trainer.fit(module, DataLoader(Regression(), batch_size=4), DataLoader(Regression(n=16), batch_size=4))
+    out["module"] = module
+
+
+def lightning_auto_job(out: dict) -> None:
+    """PyTorch Lightning ``strategy="ddp"``, automatic optimization, 2 batches accumulated, validation."""
+    _lightning_job(out, manual=False)
+
+
+def lightning_manual_job(out: dict) -> None:
+    """PyTorch Lightning ``strategy="ddp"``, manual optimization with ``manual_backward``."""
+    _lightning_job(out, manual=True)
+
+
+def ignite_job(out: dict) -> None:
+    """ignite: ``idist.auto_model``, ``auto_optim``, ``auto_dataloader`` and a supervised trainer
+    accumulating 2 micro-batches."""
+    import ignite.distributed as idist
+    from ignite.engine import Events, create_supervised_trainer
+
+    idist.initialize("gloo")
+    try:
+        model = idist.auto_model(mlp())
+        optimizer = idist.auto_optim(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        loader = idist.auto_dataloader(Regression(), batch_size=8, shuffle=False)  # 4 per rank
+        trainer = create_supervised_trainer(model, optimizer, nn.functional.mse_loss, gradient_accumulation_steps=2)
+        trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda engine: out["losses"].append(engine.state.output))
+        trainer.run(loader, max_epochs=1)
+        out["wrapper"] = type(model)
+        out["module"] = model.module
+    finally:
+        idist.finalize()
+
+
+JOBS: dict[str, Callable[[dict], None]] = {
+    "trainer": trainer_job,
+    "accelerate": accelerate_job,
+    "lightning_auto": lightning_auto_job,
+    "lightning_manual": lightning_manual_job,
+    "ignite": ignite_job,
+}
+
+
+def main(job: str, wrapper: str, directory: str) -> None:
+    torch.set_num_threads(1)  # 2 processes share the cores; also one summation order per run
+    if wrapper == "minidp":
+        swap_in_minidp()
+    elif wrapper != "torch":
+        raise SystemExit(f"WRAPPER must be 'torch' or 'minidp', got {wrapper!r}")
+    out: dict = {"losses": []}
+    JOBS[job](out)
+    rank = int(os.environ["RANK"])
+    state = {name: t.detach().clone() for name, t in out["module"].state_dict().items()}
+    wrapper_class = out["wrapper"]
+    result = {"wrapper": f"{wrapper_class.__module__}.{wrapper_class.__qualname__}",
+              "losses": out["losses"], "state": state,
+              "parameters": [name for name, _ in out["module"].named_parameters()]}
+    torch.save(result, os.path.join(directory, f"rank{rank}.pt"))
+    if dist.is_initialized():  # the frameworks that leave the group up: end it as they would at exit
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

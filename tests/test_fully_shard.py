@@ -1,0 +1,281 @@
+"""minidp.distributed.fully_shard against torch's FSDP2 (torch.distributed.fsdp.fully_shard), in real
+Gloo processes on 127.0.0.1.
+
+The processes are started once per world size (``minidp.distributed.launch``, bounded by
+``job_timeout``, every process ended by it); each runs every check of ``fsdp_checks`` on a fresh
+seed and sends back plain facts. "Equal" means bitwise (``torch.equal``): this rank's parameter
+shards, their gradients and the optimizer's state, after every backward and every step.
+
+What is compared is FSDP2 in torch 2.13 (torch/distributed/fsdp/_fully_shard/): the shards of
+``_fsdp_param.py`` (``_init_sharded_param``: ``torch.chunk`` on dim 0, padded to chunk 0's size),
+the all-gather copy-in and copy-out and the reduce-scatter of ``_fsdp_collectives.py``
+(``foreach_all_gather``, ``foreach_all_gather_copy_out``, ``foreach_reduce``) and its division of
+the gradients (``_get_gradient_divide_factors``: ``ReduceOp.AVG`` in float32, SUM between a
+division before and one after in float64).
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+
+import pytest
+import torch
+
+from . import fsdp_checks as checks
+from .helpers import torchrun
+from minidp.cli import main
+from minidp.distributed import RankFailed, chrome_trace, launch
+from minidp.distributed.fully_shard import division
+
+
+@pytest.fixture(autouse=True)
+def dataparallel_configuration():
+    """These checks run in processes of their own, which start with DataParallel's defaults: the two
+    configurations of tests/conftest.py would run them twice alike, so they run once."""
+
+
+JOB_TIMEOUT = 300.0  # seconds for a whole job; the process group's own timeout is launch()'s 60 s
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+MATRIX = list(itertools.product(DTYPES, checks.OPTIMIZERS, [True, False]))
+
+
+def _name(dtype: str, optimizer: str, reshard: bool) -> str:
+    return f"{dtype}-{optimizer}-{'reshard' if reshard else 'keep'}"
+
+
+def _against_fsdp2_plan() -> dict:
+    return {_name(d, o, r): (checks.against_fsdp2, {"dtype": DTYPES[d], "optimizer": o, "reshard_after_forward": r})
+            for d, o, r in MATRIX}
+
+
+TWO_PROCESSES = {
+    **_against_fsdp2_plan(),
+    "accumulate": (checks.against_fsdp2, {"micro_batches": 2, "optimizer": "adamw"}),
+    "tied": (checks.against_fsdp2, {"model": "tied", "dtype": torch.float64}),
+    "already_wrapped": (checks.already_wrapped, {}),
+    "shared_between_groups": (checks.shared_between_groups, {}),
+    "mismatched_model": (checks.mismatched_model, {}),
+    "timeline_and_memory": (checks.timeline_and_memory, {}),
+}
+
+THREE_PROCESSES = {
+    **_against_fsdp2_plan(),
+    "accumulate": (checks.against_fsdp2, {"micro_batches": 2, "reshard_after_forward": False}),
+}
+
+
+def _run(world_size: int, plan: dict) -> list[dict]:
+    seed = int(torch.randint(0, 2**20, ()).item())
+    print(f"job seed: {seed}")
+    return launch(checks.run_checks, world_size, (plan, seed), job_timeout=JOB_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict]:
+    """Every check of TWO_PROCESSES, as each of 2 ranks saw it."""
+    return _run(2, TWO_PROCESSES)
+
+
+@pytest.fixture(scope="module")
+def three() -> list[dict]:
+    return _run(3, THREE_PROCESSES)
+
+
+def _each_rank(results: list[dict], check: str) -> list:
+    return [ranks_results[check] for ranks_results in results]
+
+
+def assert_same_as_fsdp2(results: list[dict], check: str) -> None:
+    for rank, result in enumerate(_each_rank(results, check)):
+        assert result["differences"] == [None] * len(result["differences"]), f"rank {rank}: {result['differences']}"
+
+
+# ---- bitwise equal to FSDP2 after every backward and every step ----------------------------------
+
+
+@pytest.mark.parametrize("dtype,optimizer,reshard", MATRIX)
+def test_shards_gradients_and_optimizer_state_equal_fsdp2_two_processes(two, dtype, optimizer, reshard):
+    assert_same_as_fsdp2(two, _name(dtype, optimizer, reshard))
+
+
+@pytest.mark.parametrize("dtype,optimizer,reshard", MATRIX)
+def test_shards_gradients_and_optimizer_state_equal_fsdp2_three_processes(three, dtype, optimizer, reshard):
+    # with 3 ranks a bias of 2 rows leaves rank 2 an empty shard; float64 divides by 2, then by 1.5
+    assert_same_as_fsdp2(three, _name(dtype, optimizer, reshard))
+
+
+@pytest.mark.parametrize("world", ["two", "three"])
+def test_gradients_of_several_backwards_accumulate_in_the_shards_as_fsdp2(world, request):
+    assert_same_as_fsdp2(request.getfixturevalue(world), "accumulate")
+
+
+def test_a_weight_tied_inside_one_group_is_gathered_once_and_reduced_once_as_fsdp2(two):
+    assert_same_as_fsdp2(two, "tied")
+
+
+def test_each_rank_keeps_its_torch_chunk_rows_padded_to_chunk_0(three):
+    # Net's head bias has 2 rows: torch.chunk(bias, 3) gives two chunks of 1, rank 2 none
+    shapes = [result["shard_shapes"] for result in _each_rank(three, "float32-sgd-reshard")]
+    assert [s[0] for s in shapes] == [(5,), (5,), (3,)]  # LayerNorm(13): 5, 5, 3
+    assert [s[-1] for s in shapes] == [(1,), (1,), (0,)]
+
+
+class _Group:
+    """What FSDP2's divide-factor rule reads of a process group: its size."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_gradients_are_divided_before_during_and_after_the_reduction_as_fsdp2_divides_them(dtype, world_size):
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    before, after, reduce_op, _ = _get_gradient_divide_factors(_Group(world_size), None, dtype, "cpu")
+    no_division = (None, 1)  # FSDP2's _div_if_needed skips both
+    ours = division(dtype, world_size)
+    assert (ours[0] in no_division, ours[1], ours[2] in no_division) == (before in no_division, reduce_op,
+                                                                         after in no_division)
+    assert [f for f in (ours[0], ours[2]) if f not in no_division] == [f for f in (before, after) if f not in no_division]
+
+
+# ---- the full state dict -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", ["two", "three"])
+def test_full_state_dict_equals_fsdp2_full_tensors_on_every_rank(world, request):
+    for name, _ in _against_fsdp2_plan().items():
+        assert all(r["state_dict_equal"] for r in _each_rank(request.getfixturevalue(world), name)), name
+
+
+@pytest.mark.parametrize("world", ["two", "three"])
+def test_a_full_state_dict_loads_back_into_the_shards(world, request):
+    for name, _ in _against_fsdp2_plan().items():
+        assert all(r["reloaded"] for r in _each_rank(request.getfixturevalue(world), name)), name
+
+
+# ---- seen: every rank's timeline and memory ----------------------------------------------------------
+
+
+def _spans(timeline: list[dict], stage: str, group: str) -> list[dict]:
+    return [e for e in timeline if e["stage"] == stage and e["group"] == group]
+
+
+def test_every_group_is_gathered_in_forward_and_backward_and_reduced_once(two):
+    # reshard_after_forward=True: FSDP2's pre_forward and pre_backward unshard, post_backward reduces
+    for timeline in two[0]["timeline_and_memory"]["timelines"]:
+        for group in ["", "blocks.0", "blocks.1", "blocks.2"]:
+            counts = {stage: len(_spans(timeline, stage, group))
+                      for stage in ("all-gather", "copy-out", "forward", "backward", "reduce-scatter")}
+            assert counts == {"all-gather": 2, "copy-out": 2, "forward": 1, "backward": 1, "reduce-scatter": 1}, group
+
+
+def test_in_the_backward_the_previous_groups_all_gather_is_launched_before_the_current_one_has_computed(two):
+    # FSDP2's _backward_prefetch: the group before it in post-forward order
+    for timeline in two[0]["timeline_and_memory"]["timelines"]:
+        for current, previous in [("", "blocks.2"), ("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]:
+            assert _spans(timeline, "all-gather", previous)[1]["start"] < _spans(timeline, "backward", current)[0]["end"]
+
+
+def test_the_forward_gathers_one_group_at_a_time_as_fsdp2(two):
+    for timeline in two[0]["timeline_and_memory"]["timelines"]:
+        for current, following in [("blocks.0", "blocks.1"), ("blocks.1", "blocks.2")]:
+            assert _spans(timeline, "all-gather", following)[0]["start"] > _spans(timeline, "forward", current)[0]["end"]
+
+
+def test_timelines_merge_into_one_chrome_trace_with_collective_rows(two):
+    events = chrome_trace(two[0]["timeline_and_memory"]["timelines"])["traceEvents"]
+    rows = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
+    assert rows == {(rank, row) for rank in (0, 1) for row in ("forward and backward", "all-gathers", "reduce-scatters")}
+
+
+def test_each_rank_holds_half_of_ddps_parameters_gradients_and_optimizer_state_between_steps(two):
+    for result in _each_rank(two, "timeline_and_memory"):
+        ddp, sharded = result["ledgers"]["ddp"], result["ledgers"]["sharded"]
+        for row in ("parameters", "gradients", "optimizer_state"):
+            assert abs(sharded[row] / ddp[row] - 0.5) <= 0.005, row  # a padded or a short row per parameter
+        assert sharded["gathered"] == sharded["buckets"] == 0
+        assert ddp["buckets"] == ddp["gradients"]  # DDP's buckets: one more copy of the gradients
+        assert sharded["total_peak"] < ddp["total_peak"]
+        assert "optimizer_state" in result["table"]
+
+
+# ---- bad input: the same clear error on every rank, never a hang ----------------------------------
+
+
+def test_a_module_already_sharded_or_wrapped_is_refused_on_every_rank(two):
+    for errors in _each_rank(two, "already_wrapped"):
+        assert "fully_shard was already applied to this Net" in errors["minidp"]
+        assert "already wrapped (FSDPNet)" in errors["fsdp2"]  # torch's fully_shard swaps the class
+        assert "already wrapped (DistributedDataParallel)" in errors["ddp"] and "pass the plain model" in errors["ddp"]
+
+
+def test_a_parameter_shared_between_two_groups_is_refused_where_fsdp2_refuses_it(two):
+    for errors in _each_rank(two, "shared_between_groups"):
+        assert "fully_shard(Linear): parameter 'weight' is also parameter 'weight' of the Linear" in errors["minidp"]
+        assert "common parent" in errors["minidp"]
+        assert "is shared with a parameter already managed by another FSDP group" in errors["fsdp2"]
+
+
+def test_ranks_with_different_models_raise_the_same_error_naming_the_parameter(two):
+    messages = _each_rank(two, "mismatched_model")
+    assert messages[0] == messages[1]
+    assert "parameter 0 ('linear.weight') has shape (30, 13) on rank 1 and (29, 13) on rank 0" in messages[0]
+
+
+def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error():
+    # process-group timeout 300 s > job_timeout 90 s: only ending the job on the error passes
+    with pytest.raises(RankFailed, match="rank 1 raised:(.|\n)*planted failure in step 2 on rank 1") as failure:
+        launch(checks.raise_in_step_2, 2, (1,), timeout=300, job_timeout=90)
+    assert failure.value.rank == 1
+    assert multiprocessing.active_children() == []
+
+
+def test_a_rank_that_raises_mid_step_under_torchrun_ends_the_job_with_its_error():
+    # rank 0 is then blocked in an all-gather; Gloo sees rank 1's connection close and raises
+    done = torchrun("-m", "tests.fsdp_checks", "1")
+    assert done.returncode != 0
+    assert "RuntimeError: planted failure in step 2 on rank 1" in done.stdout
+    assert "rank      : 1" in done.stdout.split("Root Cause")[1]
+
+
+# ---- the demo ----------------------------------------------------------------------------------
+
+
+def test_demo_shard_trains_and_prints_the_steps_and_both_ledgers(tmp_path, capfd):
+    argv = ["demo", "--processes", "2", "--shard", "--samples", "200", "--epochs", "1", "--batch-size", "40",
+            "--trace", str(tmp_path)]
+    assert main(argv) == 0
+    out = capfd.readouterr().out  # printed by rank 0, a process of its own
+    assert "classifier.1.weight    (10, 1568)       -> (5, 1568)" in out  # step 1: rank 0's rows
+    for stage in ("all-gather", "copy-out", "forward", "backward", "reduce-scatter"):
+        assert f"classifier.1   {stage}" in out
+    ledger = out.split("memory per rank")[1]
+    parameters = next(line for line in ledger.splitlines() if line.startswith("parameters")).split()
+    assert parameters[-1] == "0.50"  # fully_shard / DDP
+    assert (tmp_path / "fsdp_timeline.json").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shard"], "--shard needs --processes N"),
+    (["--shard", "--processes", "2", "--replicas", "2"], "--shard and --replicas: choose one"),
+])
+def test_demo_shard_refuses_what_it_cannot_do(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["demo", *argv])
+
+
+def test_torchrun_example_trains_sharded_and_loads_its_full_state_dict_back(tmp_path):
+    done = torchrun("examples/fsdp_train.py", "--epochs", "1", "--samples", "200", "--width", "64",
+                    "--save", str(tmp_path / "full.pt"))
+    assert done.returncode == 0, done.stdout
+    assert "rank 0's shards: [(32, 784), (32,)" in done.stdout  # 64 rows over 2 ranks
+    assert "epoch 1/1: train loss" in done.stdout and "loaded the full state dict back" in done.stdout
+    saved = torch.load(tmp_path / "full.pt")
+    assert saved["1.0.weight"].shape == (64, 784)  # whole, as the model was built

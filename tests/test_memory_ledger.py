@@ -1,0 +1,224 @@
+"""The memory ledger (minidp/tracing/memory.py): what each device and replica held in a step, counted from allocations.
+
+The cases are small enough to count by hand. An MLP ``Linear(D, H) -> ReLU -> Linear(H, O)`` in float64 (8 bytes
+an element) on two CPU replicas, batch ``B`` cut into chunks ``b0 + b1``:
+
+* parameters ``P = (D*H + H + H*O + O) * 8``, held by the module; the replicas' parameters on the CPU alias
+  them (stock replicate's same-device rule), so the replicas hold none of their own;
+* inputs: the batch ``B*D*8`` and the targets ``B*O*8``; the chunks are views of the batch (0 bytes);
+* activations kept for the backward, per replica: the ReLU's output ``b*H*8`` (ReLU's backward keeps its
+  result and the second Linear keeps it as its input); the first Linear's output dies inside the forward,
+  and the replica's output dies once gathered: both are temporaries;
+* gathered outputs: ``B*O*8``; loss ``(output - target).pow(2).sum()``: the difference the square keeps for its
+  backward ``B*O*8``, the scalar ``8``, and the gradient ``backward()`` starts from (``torch.ones_like(loss)``) ``8``;
+* gradients: each replica's ``P`` handed to the reduction, and the sums (``P``), which become ``.grad``:
+  ``3P`` on the device at once; where the extension sums them, the sums lie in one block of its output pool,
+  each rounded up to 64 bytes (``kAlign`` in csrc/bindings.cpp), and the block is what is held;
+* optimizer state: SGD with momentum keeps one buffer per parameter, ``P``, made by the first step.
+
+On the CPU the bytes counted are the sizes torch's allocator is asked for, which it allocates exactly (the heap's
+64-byte alignment is below torch), so the figures are compared with ``==``.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import minidp
+from minidp.tracing.memory import CATEGORIES, measure_step
+from minidp.zoo import SmallCNN
+
+from .helpers import cpu_ids, requires_cuda
+
+D, H, O = 16, 32, 4
+BYTES = 8  # float64
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, O)).double()
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    return sum(p.nbytes for p in module.parameters())
+
+
+def summed_gradient_bytes(module: nn.Module) -> int:
+    """The bytes of the reduction's sums: ``P``, or the extension's pool block where the extension sums them."""
+    parameters = list(module.parameters())
+    if minidp.comm.reduce_backends(parameters) != ["ext"] * len(parameters):
+        return parameter_bytes(module)
+    return sum(-(-p.nbytes // 64) * 64 for p in parameters)
+
+
+def row(ledger: list, device: str = "cpu", replica=None):
+    (found,) = [r for r in ledger if r.device == device and r.replica == replica]
+    return found
+
+
+def traced_mlp_step(generator, rows: int, gather_output: bool = True):
+    """A warm SGD step (makes the momentum buffers), then one traced training step; returns (ledger, module)."""
+    module = mlp()
+    model = minidp.DataParallel(module, cpu_ids(2), gather_output=gather_output)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(rows, D, generator=generator, dtype=torch.float64)
+    y = torch.randn(rows, O, generator=generator, dtype=torch.float64)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        output = model(x)
+        loss = (output - y).pow(2).sum() if gather_output else minidp.parallel_criterion(nn.MSELoss(), output, y)
+        loss.backward()
+        optimizer.step()
+
+    step()
+    with minidp.trace(ledger=True) as traced:
+        step()
+    return traced.ledger(), module
+
+
+@pytest.mark.parametrize("rows", [8, 7])  # even chunks [4, 4]; uneven [4, 3]
+def test_an_mlp_step_on_two_cpu_replicas_holds_what_is_counted_by_hand(generator, rows):
+    ledger, module = traced_mlp_step(generator, rows)
+    P = parameter_bytes(module)
+    chunks = [4, rows - 4]
+    device = row(ledger)
+    assert device.held["parameters"] == P
+    assert device.held["inputs"] == rows * D * BYTES + rows * O * BYTES
+    assert device.held["activations"] == rows * H * BYTES
+    assert device.held["gathered outputs"] == rows * O * BYTES
+    assert device.held["loss"] == rows * O * BYTES + 2 * BYTES
+    assert device.held["gradients"] == 2 * P + summed_gradient_bytes(module)
+    assert device.held["optimizer state"] == P
+    for replica, chunk in enumerate(chunks):
+        own = row(ledger, replica=replica)
+        assert own.held["activations"] == chunk * H * BYTES  # counted in its own thread, replica 1's too
+        assert own.held["gradients"] == P
+        assert own.held["parameters"] == own.held["inputs"] == 0  # aliases and views of the module's and batch's
+
+
+def test_every_category_of_a_cpu_training_step_is_non_zero_on_the_device(generator):
+    ledger, _ = traced_mlp_step(generator, 8)
+    device = row(ledger)
+    assert list(device.held) == list(CATEGORIES)
+    assert all(device.held[category] > 0 for category in CATEGORIES), device.held
+
+
+def test_the_peak_is_what_was_held_at_one_moment(generator):
+    ledger, _ = traced_mlp_step(generator, 8)
+    for r in ledger:
+        assert r.peak == sum(r.at_peak.values())
+        assert max(r.held.values()) <= r.peak <= sum(r.held.values())
+        assert all(r.at_peak[c] <= r.held[c] for c in r.held)
+
+
+def test_with_the_loss_on_the_replicas_only_the_loss_terms_are_gathered(generator):
+    """Issue: GPU 0 runs out of memory first because it gathers every output; parallel_criterion does not."""
+    ledger, module = traced_mlp_step(generator, 8, gather_output=False)
+    device = row(ledger)
+    assert device.held["gathered outputs"] == 2 * 2 * BYTES  # a numerator and a denominator per replica
+    for replica in (0, 1):  # the output stays on its replica, kept for the loss's backward
+        assert row(ledger, replica=replica).held["activations"] == 4 * H * BYTES + 4 * O * BYTES
+    assert device.held["gradients"] == 2 * parameter_bytes(module) + summed_gradient_bytes(module)
+
+
+def test_the_demo_cnn_with_adam_fills_every_category_both_ways(generator):
+    images = torch.randn(16, 1, 28, 28, generator=generator)
+    labels = torch.randint(0, 10, (16,), generator=generator)
+    for gather_output in (True, False):
+        module = SmallCNN()
+        model = minidp.DataParallel(module, cpu_ids(2), gather_output=gather_output)
+        optimizer = torch.optim.Adam(module.parameters())
+
+        def step() -> None:
+            optimizer.zero_grad()
+            output = model(images)
+            if gather_output:
+                loss = nn.functional.cross_entropy(output, labels)
+            else:
+                loss = minidp.parallel_criterion(nn.CrossEntropyLoss(), output, labels)
+            loss.backward()
+            optimizer.step()
+
+        step()
+        with minidp.trace(ledger=True) as traced:
+            step()
+        device = row(traced.ledger())
+        assert all(device.held[category] > 0 for category in CATEGORIES), (gather_output, device.held)
+        P = parameter_bytes(module)
+        steps = 4 * len(list(module.parameters()))  # Adam's step counters: one float32 scalar per parameter
+        assert device.held["optimizer state"] == 2 * P + steps  # exp_avg and exp_avg_sq
+        assert device.held["gathered outputs"] == (16 * 10 * 4 if gather_output else 2 * 2 * 4)
+        if not gather_output:  # each replica's cross-entropy keeps its log-softmax, made in the replica's thread
+            assert all(row(traced.ledger(), replica=r).held["loss"] >= 8 * 10 * 4 for r in (0, 1))
+
+
+def test_the_ledger_leaves_the_step_exact(generator):
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    module = mlp()
+    model = minidp.DataParallel(module, cpu_ids(2))
+    model(x).pow(2).sum().backward()
+    plain = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    with minidp.trace(ledger=True):
+        model(x).pow(2).sum().backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(module.parameters(), plain))
+
+
+def test_the_ledger_keeps_no_tensor_of_the_step_alive(generator):
+    model = minidp.DataParallel(mlp(), cpu_ids(2))
+    with minidp.trace(ledger=True) as traced:
+        output = model(torch.randn(8, D, generator=generator, dtype=torch.float64))
+        output.pow(2).sum().backward()
+    gone = weakref.ref(output)
+    del output
+    gc.collect()
+    assert gone() is None
+    assert traced.ledger()  # still readable: it keeps numbers, not tensors
+
+
+def test_a_trace_without_the_ledger_says_how_to_get_one(generator):
+    with minidp.trace() as traced:
+        minidp.DataParallel(mlp(), cpu_ids(2))(torch.randn(4, D, generator=generator, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"minidp.trace\(ledger=True\)"):
+        traced.ledger()
+
+
+def test_measure_step_counts_a_plain_step_given_as_a_callable(generator):
+    """The ledger without a trace: one module on one device, its forward run by the calling thread."""
+    module = mlp()
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    _, ledger = measure_step(lambda: module(x).pow(2).sum().backward(), module.parameters())
+    (device,) = ledger
+    assert device.held["parameters"] == device.held["gradients"] == parameter_bytes(module)
+    assert device.held["inputs"] == x.nbytes
+    # kept for the backward: the ReLU's output, the output the square keeps, the loss and the gradient
+    # backward() starts from
+    assert device.held["activations"] == 8 * H * BYTES + 8 * O * BYTES + 2 * BYTES
+
+
+def test_the_ledger_table_names_every_category_and_the_replicas(generator):
+    module = mlp()
+    model = minidp.DataParallel(module, cpu_ids(2))
+    with minidp.trace(ledger=True) as traced:
+        model(torch.randn(8, D, generator=generator, dtype=torch.float64)).pow(2).sum().backward()
+    table = traced.ledger_table()
+    assert all(category in table for category in CATEGORIES)
+    assert "cpu replica 0" in table and "cpu replica 1" in table
+
+
+@requires_cuda
+def test_on_a_gpu_the_allocators_peak_is_shown_beside_the_ledger(generator):
+    module = mlp().cuda()
+    model = minidp.DataParallel(module, [0])
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64).cuda()
+    with minidp.trace(ledger=True) as traced:
+        model(x).pow(2).sum().backward()
+    gpu = row(traced.ledger(), "cuda:0")
+    assert gpu.allocator_peak is not None and gpu.allocator_peak > 0
+    assert gpu.held["activations"] == 8 * H * BYTES
+    assert gpu.held["gradients"] >= parameter_bytes(module)

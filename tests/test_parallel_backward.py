@@ -1,0 +1,326 @@
+"""The backward of CPU replicas in parallel, one worker thread per replica (minidp/parallel_backward.py).
+
+Every test compares the parallel backward with the serial one, where autograd runs the replicas'
+backwards one after the other in the calling thread (``minidp.set_parallel_backward(False)``, what
+stock DataParallel's autograd does for replicas that share a device), on the same model and batch,
+bitwise. The setting is on for every test here and switched by the test itself, so both
+configurations of the suite (replica cache, reduce backend) run the same comparison.
+The stock behaviours it keeps are those of docs/stock-behaviour.md and of torch's autograd:
+``retain_graph`` (torch/autograd/__init__.py, ``backward``), hooks (torch/nn/modules/module.py,
+``register_full_backward_hook``; torch/_tensor.py, ``register_hook``), checkpointing
+(torch/utils/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import minidp
+from minidp import parallel_backward
+from minidp.zoo import SmallCNN, VGGSplit
+
+from .helpers import cpu_ids, fresh_python
+
+
+@pytest.fixture(autouse=True)
+def parallel_backward_on(monkeypatch, dataparallel_configuration):
+    """On in both configurations (the replica cache and the reduce backend still vary): the tests switch it off themselves."""
+    monkeypatch.setattr(parallel_backward, "_enabled", True)
+
+
+def _images(generator: torch.Generator, rows: int = 16, channels: int = 1, size: int = 28) -> torch.Tensor:
+    return torch.randn(rows, channels, size, size, generator=generator)
+
+
+def _in_parallel(output: torch.Tensor) -> bool:
+    """Whether the gathered ``output`` comes from a ParallelBackward node (the replicas' backwards in parallel)."""
+    return any(type(fn) is parallel_backward.ParallelBackward._backward_cls for fn, _ in output.grad_fn.next_functions)
+
+
+def _step(model: nn.Module, x: torch.Tensor, parallel: bool, replicas: int = 2, **backward) -> tuple[list, bool]:
+    """One step of ``DataParallel(model copy)`` on ``x``: the original parameters' gradients, and whether it ran in parallel."""
+    previous = minidp.set_parallel_backward(parallel)
+    try:
+        module = copy.deepcopy(model)
+        output = minidp.DataParallel(module, cpu_ids(replicas))(x)
+        output.square().sum().backward(**backward)
+        return [p.grad for p in module.parameters()], _in_parallel(output)
+    finally:
+        minidp.set_parallel_backward(previous)
+
+
+def _equal(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_gradients_are_bitwise_those_of_the_serial_backward(generator, replicas):
+    model, x = SmallCNN(), _images(generator, 24)
+    serial, serial_parallel = _step(model, x, False, replicas)
+    parallel, ran_parallel = _step(model, x, True, replicas)
+    assert ran_parallel and not serial_parallel
+    assert _equal(parallel, serial)
+
+
+def test_each_replica_backward_runs_in_its_own_thread(generator):
+    """Replica 0's backward in the calling thread (as its forward), every other one in a worker of its own."""
+    threads: dict[int, str] = {}
+
+    class Records(nn.Module):
+        def forward(self, x):
+            index = minidp.replica_group.current().index
+            x.register_hook(lambda g: threads.__setitem__(index, threading.current_thread().name))
+            return x * 2
+
+    minidp.DataParallel(Records(), cpu_ids(3))(torch.randn(6, 2, generator=generator, requires_grad=True)).sum().backward()
+    assert threads[0] == threading.current_thread().name
+    assert len({threads[0], threads[1], threads[2]}) == 3
+
+
+def test_the_tracer_shows_each_replica_backward_on_its_own_track_from_its_own_thread(generator):
+    model = minidp.DataParallel(SmallCNN(), cpu_ids(3))
+    with minidp.trace() as step:
+        model(_images(generator, 12)).sum().backward()
+    threads = {e.replica: e.thread for e in step.events if e.stage == "backward"}
+    assert sorted(threads) == [0, 1, 2]  # one event per replica: one track each
+    assert threads[0] == threading.current_thread().name and len(set(threads.values())) == 3
+
+
+def test_hooks_on_replica_modules_inputs_and_parameters_fire_once_each(generator):
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    fired = {"module": 0, "original parameter": 0}
+    model[0].register_full_backward_hook(lambda *_: fired.__setitem__("module", fired["module"] + 1))
+    model[2].weight.register_hook(lambda g: fired.__setitem__("original parameter", fired["original parameter"] + 1))
+
+    class Hooked(nn.Module):
+        """Registers hooks in forward, on its replica's parameter and input: once per replica each."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.calls = inner, {"replica parameter": 0, "replica input": 0}
+
+        def forward(self, x):
+            count = self.calls
+            self.inner[2].weight.register_hook(lambda g: count.__setitem__("replica parameter", count["replica parameter"] + 1))
+            x.register_hook(lambda g: count.__setitem__("replica input", count["replica input"] + 1))
+            return self.inner(x)
+
+    hooked = Hooked(model)
+    x = torch.randn(6, 4, generator=generator, requires_grad=True)
+    output = minidp.DataParallel(hooked, cpu_ids(3))(x)
+    assert _in_parallel(output)
+    output.sum().backward()
+    assert fired == {"module": 3, "original parameter": 1}
+    assert hooked.calls == {"replica parameter": 3, "replica input": 3}
+
+
+def test_retain_graph_lets_a_second_backward_add_the_same_gradients(generator):
+    model, x = SmallCNN(), _images(generator)
+    once, _ = _step(model, x, True)
+    module = copy.deepcopy(model)
+    output = minidp.DataParallel(module, cpu_ids(2))(x).square().sum()
+    output.backward(retain_graph=True)
+    output.backward()
+    assert _equal([p.grad for p in module.parameters()], [g + g for g in once])
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        output.backward()
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("planted failure")
+
+
+class _FailsInReplica(nn.Module):
+    def __init__(self, failing: int):
+        super().__init__()
+        self.linear, self.failing = nn.Linear(4, 4), failing
+
+    def forward(self, x):
+        y = self.linear(x)
+        membership = minidp.replica_group.current()  # None when called directly
+        return _FailsInBackward.apply(y) if membership and membership.index == self.failing else y
+
+
+def test_a_replica_whose_backward_raises_is_named_and_leaves_the_gradients_untouched(generator):
+    model = _FailsInReplica(failing=1)
+    before = [torch.randn(p.shape, generator=generator) for p in model.parameters()]
+    for p, g in zip(model.parameters(), before):
+        p.grad = g.clone()
+    wrapped = minidp.DataParallel(model, cpu_ids(3))
+    output = wrapped(torch.randn(6, 4, generator=generator))
+    assert _in_parallel(output)
+    with pytest.raises(ValueError, match="in the backward of replica 1 on device cpu"):
+        output.sum().backward()
+    assert _equal([p.grad for p in model.parameters()], before)
+    model.failing = None  # the next step runs and sums as usual
+    x = torch.randn(6, 4, generator=generator)
+    wrapped(x).sum().backward()
+    reference = copy.deepcopy(model)
+    reference.zero_grad(set_to_none=True)
+    reference(x).sum().backward()
+    assert all(torch.allclose(p.grad, b + r.grad) for p, b, r in zip(model.parameters(), before, reference.parameters()))
+
+
+def test_second_order_gradients_run_serially_and_equal_the_serial_path(generator):
+    """``create_graph=True``: the node runs the replicas' backwards one after the other, in grad mode."""
+    model, x = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).double(), torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    results = {}
+    for parallel in (False, True):
+        minidp.set_parallel_backward(parallel)
+        try:
+            module = copy.deepcopy(model)
+            output = minidp.DataParallel(module, cpu_ids(2))(x)
+            assert _in_parallel(output) == parallel
+            grads = torch.autograd.grad(output.sum(), list(module.parameters()), create_graph=True)
+            sum(g.square().sum() for g in grads).backward()  # a gradient penalty
+            results[parallel] = [*grads, *(p.grad for p in module.parameters())]
+        finally:
+            minidp.set_parallel_backward(True)
+    assert _equal([t.detach() for t in results[True]], [t.detach() for t in results[False]])
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, use_reentrant: bool):
+        super().__init__()
+        self.first, self.second, self.use_reentrant = nn.Linear(4, 8), nn.Linear(8, 2), use_reentrant
+
+    def forward(self, x):
+        return self.second(checkpoint(lambda h: torch.tanh(self.first(h)), x, use_reentrant=self.use_reentrant))
+
+
+def test_non_reentrant_checkpointing_runs_in_parallel_with_the_serial_gradients(generator):
+    model, x = _Checkpointed(use_reentrant=False), torch.randn(8, 4, generator=generator)
+    serial, _ = _step(model, x, False)
+    parallel, ran_parallel = _step(model, x, True)
+    assert ran_parallel and _equal(parallel, serial)
+
+
+def test_reentrant_checkpointing_keeps_the_serial_backward(generator):
+    """Its backward runs a backward of its own past the replica's entries: the replicas stay serial, as before."""
+    model, x = _Checkpointed(use_reentrant=True), torch.randn(8, 4, generator=generator, requires_grad=True)
+    serial, _ = _step(model, x, False)
+    parallel, ran_parallel = _step(model, x, True)
+    assert not ran_parallel and _equal(parallel, serial)
+
+
+def test_nested_data_parallel_runs_in_parallel_with_the_serial_gradients(generator):
+    """VGGSplit calls data_parallel on its sub-modules inside forward: each inner call cuts its own region."""
+    model, x = VGGSplit(cpu_ids(2)), _images(generator, 8)
+    serial, _ = _step(model, x, False)
+    parallel, ran_parallel = _step(model, x, True)
+    assert ran_parallel and _equal(parallel, serial)
+
+
+def test_a_replica_that_reaches_a_tensor_from_outside_keeps_the_serial_backward(generator):
+    """A plain tensor attribute that requires grad is shared by every replica (shallow copies): its
+    gradient must be summed across them by autograd, so the backwards stay one after the other."""
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
+    model = Scaled(3, 3)
+    model.scale = torch.randn(3, generator=generator, requires_grad=True)
+    x = torch.randn(6, 3, generator=generator)
+    grads = {}
+    for parallel in (False, True):
+        minidp.set_parallel_backward(parallel)
+        try:
+            model.scale.grad = None
+            output = minidp.DataParallel(model, cpu_ids(2))(x)
+            assert not _in_parallel(output)
+            output.sum().backward()
+            grads[parallel] = model.scale.grad
+        finally:
+            minidp.set_parallel_backward(True)
+    assert torch.equal(grads[True], grads[False])
+
+
+TRAIN_STEP = """
+import torch, minidp
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+wrapped = minidp.DataParallel(model, ["cpu"] * 2)
+x = torch.randn(8, 4)
+def grads(_=None):
+    model.zero_grad(set_to_none=True)
+    wrapped(x).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+expected = grads()  # the parent's worker threads have run a backward from here on
+"""
+
+
+def test_a_forked_child_runs_the_parallel_backward():
+    script = TRAIN_STEP + """
+import os, sys, time
+pid = os.fork()
+if pid == 0:
+    got = grads()
+    os._exit(0 if all(torch.equal(a, b) for a, b in zip(got, expected)) else 1)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    finished, status = os.waitpid(pid, os.WNOHANG)
+    if finished:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.02)
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+sys.exit("the forked child hung in its first parallel backward")
+"""
+    done = fresh_python("-c", script, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_ctrl_c_in_the_backward_waits_for_every_replica_then_reraises():
+    """Ctrl-C while replica 1's backward computes: KeyboardInterrupt comes from backward() once it is done,
+    and the process exits cleanly (a worker left inside a kernel at exit aborts it)."""
+    script = """
+import signal, threading, time, torch, minidp
+from torch import nn
+
+class SlowBackward(torch.autograd.Function):
+    finished, seconds = False, 0.0
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+    @staticmethod
+    def backward(ctx, grad):
+        end = time.monotonic() + SlowBackward.seconds
+        while time.monotonic() < end:
+            grad = grad @ torch.eye(grad.shape[1])
+        SlowBackward.finished = True
+        return grad
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(300, 300)
+    def forward(self, x):
+        y = self.linear(x)
+        return SlowBackward.apply(y) if minidp.replica_group.current().index == 1 else y
+
+model = minidp.DataParallel(Slow(), ["cpu"] * 2)
+model(torch.randn(4, 300)).sum().backward()  # a first backward, quick: what torch imports at its first use is done
+SlowBackward.seconds = 1.0
+output = model(torch.randn(600, 300)).sum()
+threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+try:
+    output.backward()
+except KeyboardInterrupt:
+    print("KeyboardInterrupt; replica 1 finished:", SlowBackward.finished)
+"""
+    done = fresh_python("-c", script, timeout=60)
+    assert "KeyboardInterrupt; replica 1 finished: True" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr
