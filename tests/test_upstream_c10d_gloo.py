@@ -124,7 +124,6 @@ def test_ddp_invalid_comm_hook_init(ranks):
     checks.assert_passed_on_every_rank(ranks, "test_ddp_invalid_comm_hook_init")
 
 
-@pytest.mark.xfail(strict=True, reason=checks.ERROR_NOT_LOGGED)
 def test_ddp_invalid_comm_hook_return_type(ranks):
     checks.assert_passed_on_every_rank(ranks, "test_ddp_invalid_comm_hook_return_type")
 

@@ -182,7 +182,6 @@ def test_ddp_logging_data_cpu(ranks):
     checks.assert_passed_on_every_rank(ranks, "test_ddp_logging_data_cpu")
 
 
-@pytest.mark.xfail(strict=True, reason=checks.ERROR_NOT_LOGGED)
 def test_static_graph_api_cpu(ranks):
     checks.assert_passed_on_every_rank(ranks, "test_static_graph_api_cpu")
 

@@ -21,8 +21,7 @@ A check raises (``AssertionError`` from ``torch.testing.assert_close``, which is
 ``nn.parallel.DistributedDataParallel`` in the upstream bodies is :data:`DDP` here. Where upstream
 places a model on ``cuda:rank`` only to have a device (``device_ids=[rank]``), the port runs it on
 the CPU with ``device_ids=None``, which is how torch DDP takes CPU modules; each such case says so.
-Every case was also run with torch's DDP in place of :data:`DDP` and passes. A test marked
-``xfail(strict=True)`` fails because of a gap of minidp named in its reason (:data:`ERROR_NOT_LOGGED`).
+Every case was also run with torch's DDP in place of :data:`DDP` and passes.
 """
 
 # No `from __future__ import annotations`: torch DDP checks a hook's annotations as objects
@@ -77,13 +76,6 @@ def verify_ddp_error_logged(model: nn.Module, message: str) -> None:
     for key in ("iteration", "has_error", "error"):
         assert key in data, f"expected {key!r} in _get_ddp_logging_data(), got keys {sorted(data)}"
     assert message in data["error"], f"did not find {message!r} in the logged error {data['error']!r}"
-
-
-# A gap of minidp, named in an xfail(strict=True): the test must pass (and the mark go) once it is closed.
-ERROR_NOT_LOGGED = (
-    "minidp's _get_ddp_logging_data() does not record the error the wrapper raised ('has_error', 'error'), "
-    "which torch DDP's _log_and_throw records (torch/nn/parallel/distributed.py); the rest of this case passes"
-)
 
 
 # ==================================================================================================

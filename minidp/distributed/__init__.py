@@ -8,6 +8,10 @@ module each:
 * :mod:`~minidp.distributed.broadcast`: rank 0's parameters and buffers copied to every rank;
 * :mod:`~minidp.distributed.buckets`: which gradients share an all-reduce, exactly as torch DDP plans it;
 * :mod:`~minidp.distributed.reducer`: the hooks, the asynchronous all-reduces and the write-back;
+* :mod:`~minidp.distributed.comm_hooks`: communication hooks checked as torch checks them, the built-in ones;
+* :mod:`~minidp.distributed.join`: uneven inputs, ranks out of data shadowing the others (``Join``);
+* :mod:`~minidp.distributed.batchnorm`: :class:`minidp.SyncBatchNorm`'s statistics across processes;
+* :mod:`~minidp.distributed.logging_data`: torch DDP's runtime statistics (``_get_ddp_logging_data``);
 * :mod:`~minidp.distributed.ddp`: :class:`DistributedDataParallel`, which composes them;
 * :mod:`~minidp.distributed.fully_shard`: :func:`fully_shard`, FSDP2's sharding of parameters,
   gradients and optimizer state (each rank keeps 1/W), and :func:`full_state_dict`;

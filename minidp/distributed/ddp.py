@@ -256,14 +256,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``. Once, before the backward.
         Checked as torch DDP checks it (:func:`~minidp.distributed.comm_hooks.check_comm_hook`).
         """
-        check_comm_hook(hook)
-        self.reducer.register_comm_hook(state, hook)
+        with self._errors_logged():
+            check_comm_hook(hook)
+            self.reducer.register_comm_hook(state, hook)
         self._logging.entries["comm_hook"] = getattr(hook, "__qualname__", type(hook).__qualname__)
 
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """torch DDP's built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``, ``FP16_COMPRESS``): the Python
         ``default_hooks`` with their arithmetic, on this wrapper's process group."""
-        self.reducer.register_comm_hook(self.process_group, builtin_hook(comm_hook_type), builtin=True)
+        with self._errors_logged():
+            self.reducer.register_comm_hook(self.process_group, builtin_hook(comm_hook_type), builtin=True)
         self._logging.entries["comm_hook"] = str(comm_hook_type)
 
     def _set_static_graph(self) -> None:
@@ -272,7 +274,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.static_graph:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
-        self.reducer.set_static_graph()
+        with self._errors_logged():
+            self.reducer.set_static_graph()
         self.static_graph = True
         self._logging.entries["static_graph"] = 1
         if self.find_unused_parameters:
@@ -286,6 +289,16 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ---- runtime statistics ------------------------------------------------------------------
 
+    @contextmanager
+    def _errors_logged(self) -> Iterator[None]:
+        """An error raised inside is recorded in the runtime statistics before it propagates, as torch DDP's
+        ``_log_and_throw`` records the errors of its checks (``has_error``, ``error``)."""
+        try:
+            yield
+        except (RuntimeError, TypeError, ValueError) as error:
+            self._logging.set_error(error)
+            raise
+
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch DDP's construction data and sampled runtime statistics, same keys, same meanings
         (:mod:`minidp.distributed.logging_data`)."""
@@ -293,7 +306,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """Keep the runtime statistics of the first 10 iterations and then of every ``sample_rate``-th (default 100)."""
-        self._logging.set_sample_rate(sample_rate)
+        with self._errors_logged():
+            self._logging.set_sample_rate(sample_rate)
 
     def _check_reducer_finalized(self) -> None:
         """Raise if the last backward left gradients unreduced (call it after ``backward()`` to fail early)."""

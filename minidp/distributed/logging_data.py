@@ -10,7 +10,9 @@ returned merged in one dict:
   ``float``, ``double``), ``bucket_sizes`` (bytes per bucket of the first plan), ``is_multi_device_module``,
   the environment (``master_addr``, ``gloo_socket_ifname``..., ``"N/A"`` when unset) and, for Gloo, its
   thread count; ``static_graph`` once set, ``comm_hook`` (the hook's ``__qualname__``, or the built-in
-  type) once registered, ``join_uneven_inputs`` once under ``Join``; ``iteration`` starts at 0.
+  type) once registered, ``join_uneven_inputs`` once under ``Join``; ``iteration`` starts at 0;
+  ``has_error`` (1) and ``error`` (``"<class 'ValueError'>: message"``) once the wrapper has refused a call,
+  as torch's ``_log_and_throw`` records it before raising.
 * **runtime statistics**, sampled: at the synchronised forward number k (from 0), for k from 1 to 10 and
   then every ``sample_rate``-th one (``_set_ddp_runtime_logging_sample_rate``, default 100), the
   previous iteration's times, in nanoseconds: ``forward_compute_time`` (forward start to its end,
@@ -106,6 +108,11 @@ class LoggingData:
             threads = getattr(getattr(group._get_backend(torch.device("cpu")), "options", None), "_threads", None)
             if threads is not None:
                 self.entries["gloo_num_threads"] = threads
+
+    def set_error(self, error: Exception) -> None:
+        """The wrapper refused a call with ``error`` (torch's ``logger.set_error_and_log``)."""
+        self.entries["has_error"] = 1
+        self.entries["error"] = f"{type(error)}: {error}"
 
     def set_sample_rate(self, sample_rate: int) -> None:
         if sample_rate < 1:

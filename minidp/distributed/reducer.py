@@ -15,7 +15,8 @@ is the same sequence in Python, function for function. One synchronised training
    When a bucket's last gradient is in, launch the all-reduces of every full bucket from the next one
    due, in bucket order (``mark_bucket_ready``): all ranks issue the same collectives in the same
    order while the backward goes on computing the earlier layers' gradients.
-4. **At the end of the backward** (a callback queued on the autograd engine, :meth:`_finish_backward`):
+4. **At the end of the backward** (a callback queued on the autograd engine when the gradient reaches an
+   output, :meth:`_finish_backward`):
    wait for every bucket and copy the mean back into ``.grad``, or leave ``.grad`` a view of its
    bucket with ``gradient_as_bucket_view`` (``finalize_backward``, ``finalize_bucket_dense``). After
    the first such backward, make the rebuilt plan from the order the gradients arrived in, rank 0's
@@ -23,6 +24,13 @@ is the same sequence in Python, function for function. One synchronised training
 
 With a communication hook (``register_comm_hook``) the gradients go into the bucket as they are and
 the hook does the averaging and the communication (see "DDP Communication Hook" in reducer.cpp).
+
+Variations, each where its step is: a sparse gradient is a bucket of its own (step 3,
+``mark_variable_ready_sparse``); a static graph (:meth:`Reducer.set_static_graph`) counts hooks in its
+first backward and reduces everything at its end; under ``Join`` the divisor may be the number of ranks
+still training (:meth:`Reducer.set_forward_pass_work`) and a joined rank shadows the all-reduces
+(:meth:`Reducer.shadow_backward`); ``backward(create_graph=True)`` reduces the values and leaves
+``.grad``'s graph ending in the copy of the mean.
 
 Every step is timed (:meth:`Reducer.timeline`): when the backward reached the outputs, when each
 bucket filled, when its all-reduce was launched and done, when the last gradient arrived, and the
