@@ -209,6 +209,13 @@ class ParallelBackward(torch.autograd.Function):
         outputs = ctx.saved_tensors  # raises autograd's error on a second backward without retain_graph
         keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
         create_graph = torch.is_grad_enabled()  # autograd runs a backward in grad mode only for create_graph=True
+        # After a create_graph=True backward, the gradients it made lead back into the replicas' graphs (their
+        # double backward reads what those graphs saved), so a later backward may reach a replica's nodes by two
+        # ways: through this node, whose separate backward below would free them, and through those gradients.
+        # Autograd frees a node's buffers once its single graph task is done with it; here they are kept, and
+        # freed with the graph.
+        ctx.graph_of_gradients_made = getattr(ctx, "graph_of_gradients_made", False) or create_graph
+        keep_graph = keep_graph or ctx.graph_of_gradients_made
         calls, start = [], 0
         for count, edges in zip(ctx.outputs_per_replica, ctx.edges):
             pairs = [(o, g) for o, g in zip(outputs[start : start + count], grads[start : start + count]) if g is not None]

@@ -8,7 +8,9 @@ an element) on two CPU replicas, batch ``B`` cut into chunks ``b0 + b1``:
 * inputs: the batch ``B*D*8`` and the targets ``B*O*8``; the chunks are views of the batch (0 bytes);
 * activations kept for the backward, per replica: the ReLU's output ``b*H*8`` (ReLU's backward keeps its
   result and the second Linear keeps it as its input); the first Linear's output dies inside the forward,
-  and the replica's output dies once gathered: both are temporaries;
+  and the replica's output dies once gathered: both are temporaries; except where the replicas' backwards run
+  in parallel (``minidp.get_parallel_backward()``), whose node keeps each replica's output ``b*O*8`` as the
+  root of that replica's backward;
 * gathered outputs: ``B*O*8``; loss ``(output - target).pow(2).sum()``: the difference the square keeps for its
   backward ``B*O*8``, the scalar ``8``, and the gradient ``backward()`` starts from (``torch.ones_like(loss)``) ``8``;
 * gradients: each replica's ``P`` handed to the reduction, and the sums (``P``), which become ``.grad``:
@@ -55,6 +57,11 @@ def summed_gradient_bytes(module: nn.Module) -> int:
     return sum(-(-p.nbytes // 64) * 64 for p in parameters)
 
 
+def kept_output_bytes(rows: int) -> int:
+    """The replicas' outputs the parallel backward's node keeps for the backward (``rows`` of them), or 0."""
+    return rows * O * BYTES if minidp.get_parallel_backward() else 0
+
+
 def row(ledger: list, device: str = "cpu", replica=None):
     (found,) = [r for r in ledger if r.device == device and r.replica == replica]
     return found
@@ -89,14 +96,15 @@ def test_an_mlp_step_on_two_cpu_replicas_holds_what_is_counted_by_hand(generator
     device = row(ledger)
     assert device.held["parameters"] == P
     assert device.held["inputs"] == rows * D * BYTES + rows * O * BYTES
-    assert device.held["activations"] == rows * H * BYTES
+    assert device.held["activations"] == rows * H * BYTES + kept_output_bytes(rows)
     assert device.held["gathered outputs"] == rows * O * BYTES
     assert device.held["loss"] == rows * O * BYTES + 2 * BYTES
     assert device.held["gradients"] == 2 * P + summed_gradient_bytes(module)
     assert device.held["optimizer state"] == P
     for replica, chunk in enumerate(chunks):
         own = row(ledger, replica=replica)
-        assert own.held["activations"] == chunk * H * BYTES  # counted in its own thread, replica 1's too
+        # counted in its own thread, replica 1's too
+        assert own.held["activations"] == chunk * H * BYTES + kept_output_bytes(chunk)
         assert own.held["gradients"] == P
         assert own.held["parameters"] == own.held["inputs"] == 0  # aliases and views of the module's and batch's
 

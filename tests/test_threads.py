@@ -129,4 +129,7 @@ print("worker threads:", threading.active_count() - 1)
 """
     done = fresh_python("-c", script, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["worker", "threads:", "3"]
+    label, count = done.stdout.rsplit(":", 1)
+    assert label.strip() == "worker threads"
+    # 3 when the two inner calls overlap; 2 when one inner call's worker is idle again before the other asks
+    assert 2 <= int(count) <= 3, done.stdout
