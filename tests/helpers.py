@@ -136,3 +136,24 @@ def torchrun(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
         output, _ = process.communicate()
         pytest.fail(f"torchrun ran past {timeout} s:\n{output}")
     return subprocess.CompletedProcess(command, process.returncode, output)
+
+
+def run_job(run_checks: Callable, world_size: int, plan: dict, job_timeout: float) -> list[dict]:
+    """``run_checks(plan, seed)`` on ``world_size`` Gloo processes (``minidp.distributed.launch``), with one fresh
+    seed printed for replay; each rank's results, by check name."""
+    from minidp.distributed import launch  # only the multi-process tests pay for torch.distributed's setup
+
+    seed = int(torch.randint(0, 2**20, ()).item())
+    print(f"job seed: {seed}")
+    return launch(run_checks, world_size, (plan, seed), job_timeout=job_timeout)
+
+
+def each_rank(results: list[dict], check: str) -> list:
+    """What every rank reported for ``check``, in rank order."""
+    return [by_name[check] for by_name in results]
+
+
+def assert_no_differences(results: list[dict], check: str) -> None:
+    """Every rank found no difference in ``check`` (``differences``: one ``None`` per comparison that agreed)."""
+    for rank, result in enumerate(each_rank(results, check)):
+        assert result["differences"] == [None] * len(result["differences"]), f"rank {rank}: {result['differences']}"

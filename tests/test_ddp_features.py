@@ -9,10 +9,9 @@ behaviour of its C++ reducer as torch's own tests exercise it
 from __future__ import annotations
 
 import pytest
-import torch
 
 from . import ddp_feature_checks as checks
-from .helpers import RTOL_FLOAT64, cpu_ids
+from .helpers import RTOL_FLOAT64, cpu_ids, each_rank, run_job
 from minidp.distributed import RankFailed, launch
 from minidp.distributed.reducer import CREATE_GRAPH_WARNING
 
@@ -74,9 +73,7 @@ THREE_PROCESSES = {
 
 
 def _job(world_size: int, plan: dict) -> list[dict]:
-    seed = int(torch.randint(0, 2**20, ()).item())
-    print(f"job seed: {seed}")
-    return launch(_run_checks, world_size, (plan, seed), job_timeout=JOB_TIMEOUT)
+    return run_job(_run_checks, world_size, plan, JOB_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +86,12 @@ def three() -> list[dict]:
     return _job(3, THREE_PROCESSES)
 
 
-def _each_rank(results: list[dict], check: str) -> list:
-    return [by_name[check] for by_name in results]
-
-
 # ---- pickling: DistributedDataParallel.__getstate__ / __setstate__ (distributed.py:1485-1521) ----
 
 
 @pytest.mark.parametrize("check", ["saved", "deepcopied"])
 def test_a_saved_or_deepcopied_wrapper_trains_on_exactly_as_stock(two, check):
-    for result in _each_rank(two, check):
+    for result in each_rank(two, check):
         assert result["differences"] == [None] * 4
         assert result["process_group_is_default"]  # re-attached to the default group
         assert not result["shares_parameters"]  # the copy's reducer hooks its own parameters
@@ -106,7 +99,7 @@ def test_a_saved_or_deepcopied_wrapper_trains_on_exactly_as_stock(two, check):
 
 
 def test_pickling_with_a_non_default_group_raises_stocks_error(two):
-    for errors in _each_rank(two, "pickling_subgroup"):
+    for errors in each_rank(two, "pickling_subgroup"):
         assert errors["minidp"] == errors["stock"]
         assert errors["minidp"].startswith("DDP Pickling/Unpickling are only supported")
 
@@ -115,20 +108,20 @@ def test_pickling_with_a_non_default_group_raises_stocks_error(two):
 
 
 def test_create_graph_gradients_accumulate_with_their_graph_as_stock(two):
-    for result in _each_rank(two, "create_graph"):
+    for result in each_rank(two, "create_graph"):
         assert result["equal"] and result["through_is_zero"]
         assert result["stock"] == [(True, "CopyBackwards")] * 6  # the graph ends in the copy of the mean
         assert result["warnings"] == [CREATE_GRAPH_WARNING]  # once, stock's words
 
 
 def test_create_graph_with_several_parameters_averages_the_values_where_stock_raises(two):
-    for result in _each_rank(two, "create_graph_second"):
+    for result in each_rank(two, "create_graph_second"):
         assert result["error"] <= RTOL_FLOAT64
         assert result["requires_grad"] and result["through_is_zero"]  # stock's one-parameter semantics
 
 
 def test_gradient_penalty_on_the_inputs_matches_stock_bitwise(two):
-    for differences in _each_rank(two, "gradient_penalty"):
+    for differences in each_rank(two, "gradient_penalty"):
         assert differences == [None] * 3
 
 
@@ -138,25 +131,25 @@ def test_gradient_penalty_on_the_inputs_matches_stock_bitwise(two):
 @pytest.mark.parametrize("case", ["not_callable", "bucket_annotation", "return_annotation", "stock_annotations",
                                   "twice", "hook_then_builtin", "builtin_then_hook", "after_a_backward"])
 def test_comm_hook_registration_is_checked_with_stocks_errors(two, case):
-    for seen in _each_rank(two, "comm_hook_errors"):
+    for seen in each_rank(two, "comm_hook_errors"):
         assert seen[case]["minidp"] == seen[case]["stock"]
 
 
 def test_a_hook_without_a_bucket_parameter_gets_a_clearer_error_than_stocks_key_error(two):
-    for seen in _each_rank(two, "comm_hook_errors"):
+    for seen in each_rank(two, "comm_hook_errors"):
         assert seen["bucket_not_named_bucket"]["stock"] == "KeyError: 'bucket'"
         assert "define it as hook(state, bucket)" in seen["bucket_not_named_bucket"]["minidp"]
 
 
 def test_a_hook_that_returns_no_future_is_named_as_stock_names_it(two):
-    for seen in _each_rank(two, "comm_hook_errors"):
+    for seen in each_rank(two, "comm_hook_errors"):
         expected = "DDP communication hook's callback must return a torch.futures.Future object, but got builtins.int"
         assert expected in seen["not_a_future"]["stock"] and expected in seen["not_a_future"]["minidp"]
 
 
 @pytest.mark.parametrize("hook_type", ["allreduce", "fp16"])
 def test_builtin_comm_hooks_give_stocks_bits(two, hook_type):
-    for differences in _each_rank(two, f"builtin_{hook_type}"):
+    for differences in each_rank(two, f"builtin_{hook_type}"):
         assert differences == [None] * 3
 
 
@@ -171,7 +164,7 @@ CHECKPOINT_CASES = [f"{'reentrant' if r else 'plain'}_{'twice' if t else 'once'}
 def test_activation_checkpointing_trains_as_stock_or_fails_where_stock_fails(two, case):
     # torch DDP refuses re-entrant checkpointing of a layer used twice, or with find_unused_parameters,
     # unless static_graph=True ("Expected to mark a variable ready only once"); everything else trains
-    for result in _each_rank(two, f"checkpoint_{case}"):
+    for result in each_rank(two, f"checkpoint_{case}"):
         if result["stock"] == "ok":
             assert result["minidp"] == "ok" and result["differences"] == [None] * 4
         else:
@@ -180,23 +173,23 @@ def test_activation_checkpointing_trains_as_stock_or_fails_where_stock_fails(two
 
 
 def test_stock_refuses_exactly_the_reentrant_cases_without_static_graph(two):
-    refused = {case for case in CHECKPOINT_CASES if _each_rank(two, f"checkpoint_{case}")[0]["stock"] != "ok"}
+    refused = {case for case in CHECKPOINT_CASES if each_rank(two, f"checkpoint_{case}")[0]["stock"] != "ok"}
     assert refused == {"reentrant_once_unused_dynamic", "reentrant_twice_all_dynamic", "reentrant_twice_unused_dynamic"}
 
 
 @pytest.mark.parametrize("check", ["static_buckets", "static_buckets_late"])
 def test_static_graph_reduces_all_at_the_end_first_then_rebuilds_after_the_second_backward_as_stock(two, check):
-    for result in _each_rank(two, check):
+    for result in each_rank(two, check):
         assert result["minidp"] == result["stock"]
         assert result["differences"] == [None] * 4
         assert result["never_grad"] == [None, None]
-    first, second, third, _ = _each_rank(two, "static_buckets")[0]["stock"]
+    first, second, third, _ = each_rank(two, "static_buckets")[0]["stock"]
     assert first == second == [[0, 1, 2, 3, 4, 5, 6, 7]]  # one bucket until the rebuild
     assert third == [[7, 6, 3, 2], [1, 0, 4, 5]]  # arrival order, the unused parameters last
 
 
 def test_set_static_graph_warns_and_refuses_as_stock(two):
-    for seen in _each_rank(two, "static_set_late"):
+    for seen in each_rank(two, "static_set_late"):
         assert seen["minidp"] == seen["stock"]
         assert seen["minidp"][0] == ["You've set static_graph to be True, no need to set it again."]
 
@@ -208,13 +201,13 @@ def test_set_static_graph_warns_and_refuses_as_stock(two):
                                    "join_find_unused"])
 def test_uneven_inputs_under_join_end_with_stocks_model_on_every_rank(two, check):
     # rank 1 trains 4 steps, rank 0 2 and then shadows; the last rank to join sends its model to all
-    for result in _each_rank(two, check):
+    for result in each_rank(two, check):
         assert result["errors"] == {}
         assert result["difference"] is None
 
 
 def test_throw_on_early_termination_raises_stocks_errors_on_every_rank(two):
-    rank_0, rank_1 = _each_rank(two, "join_throw")
+    rank_0, rank_1 = each_rank(two, "join_throw")
     assert rank_0["errors"] == {"stock": "Rank 0 exhausted all inputs.", "minidp": "Rank 0 exhausted all inputs."}
     expected = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
     assert rank_1["errors"] == {"stock": expected, "minidp": expected}
@@ -232,7 +225,7 @@ def _is_timing(key: str) -> bool:
 
 @pytest.mark.parametrize("check", LOGGING_CASES)
 def test_logging_data_has_stocks_keys_and_values_but_times(two, check):
-    for data in _each_rank(two, check):
+    for data in each_rank(two, check):
         assert sorted(data["minidp"]) == sorted(data["stock"])
         assert {k: v for k, v in data["minidp"].items() if not _is_timing(k)} == \
                {k: v for k, v in data["stock"].items() if not _is_timing(k)}
@@ -240,7 +233,7 @@ def test_logging_data_has_stocks_keys_and_values_but_times(two, check):
 
 @pytest.mark.parametrize("check", ["logging_rebuilt", "logging_sampled", "logging_static_hook"])
 def test_logged_times_are_nanoseconds_between_the_logged_stamps(two, check):
-    for data in _each_rank(two, check):
+    for data in each_rank(two, check):
         ours = data["minidp"]
         assert ours["forward_compute_time"] == ours["backward_compute_time_start"] - ours["forward_compute_time_start"]
         assert ours["backward_compute_time"] == ours["backward_compute_time_end"] - ours["backward_compute_time_start"]
@@ -251,7 +244,7 @@ def test_logged_times_are_nanoseconds_between_the_logged_stamps(two, check):
 
 
 def test_a_sample_rate_below_one_is_refused_as_stock(two):
-    for errors in _each_rank(two, "logging_sample_rate_errors"):
+    for errors in each_rank(two, "logging_sample_rate_errors"):
         assert errors["minidp"] == errors["stock"] == "DDP runtime logging sample rate should be equal or greater than 1"
 
 
@@ -260,7 +253,7 @@ def test_a_sample_rate_below_one_is_refused_as_stock(two):
 
 @pytest.mark.parametrize("check", ["sparse", "sparse_small_buckets", "sparse_find_unused"])
 def test_sparse_gradients_are_reduced_on_their_own_as_stock(two, check):
-    for result in _each_rank(two, check):
+    for result in each_rank(two, check):
         assert result["same"] == [True] * 3
         assert result["sparse_grads"] == [True, False, False, True, False, False]
         assert result["plans"][1] == result["plans"][0]  # each sparse gradient a bucket of its own
@@ -272,12 +265,12 @@ def test_sparse_gradients_are_reduced_on_their_own_as_stock(two, check):
 @pytest.mark.parametrize("check", ["sync_bn_processes", "sync_bn_hybrid"])
 def test_sync_batchnorm_across_every_replica_of_every_process_is_batchnorm_on_the_global_batch(two, three, check):
     for results in (two, three):
-        for worst in _each_rank(results, check):
+        for worst in each_rank(results, check):
             assert worst <= RTOL_FLOAT64
 
 
 def test_torch_sync_batchnorm_on_the_cpu_is_refused_with_stocks_words_and_the_way_out(two):
-    for errors in _each_rank(two, "torch_sync_bn_cpu"):
+    for errors in each_rank(two, "torch_sync_bn_cpu"):
         assert errors["stock"] == "SyncBatchNorm layers only work with GPU modules"
         assert errors["minidp"].startswith("SyncBatchNorm layers only work with GPU modules")
         assert "minidp.SyncBatchNorm.convert_sync_batchnorm" in errors["minidp"]

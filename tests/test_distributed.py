@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from . import ddp_checks as checks
-from .helpers import RTOL_FLOAT64, cpu_ids
-from minidp.distributed import chrome_trace, hidden_share, launch
+from .helpers import RTOL_FLOAT64, cpu_ids, each_rank, run_job
+from .helpers import assert_no_differences as assert_same_as_stock
+from minidp.distributed import chrome_trace, hidden_share
 
 
 @pytest.fixture(autouse=True)
@@ -57,9 +58,7 @@ THREE_PROCESSES = {
 
 
 def _run(world_size: int, plan: dict) -> list[dict]:
-    seed = int(torch.randint(0, 2**20, ()).item())
-    print(f"job seed: {seed}")
-    return launch(checks.run_checks, world_size, (plan, seed), job_timeout=JOB_TIMEOUT)
+    return run_job(checks.run_checks, world_size, plan, JOB_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +70,6 @@ def two() -> list[dict]:
 @pytest.fixture(scope="module")
 def three() -> list[dict]:
     return _run(3, THREE_PROCESSES)
-
-
-def _each_rank(results: list[dict], check: str) -> list:
-    return [ranks_results[check] for ranks_results in results]
-
-
-def assert_same_as_stock(results: list[dict], check: str) -> None:
-    for rank, result in enumerate(_each_rank(results, check)):
-        assert result["differences"] == [None] * len(result["differences"]), f"rank {rank}: {result['differences']}"
 
 
 # ---- bitwise equal to torch DDP, every step of SGD with momentum, from different initial weights ----
@@ -127,7 +117,7 @@ def test_stock_comm_hooks_give_stock_results(two, hook):
 @pytest.mark.parametrize("check", ["bucket_view_set_to_none", "bucket_view_zeroed"])
 def test_gradient_as_bucket_view_matches_stock_values_and_bucket_storage(two, check):
     assert_same_as_stock(two, check)
-    for result in _each_rank(two, check):
+    for result in each_rank(two, check):
         views = result["bucket_views"]  # per step: stock's grads grouped by storage, then minidp's
         assert views[0::2] == views[1::2]
         assert views[-1] == sorted(sorted(b) for b in result["plan"])
@@ -138,13 +128,13 @@ def test_gradient_as_bucket_view_matches_stock_values_and_bucket_storage(two, ch
 
 @pytest.mark.parametrize("check", ["float32", "small_buckets", "batch_norm"])
 def test_bucket_plan_equals_stock_rebuilt_plan(two, check):
-    for result in _each_rank(two, check):
+    for result in each_rank(two, check):
         assert result["stock_plan"] == ", ".join(" ".join(map(str, b)) for b in result["plan"])
 
 
 @pytest.mark.parametrize("check", ["hook_buckets_default", "hook_buckets_small", "hook_buckets_find_unused"])
 def test_every_backward_hands_hooks_the_buckets_stock_hands_them(two, check):
-    for result in _each_rank(two, check):
+    for result in each_rank(two, check):
         assert result["minidp"] == result["stock"]
         # and bucket_plan() announced each backward's buckets beforehand
         assert result["plans"] == [[indices for _, _, indices in backward] for backward in result["stock"]]
@@ -168,7 +158,7 @@ def test_find_unused_parameters_keeps_the_reversed_initial_plan(two):
 @pytest.mark.parametrize("check", ["full_batch", "replicas_full_batch"])
 def test_equal_to_one_process_on_the_full_batch(two, three, check):
     for results in (two, three):
-        for worst in _each_rank(results, check):
+        for worst in each_rank(results, check):
             assert worst <= RTOL_FLOAT64
 
 
@@ -176,12 +166,12 @@ def test_equal_to_one_process_on_the_full_batch(two, three, check):
 
 
 def test_mismatched_models_raise_on_every_rank_naming_the_parameter(two):
-    for message in _each_rank(two, "mismatched_model"):
+    for message in each_rank(two, "mismatched_model"):
         assert "parameter 0 ('net.0.weight') has shape (33, 16) on rank 1 and (32, 16) on rank 0" in message
 
 
 def test_a_parameter_without_gradient_is_named_when_find_unused_parameters_is_false(two):
-    on_rank_0, on_rank_1 = _each_rank(two, "unused_without_find_unused")
+    on_rank_0, on_rank_1 = each_rank(two, "unused_without_find_unused")
     assert "'never.weight' (index 4)" in on_rank_0 and "'branch.weight' (index 2)" not in on_rank_0
     assert "'branch.weight' (index 2)" in on_rank_1  # rank 1 skips the branch too
     assert "find_unused_parameters=True" in on_rank_1

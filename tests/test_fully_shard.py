@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from . import fsdp_checks as checks
-from .helpers import torchrun
+from .helpers import each_rank, run_job, torchrun
+from .helpers import assert_no_differences as assert_same_as_fsdp2
 from minidp.cli import main
 from minidp.distributed import RankFailed, chrome_trace, launch
 from minidp.distributed.fully_shard import division
@@ -67,9 +68,7 @@ THREE_PROCESSES = {
 
 
 def _run(world_size: int, plan: dict) -> list[dict]:
-    seed = int(torch.randint(0, 2**20, ()).item())
-    print(f"job seed: {seed}")
-    return launch(checks.run_checks, world_size, (plan, seed), job_timeout=JOB_TIMEOUT)
+    return run_job(checks.run_checks, world_size, plan, JOB_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +80,6 @@ def two() -> list[dict]:
 @pytest.fixture(scope="module")
 def three() -> list[dict]:
     return _run(3, THREE_PROCESSES)
-
-
-def _each_rank(results: list[dict], check: str) -> list:
-    return [ranks_results[check] for ranks_results in results]
-
-
-def assert_same_as_fsdp2(results: list[dict], check: str) -> None:
-    for rank, result in enumerate(_each_rank(results, check)):
-        assert result["differences"] == [None] * len(result["differences"]), f"rank {rank}: {result['differences']}"
 
 
 # ---- bitwise equal to FSDP2 after every backward and every step ----------------------------------
@@ -117,7 +107,7 @@ def test_a_weight_tied_inside_one_group_is_gathered_once_and_reduced_once_as_fsd
 
 def test_each_rank_keeps_its_torch_chunk_rows_padded_to_chunk_0(three):
     # Net's head bias has 2 rows: torch.chunk(bias, 3) gives two chunks of 1, rank 2 none
-    shapes = [result["shard_shapes"] for result in _each_rank(three, "float32-sgd-reshard")]
+    shapes = [result["shard_shapes"] for result in each_rank(three, "float32-sgd-reshard")]
     assert [s[0] for s in shapes] == [(5,), (5,), (3,)]  # LayerNorm(13): 5, 5, 3
     assert [s[-1] for s in shapes] == [(1,), (1,), (0,)]
 
@@ -151,13 +141,13 @@ def test_gradients_are_divided_before_during_and_after_the_reduction_as_fsdp2_di
 @pytest.mark.parametrize("world", ["two", "three"])
 def test_full_state_dict_equals_fsdp2_full_tensors_on_every_rank(world, request):
     for name, _ in _against_fsdp2_plan().items():
-        assert all(r["state_dict_equal"] for r in _each_rank(request.getfixturevalue(world), name)), name
+        assert all(r["state_dict_equal"] for r in each_rank(request.getfixturevalue(world), name)), name
 
 
 @pytest.mark.parametrize("world", ["two", "three"])
 def test_a_full_state_dict_loads_back_into_the_shards(world, request):
     for name, _ in _against_fsdp2_plan().items():
-        assert all(r["reloaded"] for r in _each_rank(request.getfixturevalue(world), name)), name
+        assert all(r["reloaded"] for r in each_rank(request.getfixturevalue(world), name)), name
 
 
 # ---- seen: every rank's timeline and memory ----------------------------------------------------------
@@ -196,7 +186,7 @@ def test_timelines_merge_into_one_chrome_trace_with_collective_rows(two):
 
 
 def test_each_rank_holds_half_of_ddps_parameters_gradients_and_optimizer_state_between_steps(two):
-    for result in _each_rank(two, "timeline_and_memory"):
+    for result in each_rank(two, "timeline_and_memory"):
         ddp, sharded = result["ledgers"]["ddp"], result["ledgers"]["sharded"]
         for row in ("parameters", "gradients", "optimizer_state"):
             assert abs(sharded[row] / ddp[row] - 0.5) <= 0.005, row  # a padded or a short row per parameter
@@ -210,21 +200,21 @@ def test_each_rank_holds_half_of_ddps_parameters_gradients_and_optimizer_state_b
 
 
 def test_a_module_already_sharded_or_wrapped_is_refused_on_every_rank(two):
-    for errors in _each_rank(two, "already_wrapped"):
+    for errors in each_rank(two, "already_wrapped"):
         assert "fully_shard was already applied to this Net" in errors["minidp"]
         assert "already wrapped (FSDPNet)" in errors["fsdp2"]  # torch's fully_shard swaps the class
         assert "already wrapped (DistributedDataParallel)" in errors["ddp"] and "pass the plain model" in errors["ddp"]
 
 
 def test_a_parameter_shared_between_two_groups_is_refused_where_fsdp2_refuses_it(two):
-    for errors in _each_rank(two, "shared_between_groups"):
+    for errors in each_rank(two, "shared_between_groups"):
         assert "fully_shard(Linear): parameter 'weight' is also parameter 'weight' of the Linear" in errors["minidp"]
         assert "common parent" in errors["minidp"]
         assert "is shared with a parameter already managed by another FSDP group" in errors["fsdp2"]
 
 
 def test_ranks_with_different_models_raise_the_same_error_naming_the_parameter(two):
-    messages = _each_rank(two, "mismatched_model")
+    messages = each_rank(two, "mismatched_model")
     assert messages[0] == messages[1]
     assert "parameter 0 ('linear.weight') has shape (30, 13) on rank 1 and (29, 13) on rank 0" in messages[0]
 

@@ -15,7 +15,9 @@ from torch import nn
 
 from . import ddp_checks
 from . import zero_checks as checks
-from minidp.distributed import ZeroRedundancyOptimizer, launch
+from .helpers import each_rank, run_job
+from .helpers import assert_no_differences as assert_same_as_torch
+from minidp.distributed import ZeroRedundancyOptimizer
 from minidp.distributed.zero import partition
 
 
@@ -60,9 +62,7 @@ THREE_PROCESSES = {
 
 
 def _run(world_size: int, plan: dict) -> list[dict]:
-    seed = int(torch.randint(0, 2**20, ()).item())
-    print(f"job seed: {seed}")
-    return launch(ddp_checks.run_checks, world_size, (plan, seed), job_timeout=JOB_TIMEOUT)
+    return run_job(ddp_checks.run_checks, world_size, plan, JOB_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +74,6 @@ def two() -> list[dict]:
 @pytest.fixture(scope="module")
 def three() -> list[dict]:
     return _run(3, THREE_PROCESSES)
-
-
-def _each_rank(results: list[dict], check: str) -> list:
-    return [ranks_results[check] for ranks_results in results]
-
-
-def assert_same_as_torch(results: list[dict], check: str) -> None:
-    for rank, result in enumerate(_each_rank(results, check)):
-        assert result["differences"] == [None] * len(result["differences"]), f"rank {rank}: {result['differences']}"
 
 
 # ---- step 1: the partition ------------------------------------------------------------------------
@@ -108,7 +99,7 @@ def test_partition_deals_largest_first_to_the_rank_with_fewest_elements(generato
 @pytest.mark.parametrize("check", list(TRAINING))
 def test_partition_equals_torchs(two, three, check):
     for results in (two, three):
-        for result in _each_rank(results, check):
+        for result in each_rank(results, check):
             assert result["partition"] == result["torch_partition"]
 
 
@@ -132,21 +123,21 @@ def test_parameters_as_bucket_view_equals_torch_and_keeps_each_share_in_one_buck
     # ZRO _build_param_buckets (lines 1317-1376): each rank's share, per device, in one flat tensor
     for results in (two, three) if check in THREE_PROCESSES else (two,):
         assert_same_as_torch(results, check)
-        assert all(result["in_owners_bucket"] for result in _each_rank(results, check))
+        assert all(result["in_owners_bucket"] for result in each_rank(results, check))
 
 
 def test_add_param_group_deals_out_the_new_group_as_torch_does(two, three):
     # ZRO add_param_group (lines 467-511): the new group's parameters partitioned after the others'
     for results in (two, three):
         assert_same_as_torch(results, "add_param_group")
-        for result in _each_rank(results, "add_param_group"):
+        for result in each_rank(results, "add_param_group"):
             assert result["partitions"][0] == result["partitions"][1]
 
 
 def test_step_with_a_closure_returns_its_loss_and_equals_torch(two):
     # ZRO step (lines 1124-1153): the closure is handed to the local optimizer's step
     assert_same_as_torch(two, "closure")
-    for result in _each_rank(two, "closure"):
+    for result in each_rank(two, "closure"):
         assert all(ours == theirs for ours, theirs in result["losses"])
 
 
@@ -155,7 +146,7 @@ def test_step_with_a_closure_returns_its_loss_and_equals_torch(two):
 
 def test_consolidated_state_dict_equals_torchs_on_the_target_rank(two, three):
     for results, to in ((two, 1), (three, 2)):
-        result = _each_rank(results, "checkpoint")[to]
+        result = each_rank(results, "checkpoint")[to]
         assert result["same_state_dict"]
         assert result["entries"] == 6  # every parameter has AdamW state after two steps
 
@@ -163,7 +154,7 @@ def test_consolidated_state_dict_equals_torchs_on_the_target_rank(two, three):
 def test_state_dict_elsewhere_raises_torchs_error(two, three):
     # ZRO state_dict (lines 1243-1248)
     for results, to in ((two, 1), (three, 2)):
-        for rank, result in enumerate(_each_rank(results, "checkpoint")):
+        for rank, result in enumerate(each_rank(results, "checkpoint")):
             if rank != to:
                 assert result["not_consolidated"].startswith("Optimizer state has not been consolidated on this rank")
                 assert f"consolidate_state_dict(to={rank})" in result["not_consolidated"]
@@ -171,7 +162,7 @@ def test_state_dict_elsewhere_raises_torchs_error(two, three):
 
 def test_state_dicts_load_across_implementations_and_training_goes_on_identically(two, three):
     for results in (two, three):
-        for result in _each_rank(results, "checkpoint"):
+        for result in each_rank(results, "checkpoint"):
             assert result["after_load"] is None
             assert result["differences"] == [None, None]
 
@@ -182,7 +173,7 @@ def test_state_dicts_load_across_implementations_and_training_goes_on_identicall
 def test_each_rank_holds_its_share_of_the_optimizer_state(two, three):
     for results in (two, three):
         world = len(results)
-        memory = _each_rank(results, "state_memory")
+        memory = each_rank(results, "state_memory")
         plain = memory[0]["plain"]
         assert [m["minidp"] for m in memory] == [m["torch"] for m in memory]  # the same bytes as torch's, rank by rank
         assert sum(m["minidp"] for m in memory) == plain  # nothing held twice
@@ -197,30 +188,30 @@ def test_each_rank_holds_its_share_of_the_optimizer_state(two, three):
 
 def test_empty_params_raise_torchs_error_on_every_rank(two):
     # ZRO line 1455
-    for kind, message in _each_rank(two, "empty_everywhere"):
+    for kind, message in each_rank(two, "empty_everywhere"):
         assert kind == "ValueError" and "ZeroRedundancyOptimizer got an empty parameter list" in message
 
 
 def test_empty_params_on_one_rank_raise_on_every_rank_naming_it(two):
-    for kind, message in _each_rank(two, "empty_on_rank_1"):
+    for kind, message in each_rank(two, "empty_on_rank_1"):
         assert kind == "ValueError"
         assert "construction failed on rank 1: ZeroRedundancyOptimizer got an empty parameter list" in message
 
 
 def test_parameters_that_differ_between_ranks_are_named_on_every_rank(two):
-    for kind, message in _each_rank(two, "mismatched_shapes"):
+    for kind, message in each_rank(two, "mismatched_shapes"):
         assert kind == "ValueError"
         assert "parameter 2 ('param_groups[0]['params'][2]') has shape (17, 24) on rank 1 and (16, 24) on rank 0" in message
 
 
 def test_parameter_groups_that_differ_between_ranks_are_named_on_every_rank(two):
-    for kind, message in _each_rank(two, "mismatched_groups"):
+    for kind, message in each_rank(two, "mismatched_groups"):
         assert kind == "ValueError" and "rank 1 has parameter groups of sizes [3, 3] and rank 0 [6]" in message
 
 
 def test_parameters_of_two_dtypes_raise_torchs_error(two):
     # ZRO lines 1496-1510
-    for kind, message in _each_rank(two, "mixed_dtypes"):
+    for kind, message in each_rank(two, "mixed_dtypes"):
         assert kind == "ValueError"
         assert "same dense type for all parameters but got both torch.FloatTensor and torch.DoubleTensor" in message
 
@@ -228,7 +219,7 @@ def test_parameters_of_two_dtypes_raise_torchs_error(two):
 def test_a_local_step_that_fails_on_one_rank_raises_on_every_rank_with_the_same_parameters_everywhere(two, three):
     # torch's ZRO: the failing rank leaves step() while the others wait in its broadcast (ZRO line 1151)
     for results, failing in ((two, 1), (three, 2)):
-        for result in _each_rank(results, "failing_step"):
+        for result in each_rank(results, "failing_step"):
             kind, message = result["error"]
             assert kind == "RuntimeError"
             assert f"(the local step) failed on rank {failing}: planted failure in the second step" in message
@@ -237,7 +228,7 @@ def test_a_local_step_that_fails_on_one_rank_raises_on_every_rank_with_the_same_
 
 
 def test_add_param_group_refused_on_one_rank_is_refused_on_every_rank_and_kept_by_none(two):
-    for result in _each_rank(two, "add_param_group_refused"):
+    for result in each_rank(two, "add_param_group_refused"):
         kind, message = result["error"]
         assert kind == "ValueError" and "add_param_group failed on rank 1: some parameters appear in more than one" in message
         assert result["groups"] == result["local_groups"] == 1
