@@ -23,11 +23,10 @@ make single runs noisy: compare ratios over several runs.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from typing import Optional
 
@@ -35,7 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import minidp.distributed as md
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import minidp.distributed as md  # noqa: E402
+from benchmarks.processes import launch_from_command_line  # noqa: E402
 from minidp.zoo import SmallCNN, resnet18
 
 TorchDDP = nn.parallel.DistributedDataParallel
@@ -149,28 +151,10 @@ def summarise(per_rank: list[dict]) -> list[tuple]:
     return rows
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="minidp.distributed vs torch DDP, 2 processes on this machine")
-    quick = os.environ.get("MINIDP_BENCH_QUICK", "") not in ("", "0")
-    parser.add_argument("--rounds", type=int, default=10 if quick else 60, help="timed steps of each (default 60)")
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
-    args = parser.parse_args()
-    device_kind = "cuda" if args.backend == "nccl" else "cpu"
-    if device_kind == "cuda" and torch.cuda.device_count() < args.processes:
-        print(f"skipped: --backend nccl needs one GPU per process; this machine has {torch.cuda.device_count()} "
-              f"for {args.processes} processes (NCCL refuses two ranks on one GPU)")
+    launched = launch_from_command_line("minidp.distributed vs torch DDP, 2 processes on this machine", run_all, default_rounds=60, default_warmup=4)
+    if launched is None:
         return
-    try:
-        per_rank = md.launch(run_all, args.processes, (args.rounds, args.warmup, device_kind), backend=args.backend,
-                             threads=None if device_kind == "cuda" else 1, job_timeout=1800)
-    except md.RankFailed as failure:
-        if args.backend != "nccl":
-            raise
-        print(f"skipped: NCCL failed: {str(failure).strip().splitlines()[-1]}")
-        return
-    print(f"{args.processes} processes, backend {args.backend}, {args.rounds} interleaved steps each after "
-          f"{args.warmup} warm-up; load average {os.getloadavg()[0]:.1f}")
+    _, per_rank = launched
     print(f"{'case':44} {'buckets':>7} {'torch ms':>9} {'minidp ms':>9} {'ratio':>6} {'hidden torch':>12} {'hidden minidp':>13}")
     for name, buckets, theirs, ours, ratio, hidden_theirs, hidden_ours in summarise(per_rank):
         print(f"{name:44} {buckets:7d} {theirs:9.2f} {ours:9.2f} {ratio:6.3f} {hidden_theirs:12.0%} {hidden_ours:13.0%}")

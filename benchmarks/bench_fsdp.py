@@ -24,10 +24,11 @@ gathered parameter leaves the resident set; page-granular. Both hold the same sh
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the spawned ranks: see the docstring
 
@@ -36,7 +37,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-import minidp.distributed as md
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import minidp.distributed as md  # noqa: E402
+from benchmarks.processes import launch_from_command_line  # noqa: E402
 
 
 def deep_mlp(width: int = 1024, depth: int = 8) -> nn.Sequential:
@@ -121,28 +125,10 @@ def summarise(per_rank: list[dict]) -> list[tuple]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="minidp's fully_shard vs torch's FSDP2, 2 processes on this machine")
-    quick = os.environ.get("MINIDP_BENCH_QUICK", "") not in ("", "0")
-    parser.add_argument("--rounds", type=int, default=10 if quick else 40, help="timed steps of each (default 40)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
-    args = parser.parse_args()
-    device_kind = "cuda" if args.backend == "nccl" else "cpu"
-    if device_kind == "cuda" and torch.cuda.device_count() < args.processes:
-        print(f"skipped: --backend nccl needs one GPU per process; this machine has {torch.cuda.device_count()} "
-              f"for {args.processes} processes (NCCL refuses two ranks on one GPU)")
+    launched = launch_from_command_line("minidp's fully_shard vs torch's FSDP2, 2 processes on this machine", run_all, default_rounds=40, default_warmup=3)
+    if launched is None:
         return
-    try:
-        per_rank = md.launch(run_all, args.processes, (args.rounds, args.warmup, device_kind), backend=args.backend,
-                             threads=None if device_kind == "cuda" else 1, job_timeout=1800)
-    except md.RankFailed as failure:
-        if args.backend != "nccl":
-            raise
-        print(f"skipped: NCCL failed: {str(failure).strip().splitlines()[-1]}")
-        return
-    print(f"{args.processes} processes, backend {args.backend}, {args.rounds} interleaved steps each after "
-          f"{args.warmup} warm-up; load average {os.getloadavg()[0]:.1f}")
+    _, per_rank = launched
     print(f"{'case':38} {'torch ms':>9} {'minidp ms':>9} {'ratio':>6} {'step adds MiB: torch':>21} {'minidp':>7}")
     for name, theirs, ours, ratio, peak_theirs, peak_ours, ledger in summarise(per_rank):
         print(f"{name:38} {theirs:9.2f} {ours:9.2f} {ratio:6.3f} {peak_theirs:21.1f} {peak_ours:7.1f}")
