@@ -157,3 +157,23 @@ def assert_no_differences(results: list[dict], check: str) -> None:
     """Every rank found no difference in ``check`` (``differences``: one ``None`` per comparison that agreed)."""
     for rank, result in enumerate(each_rank(results, check)):
         assert result["differences"] == [None] * len(result["differences"]), f"rank {rank}: {result['differences']}"
+
+
+def forked_child(child_succeeds: str, what: str) -> str:
+    """Lines of a script: ``os.fork()``; the child exits 0 if the expression ``child_succeeds`` holds; the parent
+    waits at most 20 s for it and exits with its status, or kills it and exits naming ``what`` that hung."""
+    return f"""
+import os, sys, time
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if {child_succeeds} else 1)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    finished, status = os.waitpid(pid, os.WNOHANG)
+    if finished:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.02)
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+sys.exit("the forked child hung in {what}")
+"""

@@ -25,7 +25,7 @@ import minidp
 from minidp import parallel_backward
 from minidp.zoo import SmallCNN, VGGSplit
 
-from .helpers import cpu_ids, fresh_python
+from .helpers import cpu_ids, forked_child, fresh_python
 
 
 @pytest.fixture(autouse=True)
@@ -263,22 +263,8 @@ expected = grads()  # the parent's worker threads have run a backward from here 
 
 
 def test_a_forked_child_runs_the_parallel_backward():
-    script = TRAIN_STEP + """
-import os, sys, time
-pid = os.fork()
-if pid == 0:
-    got = grads()
-    os._exit(0 if all(torch.equal(a, b) for a, b in zip(got, expected)) else 1)
-deadline = time.monotonic() + 20
-while time.monotonic() < deadline:
-    finished, status = os.waitpid(pid, os.WNOHANG)
-    if finished:
-        sys.exit(os.waitstatus_to_exitcode(status))
-    time.sleep(0.02)
-os.kill(pid, 9)
-os.waitpid(pid, 0)
-sys.exit("the forked child hung in its first parallel backward")
-"""
+    script = TRAIN_STEP + forked_child("all(torch.equal(a, b) for a, b in zip(grads(), expected))",
+                                       "its first parallel backward")
     done = fresh_python("-c", script, timeout=60)
     assert done.returncode == 0, done.stderr
 

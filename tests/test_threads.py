@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import minidp
-from .helpers import cpu_ids, fresh_python
+from .helpers import cpu_ids, forked_child, fresh_python
 
 STEP = """
 import torch, minidp
@@ -30,21 +30,7 @@ expected = step()  # the parent's worker threads exist from here on
 
 def test_a_forked_child_runs_data_parallel():
     """A child of ``os.fork()`` has none of its parent's worker threads; its first step must not wait for them."""
-    script = STEP + """
-import os, sys, time
-pid = os.fork()
-if pid == 0:
-    os._exit(0 if step() == expected else 1)
-deadline = time.monotonic() + 20
-while time.monotonic() < deadline:
-    finished, status = os.waitpid(pid, os.WNOHANG)
-    if finished:
-        sys.exit(os.waitstatus_to_exitcode(status))
-    time.sleep(0.02)
-os.kill(pid, 9)
-os.waitpid(pid, 0)
-sys.exit("the forked child hung in its first DataParallel call")
-"""
+    script = STEP + forked_child("step() == expected", "its first DataParallel call")
     done = fresh_python("-c", script, timeout=60)
     assert done.returncode == 0, done.stderr
 
