@@ -68,7 +68,11 @@ def row(ledger: list, device: str = "cpu", replica=None):
 
 
 def traced_mlp_step(generator, rows: int, gather_output: bool = True):
-    """A warm SGD step (makes the momentum buffers), then one traced training step; returns (ledger, module)."""
+    """A warm SGD step (makes the momentum buffers), then one traced training step; returns (ledger, module).
+
+    The extension's pool of reduction outputs starts empty, as in a fresh process: a larger block an
+    earlier test left free would hold these sums, and be counted whole."""
+    minidp.ext.release_reduce_outputs()
     module = mlp()
     model = minidp.DataParallel(module, cpu_ids(2), gather_output=gather_output)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
