@@ -50,6 +50,8 @@ then run one after the other, as autograd runs them).
 
 from __future__ import annotations
 
+import weakref
+from operator import attrgetter
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -162,20 +164,47 @@ def region(entries: Sequence[Any], output: Any) -> Optional[Region]:
     return Region(list(entries), outputs)
 
 
+_grad_fn = attrgetter("grad_fn")
+
+# The entries each replica's tensors came through, as replicate bound them (minidp.step2_replicate.bind),
+# so that a forward finds them at once instead of walking the replica's tree (9 ms of a 34 ms forward of
+# a 193-module model on 2 replicas). A stale list is safe: an entry missing from it makes the region's walk
+# end outside the replica (the replicas' backwards then stay serial), an extra one receives no gradient.
+_bound_entries: "weakref.WeakKeyDictionary[torch.nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
+
+
+def _entries_among(tensors: Any) -> dict[int, Any]:
+    found: dict[int, Any] = {}
+    for node in map(_grad_fn, tensors):
+        if node is not None and is_entry(node):
+            found.setdefault(id(node), node)
+    return found
+
+
+def remember_entries(replica: torch.nn.Module, tensors: Sequence[torch.Tensor]) -> None:
+    """Note the entries that ``tensors``, just bound to the replica tree rooted at ``replica``, came through."""
+    found = _entries_among(tensors)
+    if found:
+        _bound_entries[replica] = list(found.values())
+    else:
+        _bound_entries.pop(replica, None)
+
+
 def entries_of(module: Any, inputs: Sequence[torch.Tensor]) -> list[Any]:
     """The entry nodes that a replica's tensors (its modules' and ``inputs``) come through, each once, in order found.
 
-    ``module`` may be any callable (parallel_apply takes functions too): only a module's tree is searched.
+    ``module`` may be any callable (parallel_apply takes functions too): only a module's tree is searched,
+    unless replicate noted its entries (:func:`remember_entries`).
     """
-    found: dict[int, Any] = {}
-    tensors = list(inputs)
-    for submodule in module.modules() if isinstance(module, torch.nn.Module) else ():
-        tensors.extend(v for v in submodule.__dict__.values() if isinstance(v, torch.Tensor))
-        tensors.extend(v for v in submodule._buffers.values() if v is not None)
-    for tensor in tensors:
-        node = tensor.grad_fn
-        if node is not None and is_entry(node):
+    found = _entries_among(inputs)
+    bound = _bound_entries.get(module) if isinstance(module, torch.nn.Module) else None
+    if bound is not None:
+        for node in bound:
             found.setdefault(id(node), node)
+        return list(found.values())
+    for submodule in module.modules() if isinstance(module, torch.nn.Module) else ():
+        found.update(_entries_among(v for v in submodule.__dict__.values() if isinstance(v, torch.Tensor)))
+        found.update(_entries_among(v for v in submodule._buffers.values() if v is not None))
     return list(found.values())
 
 

@@ -241,7 +241,7 @@ class _Entry:
     def _watch_backward(self, tensors: list[torch.Tensor]) -> None:
         """BACKWARD_PENDING until every autograd node that made ``tensors`` (one ``Broadcast`` per step) has run backward."""
         # One Broadcast node for all the parameters (through a CPU replica's entry: minidp.parallel_backward), None for plain buffers
-        nodes = set(map(made_by, tensors))
+        nodes = {made_by(t) for t in {t.grad_fn: t for t in tensors}.values()}  # made_by once per distinct grad_fn
         nodes.discard(None)
         self._pending_nodes = len(nodes)
         self.state = EntryState.BACKWARD_PENDING if nodes else EntryState.BOUND

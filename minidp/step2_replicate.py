@@ -32,7 +32,7 @@ from torch import nn
 from . import comm
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
-from .parallel_backward import applies as parallel_backward_applies, enter
+from .parallel_backward import applies as parallel_backward_applies, enter, remember_entries
 from .step5_reduce import Broadcast
 
 
@@ -198,6 +198,7 @@ def bind(
             registry = state["_buffers"]
             for key, i in module_buffers:
                 registry[key] = None if i is None else buffers[i]
+        remember_entries(replica_modules[0], [*params, *buffers])
 
 
 def replica_tensors(

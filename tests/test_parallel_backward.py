@@ -247,6 +247,29 @@ def test_a_replica_that_reaches_a_tensor_from_outside_keeps_the_serial_backward(
     assert torch.equal(grads[True], grads[False])
 
 
+
+def test_a_replica_given_another_parameter_after_replicate_keeps_the_serial_backward(generator):
+    """replicate notes which entries each replica's tensors came through; a replica whose parameter is
+    replaced afterwards (by hand, before parallel_apply) is walked, found to reach outside, and stays serial."""
+    model = nn.Linear(3, 3)
+    outside = torch.randn(3, 3, generator=generator, requires_grad=True)
+    x = torch.randn(6, 3, generator=generator)
+    grads = {}
+    for parallel in (False, True):
+        minidp.set_parallel_backward(parallel)
+        try:
+            outside.grad, model.weight.grad = None, None
+            replicas = minidp.replicate(model, cpu_ids(2))
+            replicas[1].weight = outside * 1.0  # a plain tensor in autograd, not through the replica's entry
+            outputs = minidp.parallel_apply(replicas, list(minidp.scatter(x, cpu_ids(2))))
+            output = minidp.gather(outputs, "cpu")
+            assert not _in_parallel(output)
+            output.square().sum().backward()
+            grads[parallel] = (outside.grad, model.weight.grad)
+        finally:
+            minidp.set_parallel_backward(True)
+    assert torch.equal(grads[True][0], grads[False][0]) and torch.equal(grads[True][1], grads[False][1])
+
 TRAIN_STEP = """
 import torch, minidp
 from torch import nn
