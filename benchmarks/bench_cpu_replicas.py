@@ -16,7 +16,10 @@ cross-entropy, SGD):
 A step is ``zero_grad``, forward, loss, backward, ``optimizer.step``. Each round runs every variant for
 ``--number`` steps, in an order that rotates from round to round; a DDP variant's time is its slowest
 rank's, from a barrier. Printed: each variant's median step and its ratio to one device and to torch
-DDP with as many processes. On a machine shared with other work, compare ratios of one run only.
+DDP with as many processes; and where the time goes: the CPU time of a step (user + system, every
+thread of every process of the variant), the cores it kept busy (CPU time / wall time), the system time
+and the page faults (minor: memory the kernel maps in and zeroes). On a machine shared with other work,
+compare ratios of one run only.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import statistics
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -78,12 +83,10 @@ def _ddp_rank(rank: int, world: int, store_path: str, threads: int, batch: int, 
         if number is None:
             break
         dist.barrier()
-        start = time.perf_counter()
-        for _ in range(number):
-            step()
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        replies.send(elapsed.item())
+        elapsed = _Costs.of(step, number)
+        wall = torch.tensor([elapsed.wall])
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        replies.send(_Costs(wall.item(), elapsed.cpu, elapsed.system, elapsed.faults))
     dist.destroy_process_group()
 
 
@@ -106,10 +109,10 @@ class _DDPGroup:
             self.pipes.append(ours)
             self.processes.append(process)
 
-    def time(self, number: int) -> float:
+    def time(self, number: int) -> "_Costs":
         for pipe in self.pipes:
             pipe.send(number)
-        return max(pipe.recv() for pipe in self.pipes)
+        return _Costs.of_ranks([pipe.recv() for pipe in self.pipes])
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -149,36 +152,61 @@ def main() -> None:
         local[f"minidp x{k} serial backward"] = with_parallel_backward(False, step)
     groups = {k: _DDPGroup(k, args.batch) for k in args.replicas}
     try:
-        timers = {name: (lambda step=step: _time_local(step, args.number)) for name, step in local.items()}
+        timers = {name: (lambda step=step: _Costs.of(step, args.number)) for name, step in local.items()}
         timers.update({f"torch DDP x{k}": (lambda g=g: g.time(args.number)) for k, g in groups.items()})
         for timer in timers.values():  # warm-up, DDP's bucket rebuild included
             timer()
             timer()
-        times: dict[str, list[float]] = {name: [] for name in timers}
+        costs: dict[str, list[_Costs]] = {name: [] for name in timers}
         names = list(timers)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                times[name].append(timers[name]() / args.number)
+                costs[name].append(timers[name]())
     finally:
         for group in groups.values():
             group.close()
 
-    median = {name: statistics.median(values) for name, values in times.items()}
+    median = {name: _Costs.median(values, args.number) for name, values in costs.items()}
+    one = median["one device"].wall
     print(f"SmallCNN, global batch {args.batch}, {torch.get_num_threads()} intra-op threads in this process, "
-          f"{args.rounds} rounds x {args.number} steps, median step")
-    print(f"{'variant':<30} {'ms':>8} {'/ one device':>13} {'/ torch DDP':>12}")
-    for name, seconds in median.items():
+          f"{args.rounds} rounds x {args.number} steps, medians per step")
+    print(f"{'variant':<30} {'ms':>8} {'/ one device':>13} {'/ torch DDP':>12} {'CPU ms':>8} {'cores':>6} "
+          f"{'sys ms':>7} {'faults':>7}")
+    for name, cost in median.items():
         k = next((k for k in args.replicas if f"x{k}" in name), None)
-        ddp = median.get(f"torch DDP x{k}") if k else None
-        vs_ddp = f"{seconds / ddp:.3f}" if ddp else "-"
-        print(f"{name:<30} {seconds * 1e3:8.1f} {seconds / median['one device']:13.3f} {vs_ddp:>12}")
+        ddp = median[f"torch DDP x{k}"].wall if k else None
+        vs_ddp = f"{cost.wall / ddp:.3f}" if ddp else "-"
+        print(f"{name:<30} {cost.wall * 1e3:8.1f} {cost.wall / one:13.3f} {vs_ddp:>12} {cost.cpu * 1e3:8.1f} "
+              f"{cost.cpu / cost.wall:6.2f} {cost.system * 1e3:7.1f} {cost.faults:7.0f}")
 
 
-def _time_local(step, number: int) -> float:
-    start = time.perf_counter()
-    for _ in range(number):
-        step()
-    return time.perf_counter() - start
+class _Costs(NamedTuple):
+    """What some steps cost: wall seconds, CPU seconds (user + system) and system seconds, minor page faults."""
+
+    wall: float
+    cpu: float
+    system: float
+    faults: float
+
+    @staticmethod
+    def of(step, number: int) -> "_Costs":
+        """``number`` calls of ``step`` in this process (every thread of it)."""
+        before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        for _ in range(number):
+            step()
+        wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+        system = after.ru_stime - before.ru_stime
+        return _Costs(wall, after.ru_utime - before.ru_utime + system, system, after.ru_minflt - before.ru_minflt)
+
+    @staticmethod
+    def of_ranks(ranks: list["_Costs"]) -> "_Costs":
+        """The processes' costs together: the slowest one's wall time, the sum of the rest."""
+        return _Costs(max(r.wall for r in ranks), *(sum(values) for values in list(zip(*ranks))[1:]))
+
+    @staticmethod
+    def median(runs: list["_Costs"], number: int) -> "_Costs":
+        """Per step: each field's median over the runs of ``number`` steps."""
+        return _Costs(*(statistics.median(values) / number for values in zip(*runs)))
 
 
 if __name__ == "__main__":
