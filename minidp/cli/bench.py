@@ -14,7 +14,8 @@ Rows:
   151 modules) with minidp's cache vs without it (vs stock ``replicate`` on a GPU).
 * ``forward deep``: the forward of a deep, cheap model (:func:`deep_cheap`: 48 blocks of
   ``Linear``, ``BatchNorm1d`` and ``ReLU``) through ``DataParallel`` with the replica cache vs
-  without it; the replicas' graph is then dropped, as a training step's backward leaves it.
+  without it; the replicas' graph is then dropped, as a training step's backward leaves it. Beside
+  them, the floor of both: the chunks through the model itself, one after the other.
 * ``overhead``: step time minus the single-device step time of the same batch, for minidp and
   for stock (GPU only): the cost of everything that is not the replicas' own compute.
 
@@ -145,7 +146,13 @@ def forward_variants(device: torch.device, replicas: int) -> dict[str, Callable[
         cached(x)
         cached.replica_cache.release(cached.device_ids)  # no backward follows: the replicas are free to re-bind
 
-    return {"uncached": lambda: uncached(x), "cached": cached_forward}
+    chunks = x.chunk(replicas)
+
+    def direct() -> None:  # the replicas' own work, with nothing of data parallelism: the floor of both
+        for chunk in chunks:
+            model(chunk)
+
+    return {"uncached": lambda: uncached(x), "cached": cached_forward, "direct": direct}
 
 
 @dataclass
@@ -198,7 +205,9 @@ def _run_bench(device: torch.device, rounds: int, number: int, groups: tuple[str
                     times["cached"],
                     times["cached"] / times["stock"] if "stock" in times else None,
                     None,
-                    f"uncached {times['uncached'] * 1e3:.2f} ms, cached/uncached {times['cached'] / times['uncached']:.3f}",
+                    f"uncached {times['uncached'] * 1e3:.2f} ms, cached/uncached {times['cached'] / times['uncached']:.3f}"
+                    + (f"; the chunks through the model, one after the other: {times['direct'] * 1e3:.2f} ms"
+                       if "direct" in times else ""),
                 )
             )
     return rows
