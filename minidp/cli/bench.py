@@ -15,7 +15,8 @@ Rows:
 * ``forward deep``: the forward of a deep, cheap model (:func:`deep_cheap`: 48 blocks of
   ``Linear``, ``BatchNorm1d`` and ``ReLU``) through ``DataParallel`` with the replica cache vs
   without it; the replicas' graph is then dropped, as a training step's backward leaves it. Beside
-  them, the floor of both: the chunks through the model itself, one after the other.
+  them, the floor of both: the chunks through the model itself, one after the other; and on CPU
+  replicas, the cached forward with the serial backward (what the parallel backward's cut costs).
 * ``overhead``: step time minus the single-device step time of the same batch, for minidp and
   for stock (GPU only): the cost of everything that is not the replicas' own compute.
 
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 from ..device_ids import as_device
+from ..parallel_backward import set_parallel_backward
 from ..replica_cache import ReplicaCache
 from ..step2_replicate import replicate
 from ..wrapper import DataParallel
@@ -152,7 +154,17 @@ def forward_variants(device: torch.device, replicas: int) -> dict[str, Callable[
         for chunk in chunks:
             model(chunk)
 
-    return {"uncached": lambda: uncached(x), "cached": cached_forward, "direct": direct}
+    def cached_serial_backward() -> None:  # what cutting the graph for the parallel backward costs the forward
+        previous = set_parallel_backward(False)
+        try:
+            cached_forward()
+        finally:
+            set_parallel_backward(previous)
+
+    variants = {"uncached": lambda: uncached(x), "cached": cached_forward, "direct": direct}
+    if device.type == "cpu" and replicas > 1:
+        variants["cached, serial backward"] = cached_serial_backward
+    return variants
 
 
 @dataclass
@@ -207,7 +219,9 @@ def _run_bench(device: torch.device, rounds: int, number: int, groups: tuple[str
                     None,
                     f"uncached {times['uncached'] * 1e3:.2f} ms, cached/uncached {times['cached'] / times['uncached']:.3f}"
                     + (f"; the chunks through the model, one after the other: {times['direct'] * 1e3:.2f} ms"
-                       if "direct" in times else ""),
+                       if "direct" in times else "")
+                    + (f"; cached with the serial backward: {times['cached, serial backward'] * 1e3:.2f} ms"
+                       if "cached, serial backward" in times else ""),
                 )
             )
     return rows
