@@ -7,6 +7,8 @@ import pytest
 from minidp.cli import bench
 from minidp.zoo import resnet18, resnet50
 
+from .helpers import ROOT, fresh_python
+
 
 def test_side_by_side_takes_turns_and_reports_every_variant():
     calls: list[str] = []
@@ -41,3 +43,17 @@ def test_only_names_row_groups_and_refuses_unknown_ones():
 def test_the_deep_cheap_model_is_deep_and_holds_buffers():
     network = bench.deep_cheap()
     assert len(list(network.modules())) == 1 + 48 * 4 and len(list(network.buffers())) == 48 * 3
+
+
+def test_the_cpu_replicas_benchmark_runs_every_variant_and_says_where_the_time_goes():
+    """benchmarks/bench_cpu_replicas.py end to end, shortest run: one device, minidp (parallel and serial
+    backward) and torch DDP on 2 Gloo processes, each row with its CPU time, cores, system time and page faults."""
+    done = fresh_python(str(ROOT / "benchmarks" / "bench_cpu_replicas.py"), "--rounds", "1", "--number", "1",
+                        "--replicas", "2", "--batch", "16", timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("variant"))
+    assert header.split()[-6:] == ["CPU", "ms", "cores", "sys", "ms", "faults"]
+    rows = {line[:30].strip(): line[30:].split() for line in lines[lines.index(header) + 1:] if line.strip()}
+    assert set(rows) == {"one device", "minidp x2", "minidp x2 serial backward", "torch DDP x2"}
+    assert all(len(values) == 7 for values in rows.values())  # ms, two ratios, CPU ms, cores, sys ms, faults
