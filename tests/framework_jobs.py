@@ -22,7 +22,6 @@ from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -205,6 +204,7 @@ def ignite_job(out: dict) -> None:
         trainer.run(loader, max_epochs=1)
         out["wrapper"] = type(model)
         out["module"] = model.module
+        out["kept"] = model  # alive past finalize(), which destroys the group: see the end of main()
     finally:
         idist.finalize()
 
@@ -233,8 +233,14 @@ def main(job: str, wrapper: str, directory: str) -> None:
               "losses": out["losses"], "state": state,
               "parameters": [name for name, _ in out["module"].named_parameters()]}
     torch.save(result, os.path.join(directory, f"rank{rank}.pt"))
-    if dist.is_initialized():  # the frameworks that leave the group up: end it as they would at exit
-        dist.destroy_process_group()
+    # Done: leave without freeing anything. Torch's ProcessGroupGloo destructor, run by the thread that frees the
+    # last reference to a group (a DDP wrapper's reducer, freed once the group was destroyed; the group itself),
+    # joins its worker thread while holding the GIL, and that thread may be freeing a finished work whose saved
+    # thread-local state needs the GIL: a deadlock, seen with torch's own DDP under ignite (py-spy: the main
+    # thread in ~ProcessGroupGloo -> std::thread::join, the worker in ~AsyncWork -> gil_scoped_acquire).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -132,10 +133,32 @@ def torchrun(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+        # torchrun starts each worker in a session of its own: killing torchrun's group leaves them running,
+        # holding the output pipe open. Every process below torchrun goes too.
+        for pid in [*_descendants(process.pid), process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        output, _ = process.communicate(timeout=60)
         pytest.fail(f"torchrun ran past {timeout} s:\n{output}")
     return subprocess.CompletedProcess(command, process.returncode, output)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, read from ``/proc`` (Linux; elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else ()):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])  # the field after "(command) state"
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or gone meanwhile
+        children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        below = children.get(stack.pop(), [])
+        found += below
+        stack += below
+    return found
 
 
 def run_job(run_checks: Callable, world_size: int, plan: dict, job_timeout: float) -> list[dict]:
