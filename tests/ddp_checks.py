@@ -163,11 +163,11 @@ def hook_calls(seed: int, model: str = "wide_mlp", steps: int = 3, **ddp_options
         index_of = {id(p): i for i, p in enumerate(module.parameters())}
         ddp = wrapper(module, **ddp_options)
 
-        def record(state, bucket, seen=calls[name]):  # no annotations: stock checks them
+        def record_bucket(state, bucket, seen=calls[name]):  # no annotations: stock checks them
             seen[-1].append((bucket.index(), bucket.is_last(), [index_of[id(p)] for p in bucket.parameters()]))
             return default_hooks.allreduce_hook(state, bucket)
 
-        ddp.register_comm_hook(None, record)
+        ddp.register_comm_hook(None, record_bucket)
         for step in range(steps):
             if name == "minidp":
                 plans.append(ddp.bucket_plan())

@@ -171,6 +171,17 @@ def run_job(run_checks: Callable, world_size: int, plan: dict, job_timeout: floa
     return launch(run_checks, world_size, (plan, seed), job_timeout=job_timeout)
 
 
+def job_fixture(name: str, run_checks: Callable, world_size: int, plan: dict, job_timeout: float) -> Any:
+    """A module-scoped fixture called ``name``: every check of ``plan``, run once by :func:`run_job` on
+    ``world_size`` processes for all the tests of the module that read it, as each rank saw it."""
+
+    def results() -> list[dict]:
+        return run_job(run_checks, world_size, plan, job_timeout)
+
+    results.__doc__ = f"Every check of the plan, as each of {world_size} ranks saw it."
+    return pytest.fixture(scope="module", name=name)(results)
+
+
 def each_rank(results: list[dict], check: str) -> list:
     """What every rank reported for ``check``, in rank order."""
     return [by_name[check] for by_name in results]

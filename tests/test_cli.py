@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 from .helpers import CountsCalls
 from minidp.cli import COMMANDS, main

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from . import ddp_feature_checks as checks
-from .helpers import RTOL_FLOAT64, cpu_ids, each_rank, run_job
+from .helpers import RTOL_FLOAT64, cpu_ids, each_rank, job_fixture
 from minidp.distributed import RankFailed, launch
 from minidp.distributed.reducer import CREATE_GRAPH_WARNING
 
@@ -72,18 +72,8 @@ THREE_PROCESSES = {
 }
 
 
-def _job(world_size: int, plan: dict) -> list[dict]:
-    return run_job(_run_checks, world_size, plan, JOB_TIMEOUT)
-
-
-@pytest.fixture(scope="module")
-def two() -> list[dict]:
-    return _job(2, TWO_PROCESSES)
-
-
-@pytest.fixture(scope="module")
-def three() -> list[dict]:
-    return _job(3, THREE_PROCESSES)
+two = job_fixture("two", _run_checks, 2, TWO_PROCESSES, JOB_TIMEOUT)
+three = job_fixture("three", _run_checks, 3, THREE_PROCESSES, JOB_TIMEOUT)
 
 
 # ---- pickling: DistributedDataParallel.__getstate__ / __setstate__ (distributed.py:1485-1521) ----

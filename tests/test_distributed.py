@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from . import ddp_checks as checks
-from .helpers import RTOL_FLOAT64, cpu_ids, each_rank, run_job
+from .helpers import RTOL_FLOAT64, cpu_ids, each_rank, job_fixture
 from .helpers import assert_no_differences as assert_same_as_stock
 from minidp.distributed import chrome_trace, hidden_share
 
@@ -57,19 +57,8 @@ THREE_PROCESSES = {
 }
 
 
-def _run(world_size: int, plan: dict) -> list[dict]:
-    return run_job(checks.run_checks, world_size, plan, JOB_TIMEOUT)
-
-
-@pytest.fixture(scope="module")
-def two() -> list[dict]:
-    """Every check of TWO_PROCESSES, as each of 2 ranks saw it."""
-    return _run(2, TWO_PROCESSES)
-
-
-@pytest.fixture(scope="module")
-def three() -> list[dict]:
-    return _run(3, THREE_PROCESSES)
+two = job_fixture("two", checks.run_checks, 2, TWO_PROCESSES, JOB_TIMEOUT)
+three = job_fixture("three", checks.run_checks, 3, THREE_PROCESSES, JOB_TIMEOUT)
 
 
 # ---- bitwise equal to torch DDP, every step of SGD with momentum, from different initial weights ----

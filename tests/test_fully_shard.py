@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from . import fsdp_checks as checks
-from .helpers import each_rank, run_job, torchrun
+from .helpers import each_rank, job_fixture, torchrun
 from .helpers import assert_no_differences as assert_same_as_fsdp2
 from minidp.cli import main
 from minidp.distributed import RankFailed, chrome_trace, launch
@@ -67,19 +67,8 @@ THREE_PROCESSES = {
 }
 
 
-def _run(world_size: int, plan: dict) -> list[dict]:
-    return run_job(checks.run_checks, world_size, plan, JOB_TIMEOUT)
-
-
-@pytest.fixture(scope="module")
-def two() -> list[dict]:
-    """Every check of TWO_PROCESSES, as each of 2 ranks saw it."""
-    return _run(2, TWO_PROCESSES)
-
-
-@pytest.fixture(scope="module")
-def three() -> list[dict]:
-    return _run(3, THREE_PROCESSES)
+two = job_fixture("two", checks.run_checks, 2, TWO_PROCESSES, JOB_TIMEOUT)
+three = job_fixture("three", checks.run_checks, 3, THREE_PROCESSES, JOB_TIMEOUT)
 
 
 # ---- bitwise equal to FSDP2 after every backward and every step ----------------------------------

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import ddp_checks
 from . import zero_checks as checks
-from .helpers import each_rank, run_job
+from .helpers import each_rank, job_fixture
 from .helpers import assert_no_differences as assert_same_as_torch
 from minidp.distributed import ZeroRedundancyOptimizer
 from minidp.distributed.zero import partition
@@ -61,19 +61,8 @@ THREE_PROCESSES = {
 }
 
 
-def _run(world_size: int, plan: dict) -> list[dict]:
-    return run_job(ddp_checks.run_checks, world_size, plan, JOB_TIMEOUT)
-
-
-@pytest.fixture(scope="module")
-def two() -> list[dict]:
-    """Every check of TWO_PROCESSES, as each of 2 ranks saw it."""
-    return _run(2, TWO_PROCESSES)
-
-
-@pytest.fixture(scope="module")
-def three() -> list[dict]:
-    return _run(3, THREE_PROCESSES)
+two = job_fixture("two", ddp_checks.run_checks, 2, TWO_PROCESSES, JOB_TIMEOUT)
+three = job_fixture("three", ddp_checks.run_checks, 3, THREE_PROCESSES, JOB_TIMEOUT)
 
 
 # ---- step 1: the partition ------------------------------------------------------------------------

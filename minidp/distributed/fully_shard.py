@@ -58,7 +58,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
