@@ -84,8 +84,8 @@ def buffers_restored_on_failure(module: nn.Module) -> Iterator[None]:
 
     Replica 0 shares the original's buffers, so its BatchNorm updates land in them during the step
     (stock's behaviour: the running statistics come from chunk 0). If another replica then fails,
-    stock keeps replica 0's half of the step. Here the buffers are copied before the replicas run (one
-    flat copy per dtype), and on an exception every buffer is written back from the copy (all of them:
+    stock keeps replica 0's half of the step. Here the buffers are copied before the replicas run (a
+    clone of each, all made by one ``_foreach_clone``), and on an exception every buffer is written back from the copy (all of them:
     BatchNorm's kernel updates its running statistics without moving their version counters). On
     success nothing more happens, and the buffers are the very tensors stock would leave.
     """
@@ -93,7 +93,7 @@ def buffers_restored_on_failure(module: nn.Module) -> Iterator[None]:
     if not buffers:
         yield
         return
-    saved = torch._foreach_clone(buffers)  # one loop in C++; a flat copy and its views cost 4x more for 144 small buffers
+    saved = torch._foreach_clone(buffers)  # one loop in C++: cheaper than a flat copy and its views for many small buffers
     try:
         yield
     except BaseException:
