@@ -37,7 +37,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import minidp.distributed as md  # noqa: E402
-from benchmarks.processes import launch_from_command_line  # noqa: E402
+from benchmarks.processes import launch_from_command_line, slowest_rank_medians  # noqa: E402
 from minidp.zoo import SmallCNN, resnet18
 
 TorchDDP = nn.parallel.DistributedDataParallel
@@ -141,10 +141,7 @@ def run_all(rounds: int, warmup: int, device_kind: str) -> dict:
 def summarise(per_rank: list[dict]) -> list[tuple]:
     rows = []
     for name in CASES:
-        # a step lasts as long as its slowest rank
-        step = {k: [max(r[name]["times"][k][i] for r in per_rank) for i in range(len(per_rank[0][name]["times"][k]))]
-                for k in ("torch", "minidp")}
-        medians = {k: statistics.median(v) for k, v in step.items()}
+        medians = slowest_rank_medians(per_rank, name)
         hidden = {k: statistics.median(s for r in per_rank for s in r[name]["shares"][k]) for k in ("torch", "minidp")}
         rows.append((name, per_rank[0][name]["buckets"], medians["torch"] * 1e3, medians["minidp"] * 1e3,
                      medians["minidp"] / medians["torch"], hidden["torch"], hidden["minidp"]))

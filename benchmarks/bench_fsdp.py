@@ -25,7 +25,6 @@ gathered parameter leaves the resident set; page-granular. Both hold the same sh
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import minidp.distributed as md  # noqa: E402
-from benchmarks.processes import launch_from_command_line  # noqa: E402
+from benchmarks.processes import launch_from_command_line, slowest_rank_medians  # noqa: E402
 
 
 def deep_mlp(width: int = 1024, depth: int = 8) -> nn.Sequential:
@@ -115,9 +114,7 @@ def run_all(rounds: int, warmup: int, device_kind: str) -> dict:
 def summarise(per_rank: list[dict]) -> list[tuple]:
     rows = []
     for name in CASES:
-        steps = len(per_rank[0][name]["times"]["torch"])
-        step = {k: [max(r[name]["times"][k][i] for r in per_rank) for i in range(steps)] for k in ("torch", "minidp")}
-        medians = {k: statistics.median(v) for k, v in step.items()}
+        medians = slowest_rank_medians(per_rank, name)
         peak = {k: max(max(r[name]["added"][k]) for r in per_rank) for k in ("torch", "minidp")}
         rows.append((name, medians["torch"] * 1e3, medians["minidp"] * 1e3, medians["minidp"] / medians["torch"],
                      peak["torch"] / 2**20, peak["minidp"] / 2**20, per_rank[0][name]["ledger"]))

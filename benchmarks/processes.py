@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from typing import Callable, Optional
 
 import torch
@@ -41,3 +42,13 @@ def launch_from_command_line(
     print(f"{args.processes} processes, backend {args.backend}, {args.rounds} interleaved steps each after "
           f"{args.warmup} warm-up; load average {os.getloadavg()[0]:.1f}")
     return args, per_rank
+
+
+def slowest_rank_medians(per_rank: list[dict], case: str, variants: tuple[str, ...] = ("torch", "minidp")) -> dict[str, float]:
+    """Per variant, the median step of ``case`` in seconds, where a step lasts as long as its slowest rank
+    (``per_rank[r][case]["times"][variant]``: rank r's step times, in step order)."""
+    medians = {}
+    for variant in variants:
+        steps = zip(*(rank[case]["times"][variant] for rank in per_rank))  # step i of every rank
+        medians[variant] = statistics.median(max(step) for step in steps)
+    return medians
