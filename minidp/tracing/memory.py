@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -119,8 +118,9 @@ class PeakResidentMemory:
         try:
             with open("/proc/self/clear_refs", "w") as clear_refs:
                 clear_refs.write("5")
-            with open("/proc/self/statm", "rb") as statm:  # RSS in pages: cheaper than /proc/self/status
-                self.start_bytes = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            # The start is the mark the reset left, read back from the same counter as the peak: the RSS read
+            # elsewhere (statm) can run ahead of the mark the kernel keeps, and the peak then read below it.
+            self.start_bytes = self._status("VmHWM")
         except (OSError, ValueError):
             self.start_bytes = None
 
