@@ -220,7 +220,7 @@ class _ReplicaFailure:
         self.error = error
         self.traceback = "".join(traceback.format_exception(error))
 
-    def reraise(self, replica: int, device: torch.device, stage: str = "forward") -> None:
+    def reraise(self, replica: int, device: torch.device, stage: str) -> None:
         if not isinstance(self.error, Exception):  # KeyboardInterrupt and friends pass through
             raise self.error
         where = f"replica {replica}" if stage == "forward" else f"the {stage} of replica {replica}"
@@ -293,21 +293,15 @@ def parallel_apply(
     def run(i: int) -> Any:
         args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
         kwargs = kwargs_tup[i]
-        try:
-            with group.member(i), caller.enter(devices[i], streams[i]):
-                if cut:
-                    args, kwargs, entries = _enter_replica(modules[i], args, kwargs)
-                output = observe_replica(i, devices[i], modules[i], lambda: modules[i](*args, **kwargs))
-                if cut:  # walked here, in the replica's thread, while the others run
-                    regions[i] = parallel_backward.region(entries, output)
-                return output
-        except BaseException as error:  # re-raised by the caller once every replica is done
-            return _ReplicaFailure(error)
+        with group.member(i), caller.enter(devices[i], streams[i]):
+            if cut:
+                args, kwargs, entries = _enter_replica(modules[i], args, kwargs)
+            output = observe_replica(i, devices[i], modules[i], lambda: modules[i](*args, **kwargs))
+            if cut:  # walked here, in the replica's thread, while the others run
+                regions[i] = parallel_backward.region(entries, output)
+            return output
 
-    try:
-        results = _threads.run_all([functools.partial(run, i) for i in range(n)])
-    finally:
-        caller.restore()
+    results = _in_workers([functools.partial(run, i) for i in range(n)], caller)
 
     for device, stream, result in zip(devices, streams, results):
         if stream is not None and stream != torch.cuda.current_stream(device):
@@ -318,9 +312,7 @@ def parallel_apply(
             for _, tensor in tensors_in(result, "output"):
                 if tensor.device == device:
                     tensor.record_stream(current)
-    for i, result in enumerate(results):
-        if isinstance(result, _ReplicaFailure):
-            result.reraise(i, devices[i])
+    _reraise_first_failure(results, devices, "forward")
     if cut and all(r is not None for r in regions):
         aliases = parallel_backward.join(regions, functools.partial(_run_backwards, devices))
         if aliases is not None:
@@ -349,17 +341,35 @@ def _run_backwards(devices: Sequence[torch.device], calls: Sequence[Callable[[],
     caller = _CallerState(1)  # one replica's worth: the caller's whole count, set in every worker
 
     def run(i: int) -> Any:
+        with caller.enter(devices[i], None):
+            return calls[i]()
+
+    results = _in_workers([functools.partial(run, i) for i in range(len(calls))], caller)
+    _reraise_first_failure(results, devices, "backward")
+    return results
+
+
+def _in_workers(calls: Sequence[Callable[[], Any]], caller: _CallerState) -> list[Any]:
+    """``calls[i]()`` in replica i's worker thread (replica 0's in this one); the results in order.
+
+    A call that raises returns its error (a ``_ReplicaFailure``), so that every replica finishes before
+    any error is re-raised (:func:`_reraise_first_failure`); then the caller's intra-op count is restored.
+    """
+
+    def captured(call: Callable[[], Any]) -> Any:
         try:
-            with caller.enter(devices[i], None):
-                return calls[i]()
+            return call()
         except BaseException as error:
             return _ReplicaFailure(error)
 
     try:
-        results = _threads.run_all([functools.partial(run, i) for i in range(len(calls))])
+        return _threads.run_all([functools.partial(captured, call) for call in calls])
     finally:
         caller.restore()
+
+
+def _reraise_first_failure(results: Sequence[Any], devices: Sequence[torch.device], stage: str) -> None:
+    """Re-raise the error of the first replica whose ``stage`` failed, naming it and its device."""
     for i, result in enumerate(results):
         if isinstance(result, _ReplicaFailure):
-            result.reraise(i, devices[i], "backward")
-    return results
+            result.reraise(i, devices[i], stage)
