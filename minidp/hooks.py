@@ -71,7 +71,10 @@ def profiled(name: str) -> contextlib.AbstractContextManager:
 def _binder(signature: inspect.Signature) -> Callable[..., inspect.BoundArguments]:
     """``signature.bind``, done in a few dict operations for the calls a primitive gets.
 
-    ``Signature.bind`` walks every parameter in Python (10 us and more per call). A call that passes only
+    ``Signature.bind`` walks every parameter in Python: 5.8 us for ``gather(outputs, "cpu")``, 2.4 us here
+    (``python -m timeit -s "import inspect, torch; from minidp.step4_gather import gather; s =
+    inspect.signature(gather.__wrapped__); o = [torch.ones(1)]" "s.bind(o, 'cpu')"``, and the same through
+    ``minidp.hooks._binder(s)``). A call that passes only
     known parameter names, none twice, and every parameter without a default, is bound here as a dict of
     name -> value; anything else (a bad call, ``*args``, positional-only parameters) goes to
     ``signature.bind``, which binds it or raises its ``TypeError``.

@@ -93,7 +93,7 @@ def buffers_restored_on_failure(module: nn.Module) -> Iterator[None]:
     if not buffers:
         yield
         return
-    saved = torch._foreach_clone(buffers)  # one loop in C++: cheaper than a flat copy and its views for many small buffers
+    saved = torch._foreach_clone(buffers)  # the cheapest copy of many small buffers (step2_replicate._copy_buffers says how much)
     try:
         yield
     except BaseException:

@@ -43,7 +43,8 @@ The steps, and where each lives:
    without ``async_op``); minidp does the same
    (``ShardGroup.overlap``), because overlap there costs memory: a reduce-scatter left running
    keeps its full-size input, its output and Gloo's work on it alive through the next group's
-   backward, which made a step add 1.4-1.6x FSDP2's memory (BENCHMARKS.md, "Sharding"). What
+   backward, which made a step add more memory than FSDP2's (measured with overlap, before this choice:
+   BENCHMARKS.md, "Sharding"). What
    waiting costs: Gloo's transfer no longer hides behind the next group's compute on the CPU.
    The arithmetic is the same either way (only when each wait happens changes), so training stays
    bitwise equal to FSDP2.
@@ -107,7 +108,6 @@ class ShardedParameter:
     def __init__(self, module: nn.Module, name: str, param: nn.Parameter, rank: int, world_size: int) -> None:
         self.module, self.name = module, name
         self.also_in: list[tuple[nn.Module, str]] = []  # the same parameter registered elsewhere in the group
-        self.original = weakref.ref(param)
         self.full_size = param.size()
         chunks = list(torch.chunk(param.detach(), world_size, dim=0))  # fewer than W when dim 0 < W
         self.padded_size = chunks[0].size()

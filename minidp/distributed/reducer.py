@@ -130,7 +130,7 @@ class Reducer:
         self._stamps: dict[str, float] = {}
         self.last_stamps: dict[str, float] = {}
         self._grad_ready_order: list[int] = []  # this backward's arrivals
-        self._last_facts: dict[str, Any] = {}
+        self._last_backward: Optional[tuple[int, list[int], list[int]]] = None  # buckets, unused, arrival order
 
         # static_graph (set_static_graph): the first backward counts each parameter's hooks and reduces
         # everything at its end; later ones reduce a parameter at its last hook of the count.
@@ -496,15 +496,17 @@ class Reducer:
             self._last_events = self._events
             self._stamps["backward_comm_end"] = self._events[-1]["end"]
             self.last_stamps = self._stamps
-            self._last_facts = {
-                "num_buckets_reduced": len(self.buckets),
-                "unused_parameter_size": sum(self.params[i].numel() * self.params[i].element_size() for i in self._unused),
-                "prev_iteration_grad_ready_order_indices": ", ".join(map(str, self._grad_ready_order)),
-            }
+            # Kept as they are; the statistics are computed from them only when sampled (runtime_facts).
+            self._last_backward = (len(self.buckets), list(self._unused), list(self._grad_ready_order))
 
     def runtime_facts(self) -> dict[str, Any]:
         """The last finished backward's facts for the runtime statistics (:mod:`.logging_data`)."""
-        facts = {**self._last_facts, "has_rebuilt_buckets": int(self.has_rebuilt_buckets)}
+        facts: dict[str, Any] = {"has_rebuilt_buckets": int(self.has_rebuilt_buckets)}
+        if self._last_backward is not None:
+            buckets, unused, ready_order = self._last_backward
+            facts["num_buckets_reduced"] = buckets
+            facts["unused_parameter_size"] = sum(self.params[i].numel() * self.params[i].element_size() for i in unused)
+            facts["prev_iteration_grad_ready_order_indices"] = ", ".join(map(str, ready_order))
         if self.has_rebuilt_buckets:
             facts["rebuilt_bucket_sizes"] = ", ".join(str(b.buffer.numel() * b.buffer.element_size()) for b in self.buckets)
             facts["rebuilt_per_bucket_param_indices"] = ", ".join(" ".join(map(str, b.indices)) for b in self.buckets)
