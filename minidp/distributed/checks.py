@@ -15,7 +15,7 @@ one rank) would leave the others waiting in their next collective for a rank tha
 from __future__ import annotations
 
 import builtins
-from typing import NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -62,17 +62,24 @@ def first_difference(specs: list[list[TensorSpec]]) -> Optional[str]:
     return None
 
 
+def check_same_everywhere(
+    mine: Any, group: dist.ProcessGroup, difference: Callable[[list], Optional[str]], needs: str, advice: str
+) -> None:
+    """Gather every rank's ``mine`` (a collective) and raise the same ``ValueError`` on every rank where
+    ``difference(everyone)`` names one: "``needs`` on every rank, but <difference>. ``advice``"."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    found = difference(everyone)
+    if found is not None:
+        raise ValueError(f"{needs} on every rank, but {found}. {advice}")
+
+
 def check_same_model(module: nn.Module, group: dist.ProcessGroup, buffers: bool) -> None:
     """Raise on every rank of ``group`` unless all ranks' ``module`` match rank 0's (a collective)."""
-    mine = describe(module, buffers)
-    everyone: list[list[TensorSpec]] = [[] for _ in range(dist.get_world_size(group))]
-    dist.all_gather_object(everyone, mine, group=group)
-    difference = first_difference(everyone)
-    if difference is not None:
-        raise ValueError(
-            f"DistributedDataParallel needs the same model on every rank, but {difference}. "
-            f"Build the model the same way on every rank (rank 0's values are then broadcast to all)."
-        )
+    check_same_everywhere(
+        describe(module, buffers), group, first_difference, "DistributedDataParallel needs the same model",
+        "Build the model the same way on every rank (rank 0's values are then broadcast to all).",
+    )
 
 
 def sparse_gradient_flags(module: nn.Module, params: list[nn.Parameter]) -> list[bool]:

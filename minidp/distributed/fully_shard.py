@@ -68,7 +68,7 @@ from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
 
 from ..nested import map_tensors, tensors_in
-from .checks import TensorSpec, first_difference
+from .checks import TensorSpec, check_same_everywhere, first_difference
 from .ddp import DistributedDataParallel
 
 
@@ -635,11 +635,8 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def _check_same_parameters(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup) -> None:
     """Every rank shards the same parameters (names, shapes, dtypes): one collective, the same error on every rank."""
-    mine = [TensorSpec("parameter", name, tuple(p.shape), _contiguous_strides(p.shape), str(p.dtype)) for name, p in named]
-    everyone: list[list[TensorSpec]] = [[] for _ in range(group.size())]
-    dist.all_gather_object(everyone, mine, group=group)
-    difference = first_difference(everyone)
-    if difference is not None:
-        raise ValueError(
-            f"fully_shard needs the same model on every rank, but {difference}. Build the model the same way on "
-            f"every rank and call fully_shard on the same modules in the same order")
+    check_same_everywhere(
+        [TensorSpec("parameter", name, tuple(p.shape), p.stride(), str(p.dtype)) for name, p in named],  # contiguous
+        group, first_difference, "fully_shard needs the same model",
+        "Build the model the same way on every rank and call fully_shard on the same modules in the same order",
+    )

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..nested import map_tensors, tensors_in
-from .checks import TensorSpec, first_difference, raise_on_every_rank, start_failure_vote
+from .checks import TensorSpec, check_same_everywhere, first_difference, raise_on_every_rank, start_failure_vote
 
 Shares = list[list[list[torch.Tensor]]]  # shares[rank][group]: the parameters of that group the rank updates
 
@@ -213,19 +213,18 @@ class ZeroRedundancyOptimizer(Optimizer):
             [TensorSpec("parameter", f"param_groups[{g}]['params'][{i}]", tuple(p.shape), p.stride(), str(p.dtype))
              for g, group in enumerate(self.param_groups) for i, p in enumerate(group["params"])],
         )
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.process_group)
-        sizes = [s for s, _ in everyone]
-        rank = next((r for r in range(self.world_size) if sizes[r] != sizes[0]), None)
-        difference = (
-            f"rank {rank} has parameter groups of sizes {sizes[rank]} and rank 0 {sizes[0]}" if rank is not None
-            else first_difference([specs for _, specs in everyone])
+
+        def difference(everyone: list) -> Optional[str]:
+            sizes = [s for s, _ in everyone]
+            rank = next((r for r in range(len(sizes)) if sizes[r] != sizes[0]), None)
+            if rank is not None:
+                return f"rank {rank} has parameter groups of sizes {sizes[rank]} and rank 0 {sizes[0]}"
+            return first_difference([specs for _, specs in everyone])
+
+        check_same_everywhere(
+            mine, self.process_group, difference, "ZeroRedundancyOptimizer needs the same parameters",
+            "Build the model and the parameter groups the same way on every rank.",
         )
-        if difference is not None:
-            raise ValueError(
-                f"ZeroRedundancyOptimizer needs the same parameters on every rank, but {difference}. "
-                f"Build the model and the parameter groups the same way on every rank."
-            )
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
