@@ -148,10 +148,9 @@ def summarise(per_rank: list[dict]) -> list[tuple]:
     return rows
 
 def main() -> None:
-    launched = launch_from_command_line("minidp.distributed vs torch DDP, 2 processes on this machine", run_all, default_rounds=60, default_warmup=4)
-    if launched is None:
+    per_rank = launch_from_command_line("minidp.distributed vs torch DDP, 2 processes on this machine", run_all, default_rounds=60, default_warmup=4)
+    if per_rank is None:
         return
-    _, per_rank = launched
     print(f"{'case':44} {'buckets':>7} {'torch ms':>9} {'minidp ms':>9} {'ratio':>6} {'hidden torch':>12} {'hidden minidp':>13}")
     for name, buckets, theirs, ours, ratio, hidden_theirs, hidden_ours in summarise(per_rank):
         print(f"{name:44} {buckets:7d} {theirs:9.2f} {ours:9.2f} {ratio:6.3f} {hidden_theirs:12.0%} {hidden_ours:13.0%}")

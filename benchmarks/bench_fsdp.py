@@ -122,10 +122,9 @@ def summarise(per_rank: list[dict]) -> list[tuple]:
 
 
 def main() -> None:
-    launched = launch_from_command_line("minidp's fully_shard vs torch's FSDP2, 2 processes on this machine", run_all, default_rounds=40, default_warmup=3)
-    if launched is None:
+    per_rank = launch_from_command_line("minidp's fully_shard vs torch's FSDP2, 2 processes on this machine", run_all, default_rounds=40, default_warmup=3)
+    if per_rank is None:
         return
-    _, per_rank = launched
     print(f"{'case':38} {'torch ms':>9} {'minidp ms':>9} {'ratio':>6} {'step adds MiB: torch':>21} {'minidp':>7}")
     for name, theirs, ours, ratio, peak_theirs, peak_ours, ledger in summarise(per_rank):
         print(f"{name:38} {theirs:9.2f} {ours:9.2f} {ratio:6.3f} {peak_theirs:21.1f} {peak_ours:7.1f}")

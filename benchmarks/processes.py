@@ -14,9 +14,9 @@ import minidp.distributed as md
 
 def launch_from_command_line(
     description: str, run_all: Callable, default_rounds: int, default_warmup: int
-) -> Optional[tuple[argparse.Namespace, list]]:
+) -> Optional[list]:
     """Parse ``--rounds --warmup --processes --backend``, then run ``run_all(rounds, warmup, device_kind)`` on every
-    rank (one thread each on the CPU); ``(arguments, each rank's result)``, or ``None`` after saying why NCCL cannot
+    rank (one thread each on the CPU); each rank's result, or ``None`` after saying why NCCL cannot
     run here (fewer GPUs than processes, or NCCL refusing), so the GPU script goes on."""
     parser = argparse.ArgumentParser(description=description)
     quick = os.environ.get("MINIDP_BENCH_QUICK", "") not in ("", "0")
@@ -41,7 +41,7 @@ def launch_from_command_line(
         return None
     print(f"{args.processes} processes, backend {args.backend}, {args.rounds} interleaved steps each after "
           f"{args.warmup} warm-up; load average {os.getloadavg()[0]:.1f}")
-    return args, per_rank
+    return per_rank
 
 
 def slowest_rank_medians(per_rank: list[dict], case: str, variants: tuple[str, ...] = ("torch", "minidp")) -> dict[str, float]:
