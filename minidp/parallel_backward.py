@@ -174,11 +174,11 @@ _bound_entries: "weakref.WeakKeyDictionary[torch.nn.Module, list[Any]]" = weakre
 
 
 def _entries_among(tensors: Any) -> dict[int, Any]:
-    found: dict[int, Any] = {}
-    for node in map(_grad_fn, tensors):
-        if node is not None and is_entry(node):
-            found.setdefault(id(node), node)
-    return found
+    # The distinct nodes first, in C (a replica's tensors come through one or two entries), then a check per node:
+    # 73 us for ResNet-50's 320 tensors against 94 us for a check per tensor (`python -m timeit -s "from minidp.zoo
+    # import resnet50; from minidp.parallel_backward import enter, _entries_among; m = resnet50(base=8);
+    # t = enter(list(m.parameters())) + list(m.buffers())" "_entries_among(t)"`).
+    return {id(node): node for node in dict.fromkeys(map(_grad_fn, tensors)) if node is not None and is_entry(node)}
 
 
 def remember_entries(replica: torch.nn.Module, tensors: Sequence[torch.Tensor]) -> None:
