@@ -122,14 +122,13 @@ class Reducer:
         # DDP rebuilds once, and never when it looks for unused parameters, unless the graph is static
         # (should_rebuild_buckets).
         self._will_rebuild = not find_unused_parameters
-        self._arrival_order: list[int] = []
         self._rebuilt: Optional[list[list[int]]] = None
         self.iteration = 0  # synchronised forwards so far (num_iterations_)
         self.has_rebuilt_buckets = False
         # this synchronised iteration's time.perf_counter() stamps, and the last finished one's (runtime statistics)
         self._stamps: dict[str, float] = {}
         self.last_stamps: dict[str, float] = {}
-        self._grad_ready_order: list[int] = []  # this backward's arrivals
+        self._grad_ready_order: list[int] = []  # this backward's arrivals: the order a rebuild follows
         self._last_backward: Optional[tuple[int, list[int], list[int]]] = None  # buckets, unused, arrival order
 
         # static_graph (set_static_graph): the first backward counts each parameter's hooks and reduces
@@ -141,7 +140,6 @@ class Reducer:
 
         self._expect_hooks = False  # True from the end of a synchronised forward to the end of its backward
         self._require_finalize = False  # a gradient was marked ready and the backward has not finished
-        self._hooks_fired = False
         self._arrived = False
         self._finish_queued = False
         self._ready = [False] * len(self.params)
@@ -257,8 +255,7 @@ class Reducer:
         self._stamps["backward_compute_start"] = time.perf_counter()
         self._grad_ready_order = []
         self._expect_hooks = True
-        self._hooks_fired = False
-        self._arrived = False  # a gradient of this forward's backward has arrived
+        self._arrived = False  # a gradient of this forward's backward has arrived (counted or not)
         self._ready = [False] * len(self.params)
         self._next_bucket = 0
         for bucket in self.buckets:
@@ -325,12 +322,9 @@ class Reducer:
                 self._remaining[index] += 1 if self._counting() else -1
                 if self._counting() or self._remaining[index] > 0:
                     return  # counted; or more hooks of this parameter to come in this backward
-            if not self._hooks_fired:
-                self._hooks_fired = True
+            if not self._grad_ready_order:  # the first gradient to be reduced in this backward
                 for unused in self._unused:  # nothing will arrive for these: their buckets need not wait
                     self._mark_ready(unused)
-            if self._will_rebuild:
-                self._arrival_order.append(index)
             self._grad_ready_order.append(index)
             self._mark_ready(index)
 
@@ -485,13 +479,12 @@ class Reducer:
                     self._static_counts = list(self._remaining)
                     self._static_unused = {i for i, used in enumerate(self._local_used.tolist()) if not used}
                 self._local_used.zero_()
-            if self._will_rebuild and self._arrival_order:
+            if self._will_rebuild and self._grad_ready_order:
                 # parameters that got no gradient close the order, in registration order
-                arrived = set(self._arrival_order)
-                order = self._arrival_order + [i for i in range(len(self.params)) if i not in arrived]
+                arrived = set(self._grad_ready_order)
+                order = self._grad_ready_order + [i for i in range(len(self.params)) if i not in arrived]
                 self._rebuilt = self._sync_plan(rebuilt_plan(self.params, order, self.caps, self.sparse))
                 self._will_rebuild = False
-                self._arrival_order = []
             self._events.append({"stage": "write-back", "bucket": None, "start": end, "end": time.perf_counter()})
             self._last_events = self._events
             self._stamps["backward_comm_end"] = self._events[-1]["end"]
