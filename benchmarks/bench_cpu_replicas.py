@@ -8,7 +8,9 @@ cross-entropy, SGD):
 
 * ``one device``: the model itself, in this process, with all its intra-op threads;
 * ``minidp xK``: ``minidp.DataParallel`` on K CPU replicas in this process, the replicas' backwards in
-  parallel (the default), and ``minidp xK serial backward``: the same with ``set_parallel_backward(False)``;
+  parallel (the default), each with the caller's intra-op threads (bitwise the serial backward);
+  ``minidp xK shared threads``: the same with ``set_parallel_backward_threads("share")`` (each backward
+  with its forward's share of the threads); and ``minidp xK serial backward``: ``set_parallel_backward(False)``;
 * ``torch DDP xK``: ``torch.nn.parallel.DistributedDataParallel`` in K Gloo processes on this machine,
   each with batch/K rows and cores/K intra-op threads, started once (``minidp.distributed.launch``'s
   file rendezvous, over the loopback interface) and idle, blocked on a pipe, while the others run.
@@ -135,21 +137,23 @@ def main() -> None:
     model = SmallCNN()
     x, y = _batch(args.batch, 0)
 
-    def with_parallel_backward(enabled: bool, step):
+    def with_parallel_backward(enabled: bool, threads: str, step):
         def run() -> None:
-            previous = minidp.set_parallel_backward(enabled)
+            previous = minidp.set_parallel_backward(enabled), minidp.set_parallel_backward_threads(threads)
             try:
                 step()
             finally:
-                minidp.set_parallel_backward(previous)
+                minidp.set_parallel_backward(previous[0])
+                minidp.set_parallel_backward_threads(previous[1])
 
         return run
 
     local = {"one device": _stepper(copy.deepcopy(model), x, y)}
     for k in args.replicas:
         step = _stepper(minidp.DataParallel(copy.deepcopy(model), ["cpu"] * k), x, y)
-        local[f"minidp x{k}"] = with_parallel_backward(True, step)
-        local[f"minidp x{k} serial backward"] = with_parallel_backward(False, step)
+        local[f"minidp x{k}"] = with_parallel_backward(True, "caller", step)
+        local[f"minidp x{k} shared threads"] = with_parallel_backward(True, "share", step)
+        local[f"minidp x{k} serial backward"] = with_parallel_backward(False, "caller", step)
     groups = {k: _DDPGroup(k, args.batch) for k in args.replicas}
     try:
         timers = {name: (lambda step=step: _Costs.of(step, args.number)) for name, step in local.items()}

@@ -15,13 +15,19 @@ the statistics of the whole batch across the replicas.
 :func:`parallel_criterion` computes the loss on the replicas, without gathering their outputs;
 :func:`calibrate` measures the devices and returns ``chunk_weights`` for uneven splits.
 :func:`trace` records every step of every replica; :func:`verify` checks a model's numbers.
-:func:`set_parallel_backward` switches the backwards of CPU replicas between parallel (the default) and one after the other.
+:func:`set_parallel_backward` switches the backwards of CPU replicas between parallel (the default) and one after the other;
+:func:`set_parallel_backward_threads` chooses their intra-op threads: the caller's (bitwise the serial backward) or a share.
 """
 
 from . import comm
 from .calibration import calibrate
 from .comm import get_reduce_backend, set_reduce_backend
-from .parallel_backward import get_parallel_backward, set_parallel_backward
+from .parallel_backward import (
+    get_parallel_backward,
+    get_parallel_backward_threads,
+    set_parallel_backward,
+    set_parallel_backward_threads,
+)
 from .criterion import parallel_criterion
 from .device_ids import DeviceInfo, devices
 from .replica_cache import ReplicaCache
@@ -47,6 +53,7 @@ __all__ = [
     "devices",
     "gather",
     "get_parallel_backward",
+    "get_parallel_backward_threads",
     "get_reduce_backend",
     "parallel_apply",
     "parallel_criterion",
@@ -54,6 +61,7 @@ __all__ = [
     "scatter",
     "scatter_kwargs",
     "set_parallel_backward",
+    "set_parallel_backward_threads",
     "set_reduce_backend",
     "trace",
     "verify",

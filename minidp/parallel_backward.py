@@ -27,7 +27,11 @@ What autograd records, for replicas whose backward can run on its own (see "When
 Each replica's part of the graph is the same graph either way, run by the same engine in the same
 order, so the gradients are the same, bit for bit, provided each kernel runs with the same number
 of intra-op threads (a kernel splits its sums by thread): every worker runs its replica's backward
-with the caller's count, as the serial backward runs it (not the share of a forward).
+with the caller's count, as the serial backward runs it (not the share of a forward). The price: K
+teams of the caller's threads share the cores. :func:`set_parallel_backward_threads` (``"share"``)
+runs each with its forward's share instead, one thread per core between them: faster (measured in
+BENCHMARKS.md, "The parallel backward's thread count"), the gradients then equal to the serial ones
+only up to float rounding.
 
 Hooks fire once, where the gradient is made: a hook on a replica's parameter or input (the entry's
 outputs) fires in the replica's thread when its gradient is captured (the entry node itself never
@@ -61,6 +65,8 @@ from torch.utils import checkpoint
 from .nested import tensors_in
 
 _enabled = True
+_threads = "caller"
+_THREAD_COUNTS = ("caller", "share")
 
 # Re-entrant checkpointing's node hides the parameters the checkpointed function used: its backward
 # recomputes and runs a backward of its own that goes on past the replica's entries, into the reduction.
@@ -79,6 +85,30 @@ def set_parallel_backward(enabled: bool) -> bool:
 def get_parallel_backward() -> bool:
     """Whether the backwards of CPU replicas run in parallel (see :func:`set_parallel_backward`)."""
     return _enabled
+
+
+def set_parallel_backward_threads(threads: str) -> str:
+    """How many intra-op threads each CPU replica's backward runs with, in parallel; returns the previous setting.
+
+    ``"caller"`` (the default): the calling thread's whole count, as autograd's serial backward runs every
+    replica's kernels, so the gradients are bit for bit the serial ones. ``"share"``: the count its forward
+    ran with (the caller's divided among the CPU replicas), so that K replicas' backwards do not start K
+    full teams of threads on the same cores; faster, but a kernel that splits its sums by thread rounds them
+    differently: the gradients then equal the serial ones up to float rounding, not bit for bit.
+    """
+    global _threads
+    if threads not in _THREAD_COUNTS:
+        raise ValueError(
+            f"set_parallel_backward_threads: threads must be 'caller' (bitwise the serial backward) or 'share' "
+            f"(each replica's forward share of the threads), got {threads!r}"
+        )
+    previous, _threads = _threads, threads
+    return previous
+
+
+def get_parallel_backward_threads() -> str:
+    """``"caller"`` or ``"share"``: see :func:`set_parallel_backward_threads`."""
+    return _threads
 
 
 def applies(devices: Sequence[torch.device]) -> bool:

@@ -333,12 +333,13 @@ def _run_backwards(devices: Sequence[torch.device], calls: Sequence[Callable[[],
     """Replica i's backward ``calls[i]()`` in its worker thread, in the caller's state; an error re-raised
     naming the replica, once every replica is done.
 
-    Unlike a forward, each backward runs with the caller's whole intra-op thread count: the count that
-    autograd's serial backward runs every replica's kernels with, so that they split their work, and
-    round their sums, as there (gradients bit for bit the same). The cost: K teams of intra-op threads
-    share the cores (BENCHMARKS.md, "CPU replicas' backward in parallel").
+    By default each backward runs with the caller's whole intra-op thread count, unlike a forward: the
+    count that autograd's serial backward runs every replica's kernels with, so that they split their
+    work, and round their sums, as there (gradients bit for bit the same). The cost: K teams of intra-op
+    threads share the cores. With ``set_parallel_backward_threads("share")``, each runs with its forward's share.
     """
-    caller = _CallerState(1)  # one replica's worth: the caller's whole count, set in every worker
+    # One replica's worth (the caller's whole count, set in every worker), or each its forward's share.
+    caller = _CallerState(1 if parallel_backward.get_parallel_backward_threads() == "caller" else len(calls))
 
     def run(i: int) -> Any:
         with caller.enter(devices[i], None):

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import minidp
-from minidp import parallel_backward
+from minidp import parallel_backward, step3_parallel_apply
 from minidp.zoo import SmallCNN, VGGSplit
 
 from .helpers import cpu_ids, forked_child, fresh_python
@@ -66,6 +66,57 @@ def test_gradients_are_bitwise_those_of_the_serial_backward(generator, replicas)
     parallel, ran_parallel = _step(model, x, True, replicas)
     assert ran_parallel and not serial_parallel
     assert _equal(parallel, serial)
+
+
+class _RecordsBackwardThreads(nn.Module):
+    """Notes, per replica, the intra-op thread count its backward runs with (a hook on its output's gradient)."""
+
+    def __init__(self, seen: dict[int, int]) -> None:
+        super().__init__()
+        self.linear, self.seen = nn.Linear(3, 3), seen  # `seen` shared by reference with every replica
+
+    def forward(self, x):
+        index, y = minidp.replica_group.current().index, self.linear(x)
+        y.register_hook(lambda g: self.seen.__setitem__(index, torch.get_num_threads()))
+        return y
+
+
+@pytest.mark.skipif(not step3_parallel_apply.PER_THREAD_INTRA_OP, reason="thread counts are process-wide without OpenMP")
+@pytest.mark.parametrize("threads, expected", [("caller", [4, 4]), ("share", [2, 2])])
+def test_each_replica_backward_runs_with_the_chosen_thread_count(generator, threads, expected):
+    """"caller" (the default): the caller's whole count, as autograd's serial backward; "share": the forward's share."""
+    seen: dict[int, int] = {}
+    previous_count, previous = torch.get_num_threads(), minidp.set_parallel_backward_threads(threads)
+    torch.set_num_threads(4)
+    try:
+        output = minidp.DataParallel(_RecordsBackwardThreads(seen), cpu_ids(2))(torch.randn(4, 3, generator=generator))
+        assert _in_parallel(output)
+        output.sum().backward()
+        assert [seen[0], seen[1]] == expected
+        assert torch.get_num_threads() == 4  # the caller's count restored
+    finally:
+        torch.set_num_threads(previous_count)
+        minidp.set_parallel_backward_threads(previous)
+
+
+def test_shared_threads_give_the_serial_gradients_up_to_rounding(generator):
+    """"share" trades bitwise equality for speed: the gradients agree with the serial backward's to float rounding."""
+    model, x = SmallCNN().double(), _images(generator, 24).double()
+    serial, _ = _step(model, x, False)
+    previous = minidp.set_parallel_backward_threads("share")
+    try:
+        shared, ran_parallel = _step(model, x, True)
+    finally:
+        minidp.set_parallel_backward_threads(previous)
+    assert ran_parallel
+    for a, b in zip(shared, serial):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_an_unknown_thread_setting_is_refused_and_changes_nothing():
+    with pytest.raises(ValueError, match="threads must be 'caller'.*or 'share'.*got 'all'"):
+        minidp.set_parallel_backward_threads("all")
+    assert minidp.get_parallel_backward_threads() == "caller"
 
 
 def test_each_replica_backward_runs_in_its_own_thread(generator):
