@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -105,10 +106,17 @@ class PeakResidentMemory:
     def __init__(self) -> None:
         self.start_bytes: Optional[int] = None
 
+    # Both files through bare file descriptors: a traced step opens them three times, and Python's buffered file
+    # objects cost more than the kernel's answer: status 33 us against 18 us (`python -m timeit "open('/proc/self/status',
+    # 'rb').read()"` against `python -m timeit -s "import os" "f = os.open('/proc/self/status', os.O_RDONLY);
+    # os.read(f, 1 << 16); os.close(f)"`), clear_refs 25 us against 7 us (the same with a write of 5).
     @staticmethod
     def _status(field: str) -> int:
-        with open("/proc/self/status", "rb") as status:
-            text = status.read()
+        status = os.open("/proc/self/status", os.O_RDONLY)
+        try:
+            text = os.read(status, 1 << 16)  # the whole file, about 1.5 KB
+        finally:
+            os.close(status)
         at = text.find(b"\n" + field.encode() + b":")
         if at < 0:
             raise ValueError(f"no {field} in /proc/self/status")
@@ -116,8 +124,11 @@ class PeakResidentMemory:
 
     def start(self) -> None:
         try:
-            with open("/proc/self/clear_refs", "w") as clear_refs:
-                clear_refs.write("5")
+            clear_refs = os.open("/proc/self/clear_refs", os.O_WRONLY)
+            try:
+                os.write(clear_refs, b"5")
+            finally:
+                os.close(clear_refs)
             # The start is the mark the reset left, read back from the same counter as the peak: the RSS read
             # elsewhere (statm) can run ahead of the mark the kernel keeps, and the peak then read below it.
             self.start_bytes = self._status("VmHWM")
