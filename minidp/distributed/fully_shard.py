@@ -219,7 +219,7 @@ class ShardGroup:
             torch.split_with_sizes_copy(flat.view(self.world_size, -1), sizes, dim=1, out=outs)
         for p in self.params:
             if p.full is None:
-                view = torch.as_strided(p.gathered, p.full_size, _contiguous_strides(p.full_size), 0)
+                view = p.gathered[: p.full_size.numel()].view(p.full_size)  # the padding rows left out
                 p.full = nn.Parameter(view, requires_grad=p.shard.requires_grad)
             p.set_on_modules(p.full)
         self.gathered = True
@@ -293,7 +293,7 @@ class ShardGroup:
             mine.div_(after)
         offset = 0
         for p in with_grad:
-            grad = torch.as_strided(mine, p.shard.size(), _contiguous_strides(p.shard.size()), offset)
+            grad = mine[offset : offset + p.shard.numel()].view(p.shard.size())  # this rank's rows, not its padding
             if p.shard.grad is None:
                 p.shard.grad = grad
             else:
@@ -353,14 +353,6 @@ class ShardGroup:
         """Record a collective from its launch to when this rank first sees it complete (:meth:`Iteration.poll`)."""
         if self.iteration is not None:
             self.iteration.open_collectives.append((self, work, stage, start))
-
-
-def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for extent in reversed(size):
-        strides.append(step)
-        step *= max(extent, 1)
-    return tuple(reversed(strides))
 
 
 class Iteration:
