@@ -129,11 +129,6 @@ class ShardedParameter:
         for module, name in [(self.module, self.name), *self.also_in]:
             module._parameters[name] = tensor
 
-    def gathered_bytes(self) -> int:
-        if self.gathered is None:
-            return 0
-        return self.gathered.untyped_storage().nbytes()
-
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a module's inputs; its backward runs when the gradients of those inputs are ready,
@@ -172,8 +167,15 @@ class ShardGroup:
         self.pending: Optional[tuple[dist.Work, torch.Tensor]] = None  # an all-gather under way, and its buffer
         self.reduced_this_backward = False
         self.dtype = params[0].padded.dtype if params else None
+        # What the group's whole parameters hold while gathered: every rank's padded rows of each (the
+        # storage unshard allocates, and reshard resizes to nothing).
+        self._gathered_nbytes = sum(p.padded.nbytes for p in params) * self.world_size
         self._forward_start = 0.0
         self._backward_start: Optional[float] = None
+
+    def gathered_bytes(self) -> int:
+        """Bytes of the whole parameters held now: all of them while gathered, none once resharded."""
+        return self._gathered_nbytes if self.gathered else 0
 
     # ---- all-gather ----------------------------------------------------------------------------
 
@@ -391,7 +393,7 @@ class Iteration:
 
     def note_memory(self, extra: int = 0) -> None:
         """Update :attr:`peak_transient` with what is gathered now, plus ``extra`` bytes in flight."""
-        gathered = sum(p.gathered_bytes() for g in self.groups for p in g.params)
+        gathered = sum(g.gathered_bytes() for g in self.groups)  # a sum per group, not per parameter
         in_flight = sum(r[1].untyped_storage().nbytes() + r[2].untyped_storage().nbytes() for _, *r in self.reductions)
         self.peak_transient = max(self.peak_transient, gathered + in_flight + extra)
 

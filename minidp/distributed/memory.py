@@ -40,7 +40,7 @@ def memory_ledger(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
         "parameters": sum(_bytes(padded.get(id(p), p)) for p in params),
         "gradients": sum(_bytes(p.grad) for p in params),
         "optimizer_state": 0 if optimizer is None else optimizer_state_bytes(optimizer),
-        "gathered": sum(p.gathered_bytes() for g in groups for p in g.params),
+        "gathered": sum(g.gathered_bytes() for g in groups),
         "buckets": sum(_bytes(b.buffer) for b in model.reducer.buckets) if isinstance(model, DistributedDataParallel) else 0,
     }
     iteration = groups[0].iteration if groups else None
