@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import minidp.distributed as md
+from minidp.distributed.fully_shard import sharded_groups
 
 
 class Block(nn.Module):
@@ -184,12 +185,19 @@ def run_checks(checks: dict[str, tuple[Callable[..., Any], dict]], seed: int) ->
 
 def timeline_and_memory(seed: int, steps: int = 3) -> dict:
     """The third step's timeline of every rank (the first has nothing to prefetch), and the memory
-    ledgers of the same model under minidp's DDP and sharded, after a step of AdamW."""
+    ledgers of the same model under minidp's DDP and sharded, after a step of AdamW; and, in the middle
+    of the sharded model's forwards, the ledger's gathered bytes next to the storage the gathered
+    parameters hold then."""
     torch.manual_seed(seed)
-    ledgers = {}
+    ledgers, mid_forward = {}, []
     for name in ("ddp", "sharded"):
         model = Net(features=64, hidden=256, classes=8)
         model = md.DistributedDataParallel(model) if name == "ddp" else shard(model, md.fully_shard, True)
+        if name == "sharded":  # runs after fully_shard's own pre-hook: the root and this block are gathered
+            model.blocks[1].register_forward_pre_hook(lambda *_: mid_forward.append((
+                md.memory_ledger(model)["gathered"],
+                sum(p.gathered.untyped_storage().nbytes() for g in sharded_groups(model) for p in g.params
+                    if p.gathered is not None))))
         optimizer = torch.optim.AdamW(model.parameters())
         for step in range(steps):
             optimizer.zero_grad()
@@ -197,7 +205,7 @@ def timeline_and_memory(seed: int, steps: int = 3) -> dict:
             optimizer.step()
         ledgers[name] = md.memory_ledger(model, optimizer)
     return {"timelines": md.gather_timelines(md.sharded_timeline(model)), "ledgers": ledgers,
-            "table": md.format_ledgers(ledgers)}
+            "table": md.format_ledgers(ledgers), "gathered_mid_forward": mid_forward}
 
 
 @record

@@ -185,6 +185,14 @@ def test_each_rank_holds_half_of_ddps_parameters_gradients_and_optimizer_state_b
         assert "optimizer_state" in result["table"]
 
 
+def test_the_ledger_counts_the_storage_the_gathered_parameters_hold_mid_forward(two):
+    """Whole parameters exist only while their group is gathered: the ledger's count is their storage, then."""
+    for result in each_rank(two, "timeline_and_memory"):
+        assert result["gathered_mid_forward"]  # one record per forward of the sharded model
+        for ledger, storage in result["gathered_mid_forward"]:
+            assert ledger == storage > 0
+
+
 # ---- bad input: the same clear error on every rank, never a hang ----------------------------------
 
 
