@@ -29,7 +29,7 @@ order, so the gradients are the same, bit for bit, provided each kernel runs wit
 of intra-op threads (a kernel splits its sums by thread): every worker runs its replica's backward
 with the caller's count, as the serial backward runs it (not the share of a forward). The price: K
 teams of the caller's threads share the cores. :func:`set_parallel_backward_threads` (``"share"``)
-runs each with its forward's share instead, one thread per core between them: faster (measured in
+runs each with its forward's share instead (the caller's count divided among them): faster (measured in
 BENCHMARKS.md, "The parallel backward's thread count"), the gradients then equal to the serial ones
 only up to float rounding.
 

@@ -47,7 +47,8 @@ def test_the_deep_cheap_model_is_deep_and_holds_buffers():
 
 def test_the_cpu_replicas_benchmark_runs_every_variant_and_says_where_the_time_goes():
     """benchmarks/bench_cpu_replicas.py end to end, shortest run: one device, minidp (parallel backward with
-    the caller's threads and with shared ones, serial backward) and torch DDP on 2 Gloo processes, each row with its CPU time, cores, system time and page faults."""
+    the caller's threads and with shared ones, serial backward) and torch DDP on 2 Gloo processes, each row
+    with its CPU time, cores, system time and page faults."""
     done = fresh_python(str(ROOT / "benchmarks" / "bench_cpu_replicas.py"), "--rounds", "1", "--number", "1",
                         "--replicas", "2", "--batch", "16", timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]

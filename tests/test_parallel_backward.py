@@ -84,7 +84,8 @@ class _RecordsBackwardThreads(nn.Module):
 @pytest.mark.skipif(not step3_parallel_apply.PER_THREAD_INTRA_OP, reason="thread counts are process-wide without OpenMP")
 @pytest.mark.parametrize("threads, expected", [("caller", [4, 4]), ("share", [2, 2])])
 def test_each_replica_backward_runs_with_the_chosen_thread_count(generator, threads, expected):
-    """"caller" (the default): the caller's whole count, as autograd's serial backward; "share": the forward's share."""
+    """With ``"caller"`` (the default) the caller's whole count, as autograd's serial backward; with ``"share"``
+    the forward's share."""
     seen: dict[int, int] = {}
     previous_count, previous = torch.get_num_threads(), minidp.set_parallel_backward_threads(threads)
     torch.set_num_threads(4)
@@ -100,7 +101,7 @@ def test_each_replica_backward_runs_with_the_chosen_thread_count(generator, thre
 
 
 def test_shared_threads_give_the_serial_gradients_up_to_rounding(generator):
-    """"share" trades bitwise equality for speed: the gradients agree with the serial backward's to float rounding."""
+    """``"share"`` trades bitwise equality for speed: the gradients agree with the serial backward's to float rounding."""
     model, x = SmallCNN().double(), _images(generator, 24).double()
     serial, _ = _step(model, x, False)
     previous = minidp.set_parallel_backward_threads("share")
