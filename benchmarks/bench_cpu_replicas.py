@@ -139,12 +139,13 @@ def main() -> None:
 
     def with_parallel_backward(enabled: bool, threads: str, step):
         def run() -> None:
-            previous = minidp.set_parallel_backward(enabled), minidp.set_parallel_backward_threads(threads)
+            was_enabled = minidp.set_parallel_backward(enabled)
+            was_threads = minidp.set_parallel_backward_threads(threads)
             try:
                 step()
             finally:
-                minidp.set_parallel_backward(previous[0])
-                minidp.set_parallel_backward_threads(previous[1])
+                minidp.set_parallel_backward(was_enabled)
+                minidp.set_parallel_backward_threads(was_threads)
 
         return run
 

@@ -29,7 +29,8 @@ order, so the gradients are the same, bit for bit, provided each kernel runs wit
 of intra-op threads (a kernel splits its sums by thread): every worker runs its replica's backward
 with the caller's count, as the serial backward runs it (not the share of a forward). The price: K
 teams of the caller's threads share the cores. :func:`set_parallel_backward_threads` (``"share"``)
-runs each with its forward's share instead (the caller's count divided among them): faster (measured in
+runs each with its forward's share instead (the caller's count divided among them): 4 to 10% faster
+steps at 2 CPU replicas on 2 cores, 4 to 8% at 4 (`python benchmarks/bench_cpu_replicas.py --rounds 10`,
 BENCHMARKS.md, "The parallel backward's thread count"), the gradients then equal to the serial ones
 only up to float rounding.
 
@@ -198,8 +199,9 @@ _grad_fn = attrgetter("grad_fn")
 
 # The entries each replica's tensors came through, as replicate bound them (minidp.step2_replicate.bind),
 # so that a forward finds them at once instead of walking the replica's tree (on a deep model the walk was
-# the largest part of a cached forward: `python -m cProfile -s tottime -m minidp bench --only forward`). A stale list is safe: an entry missing from it makes the region's walk
-# end outside the replica (the replicas' backwards then stay serial), an extra one receives no gradient.
+# the largest part of a cached forward: `python -m cProfile -s tottime -m minidp bench --only forward`).
+# A stale list is safe: an entry missing from it makes the region's walk end outside the replica (the
+# replicas' backwards then stay serial), an extra one receives no gradient.
 _bound_entries: "weakref.WeakKeyDictionary[torch.nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
 
 

@@ -85,9 +85,10 @@ def buffers_restored_on_failure(module: nn.Module) -> Iterator[None]:
     Replica 0 shares the original's buffers, so its BatchNorm updates land in them during the step
     (stock's behaviour: the running statistics come from chunk 0). If another replica then fails,
     stock keeps replica 0's half of the step. Here the buffers are copied before the replicas run (a
-    clone of each, all made by one ``_foreach_clone``), and on an exception every buffer is written back from the copy (all of them:
-    BatchNorm's kernel updates its running statistics without moving their version counters). On
-    success nothing more happens, and the buffers are the very tensors stock would leave.
+    clone of each, all made by one ``_foreach_clone``), and on an exception every buffer is written
+    back from the copy (all of them: BatchNorm's kernel updates its running statistics without moving
+    their version counters). On success nothing more happens, and the buffers are the very tensors
+    stock would leave.
     """
     buffers = [b for b in module.buffers() if not b.requires_grad]  # buffers in autograd reach replica 0 as copies
     if not buffers:

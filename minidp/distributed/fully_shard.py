@@ -43,8 +43,8 @@ The steps, and where each lives:
    without ``async_op``); minidp does the same
    (``ShardGroup.overlap``), because overlap there costs memory: a reduce-scatter left running
    keeps its full-size input, its output and Gloo's work on it alive through the next group's
-   backward, which made a step add more memory than FSDP2's (measured with overlap, before this choice:
-   BENCHMARKS.md, "Sharding"). What
+   backward, which made a step add 1.56x and 1.37x the memory FSDP2's adds (measured with overlap, before
+   this choice: ``python benchmarks/bench_fsdp.py --rounds 16``, BENCHMARKS.md, "Sharding"). What
    waiting costs: Gloo's transfer no longer hides behind the next group's compute on the CPU.
    The arithmetic is the same either way (only when each wait happens changes), so training stays
    bitwise equal to FSDP2.
