@@ -1,6 +1,6 @@
 """What tracing costs: one training step of the demo CNN with and without ``minidp.trace()``.
 
-    python benchmarks/trace_overhead.py [--steps 30] [--batch 256] [--replicas 4] [--ledger]
+    python benchmarks/trace_overhead.py [--steps 30] [--batch 256] [--replicas 4] [--ledger] [--rss-reads]
 
 Traced and untraced steps alternate, so both see the same machine; the medians are compared as a
 ratio. Also measured: what an instrumented primitive costs with no tracer active (the flag check).
@@ -10,11 +10,15 @@ counts every allocation), and, for comparison, the step under ``torch.profiler.p
 record_shapes=True, with_stack=True)`` followed by the analysis behind its memory timeline
 (``torch.profiler._memory_profiler.MemoryProfile``), which sees only the calling thread's allocations; and
 what the ledger costs per operator, on a small ``torch.add`` watched and not, alternating.
+
+``--rss-reads`` times the two ways the trace can read the process's peak resident memory at its end, each right
+after an untraced step, alternating: the ``VmHWM`` line of ``/proc/self/status`` and ``getrusage``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 import timeit
@@ -25,7 +29,7 @@ from torch.profiler._memory_profiler import MemoryProfile
 
 import minidp
 from minidp.hooks import observed
-from minidp.tracing.memory import AllocationLedger
+from minidp.tracing.memory import AllocationLedger, PeakResidentMemory
 from minidp.zoo import ZOO
 
 
@@ -36,6 +40,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--ledger", action="store_true",
                         help="also time minidp.trace(ledger=True) and torch's memory profile")
+    parser.add_argument("--rss-reads", action="store_true",
+                        help="also time the two reads of the peak resident memory, right after a step")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -87,6 +93,21 @@ def main() -> None:
             other = statistics.median(t[index] for t in times[name])
             print(f"{clock:>4} time per step: tracing off {plain * 1e3:.2f} ms, {name} {other * 1e3:.2f} ms (median): "
                   f"overhead {(other / plain - 1) * 100:+.1f}%")
+
+    if args.rss_reads:
+        reads = {"/proc/self/status": functools.partial(PeakResidentMemory._status, "VmHWM"),
+                 "getrusage": PeakResidentMemory._max_resident}
+        spent: dict[str, list[tuple[float, float]]] = {name: [] for name in reads}
+        for _ in range(args.steps):
+            for name, read in reads.items():
+                step()
+                start, cpu_start = time.perf_counter(), time.thread_time()
+                read()
+                spent[name].append((time.perf_counter() - start, time.thread_time() - cpu_start))
+        for name, values in spent.items():
+            wall, cpu = (statistics.median(v) for v in zip(*values))
+            print(f"reading the peak resident memory through {name} right after a step: {wall * 1e6:.0f} us wall, "
+                  f"{cpu * 1e6:.0f} us CPU of the reading thread (median)")
 
     if args.ledger:  # the ledger's cost per operator, away from the step's noise: a small add, watched or not
         print(f"the ledger's cost per operator: {ledger_cost_per_operator() * 1e6:.1f} us (torch.add on 4 floats)")

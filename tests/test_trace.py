@@ -14,7 +14,7 @@ import minidp
 from minidp.tracing import STAGE_COLOURS, STAGES, write_trace_artifacts
 from minidp.zoo import ZOO, ResNetBlockBN
 
-from .helpers import cpu_ids
+from .helpers import cpu_ids, fresh_python
 
 REPLICAS = 3
 
@@ -134,6 +134,42 @@ def test_cpu_memory_peak_sees_memory_held_only_inside_the_step():
         del block
     (cpu,) = [peak for peak in step.memory if peak.device == "cpu"]
     assert cpu.bytes >= 60 * 2**20
+
+
+# The trace reads its end through getrusage, whose ru_maxrss also keeps what the process's previous program held
+# before exec-ing this one (minidp/tracing/memory.py, PeakResidentMemory): that figure must not pass for the step's.
+_TRACED_AFTER_EXEC = """
+import torch, minidp
+with minidp.trace() as step:
+    block = torch.ones(16 * 2**20 // 4)
+    del block
+print([peak.bytes for peak in step.memory if peak.device == "cpu"][0])
+"""
+_EXEC_FROM_A_LARGER_PROGRAM = f"""
+import os, sys
+block = b"1" * 2**30  # 1 GiB written, so resident, in the program that exec-s the traced one
+os.execv(sys.executable, [sys.executable, "-c", {_TRACED_AFTER_EXEC!r}])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU peak is the kernel's RSS high-water mark")
+def test_cpu_memory_peak_is_not_the_peak_of_the_program_that_exec_ed_this_one():
+    done = fresh_python("-c", _EXEC_FROM_A_LARGER_PROGRAM)
+    assert done.returncode == 0, done.stderr
+    peak = int(done.stdout.split()[-1])
+    assert 15 * 2**20 <= peak < 128 * 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU peak is the kernel's RSS high-water mark")
+def test_cpu_memory_peak_falls_back_to_the_status_file_where_getrusage_cannot_serve(monkeypatch):
+    from minidp.tracing.memory import PeakResidentMemory
+
+    monkeypatch.setattr(PeakResidentMemory, "_max_resident", staticmethod(lambda: 2**50))  # as after a giant's exec
+    with minidp.trace() as step:
+        block = torch.ones(64 * 2**20 // 4)
+        del block
+    (cpu,) = [peak for peak in step.memory if peak.device == "cpu"]
+    assert 60 * 2**20 <= cpu.bytes < 2**40
 
 
 def test_chrome_trace_loads_and_has_complete_events_on_one_track_per_replica(cnn_step, tmp_path):
