@@ -161,10 +161,29 @@ def test_cpu_memory_peak_is_not_the_peak_of_the_program_that_exec_ed_this_one():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU peak is the kernel's RSS high-water mark")
+def test_cpu_memory_peak_read_through_getrusage_alone_sees_memory_held_only_inside_the_step(monkeypatch):
+    from minidp.tracing.memory import PeakResidentMemory
+
+    def no_status_file(field):
+        raise AssertionError("the status file was read")
+
+    # As in a process whose previous program is known to have held less than now (a forked child's figure is 0).
+    monkeypatch.setattr(PeakResidentMemory, "_least_max_resident", 0)
+    monkeypatch.setattr(PeakResidentMemory, "_status", staticmethod(no_status_file))
+    with minidp.trace() as step:
+        block = torch.ones(64 * 2**20 // 4)
+        del block
+    (cpu,) = [peak for peak in step.memory if peak.device == "cpu"]
+    assert 60 * 2**20 <= cpu.bytes < 2**40
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU peak is the kernel's RSS high-water mark")
 def test_cpu_memory_peak_falls_back_to_the_status_file_where_getrusage_cannot_serve(monkeypatch):
     from minidp.tracing.memory import PeakResidentMemory
 
-    monkeypatch.setattr(PeakResidentMemory, "_max_resident", staticmethod(lambda: 2**50))  # as after a giant's exec
+    # As in a process exec-ed from a giant: every ru_maxrss read is the giant's figure.
+    monkeypatch.setattr(PeakResidentMemory, "_least_max_resident", None)
+    monkeypatch.setattr(PeakResidentMemory, "_max_resident", staticmethod(lambda: 2**50))
     with minidp.trace() as step:
         block = torch.ones(64 * 2**20 // 4)
         del block

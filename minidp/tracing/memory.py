@@ -102,15 +102,22 @@ class PeakResidentMemory:
     sampled, and costs nothing while the step runs. Elsewhere (or where the reset is refused) there is
     no CPU figure.
 
-    The end reads the same mark through ``getrusage`` (``ru_maxrss``), a system call, where it can: in a
-    process with torch's threads, reading ``/proc/self/status`` costs 100 to 500 us of the traced step, and
-    ``getrusage`` 20 us (`python benchmarks/trace_overhead.py --rss-reads`). ``ru_maxrss`` is the larger of
-    the mark and what the process's previous program held before it ``exec``-ed this one (the kernel keeps
-    that in the process's signal state, untouched by the reset), and it reads the current RSS from the
-    kernel's per-CPU counters without summing them. So it serves only where, right after the reset, it reads
-    no more than the exact mark plus those counters' slack (then the previous program held less, and the
-    peak is off by at most that slack); else the end reads the status file too.
+    Both ends read the same mark through ``getrusage`` (``ru_maxrss``), a system call, where they can: the
+    first read of ``/proc/self/status`` after a step costs hundreds of microseconds, ``getrusage`` 20 to 30
+    (`python benchmarks/trace_overhead.py --rss-reads`). ``ru_maxrss`` is the larger of the mark and what
+    the process's previous program held before it ``exec``-ed this one (the kernel keeps that figure in the
+    process's signal state, untouched by the reset, and changes it only at an ``exec``), and it reads the
+    current RSS from the kernel's per-CPU counters without summing them. So:
+
+    * every ``ru_maxrss`` ever read bounds the previous program's figure from above; a start that reads more
+      than the least of them read the mark itself, and the trace uses ``getrusage`` at both ends;
+    * otherwise the start reads the exact mark from the status file, and the end uses ``getrusage`` only if,
+      right after the reset, it read no more than that mark plus the counters' slack (the previous program
+      then held less, and the peak is off by at most that slack); else the end reads the status file too.
     """
+
+    # The least ru_maxrss read in this process: the previous program's figure is at most this.
+    _least_max_resident: Optional[int] = None
 
     def __init__(self) -> None:
         self.start_bytes: Optional[int] = None
@@ -139,6 +146,14 @@ class PeakResidentMemory:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
     @staticmethod
+    def _noted(max_resident: int) -> int:
+        """``max_resident``, kept if it is the least ``ru_maxrss`` read so far."""
+        least = PeakResidentMemory._least_max_resident
+        if least is None or max_resident < least:
+            PeakResidentMemory._least_max_resident = max_resident
+        return max_resident
+
+    @staticmethod
     def _counter_slack() -> int:
         """Bytes the per-CPU counters of an RSS may hold not yet added in, which the status file sums and
         getrusage does not: the kernel's percpu_counter_batch pages, max(32, 2 x CPUs), on every CPU."""
@@ -152,7 +167,10 @@ class PeakResidentMemory:
                 os.write(clear_refs, b"5")
             finally:
                 os.close(clear_refs)
-            max_resident = self._max_resident()
+            max_resident = self._noted(self._max_resident())
+            if max_resident > PeakResidentMemory._least_max_resident:  # more than the previous program held: the mark
+                self.start_bytes, self._getrusage_serves = max_resident, True
+                return
             # The start is the mark the reset left, read back from the same counter as the peak: the RSS read
             # elsewhere (statm) can run ahead of the mark the kernel keeps, and the peak then read below it.
             self.start_bytes = self._status("VmHWM")
@@ -164,7 +182,7 @@ class PeakResidentMemory:
     def peak_above_start(self) -> Optional[int]:
         if self.start_bytes is None:
             return None
-        end = self._max_resident() if self._getrusage_serves else self._status("VmHWM")
+        end = self._noted(self._max_resident()) if self._getrusage_serves else self._status("VmHWM")
         return max(end - self.start_bytes, 0)
 
 
