@@ -11,7 +11,7 @@ Something listens when
 * ``torch.profiler`` is recording: every stage then shows in its trace as ``minidp::<stage>``, and,
   once CUDA is in use, as an NVTX range of the same name for Nsight Systems.
 
-A listener is any object with the two methods of :class:`Listener`. It receives the primitive's own
+A listener is any object with the three methods of :class:`Listener`. It receives the primitive's own
 arguments as Python binds them (``inspect.Signature.bind``), runs the call itself (so it can time it)
 and returns its result unchanged.
 """
@@ -35,6 +35,9 @@ class Listener(Protocol):
 
     def on_replica(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         """Run ``call()``, replica ``replica``'s forward on ``device``, and return its result."""
+
+    def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
+        """Run ``call()``, the backward of replica ``replica`` (``module``) as one call, and return its result."""
 
 
 _listener: Optional[Listener] = None
@@ -130,3 +133,16 @@ def observe_replica(replica: int, device: torch.device, module: Any, call: Calla
         if listener is None:
             return call()
         return listener.on_replica(replica, device, module, call)
+
+
+def observe_replica_backward(replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
+    """``call()``, the whole backward of replica ``replica`` (``module``) on ``device``, seen as the ``backward``
+    stage: where one call runs it (:mod:`minidp.parallel_backward`); elsewhere autograd runs a replica's backward
+    node by node, and a listener sees it through autograd's hooks."""
+    listener = _listener
+    if listener is None and not _profiler._is_profiler_enabled:
+        return call()
+    with _ranges("backward"):
+        if listener is None:
+            return call()
+        return listener.on_replica_backward(replica, device, module, call)

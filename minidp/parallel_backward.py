@@ -240,8 +240,9 @@ def entries_of(module: Any, inputs: Sequence[torch.Tensor]) -> list[Any]:
     return list(found.values())
 
 
-Runner = Callable[[Sequence[Callable[[], Any]]], list[Any]]
-"""Runs one call per replica, replica i's in its worker thread; the results in order; an error names the replica."""
+Runner = Callable[[Sequence[Callable[[], Any]], bool], list[Any]]
+"""Runs one call per replica, replica i's in its worker thread (or, told ``True``, all in this thread, one after the
+other); the results in order; an error names the replica."""
 
 
 class _Spec:
@@ -292,7 +293,7 @@ class ParallelBackward(torch.autograd.Function):
 
             calls.append(call)
         # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph.
-        results = [call() for call in calls] if create_graph else ctx.run(calls)
+        results = ctx.run(calls, create_graph)
         return (None, *(g for replica in results for g in replica))
 
 

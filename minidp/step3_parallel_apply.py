@@ -38,7 +38,7 @@ from torch import nn
 
 from . import parallel_backward
 from .device_ids import DeviceLike, as_devices
-from .hooks import observe_replica
+from .hooks import observe_replica, observe_replica_backward
 from .nested import is_per_replica, map_tensors, tensors_in
 from .replica_group import ReplicaGroup
 
@@ -314,7 +314,7 @@ def parallel_apply(
                     tensor.record_stream(current)
     _reraise_first_failure(results, devices, "forward")
     if cut and all(r is not None for r in regions):
-        aliases = parallel_backward.join(regions, functools.partial(_run_backwards, devices))
+        aliases = parallel_backward.join(regions, functools.partial(_run_backwards, modules, devices))
         if aliases is not None:
             replaced = iter(aliases)
             results = [map_tensors(lambda t: next(replaced) if t.requires_grad else t, r) for r in results]
@@ -329,21 +329,27 @@ def _enter_replica(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict,
     return args, kwargs, parallel_backward.entries_of(module, entered)
 
 
-def _run_backwards(devices: Sequence[torch.device], calls: Sequence[Callable[[], Any]]) -> list[Any]:
+def _run_backwards(
+    modules: Sequence[Any], devices: Sequence[torch.device], calls: Sequence[Callable[[], Any]], in_this_thread: bool
+) -> list[Any]:
     """Replica i's backward ``calls[i]()`` in its worker thread, in the caller's state; an error re-raised
-    naming the replica, once every replica is done.
+    naming the replica, once every replica is done. ``in_this_thread``: one after the other in this thread
+    (the gradients of a ``create_graph=True`` backward must be recorded in its graph). Each call is seen by a
+    listener of :mod:`minidp.hooks` as that replica's backward.
 
     By default each backward runs with the caller's whole intra-op thread count, unlike a forward: the
     count that autograd's serial backward runs every replica's kernels with, so that they split their
     work, and round their sums, as there (gradients bit for bit the same). The cost: K teams of intra-op
     threads share the cores. With ``set_parallel_backward_threads("share")``, each runs with its forward's share.
     """
+    if in_this_thread:
+        return [observe_replica_backward(i, devices[i], modules[i], call) for i, call in enumerate(calls)]
     # One replica's worth (the caller's whole count, set in every worker), or each its forward's share.
     caller = _CallerState(1 if parallel_backward.get_parallel_backward_threads() == "caller" else len(calls))
 
     def run(i: int) -> Any:
         with caller.enter(devices[i], None):
-            return calls[i]()
+            return observe_replica_backward(i, devices[i], modules[i], calls[i])
 
     results = _in_workers([functools.partial(run, i) for i in range(len(calls))], caller)
     _reraise_first_failure(results, devices, "backward")

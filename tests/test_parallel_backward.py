@@ -144,6 +144,57 @@ def test_the_tracer_shows_each_replica_backward_on_its_own_track_from_its_own_th
     assert threads[0] == threading.current_thread().name and len(set(threads.values())) == 3
 
 
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+def test_the_tracer_counts_each_replica_backward_gradients_whichever_way_it_ran(generator, parallel):
+    # Parallel: the span is the replica's one backward call; serial with entries: a pre-hook on its entry node.
+    model = minidp.DataParallel(SmallCNN(), cpu_ids(3))
+    previous = minidp.set_parallel_backward(parallel)
+    try:
+        with minidp.trace() as step:
+            output = model(_images(generator, 12))
+            output.sum().backward()
+    finally:
+        minidp.set_parallel_backward(previous)
+    assert _in_parallel(output) == parallel
+    backwards = {e.replica: e for e in step.events if e.stage == "backward"}
+    reduce_start = min(e.start for e in step.events if e.stage == "reduce")
+    assert sorted(backwards) == [0, 1, 2]
+    for e in backwards.values():
+        assert e.detail == "6 gradients at its end"  # SmallCNN's 6 parameters; its input needs no gradient
+        assert e.end <= reduce_start  # the reduction waits for every replica's gradients
+
+
+def test_a_replica_backward_that_captured_a_tensor_from_outside_is_traced_to_its_last_parameter(generator):
+    # The captured tensor keeps the replicas' backwards serial: their entry nodes run, and their pre-hooks end the span.
+    scale = torch.randn(3, generator=generator, requires_grad=True)
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.linear(x) * scale
+
+    with minidp.trace() as step:
+        output = minidp.DataParallel(Scaled(), cpu_ids(2))(torch.randn(4, 4, generator=generator))
+        output.sum().backward()
+    assert not _in_parallel(output)
+    backwards = {e.replica: e for e in step.events if e.stage == "backward"}
+    reduce_start = min(e.start for e in step.events if e.stage == "reduce")
+    assert sorted(backwards) == [0, 1]
+    assert all(e.detail == "2 gradients at its end" and e.end <= reduce_start for e in backwards.values())
+
+
+def test_each_replica_backward_shows_in_torch_profiler(generator):
+    model = minidp.DataParallel(SmallCNN(), cpu_ids(2))
+    with torch.profiler.profile() as profile:  # it records the calling thread: replica 0's backward runs there
+        output = model(_images(generator, 8))
+        output.sum().backward()
+    assert _in_parallel(output)
+    assert "minidp::backward" in {item.key for item in profile.key_averages()}
+
+
 def test_hooks_on_replica_modules_inputs_and_parameters_fire_once_each(generator):
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     fired = {"module": 0, "original parameter": 0}

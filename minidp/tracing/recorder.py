@@ -18,7 +18,7 @@ What each event measures (``Event.bytes`` is always "bytes written to fresh memo
 | replicate | replica       | the whole call, on the calling thread  | parameters and buffers copied for replica i (parameters on their own device are aliased: 0; buffers of replicas 1.. are private clones) |
 | forward   | replica       | replica i's call, in its thread        | -                                              |
 | gather    | replica       | the whole call, on the calling thread  | replica i's outputs copied into the gathered output |
-| backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters (autograd hooks) | - |
+| backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters (autograd hooks), or replica i's backward call where it is one (CPU replicas in parallel) | - |
 | reduce    | replica       | the whole call (run by autograd in the backward of replicate) | replica i's gradients summed into the original parameters |
 
 Scatter, replicate, gather and reduce are one call on one thread that serves every replica, so
@@ -30,7 +30,9 @@ spans overlap, interleaving their nodes.
 
 The backward of replica i is stitched from two ends without any shared state between the steps:
 the replicate call names the replica modules it made (their parameters' gradients end the span),
-and each forward names the replica module it ran (its outputs' gradients start the span).
+and each forward names the replica module it ran (its outputs' gradients start the span). Where
+:mod:`minidp.parallel_backward` runs a replica's backward as one call in its thread, that call is
+announced (``minidp.hooks.observe_replica_backward``) and is the span.
 
 Times: ``time.perf_counter`` on the host; replicas on a GPU (forward, backward) and reductions onto
 a GPU are timed with CUDA events on the stream they run on. Host-side steps on a GPU measure the
@@ -93,12 +95,14 @@ class _Closed:
 
 @dataclass
 class _Mark:
-    """One autograd hook firing: when a gradient reached a replica's output or parameter."""
+    """When gradients reached a replica's output or parameters: an autograd hook firing, or a replica's backward
+    call starting or returning."""
 
     host: float
     cuda: Optional["torch.cuda.Event"]
     device: torch.device
     thread: threading.Thread
+    gradients: int = 1  # how many gradients the mark stands for
 
 
 @dataclass
@@ -205,14 +209,43 @@ class Trace:
             self._watch([t for _, t in describers.tensors_in(output) if t.requires_grad], backward.start)
         return output
 
+    def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
+        backward = self._backward_of.get(id(module))
+        if backward is None:  # a replica this trace did not see made
+            return call()
+        start = self._mark(device)
+        gradients = call()
+        backward.start.append(start)
+        backward.end.append(self._mark(device, sum(g is not None for g in gradients)))
+        return gradients
+
     def watch_replicas(self, replicas: Sequence[Any], parameters: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Replicate made ``replicas``; the last gradient of ``parameters[i]`` ends replica i's backward."""
+        """Replicate made ``replicas``; the last gradient of ``parameters[i]`` ends replica i's backward.
+
+        Where one replica's parameters are all made by autograd nodes of their own (the entries of
+        :mod:`minidp.parallel_backward`, or replicate's node when there is one replica), one pre-hook per
+        node marks the end: it runs when the node has all its gradients. Elsewhere (one node makes every
+        replica's parameters) a hook on each parameter does. Every Python hook costs the backward a turn
+        of the interpreter's lock, which CPU replicas running their backwards in parallel contend for:
+        a hook on each parameter cost 2 to 3% of the demo's step (`python benchmarks/trace_overhead.py`).
+        A node whose backward a replica runs in one call (:meth:`on_replica_backward`) does not run at all.
+        """
+        users: dict[int, set[int]] = {}  # id(node) -> the replicas whose parameters it makes
+        for index, params in enumerate(parameters):
+            for param in params:
+                if param.grad_fn is not None:
+                    users.setdefault(id(param.grad_fn), set()).add(index)
         for index, (module, params) in enumerate(zip(replicas, parameters)):
             backward = _Backward(index)
             with self._lock:
                 self._backwards.append(backward)
                 self._backward_of[id(module)] = backward
-            self._watch(params, backward.end)
+            nodes = {id(p.grad_fn): p.grad_fn for p in params}
+            if params and all(node is not None and users[key] == {index} for key, node in nodes.items()):
+                for node in nodes.values():
+                    node.register_prehook(self._end_of(backward.end))
+            else:
+                self._watch(params, backward.end)
 
     def ledger(self) -> list[LedgerRow]:
         """Per device and per replica: the most memory the step held, and what it was made of, counted from
@@ -275,14 +308,28 @@ class Trace:
 
     # -- backward, seen through autograd hooks -------------------------------------------------------
 
+    def _mark(self, device: torch.device, gradients: int = 1) -> _Mark:
+        """Now, in this thread (and on ``device``'s stream, for a GPU): the least it can, names made in __exit__."""
+        cuda = self._cuda_event(device) if device.type == "cuda" else None
+        return _Mark(time.perf_counter() - self._origin, cuda, device, threading.current_thread(), gradients)
+
     def _watch(self, tensors: Sequence[torch.Tensor], marks: list[_Mark]) -> None:
-        def hook(grad: torch.Tensor) -> None:  # runs in the backward: the least it can, names made in __exit__
+        def hook(grad: torch.Tensor) -> None:
             if hooks.current_listener() is self:
-                cuda = self._cuda_event(grad.device) if grad.is_cuda else None
-                marks.append(_Mark(time.perf_counter() - self._origin, cuda, grad.device, threading.current_thread()))
+                marks.append(self._mark(grad.device))
 
         for tensor in tensors:
             tensor.register_hook(hook)
+
+    def _end_of(self, marks: list[_Mark]) -> Callable[[tuple], None]:
+        """A pre-hook for a node that makes a replica's parameters: marks when their gradients are all in."""
+
+        def prehook(grads: tuple) -> None:
+            arrived = [g for g in grads if g is not None]
+            if arrived and hooks.current_listener() is self:
+                marks.append(self._mark(arrived[0].device, len(arrived)))
+
+        return prehook
 
     def _finish_backward(self) -> None:
         def when(mark: _Mark) -> float:
@@ -295,7 +342,7 @@ class Trace:
             start, end = when(first), max(when(m) for m in backward.end)
             self._events.append(
                 Event("backward", backward.replica, str(first.device), start, max(end - start, 0.0), 0,
-                      first.thread.name, f"{len(backward.end)} parameter gradients")
+                      first.thread.name, f"{sum(m.gradients for m in backward.end)} gradients at its end")
             )
 
     # -- views (minidp/tracing/views.py) --------------------------------------------------------------
