@@ -225,10 +225,11 @@ class Trace:
         Where one replica's parameters are all made by autograd nodes of their own (the entries of
         :mod:`minidp.parallel_backward`, or replicate's node when there is one replica), one pre-hook per
         node marks the end: it runs when the node has all its gradients. Elsewhere (one node makes every
-        replica's parameters) a hook on each parameter does. Every Python hook costs the backward a turn
-        of the interpreter's lock, which CPU replicas running their backwards in parallel contend for:
-        a hook on each parameter cost 2 to 3% of the demo's step (`python benchmarks/trace_overhead.py`).
-        A node whose backward a replica runs in one call (:meth:`on_replica_backward`) does not run at all.
+        replica's parameters) a hook on each parameter does. Why not always on each parameter: every
+        Python hook costs the backward a turn of the interpreter's lock, which CPU replicas running their
+        backwards in parallel contend for, and a hook on a parameter fires even where its replica's
+        backward is one call (:meth:`on_replica_backward`, which marks both ends), whose entry nodes
+        never run.
         """
         users: dict[int, set[int]] = {}  # id(node) -> the replicas whose parameters it makes
         for index, params in enumerate(parameters):
