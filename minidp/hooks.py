@@ -126,23 +126,22 @@ def observed(stage: str) -> Callable[[Callable], Callable]:
 
 def observe_replica(replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
     """``call()``, replica ``replica``'s forward on ``device``, seen as the ``forward`` stage."""
-    listener = _listener
-    if listener is None and not _profiler._is_profiler_enabled:
-        return call()
-    with _ranges("forward"):
-        if listener is None:
-            return call()
-        return listener.on_replica(replica, device, module, call)
+    return _observe_replica("forward", replica, device, module, call)
 
 
 def observe_replica_backward(replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
     """``call()``, the whole backward of replica ``replica`` (``module``) on ``device``, seen as the ``backward``
     stage: where one call runs it (:mod:`minidp.parallel_backward`); elsewhere autograd runs a replica's backward
     node by node, and a listener sees it through autograd's hooks."""
+    return _observe_replica("backward", replica, device, module, call)
+
+
+def _observe_replica(stage: str, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
     listener = _listener
     if listener is None and not _profiler._is_profiler_enabled:
         return call()
-    with _ranges("backward"):
+    with _ranges(stage):
         if listener is None:
             return call()
-        return listener.on_replica_backward(replica, device, module, call)
+        on_stage = listener.on_replica if stage == "forward" else listener.on_replica_backward
+        return on_stage(replica, device, module, call)
