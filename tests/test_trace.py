@@ -167,7 +167,7 @@ def test_cpu_memory_peak_read_through_getrusage_alone_sees_memory_held_only_insi
     def no_status_file(field):
         raise AssertionError("the status file was read")
 
-    # As in a process whose previous program is known to have held less than now (a forked child's figure is 0).
+    # As in a process whose earlier ru_maxrss readings show its previous program held less than it holds now.
     monkeypatch.setattr(PeakResidentMemory, "_least_max_resident", 0)
     monkeypatch.setattr(PeakResidentMemory, "_status", staticmethod(no_status_file))
     with minidp.trace() as step:
