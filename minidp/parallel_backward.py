@@ -241,8 +241,8 @@ def entries_of(module: Any, inputs: Sequence[torch.Tensor]) -> list[Any]:
 
 
 Runner = Callable[[Sequence[Callable[[], Any]], bool], list[Any]]
-"""Runs one call per replica, replica i's in its worker thread (or, told ``True``, all in this thread, one after the
-other); the results in order; an error names the replica."""
+"""Runs one call per replica, replica i's in its worker thread (or, told ``True``, all in this thread, one after
+the other); the results in order; an error names the replica."""
 
 
 class _Spec:

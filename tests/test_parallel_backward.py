@@ -146,7 +146,7 @@ def test_the_tracer_shows_each_replica_backward_on_its_own_track_from_its_own_th
 
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
 def test_the_tracer_counts_each_replica_backward_gradients_whichever_way_it_ran(generator, parallel):
-    # Parallel: the span is the replica's one backward call; serial with entries: a pre-hook on its entry node.
+    # Parallel: the span is the replica's backward call; serial (no entries): a hook on each replica parameter.
     model = minidp.DataParallel(SmallCNN(), cpu_ids(3))
     previous = minidp.set_parallel_backward(parallel)
     try:

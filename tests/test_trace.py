@@ -12,6 +12,7 @@ from torch import nn
 
 import minidp
 from minidp.tracing import STAGE_COLOURS, STAGES, write_trace_artifacts
+from minidp.tracing.memory import PeakResidentMemory
 from minidp.zoo import ZOO, ResNetBlockBN
 
 from .helpers import cpu_ids, fresh_python
@@ -162,8 +163,6 @@ def test_cpu_memory_peak_is_not_the_peak_of_the_program_that_exec_ed_this_one():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU peak is the kernel's RSS high-water mark")
 def test_cpu_memory_peak_read_through_getrusage_alone_sees_memory_held_only_inside_the_step(monkeypatch):
-    from minidp.tracing.memory import PeakResidentMemory
-
     def no_status_file(field):
         raise AssertionError("the status file was read")
 
@@ -179,8 +178,6 @@ def test_cpu_memory_peak_read_through_getrusage_alone_sees_memory_held_only_insi
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU peak is the kernel's RSS high-water mark")
 def test_cpu_memory_peak_falls_back_to_the_status_file_where_getrusage_cannot_serve(monkeypatch):
-    from minidp.tracing.memory import PeakResidentMemory
-
     # As in a process exec-ed from a giant: every ru_maxrss read is the giant's figure.
     monkeypatch.setattr(PeakResidentMemory, "_least_max_resident", None)
     monkeypatch.setattr(PeakResidentMemory, "_max_resident", staticmethod(lambda: 2**50))

@@ -123,10 +123,11 @@ class PeakResidentMemory:
         self.start_bytes: Optional[int] = None
         self._getrusage_serves = False
 
-    # Both files through bare file descriptors: a traced step opens them three times, and Python's buffered file
-    # objects cost more than the kernel's answer: status 33 us against 18 us (`python -m timeit "open('/proc/self/status',
-    # 'rb').read()"` against `python -m timeit -s "import os" "f = os.open('/proc/self/status', os.O_RDONLY);
-    # os.read(f, 1 << 16); os.close(f)"`), clear_refs 25 us against 7 us (the same with a write of 5).
+    # Both files through bare file descriptors: a traced step opens them up to three times, and Python's buffered
+    # file objects cost more than the kernel's answer: status 33 us against 18 us (`python -m timeit
+    # "open('/proc/self/status', 'rb').read()"` against `python -m timeit -s "import os" "f =
+    # os.open('/proc/self/status', os.O_RDONLY); os.read(f, 1 << 16); os.close(f)"`), clear_refs 25 us against 7 us
+    # (the same with a write of 5).
     @staticmethod
     def _status(field: str) -> int:
         status = os.open("/proc/self/status", os.O_RDONLY)
