@@ -106,14 +106,10 @@ class PeakResidentMemory:
     first read of ``/proc/self/status`` after a step costs hundreds of microseconds, ``getrusage`` 20 to 30
     (`python benchmarks/trace_overhead.py --rss-reads`). ``ru_maxrss`` is the larger of the mark and what
     the process's previous program held before it ``exec``-ed this one (the kernel keeps that figure in the
-    process's signal state, untouched by the reset, and changes it only at an ``exec``), and it reads the
-    current RSS from the kernel's per-CPU counters without summing them. So:
-
-    * every ``ru_maxrss`` ever read bounds the previous program's figure from above; a start that reads more
-      than the least of them read the mark itself, and the trace uses ``getrusage`` at both ends;
-    * otherwise the start reads the exact mark from the status file, and the end uses ``getrusage`` only if,
-      right after the reset, it read no more than that mark plus the counters' slack (the previous program
-      then held less, and the peak is off by at most that slack); else the end reads the status file too.
+    process's signal state, untouched by the reset, and changes it only at an ``exec``). So every
+    ``ru_maxrss`` ever read bounds the previous program's figure from above, and a start that reads more
+    than the least of them read the mark itself: the trace then uses ``getrusage`` at both ends. Otherwise
+    (a process's first trace, or a start below every earlier reading) both ends read the status file.
     """
 
     # The least ru_maxrss read in this process: the previous program's figure is at most this.
@@ -154,13 +150,6 @@ class PeakResidentMemory:
             PeakResidentMemory._least_max_resident = max_resident
         return max_resident
 
-    @staticmethod
-    def _counter_slack() -> int:
-        """Bytes the per-CPU counters of an RSS may hold not yet added in, which the status file sums and
-        getrusage does not: the kernel's percpu_counter_batch pages, max(32, 2 x CPUs), on every CPU."""
-        cpus = os.cpu_count() or 1
-        return max(32, 2 * cpus) * cpus * os.sysconf("SC_PAGE_SIZE")
-
     def start(self) -> None:
         try:
             clear_refs = os.open("/proc/self/clear_refs", os.O_WRONLY)
@@ -169,16 +158,13 @@ class PeakResidentMemory:
             finally:
                 os.close(clear_refs)
             max_resident = self._noted(self._max_resident())
-            if max_resident > PeakResidentMemory._least_max_resident:  # more than the previous program held: the mark
-                self.start_bytes, self._getrusage_serves = max_resident, True
-                return
-            # The start is the mark the reset left, read back from the same counter as the peak: the RSS read
-            # elsewhere (statm) can run ahead of the mark the kernel keeps, and the peak then read below it.
-            self.start_bytes = self._status("VmHWM")
+            # More than the previous program held: the mark itself. Else the mark the reset left, read back from
+            # the same counter as the peak: the RSS read elsewhere (statm) can run ahead of the mark the kernel
+            # keeps, and the peak then read below it.
+            self._getrusage_serves = max_resident > PeakResidentMemory._least_max_resident
+            self.start_bytes = max_resident if self._getrusage_serves else self._status("VmHWM")
         except (OSError, ValueError):
             self.start_bytes = None
-            return
-        self._getrusage_serves = max_resident <= self.start_bytes + self._counter_slack()
 
     def peak_above_start(self) -> Optional[int]:
         if self.start_bytes is None:
