@@ -18,7 +18,7 @@ What each event measures (``Event.bytes`` is always "bytes written to fresh memo
 | replicate | replica       | the whole call, on the calling thread  | parameters and buffers copied for replica i (parameters on their own device are aliased: 0; buffers of replicas 1.. are private clones) |
 | forward   | replica       | replica i's call, in its thread        | -                                              |
 | gather    | replica       | the whole call, on the calling thread  | replica i's outputs copied into the gathered output |
-| backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters (autograd hooks), or replica i's backward call where it is one (CPU replicas in parallel) | - |
+| backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters (autograd hooks), or to the return of replica i's backward call where it is one (CPU replicas in parallel) | - |
 | reduce    | replica       | the whole call (run by autograd in the backward of replicate) | replica i's gradients summed into the original parameters |
 
 Scatter, replicate, gather and reduce are one call on one thread that serves every replica, so
@@ -32,7 +32,7 @@ The backward of replica i is stitched from two ends without any shared state bet
 the replicate call names the replica modules it made (their parameters' gradients end the span),
 and each forward names the replica module it ran (its outputs' gradients start the span). Where
 :mod:`minidp.parallel_backward` runs a replica's backward as one call in its thread, that call is
-announced (``minidp.hooks.observe_replica_backward``) and is the span.
+announced (``minidp.hooks.observe_replica_backward``) and its return ends the span.
 
 Times: ``time.perf_counter`` on the host; replicas on a GPU (forward, backward) and reductions onto
 a GPU are timed with CUDA events on the stream they run on. Host-side steps on a GPU measure the
@@ -96,7 +96,7 @@ class _Closed:
 @dataclass
 class _Mark:
     """When gradients reached a replica's output or parameters: an autograd hook firing, or a replica's backward
-    call starting or returning."""
+    call returning."""
 
     host: float
     cuda: Optional["torch.cuda.Event"]
@@ -211,12 +211,9 @@ class Trace:
 
     def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         backward = self._backward_of.get(id(module))
-        if backward is None:  # a replica this trace did not see made
-            return call()
-        start = self._mark(device)
-        gradients = call()
-        backward.start.append(start)
-        backward.end.append(self._mark(device, sum(g is not None for g in gradients)))
+        gradients = call()  # its start: the hook on the replica's outputs fires as the call begins
+        if backward is not None:  # a replica this trace saw made
+            backward.end.append(self._mark(device, sum(g is not None for g in gradients)))
         return gradients
 
     def watch_replicas(self, replicas: Sequence[Any], parameters: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -228,7 +225,7 @@ class Trace:
         replica's parameters) a hook on each parameter does. Why not always on each parameter: every
         Python hook costs the backward a turn of the interpreter's lock, which CPU replicas running their
         backwards in parallel contend for, and a hook on a parameter fires even where its replica's
-        backward is one call (:meth:`on_replica_backward`, which marks both ends), whose entry nodes
+        backward is one call (:meth:`on_replica_backward`, which marks its end), whose entry nodes
         never run.
         """
         users: dict[int, set[int]] = {}  # id(node) -> the replicas whose parameters it makes
