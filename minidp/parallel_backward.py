@@ -29,10 +29,9 @@ order, so the gradients are the same, bit for bit, provided each kernel runs wit
 of intra-op threads (a kernel splits its sums by thread): every worker runs its replica's backward
 with the caller's count, as the serial backward runs it (not the share of a forward). The price: K
 teams of the caller's threads share the cores. :func:`set_parallel_backward_threads` (``"share"``)
-runs each with its forward's share instead (the caller's count divided among them): 4 to 10% faster
-steps at 2 CPU replicas on 2 cores, 4 to 8% at 4 (`python benchmarks/bench_cpu_replicas.py --rounds 10`,
-BENCHMARKS.md, "The parallel backward's thread count"), the gradients then equal to the serial ones
-only up to float rounding.
+runs each with its forward's share instead (the caller's count divided among them): 4 to 14% faster
+steps at 2 CPU replicas on 2 cores, 3 to 8% at 4 in five runs (`python benchmarks/bench_cpu_replicas.py
+--rounds 10`, BENCHMARKS.md), the gradients then equal to the serial ones only up to float rounding.
 
 Hooks fire once, where the gradient is made: a hook on a replica's parameter or input (the entry's
 outputs) fires in the replica's thread when its gradient is captured (the entry node itself never
