@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import sys
+import weakref
 
 import pytest
 import torch
@@ -102,6 +104,22 @@ def test_nothing_is_recorded_after_the_trace_ends(generator):
     count = len(step.events)
     minidp.DataParallel(model, cpu_ids(2))(torch.randn(4, 16, generator=generator)).sum().backward()
     assert len(step.events) == count
+
+
+def test_a_trace_of_a_training_loop_is_freed_once_the_caller_lets_go_of_it(generator):
+    # Each traced step holds its tensors until its events are read; a trace that outlived its last reference
+    # (a loop of hooks through autograd's nodes, which the garbage collector cannot see) kept them for good.
+    model = minidp.DataParallel(ZOO["cnn"].build(), cpu_ids(2))
+    inputs, _ = ZOO["cnn"].batch(8, generator)
+    traces = []
+    for _ in range(3):
+        with minidp.trace() as step:
+            model(*inputs).sum().backward()
+        assert step.events
+        traces.append(weakref.ref(step))
+        del step
+    gc.collect()
+    assert [trace() for trace in traces] == [None] * 3
 
 
 def test_traces_do_not_nest():

@@ -45,6 +45,7 @@ import functools
 import inspect
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -311,21 +312,30 @@ class Trace:
         cuda = self._cuda_event(device) if device.type == "cuda" else None
         return _Mark(time.perf_counter() - self._origin, cuda, device, threading.current_thread(), gradients)
 
+    # The hooks below reach the trace through a weak reference. A strong one would close a loop that Python's
+    # garbage collector cannot see, and so never breaks: the trace holds the step's tensors until its events are
+    # written (the replicas' parameters, their outputs), they hold the autograd nodes that made them, and a node
+    # holds its hooks in C++. Every traced step would then stay in memory for good, tensors and all.
     def _watch(self, tensors: Sequence[torch.Tensor], marks: list[_Mark]) -> None:
+        trace = weakref.ref(self)
+
         def hook(grad: torch.Tensor) -> None:
-            if hooks.current_listener() is self:
-                marks.append(self._mark(grad.device))
+            listening = trace()
+            if listening is not None and hooks.current_listener() is listening:
+                marks.append(listening._mark(grad.device))
 
         for tensor in tensors:
             tensor.register_hook(hook)
 
     def _end_of(self, marks: list[_Mark]) -> Callable[[tuple], None]:
         """A pre-hook for a node that makes a replica's parameters: marks when their gradients are all in."""
+        trace = weakref.ref(self)
 
         def prehook(grads: tuple) -> None:
             arrived = [g for g in grads if g is not None]
-            if arrived and hooks.current_listener() is self:
-                marks.append(self._mark(arrived[0].device, len(arrived)))
+            listening = trace()
+            if arrived and listening is not None and hooks.current_listener() is listening:
+                marks.append(listening._mark(arrived[0].device, len(arrived)))
 
         return prehook
 
