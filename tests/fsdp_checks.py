@@ -6,7 +6,9 @@ on the same data; each returns plain facts that tests/test_fully_shard.py assert
 from __future__ import annotations
 
 import copy
+import gc
 import sys
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -157,6 +159,24 @@ def shared_between_groups(seed: int) -> dict:
         except ValueError as error:
             errors[name] = str(error)
     return errors
+
+
+def freed_once_dropped(seed: int) -> dict:
+    """Train a model sharded by each for two steps, drop it and its optimizer: whether it is still alive."""
+    torch.manual_seed(seed)
+    alive = {}
+    for name, function in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
+        model = shard(Net(), function, True)
+        optimizer = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            model(torch.randn(4, 13)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        dropped = weakref.ref(model)
+        del model, optimizer
+        gc.collect()
+        alive[name] = dropped() is not None
+    return alive
 
 
 def mismatched_model(seed: int) -> str:

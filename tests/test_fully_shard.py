@@ -58,6 +58,7 @@ TWO_PROCESSES = {
     "already_wrapped": (checks.already_wrapped, {}),
     "shared_between_groups": (checks.shared_between_groups, {}),
     "mismatched_model": (checks.mismatched_model, {}),
+    "freed_once_dropped": (checks.freed_once_dropped, {}),
     "timeline_and_memory": (checks.timeline_and_memory, {}),
 }
 
@@ -191,6 +192,11 @@ def test_the_ledger_counts_the_storage_the_gathered_parameters_hold_mid_forward(
         assert result["gathered_mid_forward"]  # one record per forward of the sharded model
         for ledger, storage in result["gathered_mid_forward"]:
             assert ledger == storage > 0
+
+
+def test_a_sharded_model_is_freed_once_dropped_as_fsdp2s(two):
+    # A module-level registry of groups, keyed weakly by module, kept every sharded model alive: its value held the key.
+    assert each_rank(two, "freed_once_dropped") == [{"minidp": False, "fsdp2": False}] * 2
 
 
 # ---- bad input: the same clear error on every rank, never a hang ----------------------------------

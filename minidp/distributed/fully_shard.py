@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -363,7 +362,7 @@ class Iteration:
     def __init__(self, root: ShardGroup) -> None:
         self.groups: list[ShardGroup] = []
         for name, module in root.module.named_modules():
-            group = _GROUPS.get(module)
+            group = _group_of(module)
             if group is None or group in self.groups:
                 continue
             if group.iteration is not None:
@@ -449,7 +448,16 @@ class Iteration:
         self.post_forward_order = []
 
 
-_GROUPS: "weakref.WeakKeyDictionary[nn.Module, ShardGroup]" = weakref.WeakKeyDictionary()
+# A sharded module keeps its group in its own __dict__, so that the two live and die together. (A module-level
+# WeakKeyDictionary would keep both for good: its value, the group, holds the module that is its key.)
+_GROUP = "_minidp_shard_group"
+
+
+def _group_of(module: nn.Module) -> Optional[ShardGroup]:
+    """The group that ``fully_shard`` made of ``module``, if it was applied to it."""
+    return module.__dict__.get(_GROUP)
+
+
 # Set on a parameter that a fully_shard call replaced by shards (its name there): a module that still
 # holds it shares it with a sharded module.
 _SHARDED_AS = "_minidp_sharded_as"
@@ -462,7 +470,7 @@ def _managed_modules(module: nn.Module) -> list[nn.Module]:
     seen: set[int] = set()
 
     def visit(sub: nn.Module) -> None:
-        if sub is not module and sub in _GROUPS:
+        if sub is not module and _group_of(sub) is not None:
             return
         seen.add(id(sub))
         for child in sub.children():
@@ -477,7 +485,7 @@ def _managed_modules(module: nn.Module) -> list[nn.Module]:
 def _check_module(module: nn.Module) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if module in _GROUPS:
+    if _group_of(module) is not None:
         raise ValueError(
             f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
             f"(sub-modules first, then the root)")
@@ -562,7 +570,7 @@ def fully_shard(
         params.append(sharded)
     device = next(iter(devices)) if devices else torch.device("cpu")
     shard_group = ShardGroup(module, params, group, reshard_after_forward, device)
-    _GROUPS[module] = shard_group
+    setattr(module, _GROUP, shard_group)
     module.register_forward_pre_hook(shard_group.before_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(shard_group.after_forward)
     holders = {id(m): m for p in params for m, _ in [(p.module, p.name), *p.also_in]}
@@ -587,7 +595,7 @@ def sharded_groups(module: nn.Module) -> list[ShardGroup]:
     """The groups of ``module`` and its sub-modules (one per ``fully_shard`` call), outermost first."""
     groups = []
     for sub in module.modules():
-        group = _GROUPS.get(sub)
+        group = _group_of(sub)
         if group is not None and group not in groups:
             groups.append(group)
     return groups
@@ -600,7 +608,7 @@ def sharded_timeline(module: nn.Module) -> list[dict]:
     compute bar was hidden behind it), ``"copy-out"``, ``"forward"`` and ``"backward"`` (of one group;
     the root's spans its sub-modules'); ``bucket`` the group's index, ``group`` its module's name.
     :func:`minidp.distributed.chrome_trace` merges several ranks' into one trace."""
-    group = _GROUPS.get(module)
+    group = _group_of(module)
     if group is None or group.iteration is None:
         raise ValueError("sharded_timeline needs the root module fully_shard was applied to, after one forward")
     return sorted(group.iteration.events, key=lambda e: e["start"])
