@@ -3,7 +3,8 @@
     python benchmarks/trace_overhead.py [--steps 30] [--batch 256] [--replicas 4] [--ledger] [--rss-reads]
 
 Traced and untraced steps alternate, so both see the same machine; the medians are compared as a
-ratio. Also measured: what an instrumented primitive costs with no tracer active (the flag check).
+ratio, and so is each traced step with the untraced one of its round, whose median is printed with a 95% confidence
+interval (a slow drift of the machine's speed moves both steps of a round alike). Also measured: what an instrumented primitive costs with no tracer active (the flag check).
 
 ``--ledger`` adds two more kinds of step to the rotation: ``minidp.trace(ledger=True)`` (the memory ledger
 counts every allocation), and, for comparison, the step under ``torch.profiler.profile(profile_memory=True,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import statistics
 import time
 import timeit
@@ -91,8 +93,11 @@ def main() -> None:
         plain = statistics.median(t[index] for t in times["tracing off"])
         for name in list(kinds)[1:]:
             other = statistics.median(t[index] for t in times[name])
+            paired = [on[index] / off[index] - 1 for on, off in zip(times[name], times["tracing off"])]
+            middle, low, high = median_with_interval(paired)
             print(f"{clock:>4} time per step: tracing off {plain * 1e3:.2f} ms, {name} {other * 1e3:.2f} ms (median): "
-                  f"overhead {(other / plain - 1) * 100:+.1f}%")
+                  f"overhead {(other / plain - 1) * 100:+.1f}%; step by step (each against the untraced step of its "
+                  f"round): median {middle * 100:+.1f}%, 95% interval {low * 100:+.1f}% to {high * 100:+.1f}%")
 
     if args.rss_reads:
         reads = {"/proc/self/status": functools.partial(PeakResidentMemory._status, "VmHWM"),
@@ -121,6 +126,17 @@ def main() -> None:
     off = min(timeit.repeat(instrumented, number=n, repeat=7)) / n
     plain_call = min(timeit.repeat(bare, number=n, repeat=7)) / n
     print(f"an instrumented call with no tracer active: {(off - plain_call) * 1e9:.0f} ns more than the bare call")
+
+def median_with_interval(values: list[float]) -> tuple[float, float, float]:
+    """The median of ``values`` and a 95% confidence interval for it that assumes nothing of their distribution: the
+    order statistics whose ranks a fair coin's count of heads in ``len(values)`` tosses stays between 95% of the
+    time (the normal approximation, n/2 +- 1.96 sqrt(n)/2)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    spread = 0.98 * math.sqrt(n)
+    low, high = max(math.floor(n / 2 - spread), 0), min(math.ceil(n / 2 + spread), n - 1)
+    return statistics.median(ordered), ordered[low], ordered[high]
+
 
 def ledger_cost_per_operator(operators: int = 2000, rounds: int = 7) -> float:
     """Seconds one operator costs more while an AllocationLedger watches: best of ``rounds`` alternating rounds."""
