@@ -27,6 +27,9 @@ different order. The denominators, as ``torch`` defines them:
 * ``nn.MSELoss``, ``nn.L1Loss``, ``nn.BCEWithLogitsLoss``: the number of per-element losses
   (``weight`` and ``pos_weight`` scale the numerator only).
 
+The functions behind them, ``F.cross_entropy``, ``F.nll_loss``, ``F.mse_loss``, ``F.l1_loss`` and
+``F.binary_cross_entropy_with_logits``, passed as they are (called with their defaults), follow their class's rule.
+
 ``reduction="sum"``: the numerators alone. ``reduction="none"``: the per-element losses themselves,
 gathered along the batch dimension. Targets that are all ``ignore_index`` give ``nan`` for
 ``mean``, as ``torch`` does (0 / 0), with zero gradients. A ``weight`` or ``pos_weight`` of
@@ -137,6 +140,16 @@ _RULES: dict[type, _Rule] = {
     ),
 }
 
+# The functions behind those classes, called with their defaults (``F.cross_entropy(output, target)``), are those
+# classes built with theirs: the same arguments reach the same function, so the same rule holds.
+_FUNCTIONAL: dict[Callable, type] = {
+    F.cross_entropy: nn.CrossEntropyLoss,
+    F.nll_loss: nn.NLLLoss,
+    F.mse_loss: nn.MSELoss,
+    F.l1_loss: nn.L1Loss,
+    F.binary_cross_entropy_with_logits: nn.BCEWithLogitsLoss,
+}
+
 
 def _rule_for(criterion: Callable) -> Optional[_Rule]:
     """The rule for ``criterion``'s class, if it is one of them (or a subclass that keeps its ``forward``)."""
@@ -165,6 +178,8 @@ def parallel_criterion(
     if not callable(criterion):
         raise TypeError(f"criterion must be callable, e.g. nn.CrossEntropyLoss(), got {type(criterion).__name__}")
     dim, rows, devices = _check_outputs(outputs, check_dim(dim))
+    if criterion in _FUNCTIONAL:
+        criterion = _FUNCTIONAL[criterion]()
     rule = _rule_for(criterion)
     reduction = criterion.reduction if rule is not None else "mean"  # no rule: the row-weighted mean
     if reduction not in REDUCTIONS:
@@ -300,6 +315,7 @@ def _warn_row_weighted(criterion: Callable) -> None:
     warnings.warn(
         f"parallel_criterion has no rule for {name}: the loss is the mean of the replicas' losses weighted by "
         f"their rows, which equals {name} on the gathered output only if it is a plain mean over rows "
-        f"(rules exist for {', '.join(cls.__name__ for cls in _RULES)})",
+        f"(rules exist for {', '.join(cls.__name__ for cls in _RULES)} and their functions, "
+        f"{', '.join('F.' + function.__name__ for function in _FUNCTIONAL)})",
         stacklevel=3,
     )

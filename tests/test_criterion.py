@@ -196,6 +196,31 @@ def test_a_subclass_that_keeps_forward_uses_its_base_classes_rule(generator):
     assert_same(actual, expected)
 
 
+FUNCTIONS = {
+    "cross_entropy": (F.cross_entropy, nn.CrossEntropyLoss(), class_targets),
+    "nll_loss": (F.nll_loss, nn.NLLLoss(), class_targets),
+    "mse_loss": (F.mse_loss, nn.MSELoss(), values),
+    "l1_loss": (F.l1_loss, nn.L1Loss(), values),
+    "binary_cross_entropy_with_logits": (F.binary_cross_entropy_with_logits, nn.BCEWithLogitsLoss(), bits),
+}
+
+
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_the_function_behind_a_criterion_class_follows_that_classs_rule_bitwise(name, generator):
+    # F.cross_entropy(output, target) is nn.CrossEntropyLoss()(output, target) (torch.nn.modules.loss: the class's
+    # forward calls the function with the class's arguments, whose defaults are the function's).
+    function, criterion, draw_targets = FUNCTIONS[name]
+    net, x, targets = model(generator), torch.randn(11, FEATURES, generator=generator, dtype=torch.float64), draw_targets(generator, 11)
+    expected, grad = full_batch_reference(net, function, x, targets, generator)
+    by_class = on_the_replicas(net, criterion, x, targets, 3, grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no rule" warning
+        by_function = on_the_replicas(net, function, x, targets, 3, grad)
+    assert torch.equal(by_function[0], by_class[0])
+    assert all(torch.equal(a, b) for a, b in zip(by_function[1], by_class[1]))
+    assert_same(by_function, expected)
+
+
 # --------------------------------------------------------------------------------------------------
 # any other callable: the row-weighted mean, with a warning
 # --------------------------------------------------------------------------------------------------
