@@ -178,8 +178,7 @@ def parallel_criterion(
     if not callable(criterion):
         raise TypeError(f"criterion must be callable, e.g. nn.CrossEntropyLoss(), got {type(criterion).__name__}")
     dim, rows, devices = _check_outputs(outputs, check_dim(dim))
-    if criterion in _FUNCTIONAL:
-        criterion = _FUNCTIONAL[criterion]()
+    criterion = next((cls() for function, cls in _FUNCTIONAL.items() if criterion is function), criterion)
     rule = _rule_for(criterion)
     reduction = criterion.reduction if rule is not None else "mean"  # no rule: the row-weighted mean
     if reduction not in REDUCTIONS:

@@ -250,6 +250,21 @@ def test_the_row_weighted_mean_is_exact_for_a_plain_mean_over_rows(generator):
     assert_same(actual, expected)
 
 
+def test_a_callable_that_cannot_be_hashed_is_taken_as_any_callable(generator):
+    class Unhashable:  # defines __eq__, so Python sets __hash__ to None, as a dataclass(eq=True) does
+        def __eq__(self, other):
+            return self is other
+
+        def __call__(self, output, target):
+            return F.mse_loss(output, target)
+
+    full = torch.randn(6, 3, generator=generator, dtype=torch.float64)
+    targets = torch.randn(6, 3, generator=generator, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="row"):
+        loss = minidp.parallel_criterion(Unhashable(), list(full.split([3, 3])), targets)
+    assert max_relative_error(loss, F.mse_loss(full, targets)) < RTOL_FLOAT64
+
+
 def test_the_warning_for_a_callable_without_rule_comes_once(generator):
     def once_only(output, target):
         return F.mse_loss(output, target)
