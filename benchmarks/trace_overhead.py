@@ -3,8 +3,9 @@
     python benchmarks/trace_overhead.py [--steps 30] [--batch 256] [--replicas 4] [--ledger] [--rss-reads]
 
 Traced and untraced steps alternate, so both see the same machine; the medians are compared as a
-ratio, and so is each traced step with the untraced one of its round, whose median is printed with a 95% confidence
-interval (a slow drift of the machine's speed moves both steps of a round alike). Also measured: what an instrumented primitive costs with no tracer active (the flag check).
+ratio, and so is each traced step with the untraced one of its round (a slow drift of the machine's speed moves
+both steps of a round alike), whose median is printed with a 95% confidence interval. Also measured: what an
+instrumented primitive costs with no tracer active (the flag check).
 
 ``--ledger`` adds two more kinds of step to the rotation: ``minidp.trace(ledger=True)`` (the memory ledger
 counts every allocation), and, for comparison, the step under ``torch.profiler.profile(profile_memory=True,
@@ -127,10 +128,11 @@ def main() -> None:
     plain_call = min(timeit.repeat(bare, number=n, repeat=7)) / n
     print(f"an instrumented call with no tracer active: {(off - plain_call) * 1e9:.0f} ns more than the bare call")
 
+
 def median_with_interval(values: list[float]) -> tuple[float, float, float]:
-    """The median of ``values`` and a 95% confidence interval for it that assumes nothing of their distribution: the
-    order statistics whose ranks a fair coin's count of heads in ``len(values)`` tosses stays between 95% of the
-    time (the normal approximation, n/2 +- 1.96 sqrt(n)/2)."""
+    """The median of ``values`` and a 95% confidence interval for it, whatever their distribution: the k-th smallest
+    and the k-th largest value, where k is how far below n/2 the count of heads in n tosses of a fair coin falls
+    with 2.5% chance (n/2 - 1.96 sqrt(n)/2, the normal approximation of that count)."""
     ordered = sorted(values)
     n = len(ordered)
     spread = 0.98 * math.sqrt(n)
