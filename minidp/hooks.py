@@ -54,11 +54,26 @@ def current_listener() -> Optional[Listener]:
     return _listener
 
 
+_NO_RANGES = contextlib.nullcontext()
+
+
+def _ranges(stage: str) -> contextlib.AbstractContextManager:
+    """``record_function`` while a profiler records, and an NVTX range once CUDA is in use; else nothing.
+
+    Nothing is the common case of a listener alone (``minidp.trace()`` on CPU replicas): a shared ``nullcontext``,
+    not a generator and an ``ExitStack`` for each of the step's eight observed calls, which cost the demo's traced
+    step 1.2% (BENCHMARKS.md, "The tracer step by step").
+    """
+    cuda = torch.cuda.is_initialized()
+    if not cuda and not _profiler._is_profiler_enabled:
+        return _NO_RANGES
+    return _entered_ranges(stage, cuda)
+
+
 @contextlib.contextmanager
-def _ranges(stage: str) -> Iterator[None]:
-    """``record_function`` while a profiler records, and an NVTX range once CUDA is in use."""
+def _entered_ranges(stage: str, cuda: bool) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
-        if torch.cuda.is_initialized():
+        if cuda:
             stack.enter_context(torch.cuda.nvtx.range(f"minidp::{stage}"))
         if _profiler._is_profiler_enabled:
             stack.enter_context(torch.profiler.record_function(f"minidp::{stage}"))
