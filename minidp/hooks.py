@@ -61,8 +61,8 @@ def _ranges(stage: str) -> contextlib.AbstractContextManager:
     """``record_function`` while a profiler records, and an NVTX range once CUDA is in use; else nothing.
 
     Nothing is the common case of a listener alone (``minidp.trace()`` on CPU replicas): a shared ``nullcontext``,
-    not a generator and an ``ExitStack`` for each of the step's eight observed calls, which cost the demo's traced
-    step 1.2% (BENCHMARKS.md, "The tracer step by step").
+    not a generator and an ``ExitStack`` for each of a step's eight observed calls (BENCHMARKS.md, "The tracer step
+    by step", says what they cost).
     """
     cuda = torch.cuda.is_initialized()
     if not cuda and not _profiler._is_profiler_enabled:
