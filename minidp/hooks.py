@@ -2,7 +2,8 @@
 
 The primitives import this module and nothing above them: each public step is wrapped by
 ``@observed("scatter")`` (or replicate, gather, reduce), and :func:`minidp.parallel_apply` runs every
-replica's call through :func:`observe_replica`. When nothing listens, that is one check of two flags
+replica's call through :func:`observe_replica` (and, once they all returned, announces their outputs with
+:func:`observe_replica_outputs`). When nothing listens, that is one check of two flags
 and a direct call: no ``record_function``, no NVTX range, no argument binding.
 
 Something listens when
@@ -11,7 +12,7 @@ Something listens when
 * ``torch.profiler`` is recording: every stage then shows in its trace as ``minidp::<stage>``, and,
   once CUDA is in use, as an NVTX range of the same name for Nsight Systems.
 
-A listener is any object with the three methods of :class:`Listener`. It receives the primitive's own
+A listener is any object with the four methods of :class:`Listener`. It receives the primitive's own
 arguments as Python binds them (``inspect.Signature.bind``), runs the call itself (so it can time it)
 and returns its result unchanged.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch.autograd import profiler as _profiler
@@ -38,6 +39,10 @@ class Listener(Protocol):
 
     def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         """Run ``call()``, the backward of replica ``replica`` (``module``) as one call, and return its result."""
+
+    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
+        """Every replica's forward returned: ``modules[i]`` made ``outputs[i]``. ``one_call_each``: each replica's
+        backward will run as one call (:meth:`on_replica_backward`); else autograd runs them node by node."""
 
 
 _listener: Optional[Listener] = None
@@ -149,6 +154,18 @@ def observe_replica_backward(replica: int, device: torch.device, module: Any, ca
     stage: where one call runs it (:mod:`minidp.parallel_backward`); elsewhere autograd runs a replica's backward
     node by node, and a listener sees it through autograd's hooks."""
     return _observe_replica("backward", replica, device, module, call)
+
+
+def observe_replica_outputs(modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
+    """Announce what :func:`minidp.parallel_apply` returns, and whether each replica's backward will be one call.
+
+    A listener that marks when gradients reach a replica's outputs needs a hook there only where autograd runs the
+    replica's backward node by node: a Python hook on the first node of a backward run as one call would make it
+    wait for the interpreter's lock while the other replicas' threads start theirs.
+    """
+    listener = _listener
+    if listener is not None:
+        listener.on_replica_outputs(modules, outputs, one_call_each)
 
 
 def _observe_replica(stage: str, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:

@@ -38,7 +38,7 @@ from torch import nn
 
 from . import parallel_backward
 from .device_ids import DeviceLike, as_devices
-from .hooks import observe_replica, observe_replica_backward
+from .hooks import observe_replica, observe_replica_backward, observe_replica_outputs
 from .nested import is_per_replica, map_tensors, tensors_in
 from .replica_group import ReplicaGroup
 
@@ -313,11 +313,13 @@ def parallel_apply(
                 if tensor.device == device:
                     tensor.record_stream(current)
     _reraise_first_failure(results, devices, "forward")
+    aliases = None
     if cut and all(r is not None for r in regions):
         aliases = parallel_backward.join(regions, functools.partial(_run_backwards, modules, devices))
-        if aliases is not None:
-            replaced = iter(aliases)
-            results = [map_tensors(lambda t: next(replaced) if t.requires_grad else t, r) for r in results]
+    observe_replica_outputs(modules, results, one_call_each=aliases is not None)
+    if aliases is not None:
+        replaced = iter(aliases)
+        results = [map_tensors(lambda t: next(replaced) if t.requires_grad else t, r) for r in results]
     return results
 
 

@@ -186,6 +186,38 @@ def test_a_replica_backward_that_captured_a_tensor_from_outside_is_traced_to_its
     assert all(e.detail == "2 gradients at its end" and e.end <= reduce_start for e in backwards.values())
 
 
+class _HearsOutputs:
+    """A listener of minidp.hooks that keeps what parallel_apply announces of its outputs, and runs every call."""
+
+    def __init__(self) -> None:
+        self.announced: list[tuple[int, bool]] = []
+
+    def on_call(self, stage, function, arguments):
+        return function(*arguments.args, **arguments.kwargs)
+
+    def on_replica(self, replica, device, module, call):
+        return call()
+
+    def on_replica_backward(self, replica, device, module, call):
+        return call()
+
+    def on_replica_outputs(self, modules, outputs, one_call_each):
+        self.announced.append((len(outputs), one_call_each))
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+def test_parallel_apply_says_whether_each_replica_backward_will_be_one_call(generator, parallel):
+    # Where it will, a listener needs no hook on the outputs: the call marks the backward's start and end.
+    listener = _HearsOutputs()
+    previous_setting, previous_listener = minidp.set_parallel_backward(parallel), minidp.hooks.set_listener(listener)
+    try:
+        output = minidp.DataParallel(SmallCNN(), cpu_ids(3))(_images(generator, 12))
+    finally:
+        minidp.hooks.set_listener(previous_listener)
+        minidp.set_parallel_backward(previous_setting)
+    assert listener.announced == [(3, parallel)] and _in_parallel(output) == parallel
+
+
 def test_each_replica_backward_shows_in_torch_profiler(generator):
     model = minidp.DataParallel(SmallCNN(), cpu_ids(2))
     with torch.profiler.profile() as profile:  # it records the calling thread: replica 0's backward runs there

@@ -18,7 +18,7 @@ What each event measures (``Event.bytes`` is always "bytes written to fresh memo
 | replicate | replica       | the whole call, on the calling thread  | parameters and buffers copied for replica i (parameters on their own device are aliased: 0; buffers of replicas 1.. are private clones) |
 | forward   | replica       | replica i's call, in its thread        | -                                              |
 | gather    | replica       | the whole call, on the calling thread  | replica i's outputs copied into the gathered output |
-| backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters (autograd hooks), or to the return of replica i's backward call where it is one (CPU replicas in parallel) | - |
+| backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters (autograd hooks), or replica i's backward call where it is one (CPU replicas in parallel) | - |
 | reduce    | replica       | the whole call (run by autograd in the backward of replicate) | replica i's gradients summed into the original parameters |
 
 Scatter, replicate, gather and reduce are one call on one thread that serves every replica, so
@@ -30,9 +30,10 @@ spans overlap, interleaving their nodes.
 
 The backward of replica i is stitched from two ends without any shared state between the steps:
 the replicate call names the replica modules it made (their parameters' gradients end the span),
-and each forward names the replica module it ran (its outputs' gradients start the span). Where
-:mod:`minidp.parallel_backward` runs a replica's backward as one call in its thread, that call is
-announced (``minidp.hooks.observe_replica_backward``) and its return ends the span.
+and parallel_apply names the replica modules that made its outputs (their gradients start the span).
+Where :mod:`minidp.parallel_backward` runs a replica's backward as one call in its thread, parallel_apply
+says so, no hook goes on the outputs, and that call, announced (``minidp.hooks.observe_replica_backward``),
+is the span from start to return.
 
 Times: ``time.perf_counter`` on the host; replicas on a GPU (forward, backward) and reductions onto
 a GPU are timed with CUDA events on the stream they run on. Host-side steps on a GPU measure the
@@ -108,7 +109,8 @@ class _Mark:
 
 @dataclass
 class _Backward:
-    """The two ends of one replica's backward: gradients reaching its outputs, and its parameters."""
+    """The two ends of one replica's backward: gradients reaching its outputs and its parameters, or its call's
+    start and return."""
 
     replica: int
     start: list[_Mark] = field(default_factory=list)
@@ -202,18 +204,24 @@ class Trace:
     def on_replica(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         span = self._open(device)
         try:
-            output = call() if self._allocations is None else self._allocations.run_replica(replica, module, call)
+            return call() if self._allocations is None else self._allocations.run_replica(replica, module, call)
         finally:
             self._close(span, "forward", lambda: iter([(replica, device, 0, "")]))
-        backward = self._backward_of.get(id(module))
-        if backward is not None:
-            self._watch([t for _, t in describers.tensors_in(output) if t.requires_grad], backward.start)
-        return output
+
+    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
+        if one_call_each:
+            return  # each replica's call marks its backward's start and end (on_replica_backward)
+        for module, output in zip(modules, outputs):  # autograd's nodes will: the first gradient to reach them
+            backward = self._backward_of.get(id(module))
+            if backward is not None:  # a replica this trace saw made
+                self._watch([t for _, t in describers.tensors_in(output) if t.requires_grad], backward.start)
 
     def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         backward = self._backward_of.get(id(module))
-        gradients = call()  # its start: the hook on the replica's outputs fires as the call begins
         if backward is not None:  # a replica this trace saw made
+            backward.start.append(self._mark(device))
+        gradients = call()
+        if backward is not None:
             backward.end.append(self._mark(device, sum(g is not None for g in gradients)))
         return gradients
 
@@ -226,7 +234,7 @@ class Trace:
         replica's parameters) a hook on each parameter does. Why not always on each parameter: every
         Python hook costs the backward a turn of the interpreter's lock, which CPU replicas running their
         backwards in parallel contend for, and a hook on a parameter fires even where its replica's
-        backward is one call (:meth:`on_replica_backward`, which marks its end), whose entry nodes
+        backward is one call (:meth:`on_replica_backward`, which marks both ends), whose entry nodes
         never run.
         """
         users: dict[int, set[int]] = {}  # id(node) -> the replicas whose parameters it makes
