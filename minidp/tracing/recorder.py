@@ -211,7 +211,7 @@ class Trace:
     def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
         if one_call_each:
             return  # each replica's call marks its backward's start and end (on_replica_backward)
-        for module, output in zip(modules, outputs):  # autograd's nodes will: the first gradient to reach them
+        for module, output in zip(modules, outputs):  # else the first gradient to reach its outputs starts the span
             backward = self._backward_of.get(id(module))
             if backward is not None:  # a replica this trace saw made
                 self._watch([t for _, t in describers.tensors_in(output) if t.requires_grad], backward.start)
