@@ -122,6 +122,25 @@ def test_a_trace_of_a_training_loop_is_freed_once_the_caller_lets_go_of_it(gener
     assert [trace() for trace in traces] == [None] * 3
 
 
+def test_the_replicas_of_a_data_parallel_inside_a_replica_have_their_backward_spans_too(generator):
+    # Their parameters are the outer replica's, plain attributes there (replicate finds none, as stock's does in a
+    # replica): the gradients of those end their spans.
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+        def forward(self, x):
+            return minidp.data_parallel(self.inner, x, cpu_ids(2))
+
+    model = minidp.DataParallel(Nested(), cpu_ids(2))
+    with minidp.trace() as step:
+        model(torch.randn(8, 4, generator=generator)).sum().backward()
+    backwards = events(step, "backward")
+    assert sorted(e.replica for e in backwards) == [0, 0, 0, 1, 1, 1]  # 2 outer replicas, 2 inner in each
+    assert all(e.detail.endswith("gradients at its end") and e.end <= step.duration for e in backwards)
+
+
 def test_traces_do_not_nest():
     with minidp.trace():
         with pytest.raises(RuntimeError, match="already active"):

@@ -104,10 +104,23 @@ def _replica_tensors(
     return originals, params, buffers
 
 
+def _ending_backward(network: torch.nn.Module, replica: torch.nn.Module, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors whose last gradient ends ``replica``'s backward: its parameters that require grad. A replica of a
+    replica (``data_parallel`` called in a replica's forward) has none: it holds the outer replica's, which are plain
+    attributes there (stock's replicate finds no parameter in a replica either), so those, in its modules' dicts."""
+    ending = [p for p in params if p.requires_grad]
+    if ending or not getattr(network, "_is_replica", False):
+        return ending
+    found = {id(t): t for module in replica.modules() for t in module.__dict__.values()
+             if isinstance(t, torch.Tensor) and t.requires_grad}
+    return list(found.values())
+
+
 def replicate(tracer: Recorder, arguments: dict, result: list) -> Callable[[], Served]:
     network = arguments["network"]
     walked = [_replica_tensors(network, module) for module in result]  # now: a cache re-binds these modules
-    tracer.watch_replicas(result, [[p for p in params if p.requires_grad] for _, params, _ in walked])
+    ending = [_ending_backward(network, module, params) for module, (_, params, _) in zip(result, walked)]
+    tracer.watch_replicas(result, ending)
 
     def served() -> Served:
         originals = _storages(walked[0][0]) if walked else set()
