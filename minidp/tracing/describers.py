@@ -104,7 +104,9 @@ def _replica_tensors(
     return originals, params, buffers
 
 
-def _ending_backward(network: torch.nn.Module, replica: torch.nn.Module, params: list[torch.Tensor]) -> list[torch.Tensor]:
+def _ending_backward(
+    network: torch.nn.Module, replica: torch.nn.Module, params: list[torch.Tensor]
+) -> list[torch.Tensor]:
     """The tensors whose last gradient ends ``replica``'s backward: its parameters that require grad. A replica of a
     replica (``data_parallel`` called in a replica's forward) has none: it holds the outer replica's, which are plain
     attributes there (stock's replicate finds no parameter in a replica either), so those, in its modules' dicts."""

@@ -328,8 +328,8 @@ class Trace:
         trace = weakref.ref(self)
 
         def hook(grad: torch.Tensor) -> None:
-            listening = trace()
-            if listening is not None and hooks.current_listener() is listening:
+            listening = _still_listening(trace)
+            if listening is not None:
                 marks.append(listening._mark(grad.device))
 
         for tensor in tensors:
@@ -341,8 +341,8 @@ class Trace:
 
         def prehook(grads: tuple) -> None:
             arrived = [g for g in grads if g is not None]
-            listening = trace()
-            if arrived and listening is not None and hooks.current_listener() is listening:
+            listening = _still_listening(trace)
+            if arrived and listening is not None:
                 marks.append(listening._mark(arrived[0].device, len(arrived)))
 
         return prehook
@@ -389,6 +389,12 @@ class Trace:
     def plot(self, path: Union[str, Path]) -> Path:
         """Draw the step as a PNG timeline: one lane per device and replica, one colour per stage."""
         return views.plot(self, path)
+
+
+def _still_listening(trace: "weakref.ref[Trace]") -> Optional[Trace]:
+    """The trace a hook was made for, if it is alive and still the listener (a graph may outlive its trace's block)."""
+    listening = trace()
+    return listening if listening is not None and hooks.current_listener() is listening else None
 
 
 def trace(ledger: bool = False) -> Trace:
