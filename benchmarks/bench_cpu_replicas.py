@@ -2,15 +2,19 @@
 
     python benchmarks/bench_cpu_replicas.py                  # the CNN at batch 256, 2 and 4 replicas
     python benchmarks/bench_cpu_replicas.py --rounds 5       # shorter
+    python benchmarks/bench_cpu_replicas.py --threads 1      # every variant on one intra-op thread per process
 
 Variants, all on the same global batch (``--batch`` rows of 1x28x28 images, ``minidp.zoo.SmallCNN``,
 cross-entropy, SGD):
 
 * ``one device``: the model itself, in this process, with all its intra-op threads;
-* ``minidp xK``: ``minidp.DataParallel`` on K CPU replicas in this process, the replicas' backwards in
-  parallel (the default), each with the caller's intra-op threads (bitwise the serial backward);
-  ``minidp xK shared threads``: the same with ``set_parallel_backward_threads("share")`` (each backward
-  with its forward's share of the threads); and ``minidp xK serial backward``: ``set_parallel_backward(False)``;
+* ``minidp xK``: ``minidp.DataParallel`` on K CPU replicas in this process, as configured by default: the
+  replicas' backwards in parallel where their thread teams fit the cores, else one after the other
+  (``set_parallel_backward("auto")``; the line says which it chose); ``minidp xK parallel backward``: in
+  parallel always (``set_parallel_backward(True)``), each with the caller's intra-op threads (bitwise the
+  serial backward); ``minidp xK shared threads``: in parallel with ``set_parallel_backward_threads("share")``
+  (each backward with its forward's share of the threads); ``minidp xK serial backward``:
+  ``set_parallel_backward(False)``;
 * ``torch DDP xK``: ``torch.nn.parallel.DistributedDataParallel`` in K Gloo processes on this machine,
   each with batch/K rows and cores/K intra-op threads, started once (``minidp.distributed.launch``'s
   file rendezvous, over the loopback interface) and idle, blocked on a pipe, while the others run.
@@ -47,7 +51,9 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import minidp  # noqa: E402
+from minidp.cpu_threads import cores  # noqa: E402
 from minidp.distributed.launch import loopback_interface  # noqa: E402
+from minidp.parallel_backward import applies  # noqa: E402
 from minidp.zoo import SmallCNN  # noqa: E402
 
 
@@ -131,13 +137,16 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--number", type=int, default=3, help="steps per variant per round")
+    parser.add_argument("--threads", type=int, help="intra-op threads of this process (default: torch's)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     model = SmallCNN()
     x, y = _batch(args.batch, 0)
 
-    def with_parallel_backward(enabled: bool, threads: str, step):
+    def with_parallel_backward(enabled, threads: str, step):
         def run() -> None:
             was_enabled = minidp.set_parallel_backward(enabled)
             was_threads = minidp.set_parallel_backward_threads(threads)
@@ -152,7 +161,8 @@ def main() -> None:
     local = {"one device": _stepper(copy.deepcopy(model), x, y)}
     for k in args.replicas:
         step = _stepper(minidp.DataParallel(copy.deepcopy(model), ["cpu"] * k), x, y)
-        local[f"minidp x{k}"] = with_parallel_backward(True, "caller", step)
+        local[f"minidp x{k}"] = with_parallel_backward("auto", "caller", step)
+        local[f"minidp x{k} parallel backward"] = with_parallel_backward(True, "caller", step)
         local[f"minidp x{k} shared threads"] = with_parallel_backward(True, "share", step)
         local[f"minidp x{k} serial backward"] = with_parallel_backward(False, "caller", step)
     groups = {k: _DDPGroup(k, args.batch) for k in args.replicas}
@@ -175,6 +185,9 @@ def main() -> None:
     one = median["one device"].wall
     print(f"SmallCNN, global batch {args.batch}, {torch.get_num_threads()} intra-op threads in this process, "
           f"{args.rounds} rounds x {args.number} steps, medians per step")
+    for k in args.replicas:
+        chosen = "in parallel" if applies([torch.device("cpu")] * k) else "one after the other"
+        print(f"minidp x{k} (the default, 'auto'): the replicas' backwards run {chosen} on {cores()} cores")
     print(f"{'variant':<30} {'ms':>8} {'/ one device':>13} {'/ torch DDP':>12} {'CPU ms':>8} {'cores':>6} "
           f"{'sys ms':>7} {'faults':>7}")
     for name, cost in median.items():

@@ -15,7 +15,7 @@ the statistics of the whole batch across the replicas.
 :func:`parallel_criterion` computes the loss on the replicas, without gathering their outputs;
 :func:`calibrate` measures the devices and returns ``chunk_weights`` for uneven splits.
 :func:`trace` records every step of every replica; :func:`verify` checks a model's numbers.
-:func:`set_parallel_backward` switches the backwards of CPU replicas between parallel (the default) and one after the other;
+:func:`set_parallel_backward` runs the backwards of CPU replicas in parallel where their threads fit the cores (the default), always, or never;
 :func:`set_parallel_backward_threads` chooses their intra-op threads: the caller's (bitwise the serial backward) or a share.
 """
 

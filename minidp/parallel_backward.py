@@ -48,23 +48,26 @@ backwards one after the other, as before (the entries are then identity nodes on
 order gradients (``create_graph=True``) run the replicas' backwards one after the other in the
 calling thread, inside the node: the gradients it returns are differentiable, as the serial path's.
 
-On by default for CPU replicas; :func:`set_parallel_backward` switches it (the replicas' backwards
-then run one after the other, as autograd runs them).
+On by default for CPU replicas wherever their intra-op thread teams fit the cores (``"auto"``, see
+:func:`applies`); :func:`set_parallel_backward` asks for it always (``True``) or never (``False``: the
+replicas' backwards then run one after the other, as autograd runs them).
 """
 
 from __future__ import annotations
 
 import weakref
 from operator import attrgetter
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch.autograd.graph import GradientEdge
 from torch.utils import checkpoint
 
+from .cpu_threads import share, teams_fit
 from .nested import tensors_in
 
-_enabled = True
+_enabled: Union[bool, str] = "auto"
+_SETTINGS = (True, False, "auto")
 _threads = "caller"
 _THREAD_COUNTS = ("caller", "share")
 
@@ -73,17 +76,22 @@ _THREAD_COUNTS = ("caller", "share")
 _REENTRANT_CHECKPOINT = checkpoint.CheckpointFunction._backward_cls
 
 
-def set_parallel_backward(enabled: bool) -> bool:
-    """Run the backwards of CPU replicas in parallel (``True``, the default) or one after the other; returns the previous setting."""
+def set_parallel_backward(enabled: Union[bool, str]) -> Union[bool, str]:
+    """Run the backwards of CPU replicas in parallel where they fit the cores (``"auto"``, the default), always
+    (``True``) or never (``False``: one after the other, as autograd runs them); returns the previous setting.
+
+    Every setting gives the same gradients, bit for bit (with the default thread count,
+    :func:`set_parallel_backward_threads`): they only decide which threads run the replicas' graphs.
+    """
     global _enabled
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_parallel_backward: enabled must be True or False, got {enabled!r}")
+    if not any(enabled is setting for setting in _SETTINGS):
+        raise TypeError(f"set_parallel_backward: enabled must be 'auto', True or False, got {enabled!r}")
     previous, _enabled = _enabled, enabled
     return previous
 
 
-def get_parallel_backward() -> bool:
-    """Whether the backwards of CPU replicas run in parallel (see :func:`set_parallel_backward`)."""
+def get_parallel_backward() -> Union[bool, str]:
+    """``"auto"``, ``True`` or ``False``: see :func:`set_parallel_backward` (and :func:`applies` for what ``"auto"`` does)."""
     return _enabled
 
 
@@ -112,11 +120,22 @@ def get_parallel_backward_threads() -> str:
 
 
 def applies(devices: Sequence[torch.device]) -> bool:
-    """Whether replicas on ``devices`` get entries: switched on, grad recorded, two or more, all on the CPU.
+    """Whether replicas on ``devices`` get entries: two or more, all on the CPU, grad recorded, and switched on.
 
-    (GPUs have an autograd thread each already.)
+    (GPUs have an autograd thread each already.) Switched on: ``True``, or ``"auto"`` where the replicas'
+    backwards, each with the intra-op threads it runs with (:func:`set_parallel_backward_threads`), fit the
+    cores (:func:`minidp.cpu_threads.teams_fit`). Why not always: K teams of T threads on fewer than K x T
+    cores wait at every kernel's end for a member the scheduler put aside. On 2 cores, with the caller's 2
+    threads each, 2 replicas' backwards in parallel made the step 10% to 14% slower than one after the other
+    in three runs (4 replicas: about even), where with one thread each they made it 13% to 17% faster
+    (`python benchmarks/bench_cpu_replicas.py --rounds 10`, BENCHMARKS.md, "Where the parallel backward pays").
     """
-    return _enabled and torch.is_grad_enabled() and len(devices) > 1 and all(d.type == "cpu" for d in devices)
+    if len(devices) < 2 or not torch.is_grad_enabled() or any(d.type != "cpu" for d in devices):
+        return False
+    if _enabled != "auto":
+        return _enabled
+    threads = torch.get_num_threads()
+    return teams_fit(len(devices), threads if _threads == "caller" else share(threads, len(devices)))
 
 
 class ReplicaEntry(torch.autograd.Function):

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from . import parallel_backward
+from . import cpu_threads, parallel_backward
 from .device_ids import DeviceLike, as_devices
 from .hooks import observe_replica, observe_replica_backward, observe_replica_outputs
 from .nested import is_per_replica, map_tensors, tensors_in
@@ -153,12 +153,6 @@ def _module_device(module: nn.Module, inputs: Any) -> torch.device:
     return torch.device("cpu")
 
 
-# `torch.set_num_threads` sets the calling thread's count under ATen's OpenMP backend (measured:
-# other threads keep theirs); under the native thread pool it is process-wide, and K replicas
-# setting and restoring it at once would race, so there the replicas keep the caller's count.
-PER_THREAD_INTRA_OP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
-
-
 class _CallerState:
     """The thread-local state of the calling thread that every worker re-enters.
 
@@ -178,8 +172,8 @@ class _CallerState:
 
     def __init__(self, cpu_replicas: int) -> None:
         self.caller_threads = torch.get_num_threads()
-        split = cpu_replicas > 0 and PER_THREAD_INTRA_OP
-        self.cpu_threads = max(1, self.caller_threads // cpu_replicas) if split else None
+        split = cpu_replicas > 0 and cpu_threads.PER_THREAD_INTRA_OP
+        self.replica_threads = cpu_threads.share(self.caller_threads, cpu_replicas) if split else None
         self.grad_enabled = torch.is_grad_enabled()
         self.autocast = {
             device_type: (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
@@ -193,8 +187,8 @@ class _CallerState:
             for device_type, (enabled, dtype) in self.autocast.items():
                 if enabled:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
-            if device.type == "cpu" and self.cpu_threads is not None:
-                torch.set_num_threads(self.cpu_threads)
+            if device.type == "cpu" and self.replica_threads is not None:
+                torch.set_num_threads(self.replica_threads)
             if device.type == "cuda":
                 stack.enter_context(torch.cuda.device(device))
                 stack.enter_context(torch.cuda.stream(stream))
@@ -202,7 +196,7 @@ class _CallerState:
 
     def restore(self) -> None:
         """The caller's own intra-op count again, stored last; call once every replica is done."""
-        if self.cpu_threads is not None:
+        if self.replica_threads is not None:
             torch.set_num_threads(self.caller_threads)
 
 

@@ -4,7 +4,9 @@ Every test runs twice, under two configurations of :class:`minidp.DataParallel`'
 
 * ``cached-torch``: what a user gets by default: the replica cache on, the ``"torch"`` backend (what
   ``"auto"`` is until the extension is loaded; pinned, since an earlier test may have loaded it), and the
-  backwards of CPU replicas in parallel, each in its replica's thread (:mod:`minidp.parallel_backward`);
+  backwards of CPU replicas in parallel, each in its replica's thread (:mod:`minidp.parallel_backward`;
+  pinned to ``True``: the default, ``"auto"``, takes that way only where the replicas' thread teams fit the
+  cores, and otherwise the other configuration's);
 * ``uncached-ext``: the three features the other way: replicas built anew at every step, as stock does,
   ``"auto"`` with the extension loaded, so the extension sums every gradient it takes (``"torch"`` alone
   where it cannot be built), and the replicas' backwards one after the other, as autograd runs them.

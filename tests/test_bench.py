@@ -46,9 +46,9 @@ def test_the_deep_cheap_model_is_deep_and_holds_buffers():
 
 
 def test_the_cpu_replicas_benchmark_runs_every_variant_and_says_where_the_time_goes():
-    """benchmarks/bench_cpu_replicas.py end to end, shortest run: one device, minidp (parallel backward with
-    the caller's threads and with shared ones, serial backward) and torch DDP on 2 Gloo processes, each row
-    with its CPU time, cores, system time and page faults."""
+    """benchmarks/bench_cpu_replicas.py end to end, shortest run: one device, minidp (the default, which says the
+    way it took; parallel backward with the caller's threads and with shared ones; serial backward) and torch DDP
+    on 2 Gloo processes, each row with its CPU time, cores, system time and page faults."""
     done = fresh_python(str(ROOT / "benchmarks" / "bench_cpu_replicas.py"), "--rounds", "1", "--number", "1",
                         "--replicas", "2", "--batch", "16", timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -56,5 +56,7 @@ def test_the_cpu_replicas_benchmark_runs_every_variant_and_says_where_the_time_g
     header = next(line for line in lines if line.startswith("variant"))
     assert header.split()[-6:] == ["CPU", "ms", "cores", "sys", "ms", "faults"]
     rows = {line[:30].strip(): line[30:].split() for line in lines[lines.index(header) + 1:] if line.strip()}
-    assert set(rows) == {"one device", "minidp x2", "minidp x2 shared threads", "minidp x2 serial backward", "torch DDP x2"}
+    assert set(rows) == {"one device", "minidp x2", "minidp x2 parallel backward", "minidp x2 shared threads",
+                         "minidp x2 serial backward", "torch DDP x2"}
+    assert any(line.startswith("minidp x2 (the default, 'auto'): the replicas' backwards run ") for line in lines)
     assert all(len(values) == 7 for values in rows.values())  # ms, two ratios, CPU ms, cores, sys ms, faults

@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+import minidp
+
 from .helpers import CountsCalls
 from minidp.cli import COMMANDS, main
 from minidp.cli.args import parse_device_ids
@@ -56,6 +58,17 @@ def test_trace_writes_the_table_the_chrome_trace_and_the_timeline(tmp_path, caps
     assert sorted(p.name for p in out.iterdir()) == ["table.txt", "timeline.png", "trace.json"]
     assert json.loads((out / "trace.json").read_text())["traceEvents"]
     assert "forward" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("choice, threads", [("on", 2), ("off", 1)])
+def test_trace_runs_the_backwards_the_way_it_is_told_and_sets_the_default_back(tmp_path, choice, threads):
+    before = minidp.get_parallel_backward()
+    out = tmp_path / "step"
+    arguments = ["trace", "--model", "mlp", "--devices", "cpu*2", "--batch", "8", "--warmup", "0"]
+    assert main([*arguments, "--parallel-backward", choice, "--out", str(out)]) == 0
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert len({e["args"]["thread"] for e in events if e["name"] == "backward"}) == threads  # 2: one each
+    assert minidp.get_parallel_backward() is before
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from .helpers import cpu_ids
 
 
 per_thread = pytest.mark.skipif(
-    not importlib.import_module("minidp.step3_parallel_apply").PER_THREAD_INTRA_OP,
+    not importlib.import_module("minidp.cpu_threads").PER_THREAD_INTRA_OP,
     reason="torch.set_num_threads is process-wide in this build (no OpenMP): replicas keep the caller's count",
 )
 

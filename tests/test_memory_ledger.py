@@ -9,7 +9,7 @@ an element) on two CPU replicas, batch ``B`` cut into chunks ``b0 + b1``:
 * activations kept for the backward, per replica: the ReLU's output ``b*H*8`` (ReLU's backward keeps its
   result and the second Linear keeps it as its input); the first Linear's output dies inside the forward,
   and the replica's output dies once gathered: both are temporaries; except where the replicas' backwards run
-  in parallel (``minidp.get_parallel_backward()``), whose node keeps each replica's output ``b*O*8`` as the
+  in parallel (``minidp.parallel_backward.applies``), whose node keeps each replica's output ``b*O*8`` as the
   root of that replica's backward;
 * gathered outputs: ``B*O*8``; loss ``(output - target).pow(2).sum()``: the difference the square keeps for its
   backward ``B*O*8``, the scalar ``8``, and the gradient ``backward()`` starts from (``torch.ones_like(loss)``) ``8``;
@@ -59,7 +59,7 @@ def summed_gradient_bytes(module: nn.Module) -> int:
 
 def kept_output_bytes(rows: int) -> int:
     """The replicas' outputs the parallel backward's node keeps for the backward (``rows`` of them), or 0."""
-    return rows * O * BYTES if minidp.get_parallel_backward() else 0
+    return rows * O * BYTES if minidp.parallel_backward.applies([torch.device("cpu")] * 2) else 0
 
 
 def row(ledger: list, device: str = "cpu", replica=None):

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import minidp
-from minidp import parallel_backward, step3_parallel_apply
+from minidp import cpu_threads, parallel_backward
 from minidp.zoo import SmallCNN, VGGSplit
 
 from .helpers import cpu_ids, forked_child, fresh_python
@@ -81,7 +81,7 @@ class _RecordsBackwardThreads(nn.Module):
         return y
 
 
-@pytest.mark.skipif(not step3_parallel_apply.PER_THREAD_INTRA_OP, reason="thread counts are process-wide without OpenMP")
+@pytest.mark.skipif(not cpu_threads.PER_THREAD_INTRA_OP, reason="thread counts are process-wide without OpenMP")
 @pytest.mark.parametrize("threads, expected", [("caller", [4, 4]), ("share", [2, 2])])
 def test_each_replica_backward_runs_with_the_chosen_thread_count(generator, threads, expected):
     """With ``"caller"`` (the default) the caller's whole count, as autograd's serial backward; with ``"share"``
@@ -118,6 +118,66 @@ def test_an_unknown_thread_setting_is_refused_and_changes_nothing():
     with pytest.raises(ValueError, match="threads must be 'caller'.*or 'share'.*got 'all'"):
         minidp.set_parallel_backward_threads("all")
     assert minidp.get_parallel_backward_threads() == "caller"
+
+
+def test_the_default_setting_is_auto():
+    done = fresh_python("-c", "import minidp; print(minidp.get_parallel_backward())", timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "auto", done.stderr
+
+
+@pytest.fixture
+def auto_on_cores(monkeypatch):
+    """``"auto"``, on a machine of as many cores as the test says, with the caller's intra-op threads as it says."""
+    previous_count = torch.get_num_threads()
+
+    def machine(cores: int, threads: int, replica_threads: str = "caller") -> None:
+        monkeypatch.setattr(parallel_backward, "_enabled", "auto")
+        monkeypatch.setattr(parallel_backward, "_threads", replica_threads)
+        monkeypatch.setattr(cpu_threads, "cores", lambda: cores)
+        torch.set_num_threads(threads)
+
+    yield machine
+    torch.set_num_threads(previous_count)
+
+
+@pytest.mark.parametrize(
+    "cores, threads, replicas, replica_threads, parallel",
+    [
+        (4, 2, 2, "caller", True),  # two teams of 2 on 4 cores
+        (3, 2, 2, "caller", False),  # two teams of 2 on 3 cores: a team member would wait for a core
+        (2, 2, 4, "caller", False),
+        (1, 1, 4, "caller", True),  # one thread each waits for nobody: any number of them
+        (4, 4, 2, "caller", False),  # the caller's 4 each: 8 threads
+        pytest.param(4, 4, 2, "share", True, marks=pytest.mark.skipif(
+            not cpu_threads.PER_THREAD_INTRA_OP, reason="no per-thread count without OpenMP: no share")),
+    ],
+)
+def test_auto_runs_the_backwards_in_parallel_only_where_their_thread_teams_fit_the_cores(
+    generator, auto_on_cores, cores, threads, replicas, replica_threads, parallel
+):
+    auto_on_cores(cores, threads, replica_threads)
+    output = minidp.DataParallel(nn.Linear(3, 2), cpu_ids(replicas))(torch.randn(8, 3, generator=generator))
+    assert _in_parallel(output) is parallel
+
+
+def test_auto_gives_the_gradients_of_both_ways_bitwise(generator, auto_on_cores):
+    """Whichever way ``"auto"`` chooses, the gradients are those of the serial backward (and so of the parallel one)."""
+    model, x = SmallCNN(), _images(generator, 24)
+    auto_on_cores(1, 2)  # the serial backward with the caller's 2 threads too
+    serial, _ = _step(model, x, False)
+    for cores in (1, 4):  # the caller's 2 threads each: serial on 1 core, in parallel on 4
+        auto_on_cores(cores, 2)
+        auto, ran_parallel = _step(model, x, "auto")
+        assert ran_parallel is (cores == 4)
+        assert _equal(auto, serial)
+
+
+@pytest.mark.parametrize("setting", ["on", 1, None])
+def test_an_unknown_parallel_backward_setting_is_refused_and_changes_nothing(setting):
+    before = minidp.get_parallel_backward()
+    with pytest.raises(TypeError, match=f"enabled must be 'auto', True or False, got {setting!r}"):
+        minidp.set_parallel_backward(setting)
+    assert minidp.get_parallel_backward() is before
 
 
 def test_each_replica_backward_runs_in_its_own_thread(generator):
@@ -410,6 +470,7 @@ def test_a_replica_given_another_parameter_after_replicate_keeps_the_serial_back
 TRAIN_STEP = """
 import torch, minidp
 from torch import nn
+minidp.set_parallel_backward(True)  # in parallel whatever the cores ("auto" may keep it serial)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
 wrapped = minidp.DataParallel(model, ["cpu"] * 2)
@@ -457,6 +518,7 @@ class Slow(nn.Module):
         y = self.linear(x)
         return SlowBackward.apply(y) if minidp.replica_group.current().index == 1 else y
 
+minidp.set_parallel_backward(True)  # in parallel whatever the cores ("auto" may keep it serial)
 model = minidp.DataParallel(Slow(), ["cpu"] * 2)
 model(torch.randn(4, 300)).sum().backward()  # a first backward, quick: what torch imports at its first use is done
 SlowBackward.seconds = 1.0

@@ -190,7 +190,7 @@ class RecordsIntraOpThreads(nn.Module):
 
 
 @pytest.mark.skipif(
-    not importlib.import_module("minidp.step3_parallel_apply").PER_THREAD_INTRA_OP,
+    not importlib.import_module("minidp.cpu_threads").PER_THREAD_INTRA_OP,
     reason="torch.set_num_threads is process-wide in this build (no OpenMP): every run keeps the caller's count",
 )
 def test_verify_runs_every_single_device_forward_with_the_threads_of_a_replica(generator, two_intra_op_threads):

@@ -16,7 +16,8 @@ Rows:
   ``Linear``, ``BatchNorm1d`` and ``ReLU``) through ``DataParallel`` with the replica cache vs
   without it; the replicas' graph is then dropped, as a training step's backward leaves it. Beside
   them, the floor of both: the chunks through the model itself, one after the other; and on CPU
-  replicas, the cached forward with the serial backward (what the parallel backward's cut costs).
+  replicas, the cached forward with the replicas' backwards the other way than the default takes here
+  (serial or in parallel, :func:`minidp.set_parallel_backward`): what the parallel backward's cut costs.
 * ``overhead``: step time minus the single-device step time of the same batch, for minidp and
   for stock (GPU only): the cost of everything that is not the replicas' own compute.
 
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 
 from ..device_ids import as_device
-from ..parallel_backward import set_parallel_backward
+from ..parallel_backward import applies, set_parallel_backward
 from ..replica_cache import ReplicaCache
 from ..step2_replicate import replicate
 from ..wrapper import DataParallel
@@ -154,8 +155,10 @@ def forward_variants(device: torch.device, replicas: int) -> dict[str, Callable[
         for chunk in chunks:
             model(chunk)
 
-    def cached_serial_backward() -> None:  # what cutting the graph for the parallel backward costs the forward
-        previous = set_parallel_backward(False)
+    in_parallel = applies([device] * replicas)  # the default's way ("auto")
+
+    def cached_other_way() -> None:  # the difference is what cutting the graph for the parallel backward costs
+        previous = set_parallel_backward(not in_parallel)
         try:
             cached_forward()
         finally:
@@ -163,7 +166,7 @@ def forward_variants(device: torch.device, replicas: int) -> dict[str, Callable[
 
     variants = {"uncached": lambda: uncached(x), "cached": cached_forward, "direct": direct}
     if device.type == "cpu" and replicas > 1:
-        variants["cached, serial backward"] = cached_serial_backward
+        variants[f"cached with the {'serial' if in_parallel else 'parallel'} backward"] = cached_other_way
     return variants
 
 
@@ -220,8 +223,8 @@ def _run_bench(device: torch.device, rounds: int, number: int, groups: tuple[str
                     f"uncached {times['uncached'] * 1e3:.2f} ms, cached/uncached {times['cached'] / times['uncached']:.3f}"
                     + (f"; the chunks through the model, one after the other: {times['direct'] * 1e3:.2f} ms"
                        if "direct" in times else "")
-                    + (f"; cached with the serial backward: {times['cached, serial backward'] * 1e3:.2f} ms"
-                       if "cached, serial backward" in times else ""),
+                    + "".join(f"; {name}: {seconds * 1e3:.2f} ms" for name, seconds in times.items()
+                              if name.startswith("cached with")),
                 )
             )
     return rows

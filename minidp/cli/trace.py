@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..parallel_backward import set_parallel_backward
 from ..tracing import trace, write_trace_artifacts
 from ..wrapper import DataParallel
 from ..zoo import ZOO
@@ -26,7 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=positive_int, default=256, help="batch size (default 256)")
     parser.add_argument("--warmup", type=non_negative_int, default=2, help="untraced steps before the traced one (default 2)")
     parser.add_argument("--seed", type=seed, default=0, help="seed of the random batch and weights")
+    parser.add_argument("--parallel-backward", choices=list(_PARALLEL_BACKWARD), default="auto",
+                        help="CPU replicas' backwards in parallel where their threads fit the cores (auto, the "
+                             "default), always (on) or never (off): minidp.set_parallel_backward")
     parser.add_argument("--out", type=Path, default=Path("minidp-trace"), help="directory for the artifacts")
+
+
+_PARALLEL_BACKWARD = {"auto": "auto", "on": True, "off": False}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,10 +49,14 @@ def run(args: argparse.Namespace) -> int:
         entry.loss(model(*inputs, **kwargs)).backward()
         optimizer.step()
 
-    for _ in range(args.warmup):
-        train_step()
-    with trace() as step:
-        train_step()
+    previous = set_parallel_backward(_PARALLEL_BACKWARD[args.parallel_backward])
+    try:
+        for _ in range(args.warmup):
+            train_step()
+        with trace() as step:
+            train_step()
+    finally:
+        set_parallel_backward(previous)
     written = write_trace_artifacts(step, args.out)
     print(f"{args.model}, batch {args.batch}, device_ids={device_ids}")
     print(step.table())
