@@ -126,9 +126,10 @@ def applies(devices: Sequence[torch.device]) -> bool:
     backwards, each with the intra-op threads it runs with (:func:`set_parallel_backward_threads`), fit the
     cores (:func:`minidp.cpu_threads.teams_fit`). Why not always: K teams of T threads on fewer than K x T
     cores wait at every kernel's end for a member the scheduler put aside. On 2 cores, with the caller's 2
-    threads each, 2 replicas' backwards in parallel made the step 10% to 14% slower than one after the other
-    in three runs (4 replicas: about even), where with one thread each they made it 13% to 17% faster
-    (`python benchmarks/bench_cpu_replicas.py --rounds 10`, BENCHMARKS.md, "Where the parallel backward pays").
+    threads each, 2 replicas' backwards in parallel made the step 5% and 13% slower than one after the other in
+    two runs (4 replicas: 7% and 12%), where with one thread each they made it 11% and 16% faster (4 replicas:
+    10% and 11%): `python benchmarks/bench_cpu_replicas.py --rounds 10 [--threads 1]`, BENCHMARKS.md, "Where the
+    parallel backward pays".
     """
     if len(devices) < 2 or not torch.is_grad_enabled() or any(d.type != "cpu" for d in devices):
         return False
