@@ -54,6 +54,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from .. import hooks
+from ..parallel_backward import is_entry
 from . import describers, views
 from .memory import AllocationLedger, DeviceMemory, LedgerRow, MemoryPeak
 
@@ -228,31 +229,34 @@ class Trace:
     def watch_replicas(self, replicas: Sequence[Any], parameters: Sequence[Sequence[torch.Tensor]]) -> None:
         """Replicate made ``replicas``; the last gradient of ``parameters[i]`` ends replica i's backward.
 
-        Where one replica's parameters are all made by autograd nodes of their own (the entries of
-        :mod:`minidp.parallel_backward`, or replicate's node when there is one replica), one pre-hook per
-        node marks the end: it runs when the node has all its gradients. Elsewhere (one node makes every
-        replica's parameters) a hook on each parameter does. Why not always on each parameter: every
-        Python hook costs the backward a turn of the interpreter's lock, which CPU replicas running their
-        backwards in parallel contend for, and a hook on a parameter fires even where its replica's
-        backward is one call (:meth:`on_replica_backward`, which marks both ends), whose entry nodes
-        never run.
+        One pre-hook per autograd node that makes some of replica i's parameters (the replica's entry of
+        :mod:`minidp.parallel_backward`, or the Broadcast that makes every replica's), looking at those of its
+        outputs only: it runs when the node has all its gradients, which is when a hook on each of those
+        parameters would run too (autograd runs a non-leaf tensor's hooks just before its node), for one Python
+        call instead of one per parameter: every such call costs the backward a turn of the interpreter's lock.
+        Where a replica's backward is one call (:meth:`on_replica_backward`, which marks both ends), its entry
+        nodes never run. Hooks on the tensors remain where a node may be passed over while its tensors' hooks
+        still run: another replica's entry (the replicas of a ``data_parallel`` called inside a replica hold the
+        outer replica's tensors, whose parallel backward takes their gradients at its entries without running
+        them), and a leaf (a plain tensor the replica holds).
         """
         users: dict[int, set[int]] = {}  # id(node) -> the replicas whose parameters it makes
         for index, params in enumerate(parameters):
             for param in params:
-                if param.grad_fn is not None:
-                    users.setdefault(id(param.grad_fn), set()).add(index)
+                users.setdefault(id(param.grad_fn), set()).add(index)
         for index, (module, params) in enumerate(zip(replicas, parameters)):
             backward = _Backward(index)
             with self._lock:
                 self._backwards.append(backward)
                 self._backward_of[id(module)] = backward
-            nodes = {id(p.grad_fn): p.grad_fn for p in params}
-            if params and all(node is not None and users[key] == {index} for key, node in nodes.items()):
-                for node in nodes.values():
-                    node.register_prehook(self._end_of(backward.end))
-            else:
-                self._watch(params, backward.end)
+            made: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # id(node) -> the node, the replica's tensors it makes
+            for param in params:
+                made.setdefault(id(param.grad_fn), (param.grad_fn, []))[1].append(param)
+            for node, made_here in made.values():
+                if node is None or (is_entry(node) and users[id(node)] != {index}):
+                    self._watch(made_here, backward.end)
+                else:
+                    node.register_prehook(self._end_of(backward.end, [p.output_nr for p in made_here]))
 
     def ledger(self) -> list[LedgerRow]:
         """Per device and per replica: the most memory the step held, and what it was made of, counted from
@@ -335,12 +339,12 @@ class Trace:
         for tensor in tensors:
             tensor.register_hook(hook)
 
-    def _end_of(self, marks: list[_Mark]) -> Callable[[tuple], None]:
-        """A pre-hook for a node that makes a replica's parameters: marks when their gradients are all in."""
+    def _end_of(self, marks: list[_Mark], outputs: Sequence[int]) -> Callable[[tuple], None]:
+        """A pre-hook for a node whose ``outputs`` are a replica's parameters: marks when their gradients are all in."""
         trace = weakref.ref(self)
 
         def prehook(grads: tuple) -> None:
-            arrived = [g for g in grads if g is not None]
+            arrived = [grads[k] for k in outputs if grads[k] is not None]
             listening = _still_listening(trace)
             if arrived and listening is not None:
                 marks.append(listening._mark(arrived[0].device, len(arrived)))
