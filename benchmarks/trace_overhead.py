@@ -1,6 +1,9 @@
 """What tracing costs: one training step of the demo CNN with and without ``minidp.trace()``.
 
-    python benchmarks/trace_overhead.py [--steps 30] [--batch 256] [--replicas 4] [--ledger] [--rss-reads]
+    python benchmarks/trace_overhead.py [--steps 30] [--batch 256] [--replicas 4] [--model cnn|deep] [--ledger] [--rss-reads]
+
+``--model deep``: instead of the CNN, ``minidp.cli.bench.deep_cheap`` (48 blocks of ``Linear``, ``BatchNorm1d``
+and ``ReLU``: 192 parameters, cheap operations), where what the tracer does per module or parameter weighs most.
 
 Traced and untraced steps alternate, so both see the same machine; the medians are compared as a
 ratio, and so is each traced step with the untraced one of its round (a slow drift of the machine's speed moves
@@ -31,6 +34,7 @@ import torch
 from torch.profiler._memory_profiler import MemoryProfile
 
 import minidp
+from minidp.cli.bench import deep_cheap
 from minidp.hooks import observed
 from minidp.tracing.memory import AllocationLedger, PeakResidentMemory
 from minidp.zoo import ZOO
@@ -41,6 +45,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--model", choices=["cnn", "deep"], default="cnn")
     parser.add_argument("--ledger", action="store_true",
                         help="also time minidp.trace(ledger=True) and torch's memory profile")
     parser.add_argument("--rss-reads", action="store_true",
@@ -48,14 +53,19 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    entry = ZOO["cnn"]
-    model = minidp.DataParallel(entry.build(), ["cpu"] * args.replicas)
+    if args.model == "cnn":
+        entry = ZOO["cnn"]
+        network, loss = entry.build(), entry.loss
+        inputs, _ = entry.batch(args.batch, torch.Generator().manual_seed(0))
+    else:
+        network, loss = deep_cheap(), lambda output: output.square().mean()
+        inputs = (torch.randn(args.batch, 32, generator=torch.Generator().manual_seed(0)),)
+    model = minidp.DataParallel(network, ["cpu"] * args.replicas)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    inputs, _ = entry.batch(args.batch, torch.Generator().manual_seed(0))
 
     def step() -> None:
         optimizer.zero_grad()
-        entry.loss(model(*inputs)).backward()
+        loss(model(*inputs)).backward()
         optimizer.step()
 
     def traced() -> None:
@@ -89,7 +99,7 @@ def main() -> None:
     for _ in range(args.steps):
         for name, run in kinds.items():
             times[name].append(timed(run))
-    print(f"cnn, batch {args.batch}, {args.replicas} CPU replicas, {args.steps} steps each, alternating")
+    print(f"{args.model}, batch {args.batch}, {args.replicas} CPU replicas, {args.steps} steps each, alternating")
     for clock, index in (("wall", 0), ("CPU", 1)):
         plain = statistics.median(t[index] for t in times["tracing off"])
         for name in list(kinds)[1:]:

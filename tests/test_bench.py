@@ -60,3 +60,13 @@ def test_the_cpu_replicas_benchmark_runs_every_variant_and_says_where_the_time_g
                          "minidp x2 serial backward", "torch DDP x2"}
     assert any(line.startswith("minidp x2 (the default, 'auto'): the replicas' backwards run ") for line in lines)
     assert all(len(values) == 7 for values in rows.values())  # ms, two ratios, CPU ms, cores, sys ms, faults
+
+
+@pytest.mark.parametrize("model", ["cnn", "deep"])
+def test_the_tracer_overhead_benchmark_runs_on_either_model(model):
+    """benchmarks/trace_overhead.py end to end, shortest run: traced and untraced steps, their ratio, for each model."""
+    done = fresh_python(str(ROOT / "benchmarks" / "trace_overhead.py"), "--steps", "2", "--replicas", "2",
+                        "--batch", "8", "--model", model, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(f"{model}, batch 8, 2 CPU replicas, 2 steps each")
+    assert "wall time per step: tracing off" in done.stdout
