@@ -31,7 +31,11 @@ def share(threads: int, replicas: int) -> int:
 
 
 def cores() -> int:
-    """The cores this process may run on (its CPU affinity, as ``taskset`` or a container's cpuset leave it)."""
+    """The cores this process may run on (its CPU affinity, as ``taskset`` or a container's cpuset leave it).
+
+    A CPU quota (``docker --cpus``) is not seen, as torch's own default thread count does not see it: under a quota
+    smaller than these cores, choose the way yourself (:func:`minidp.set_parallel_backward`).
+    """
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
