@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from . import fsdp_checks as checks
-from .helpers import each_rank, job_fixture, torchrun
+from .helpers import each_rank, fresh_python, job_fixture, torchrun
 from .helpers import assert_no_differences as assert_same_as_fsdp2
 from minidp.cli import main
 from minidp.distributed import RankFailed, chrome_trace, launch
@@ -272,3 +272,33 @@ def test_torchrun_example_trains_sharded_and_loads_its_full_state_dict_back(tmp_
     assert "epoch 1/1: train loss" in done.stdout and "loaded the full state dict back" in done.stdout
     saved = torch.load(tmp_path / "full.pt")
     assert saved["1.0.weight"].shape == (64, 784)  # whole, as the model was built
+
+
+_DESTROYED_GROUP = """
+import gc, socket, weakref, torch, torch.distributed as dist
+from torch import nn
+from minidp.distributed import fully_shard
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+model = fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)))
+model(torch.randn(3, 4)).sum().backward()
+group = weakref.ref(dist.group.WORLD)
+gc.disable()  # only reference counting may free the group: a sharded model is a cycle, which waits for the collector
+dist.destroy_process_group()
+print("group freed:", group() is None)
+try:
+    model(torch.randn(3, 4))
+except RuntimeError as error:
+    print("then:", error)
+"""
+
+
+def test_destroy_process_group_frees_the_group_while_a_sharded_model_lives():
+    """torch.distributed frees a group at destroy_process_group() (distributed_c10d.py), and with it Gloo's worker
+    threads; a sharded model that held it would keep them running into the interpreter's shutdown, where freeing
+    the last collective's tensors aborts the process. The model then says what happened if it is used again."""
+    done = fresh_python("-c", _DESTROYED_GROUP, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "group freed: True" in done.stdout
+    assert "then: the process group that Sequential was sharded over is destroyed" in done.stdout

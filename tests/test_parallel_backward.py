@@ -155,6 +155,8 @@ def auto_on_cores(monkeypatch):
 def test_auto_runs_the_backwards_in_parallel_only_where_their_thread_teams_fit_the_cores(
     generator, auto_on_cores, cores, threads, replicas, replica_threads, parallel
 ):
+    """K teams of T threads fit where K x T <= cores, or T is 1 (README, "When it runs"; the measurements behind the
+    rule: BENCHMARKS.md, "Where the parallel backward pays")."""
     auto_on_cores(cores, threads, replica_threads)
     output = minidp.DataParallel(nn.Linear(3, 2), cpu_ids(replicas))(torch.randn(8, 3, generator=generator))
     assert _in_parallel(output) is parallel

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -152,7 +153,12 @@ class ShardGroup:
                  reshard_after_forward: bool, device: torch.device) -> None:
         self.module = module
         self.params = params
-        self.process_group = process_group
+        # Held weakly: torch.distributed keeps the group until destroy_process_group(), which must then free it.
+        # Held here, it would outlive that call (a sharded model lives until the garbage collector finds its
+        # cycles, at exit if not before), and so would Gloo's worker threads, which can then be freeing the last
+        # collective's Python-owned tensors while the interpreter shuts down: an abort ("terminate called without
+        # an active exception") at the end of a script that did everything right, about one run in six.
+        self._process_group = weakref.ref(process_group)
         self.rank, self.world_size = process_group.rank(), process_group.size()
         self.reshard_after_forward = reshard_after_forward
         self.device = device
@@ -236,6 +242,16 @@ class ShardGroup:
             p.set_on_modules(p.shard)
             p.gathered.untyped_storage().resize_(0)
         self.gathered = False
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        group = self._process_group()
+        if group is None:
+            raise RuntimeError(
+                f"the process group that {type(self.module).__name__} was sharded over is destroyed "
+                f"(torch.distributed.destroy_process_group()): shard the module again in a new group to use it"
+            )
+        return group
 
     def drop_pending(self) -> None:
         """A prefetched all-gather that the backward did not use (its group's backward never ran): finish
