@@ -245,6 +245,8 @@ class ShardGroup:
 
     @property
     def process_group(self) -> dist.ProcessGroup:
+        """The group the parameters are sharded over (torch.distributed's collectives take registered groups only,
+        and torch.distributed holds those until they are destroyed)."""
         group = self._process_group()
         if group is None:
             raise RuntimeError(
