@@ -13,6 +13,7 @@ import io
 import os
 import time
 import warnings
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
@@ -567,3 +568,8 @@ def runs_out_without_join(directory: str) -> None:
         outcome = str(error)
     with open(os.path.join(directory, f"rank{dist.get_rank()}.txt"), "w") as file:
         file.write(f"{time.monotonic() - start:.1f}\n{outcome}")
+    # Both files are written before either rank goes on to the job's closing barrier: that barrier fails on the
+    # timed-out group, and the first rank it fails in ends the job, which kills the other, maybe mid-write.
+    written = dist.FileStore(os.path.join(directory, "written"), 2)
+    written.set(f"rank{dist.get_rank()}", "written")
+    written.wait(["rank0", "rank1"], timedelta(seconds=60))
