@@ -40,7 +40,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Union
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import minidp  # noqa: E402
 from minidp.cpu_threads import cores  # noqa: E402
 from minidp.distributed.launch import loopback_interface  # noqa: E402
-from minidp.parallel_backward import applies  # noqa: E402
+from minidp.parallel_backward import applies, parallel_backward_settings  # noqa: E402
 from minidp.zoo import SmallCNN  # noqa: E402
 
 
@@ -146,15 +146,10 @@ def main() -> None:
     model = SmallCNN()
     x, y = _batch(args.batch, 0)
 
-    def with_parallel_backward(enabled, threads: str, step):
+    def with_parallel_backward(enabled: Union[bool, str], threads: str, step):
         def run() -> None:
-            was_enabled = minidp.set_parallel_backward(enabled)
-            was_threads = minidp.set_parallel_backward_threads(threads)
-            try:
+            with parallel_backward_settings(enabled, threads):
                 step()
-            finally:
-                minidp.set_parallel_backward(was_enabled)
-                minidp.set_parallel_backward_threads(was_threads)
 
         return run
 

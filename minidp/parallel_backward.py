@@ -55,9 +55,10 @@ replicas' backwards then run one after the other, as autograd runs them).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from operator import attrgetter
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -119,6 +120,29 @@ def get_parallel_backward_threads() -> str:
     return _threads
 
 
+@contextlib.contextmanager
+def parallel_backward_settings(enabled: Union[bool, str, None] = None, threads: Optional[str] = None) -> Iterator[None]:
+    """:func:`set_parallel_backward` (``enabled``) and :func:`set_parallel_backward_threads` (``threads``) for the
+    block, each left as it is where ``None``; both set back when the block ends, however it ends."""
+    previous_enabled = set_parallel_backward(enabled) if enabled is not None else None
+    try:
+        previous_threads = set_parallel_backward_threads(threads) if threads is not None else None
+        try:
+            yield
+        finally:
+            if previous_threads is not None:
+                set_parallel_backward_threads(previous_threads)
+    finally:
+        if previous_enabled is not None:
+            set_parallel_backward(previous_enabled)
+
+
+def threads_divided_among(replicas: int) -> int:
+    """Among how many of ``replicas`` CPU replicas the caller's intra-op threads are divided for their backwards:
+    1 with ``"caller"`` (each backward gets the whole count), all of them with ``"share"``."""
+    return 1 if _threads == "caller" else replicas
+
+
 def applies(devices: Sequence[torch.device]) -> bool:
     """Whether replicas on ``devices`` get entries: two or more, all on the CPU, grad recorded, and switched on.
 
@@ -135,8 +159,7 @@ def applies(devices: Sequence[torch.device]) -> bool:
         return False
     if _enabled != "auto":
         return _enabled
-    threads = torch.get_num_threads()
-    return teams_fit(len(devices), threads if _threads == "caller" else share(threads, len(devices)))
+    return teams_fit(len(devices), share(torch.get_num_threads(), threads_divided_among(len(devices))))
 
 
 class ReplicaEntry(torch.autograd.Function):

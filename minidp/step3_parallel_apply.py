@@ -340,8 +340,8 @@ def _run_backwards(
     """
     if in_this_thread:
         return [observe_replica_backward(i, devices[i], modules[i], call) for i, call in enumerate(calls)]
-    # One replica's worth (the caller's whole count, set in every worker), or each its forward's share.
-    caller = _CallerState(1 if parallel_backward.get_parallel_backward_threads() == "caller" else len(calls))
+    # The caller's whole count, set in every worker, or each its forward's share.
+    caller = _CallerState(parallel_backward.threads_divided_among(len(calls)))
 
     def run(i: int) -> Any:
         with caller.enter(devices[i], None):

@@ -182,6 +182,21 @@ def test_an_unknown_parallel_backward_setting_is_refused_and_changes_nothing(set
     assert minidp.get_parallel_backward() is before
 
 
+def test_settings_for_a_block_are_set_back_when_it_raises_and_none_leaves_one_alone():
+    before = (minidp.get_parallel_backward(), minidp.get_parallel_backward_threads())
+    with pytest.raises(KeyError):
+        with parallel_backward.parallel_backward_settings(False, "share"):
+            assert (minidp.get_parallel_backward(), minidp.get_parallel_backward_threads()) == (False, "share")
+            raise KeyError("inside")
+    assert (minidp.get_parallel_backward(), minidp.get_parallel_backward_threads()) == before
+    with parallel_backward.parallel_backward_settings(threads="share"):
+        assert (minidp.get_parallel_backward(), minidp.get_parallel_backward_threads()) == (before[0], "share")
+    with pytest.raises(ValueError, match="got 'all'"):  # a bad second setting: the first is set back too
+        with parallel_backward.parallel_backward_settings(False, "all"):
+            pass
+    assert (minidp.get_parallel_backward(), minidp.get_parallel_backward_threads()) == before
+
+
 def test_each_replica_backward_runs_in_its_own_thread(generator):
     """Replica 0's backward in the calling thread (as its forward), every other one in a worker of its own."""
     threads: dict[int, str] = {}

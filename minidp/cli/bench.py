@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..device_ids import as_device
-from ..parallel_backward import applies, set_parallel_backward
+from ..parallel_backward import applies, parallel_backward_settings
 from ..replica_cache import ReplicaCache
 from ..step2_replicate import replicate
 from ..wrapper import DataParallel
@@ -158,11 +158,8 @@ def forward_variants(device: torch.device, replicas: int) -> dict[str, Callable[
     in_parallel = applies([device] * replicas)  # the default's way ("auto")
 
     def cached_other_way() -> None:  # the difference is what cutting the graph for the parallel backward costs
-        previous = set_parallel_backward(not in_parallel)
-        try:
+        with parallel_backward_settings(not in_parallel):
             cached_forward()
-        finally:
-            set_parallel_backward(previous)
 
     variants = {"uncached": lambda: uncached(x), "cached": cached_forward, "direct": direct}
     if device.type == "cpu" and replicas > 1:

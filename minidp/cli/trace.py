@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..parallel_backward import set_parallel_backward
+from ..parallel_backward import parallel_backward_settings
 from ..tracing import trace, write_trace_artifacts
 from ..wrapper import DataParallel
 from ..zoo import ZOO
@@ -49,14 +49,11 @@ def run(args: argparse.Namespace) -> int:
         entry.loss(model(*inputs, **kwargs)).backward()
         optimizer.step()
 
-    previous = set_parallel_backward(_PARALLEL_BACKWARD[args.parallel_backward])
-    try:
+    with parallel_backward_settings(_PARALLEL_BACKWARD[args.parallel_backward]):
         for _ in range(args.warmup):
             train_step()
         with trace() as step:
             train_step()
-    finally:
-        set_parallel_backward(previous)
     written = write_trace_artifacts(step, args.out)
     print(f"{args.model}, batch {args.batch}, device_ids={device_ids}")
     print(step.table())
