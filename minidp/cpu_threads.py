@@ -3,7 +3,8 @@
 A CPU kernel of PyTorch splits its work among a *team* of intra-op threads (OpenMP in the usual builds)
 and waits, at its end, for the team's slowest member. K CPU replicas that run at once start K teams.
 When the teams' threads outnumber the cores, the member that the others wait for is often not running,
-and every kernel's end costs a trip through the scheduler. So
+and every kernel's end costs a trip through the scheduler (measured: BENCHMARKS.md, "Where the parallel backward
+pays"). So
 
 * a forward of CPU replicas runs each with its *share* of the caller's count (:func:`share`), and
 * their backwards run in parallel, by default, only where their teams fit the cores

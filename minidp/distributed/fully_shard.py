@@ -157,7 +157,8 @@ class ShardGroup:
         # Held here, it would outlive that call (a sharded model lives until the garbage collector finds its
         # cycles, at exit if not before), and so would Gloo's worker threads, which can then be freeing the last
         # collective's Python-owned tensors while the interpreter shuts down: an abort ("terminate called without
-        # an active exception") at the end of a script that did everything right, about one run in six.
+        # an active exception") at the end of a script that did everything right (examples/fsdp_train.py under
+        # torchrun: 2 runs of 12 with the group held here, 0 of 24 with it held weakly).
         self._process_group = weakref.ref(process_group)
         self.rank, self.world_size = process_group.rank(), process_group.size()
         self.reshard_after_forward = reshard_after_forward

@@ -240,10 +240,11 @@ class Trace:
         outer replica's tensors, whose parallel backward takes their gradients at its entries without running
         them), and a leaf (a plain tensor the replica holds).
         """
-        users: dict[int, set[int]] = {}  # id(node) -> the replicas whose parameters it makes
+        users: dict[int, set[int]] = {}  # id(entry node) -> the replicas whose tensors come through it
         for index, params in enumerate(parameters):
             for param in params:
-                users.setdefault(id(param.grad_fn), set()).add(index)
+                if is_entry(param.grad_fn):
+                    users.setdefault(id(param.grad_fn), set()).add(index)
         for index, (module, params) in enumerate(zip(replicas, parameters)):
             backward = _Backward(index)
             with self._lock:
