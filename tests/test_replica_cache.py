@@ -193,6 +193,19 @@ def test_moving_to_another_dtype_rebuilds_the_replicas(generator):
     assert "device or dtype" in pair.info.last_rebuild_reason
 
 
+def test_a_parameter_moved_off_the_device_in_place_is_refused_as_without_the_cache(generator):
+    # The Parameter object stays, so only the placement check sees the move; the rebuild then
+    # raises the uncached path's error, naming the parameter and the device (docs/stock-behaviour.md B6: every
+    # forward checks that the module is on device_ids[0]).
+    pair = Pair(_mlp(), cpu_ids(2))
+    pair.step(torch.randn(6, 5, generator=generator))
+    for wrapper, model in zip((pair.fresh, pair.cached), pair.models):
+        weight = model[0].weight  # moved keeping the object, as `.to()` moves with swap_tensors
+        torch.utils.swap_tensors(weight, nn.Parameter(torch.empty_like(weight, device="meta")))
+        with pytest.raises(RuntimeError, match=r"on device cpu \(device_ids\[0\]\) but '0.weight' is on meta"):
+            wrapper(torch.randn(6, 5, generator=generator))  # kept skeletons would bind the meta weight instead
+
+
 class Scaled(nn.Module):
     """Reads a plain attribute of the original module at every forward."""
 
