@@ -45,6 +45,27 @@ def test_the_deep_cheap_model_is_deep_and_holds_buffers():
     assert len(list(network.modules())) == 1 + 48 * 4 and len(list(network.buffers())) == 48 * 3
 
 
+def test_the_forward_rows_floor_reuses_its_replicas_where_the_others_replicate_at_every_call(monkeypatch):
+    """The deep model's forward row: uncached, cached and the other backward's way replicate at every call; the floor
+    of their ratio ("bound once") runs DataParallel's forward on replicas made once, when the variants are set up."""
+    import torch
+
+    import minidp
+
+    variants = bench.forward_variants(torch.device("cpu"), 2)
+    other_way = [name for name in variants if name.startswith("cached with the")]
+    assert set(variants) == {"uncached", "cached", "direct", "bound once", *other_way} and len(other_way) == 1
+    replicated: list[str] = []
+    real = minidp.DataParallel.replicate
+    monkeypatch.setattr(minidp.DataParallel, "replicate", lambda self, *a: replicated.append("x") or real(self, *a))
+    for _ in range(3):
+        variants["bound once"]()
+    assert replicated == []
+    for name in ("uncached", "cached", *other_way):
+        variants[name]()
+    assert len(replicated) == 3
+
+
 def test_the_cpu_replicas_benchmark_runs_every_variant_and_says_where_the_time_goes():
     """benchmarks/bench_cpu_replicas.py end to end, shortest run: one device, minidp (the default, which says the
     way it took; parallel backward with the caller's threads and with shared ones; serial backward) and torch DDP

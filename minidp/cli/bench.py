@@ -15,7 +15,9 @@ Rows:
 * ``forward deep``: the forward of a deep, cheap model (:func:`deep_cheap`: 48 blocks of
   ``Linear``, ``BatchNorm1d`` and ``ReLU``) through ``DataParallel`` with the replica cache vs
   without it; the replicas' graph is then dropped, as a training step's backward leaves it. Beside
-  them, the floor of both: the chunks through the model itself, one after the other; and on CPU
+  them, the floor of both: the chunks through the model itself, one after the other; the forward with the
+  replicas bound once and reused (scatter, parallel_apply and gather only: what no cache removes, so the lowest
+  cached/uncached ratio the machine allows); and on CPU
   replicas, the cached forward with the replicas' backwards the other way than the default takes here
   (serial or in parallel, :func:`minidp.set_parallel_backward`): what the parallel backward's cut costs.
 * ``overhead``: step time minus the single-device step time of the same batch, for minidp and
@@ -149,6 +151,12 @@ def forward_variants(device: torch.device, replicas: int) -> dict[str, Callable[
         cached(x)
         cached.replica_cache.release(cached.device_ids)  # no backward follows: the replicas are free to re-bind
 
+    # The forward with replicas bound once and reused as they are: scatter, parallel_apply and gather only, what
+    # no cache can take away (not a valid training step: every call's graph shares one Broadcast node).
+    prebound = DataParallel(model, ids)
+    bound_once = replicate(model, ids)
+    prebound.replicate = lambda module, device_ids: bound_once
+
     chunks = x.chunk(replicas)
 
     def direct() -> None:  # the replicas' own work, with nothing of data parallelism: the floor of both
@@ -161,7 +169,7 @@ def forward_variants(device: torch.device, replicas: int) -> dict[str, Callable[
         with parallel_backward_settings(not in_parallel):
             cached_forward()
 
-    variants = {"uncached": lambda: uncached(x), "cached": cached_forward, "direct": direct}
+    variants = {"uncached": lambda: uncached(x), "cached": cached_forward, "direct": direct, "bound once": lambda: prebound(x)}
     if device.type == "cpu" and replicas > 1:
         variants[f"cached with the {'serial' if in_parallel else 'parallel'} backward"] = cached_other_way
     return variants
@@ -220,6 +228,8 @@ def _run_bench(device: torch.device, rounds: int, number: int, groups: tuple[str
                     f"uncached {times['uncached'] * 1e3:.2f} ms, cached/uncached {times['cached'] / times['uncached']:.3f}"
                     + (f"; the chunks through the model, one after the other: {times['direct'] * 1e3:.2f} ms"
                        if "direct" in times else "")
+                    + (f"; replicas bound once (no replicate step): {times['bound once'] * 1e3:.2f} ms, so cached/uncached "
+                       f">= {times['bound once'] / times['uncached']:.3f} here" if "bound once" in times else "")
                     + "".join(f"; {name}: {seconds * 1e3:.2f} ms" for name, seconds in times.items()
                               if name.startswith("cached with")),
                 )
