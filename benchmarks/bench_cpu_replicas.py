@@ -4,7 +4,7 @@
     python benchmarks/bench_cpu_replicas.py --rounds 5       # shorter
     python benchmarks/bench_cpu_replicas.py --threads 1      # every variant on one intra-op thread per process
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 python benchmarks/bench_cpu_replicas.py
-        # glibc keeps freed memory mapped, in every process of the run: no variant pays page faults
+        # glibc keeps freed memory mapped, in every process of the run: page faults all but gone
 
 Variants, all on the same global batch (``--batch`` rows of 1x28x28 images, ``minidp.zoo.SmallCNN``,
 cross-entropy, SGD):

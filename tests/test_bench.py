@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+import minidp
 from minidp.cli import bench
 from minidp.zoo import resnet18, resnet50
 
@@ -48,10 +50,6 @@ def test_the_deep_cheap_model_is_deep_and_holds_buffers():
 def test_the_forward_rows_floor_reuses_its_replicas_where_the_others_replicate_at_every_call(monkeypatch):
     """The deep model's forward row: uncached, cached and the other backward's way replicate at every call; the floor
     of their ratio ("bound once") runs DataParallel's forward on replicas made once, when the variants are set up."""
-    import torch
-
-    import minidp
-
     variants = bench.forward_variants(torch.device("cpu"), 2)
     other_way = [name for name in variants if name.startswith("cached with the")]
     assert set(variants) == {"uncached", "cached", "direct", "bound once", *other_way} and len(other_way) == 1

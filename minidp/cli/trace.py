@@ -20,6 +20,9 @@ from .args import non_negative_int, parse_device_ids, positive_int, seed
 from .devices import default_device_ids
 
 
+_PARALLEL_BACKWARD = {"auto": "auto", "on": True, "off": False}  # --parallel-backward: set_parallel_backward's settings
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=list(ZOO), default="cnn", help="zoo model to train (default cnn)")
     parser.add_argument("--devices", type=parse_device_ids, default=None,
@@ -31,9 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU replicas' backwards in parallel where their threads fit the cores (auto, the "
                              "default), always (on) or never (off): minidp.set_parallel_backward")
     parser.add_argument("--out", type=Path, default=Path("minidp-trace"), help="directory for the artifacts")
-
-
-_PARALLEL_BACKWARD = {"auto": "auto", "on": True, "off": False}
 
 
 def run(args: argparse.Namespace) -> int:
