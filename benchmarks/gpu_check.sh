@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine: build the extension, run the CUDA tests and the GPU
-# benchmarks (the reduction of BENCHMARKS.md and the runtime ratios of its second part), and write
-# OUTDIR/gpu_check.json and OUTDIR/summary.txt (one screen; also printed).
+# benchmarks (the reduction of BENCHMARKS.md, the runtime ratios of its second part, CPU replicas
+# on the host's cores), and write OUTDIR/gpu_check.json and OUTDIR/summary.txt (one screen; also printed).
 # Every step runs, with its own time limit, even when an earlier one fails; each step's exit
-# status and output (OUTDIR/<step>.log) are kept. About 6 minutes on one GPU, 11 at most.
+# status and output (OUTDIR/<step>.log) are kept. About 7 minutes on one GPU, 13 at most.
 #
 #   bash benchmarks/gpu_check.sh OUTDIR
 set -u
@@ -40,6 +40,9 @@ step groups 60 env MINIDP_BENCH_QUICK=1 "$py" -m pytest benchmarks/ -m cuda -q -
 step memory 40 "$py" -m benchmarks.steady_memory --device cuda --steps 1000
 step nccl 90 "$py" benchmarks/bench_ddp.py --backend nccl --rounds 20   # says why when NCCL cannot run 2 ranks here
 step fsdp 90 "$py" benchmarks/bench_fsdp.py --backend nccl --rounds 20  # fully_shard vs FSDP2; the same
+# CPU replicas against one device and torch DDP where there are more cores than one process's threads: the host
+# where the replicas' backwards run in parallel by default (2 teams of 8 on 16 cores), and with all the threads.
+step cpu 90 bash -c "$py benchmarks/bench_cpu_replicas.py --rounds 3 --threads 8 && $py benchmarks/bench_cpu_replicas.py --rounds 3"
 
 # gpu_check.json: each step's exit status and seconds, and the benchmark rows when there are any.
 {
@@ -64,6 +67,7 @@ step fsdp 90 "$py" benchmarks/bench_fsdp.py --backend nccl --rounds 20  # fully_
   echo "-- steady memory"; tail -n 4 "$out/memory.log"
   echo "-- minidp.distributed vs torch DDP on NCCL"; tail -n 6 "$out/nccl.log"
   echo "-- fully_shard vs FSDP2 on NCCL"; tail -n 6 "$out/fsdp.log"
+  echo "-- CPU replicas vs one device and torch DDP (--threads 8, then all threads)"; grep -E '^(SmallCNN|variant|minidp|one|torch)' "$out/cpu.log"
   echo "-- failing steps"
   for i in "${!names[@]}"; do
     [ "${codes[$i]}" -ne 0 ] && { echo "   ${names[$i]}:"; tail -n 8 "$out/${names[$i]}.log" | sed 's/^/     /'; }
