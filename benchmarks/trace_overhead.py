@@ -18,6 +18,18 @@ what the ledger costs per operator, on a small ``torch.add`` watched and not, al
 
 ``--rss-reads`` times the two ways the trace can read the process's peak resident memory at its end, each right
 after an untraced step, alternating: the ``VmHWM`` line of ``/proc/self/status`` and ``getrusage``.
+
+``--one-kind untraced|traced`` times nothing: after three steps of each kind it runs ``--steps`` steps of that kind
+and exits, for a counter of instructions, which the machine's other work does not move (valgrind's callgrind runs
+the threads one at a time; ``OMP_WAIT_POLICY=passive`` keeps idle OpenMP threads from spinning, which it would count):
+
+    py=$(python -c "import sys; print(sys.executable)")   # the interpreter itself, not a launcher script
+    for steps in 0 10; do for kind in untraced traced; do
+        OMP_WAIT_POLICY=passive valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+            "$py" benchmarks/trace_overhead.py --replicas 2 --batch 64 --steps $steps --one-kind $kind 2>&1 | grep Collected
+    done; done
+
+A step's instructions are (untraced at 10 - untraced at 0) / 10, the tracer's (traced at 10 - untraced at 10) / 10.
 """
 
 from __future__ import annotations
@@ -50,6 +62,8 @@ def main() -> None:
                         help="also time minidp.trace(ledger=True) and torch's memory profile")
     parser.add_argument("--rss-reads", action="store_true",
                         help="also time the two reads of the peak resident memory, right after a step")
+    parser.add_argument("--one-kind", choices=["untraced", "traced"],
+                        help="time nothing: run --steps steps of this kind only, for an instruction counter")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -92,6 +106,15 @@ def main() -> None:
         start, cpu_start = time.perf_counter(), time.process_time()
         run()
         return time.perf_counter() - start, time.process_time() - cpu_start
+
+    if args.one_kind is not None:
+        for _ in range(3):  # each kind's first-call costs, in both counts alike
+            step()
+            traced()
+        run = traced if args.one_kind == "traced" else step
+        for _ in range(args.steps):
+            run()
+        return
 
     for _ in range(3):
         step()

@@ -89,3 +89,13 @@ def test_the_tracer_overhead_benchmark_runs_on_either_model(model):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith(f"{model}, batch 8, 2 CPU replicas, 2 steps each")
     assert "wall time per step: tracing off" in done.stdout
+
+
+@pytest.mark.parametrize("kind", ["untraced", "traced"])
+def test_the_tracer_overhead_benchmark_runs_one_kind_untimed_for_an_instruction_counter(kind):
+    """``--one-kind``: the steps of one kind and nothing else (no timing, no other kind's rounds), so that an
+    instruction counter around the process sees one kind's work."""
+    done = fresh_python(str(ROOT / "benchmarks" / "trace_overhead.py"), "--steps", "2", "--replicas", "2",
+                        "--batch", "8", "--one-kind", kind, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == ""
