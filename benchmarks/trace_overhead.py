@@ -1,6 +1,7 @@
 """What tracing costs: one training step of the demo CNN with and without ``minidp.trace()``.
 
     python benchmarks/trace_overhead.py [--steps 30] [--batch 256] [--replicas 4] [--model cnn|deep] [--ledger] [--rss-reads]
+    python benchmarks/trace_overhead.py --steps 10 --one-kind untraced|traced    # untimed, for an instruction counter
 
 ``--model deep``: instead of the CNN, ``minidp.cli.bench.deep_cheap`` (48 blocks of ``Linear``, ``BatchNorm1d``
 and ``ReLU``: 192 parameters, cheap operations), where what the tracer does per module or parameter weighs most.
