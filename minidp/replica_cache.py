@@ -69,7 +69,9 @@ from .comm import check_reduce_backend
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
 from .parallel_backward import made_by
-from .step2_replicate import Slots, bind, build_skeletons, check_is_module, check_module_device, replica_tensors, tensor_slots
+from .step2_replicate import (
+    Slots, bind, build_skeletons, check_is_module, check_module_device, replica_tensors, tensor_slots, through_entries,
+)
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 _dict_of = attrgetter("__dict__")
@@ -233,7 +235,8 @@ class _Entry:
         """Reset the skeletons and give them this call's tensors; the replica roots, one per device."""
         self.reset()
         param_copies, buffer_copies = replica_tensors(self.params, self.buffers, devices, detach, reduce_backend)
-        bind(self.replicas, self.param_slots, self.buffer_slots, param_copies, buffer_copies)
+        bind(self.replicas, self.param_slots, self.buffer_slots, param_copies, buffer_copies,
+             through_entries=through_entries(devices, detach))
         self._watch_backward(param_copies[0] + buffer_copies[0])
         return [replica_modules[0] for replica_modules in self.replicas]
 

@@ -149,6 +149,7 @@ def replicate(
         tensor_slots(modules, "_parameters", params),
         tensor_slots(modules, "_buffers", buffers),
         *replica_tensors(params, buffers, devices, detach, reduce_backend),
+        through_entries=through_entries(devices, detach),
     )
     return [replica_modules[0] for replica_modules in replicas]
 
@@ -182,8 +183,16 @@ def bind(
     buffer_slots: Slots,
     param_copies: list[list[torch.Tensor]],
     buffer_copies: list[list[torch.Tensor]],
+    *,
+    through_entries: bool = True,
 ) -> None:
-    """Give the replica modules of each device (``replicas[device]``) that device's tensors."""
+    """Give the replica modules of each device (``replicas[device]``) that device's tensors.
+
+    ``through_entries``: whether the copies came through the replicas' entries (:func:`through_entries`); only then
+    are there entries to note for parallel_apply, where finding them means reading every tensor's ``grad_fn`` (27 us
+    a device for ResNet-50's 320 tensors). Noting none where there are some costs only speed: parallel_apply then
+    looks for them in the replica's modules.
+    """
     for replica_modules, params, buffers in zip(replicas, param_copies, buffer_copies):
         for replica, module_params, module_buffers in zip(replica_modules, param_slots, buffer_slots):
             # A plain tensor set under a name not in `_parameters` becomes a plain attribute: what
@@ -199,7 +208,13 @@ def bind(
             registry = state["_buffers"]
             for key, i in module_buffers:
                 registry[key] = None if i is None else buffers[i]
-        remember_entries(replica_modules[0], [*params, *buffers])
+        remember_entries(replica_modules[0], [*params, *buffers] if through_entries else [])
+
+
+def through_entries(devices: list[torch.device], detach: bool) -> bool:
+    """Whether :func:`replica_tensors` gives every replica its tensors that require grad through an entry of its own
+    (:mod:`minidp.parallel_backward`): CPU replicas whose backwards can run in parallel, while grad is recorded."""
+    return not detach and parallel_backward_applies(devices)
 
 
 def replica_tensors(
@@ -241,6 +256,6 @@ def _broadcast_parameters(
     flat = Broadcast.apply(devices, reduce_backend, *tensors)
     n = len(tensors)
     copies = [list(flat[i : i + n]) for i in range(0, len(flat), n)]
-    if parallel_backward_applies(devices):  # each CPU replica's graph ends at an entry of its own (minidp.parallel_backward)
+    if through_entries(devices, detach):  # each CPU replica's graph ends at an entry of its own (minidp.parallel_backward)
         copies = [enter(device_copies) for device_copies in copies]
     return copies
