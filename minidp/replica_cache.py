@@ -236,7 +236,7 @@ class _Entry:
         self.reset()
         param_copies, buffer_copies = replica_tensors(self.params, self.buffers, devices, detach, reduce_backend)
         bind(self.replicas, self.param_slots, self.buffer_slots, param_copies, buffer_copies,
-             through_entries=through_entries(devices, detach))
+             entered=through_entries(devices, detach))
         self._watch_backward(param_copies[0] + buffer_copies[0])
         return [replica_modules[0] for replica_modules in self.replicas]
 

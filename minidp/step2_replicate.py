@@ -149,7 +149,7 @@ def replicate(
         tensor_slots(modules, "_parameters", params),
         tensor_slots(modules, "_buffers", buffers),
         *replica_tensors(params, buffers, devices, detach, reduce_backend),
-        through_entries=through_entries(devices, detach),
+        entered=through_entries(devices, detach),
     )
     return [replica_modules[0] for replica_modules in replicas]
 
@@ -184,11 +184,11 @@ def bind(
     param_copies: list[list[torch.Tensor]],
     buffer_copies: list[list[torch.Tensor]],
     *,
-    through_entries: bool = True,
+    entered: bool = True,
 ) -> None:
     """Give the replica modules of each device (``replicas[device]``) that device's tensors.
 
-    ``through_entries``: whether the copies came through the replicas' entries (:func:`through_entries`); only then
+    ``entered``: whether the copies came through the replicas' entries (:func:`through_entries`); only then
     are there entries to note for parallel_apply, where finding them means reading every tensor's ``grad_fn`` (27 us
     a device for ResNet-50's 320 tensors). Noting none where there are some costs only speed: parallel_apply then
     looks for them in the replica's modules.
@@ -208,7 +208,7 @@ def bind(
             registry = state["_buffers"]
             for key, i in module_buffers:
                 registry[key] = None if i is None else buffers[i]
-        remember_entries(replica_modules[0], [*params, *buffers] if through_entries else [])
+        remember_entries(replica_modules[0], [*params, *buffers] if entered else [])
 
 
 def through_entries(devices: list[torch.device], detach: bool) -> bool:
