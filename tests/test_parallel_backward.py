@@ -298,8 +298,8 @@ def test_parallel_apply_says_whether_each_replica_backward_will_be_one_call(gene
 @pytest.mark.parametrize("cached", [True, False], ids=["cached", "uncached"])
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
 def test_replicate_looks_for_entries_among_the_replicas_tensors_only_where_it_made_them(monkeypatch, parallel, cached):
-    # Finding them reads every tensor's grad_fn (27 us a device on ResNet-50); where the replicas got no entries
-    # there is nothing to find, and a replica noted before is left with none noted.
+    # Finding them reads every tensor's grad_fn (what it costs: minidp.step2_replicate.bind); where the replicas got no
+    # entries there is nothing to find, and a replica noted before is left with none noted.
     searched: list[int] = []
     search = parallel_backward._entries_among
     monkeypatch.setattr(parallel_backward, "_entries_among", lambda tensors: searched.append(len(tensors)) or search(tensors))
