@@ -220,14 +220,16 @@ def region(entries: Sequence[Any], output: Any) -> Optional[Region]:
     own = {id(node) for node in entries}
     outputs = [t for _, t in tensors_in(output) if t.requires_grad]
     stack = [t.grad_fn for t in outputs]
-    seen: set[int] = set()
+    # The nodes visited, by id, held: a built-in node's Python object may be made anew at each `next_functions`
+    # read and freed after it (torch 2.11 does), and a new one may then take a freed one's id.
+    seen: dict[int, Any] = {}
     while stack:
         node = stack.pop()
         if node is None:
             return None  # an output that is a leaf: not made in the replica
         if id(node) in own or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if type(node) is _REENTRANT_CHECKPOINT:
             return None  # its backward runs one of its own, through the parameters into the Broadcast
         nexts = [fn for fn, _ in node.next_functions if fn is not None]
