@@ -45,6 +45,22 @@ def parse_device(device: DeviceLike, argument: str = "device") -> torch.device:
     return device
 
 
+def visible_gpus() -> int:
+    """How many GPUs this process sees: ``torch.cuda.device_count()``, asked only where CUDA is available.
+
+    Before CUDA is initialised, ``device_count()`` asks NVML, which a CUDA build of torch on a machine without a GPU
+    loads through ``ctypes`` at every call: 39 us and a reference cycle each time, where ``is_available()`` takes
+    1.5 us and leaves none (torch 2.11+cu130, ``python -m timeit -s "import torch" "torch.cuda.device_count()"``).
+    """
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_device_ids(replicas_on_cpu: int) -> list[DeviceLike]:
+    """Every visible GPU, else ``replicas_on_cpu`` CPU replicas."""
+    count = visible_gpus()
+    return list(range(count)) if count else ["cpu"] * replicas_on_cpu
+
+
 def as_device(device: DeviceLike, argument: str = "device") -> torch.device:
     """Return ``device`` as a ``torch.device``, checking that a GPU id names a GPU this process sees.
 
@@ -56,7 +72,7 @@ def as_device(device: DeviceLike, argument: str = "device") -> torch.device:
         return device  # already parsed, nothing to check: the hot path passes these every step
     device = parse_device(device, argument)
     if device.type == "cuda":
-        visible = torch.cuda.device_count()
+        visible = visible_gpus()
         if device.index is None:
             if visible == 0:
                 raise RuntimeError(f"{argument}: {device} was asked for, but this process sees no GPU")
@@ -96,7 +112,7 @@ class DeviceInfo:
 
 def _physical_gpu_ids() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    count = torch.cuda.device_count()
+    count = visible_gpus()
     if visible is None or not visible.strip():
         return [str(i) for i in range(count)]
     return [v.strip() for v in visible.split(",")][:count]

@@ -46,6 +46,7 @@ from torch import nn
 
 from . import replica_group
 from .replica_group import Membership
+from .torch_versions import BATCHNORM_TAKES_BIAS
 
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -66,7 +67,15 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         *,
         bias: bool = True,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        if BATCHNORM_TAKES_BIAS:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        elif not bias:
+            raise TypeError(
+                f"SyncBatchNorm(bias=False) needs torch 2.12 or newer, where nn.BatchNorm takes `bias`; this is torch "
+                f"{torch.__version__}. Upgrade torch, or keep the bias (bias=True) and freeze it (requires_grad_(False))"
+            )
+        else:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         # What this layer's replicas meet at: a plain attribute, so every replica (a shallow copy of
         # this module) shares this very object, while a deepcopy or another layer gets its own.
         self._meeting_key = object()
@@ -147,7 +156,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
             converted = cls(
                 module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
-                bias=module.bias is not None,
+                bias=module.bias is not None or not module.affine,
             )
             if module.affine:
                 converted.weight, converted.bias = module.weight, module.bias

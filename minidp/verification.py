@@ -85,7 +85,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from .comm import check_dim
-from .device_ids import DeviceLike, as_devices
+from .device_ids import DeviceLike, as_devices, default_device_ids
 from .nested import leaves, map_tensors
 from .reference import chunked_reference
 from .step2_replicate import check_is_module
@@ -200,7 +200,7 @@ def verify(
     """
     check_is_module(module, "module")
     check_dim(dim, "dim")
-    devices = as_devices(device_ids if device_ids is not None else _default_devices(), "device_ids")
+    devices = as_devices(device_ids if device_ids is not None else default_device_ids(replicas_on_cpu=2), "device_ids")
     if not devices:
         raise ValueError("device_ids is empty: give at least one device, e.g. ['cpu'] * 2")
     for argument, function in (("loss", loss), ("wrapper", wrapper)):
@@ -274,11 +274,6 @@ def verify(
     report.batch_statistics = [_layer_name(runs[FULL_BATCH][0], name) for name in layers]
     report.checks.extend(_compare_state(parallel, runs[FULL_BATCH][0]))
     return report
-
-
-def _default_devices() -> list[DeviceLike]:
-    count = torch.cuda.device_count()
-    return list(range(count)) if count else ["cpu"] * 2
 
 
 def _is_float_tensor(value: Any) -> bool:

@@ -20,13 +20,14 @@ import torch
 from torch import nn
 
 from . import comm
-from .device_ids import DeviceLike, as_device, as_devices, check_device_list, parse_device
+from .device_ids import DeviceLike, as_device, as_devices, check_device_list, parse_device, visible_gpus
 from .hooks import profiled
 from .replica_cache import ReplicaCache, ReplicaCacheInfo
 from .step1_scatter import scatter_kwargs
 from .step2_replicate import check_is_module, check_module_device, check_not_compiled, replicate
 from .step3_parallel_apply import parallel_apply
 from .step4_gather import gather
+from .torch_versions import clone_all
 
 _warned_no_gpu = False
 
@@ -39,12 +40,12 @@ def resolve_device_ids(device_ids: Optional[Sequence[DeviceLike]]) -> list[torch
     """
     global _warned_no_gpu
     if device_ids is None:
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [torch.device("cuda", i) for i in range(visible_gpus())]
     check_device_list(device_ids, "device_ids")
     device_ids = list(device_ids)
     if not device_ids:
         raise ValueError("device_ids is empty: give at least one device, e.g. [0, 1] or ['cpu'] * 2")
-    if torch.cuda.device_count() == 0 and all(isinstance(d, int) and not isinstance(d, bool) for d in device_ids):
+    if visible_gpus() == 0 and all(isinstance(d, int) and not isinstance(d, bool) for d in device_ids):
         for i, d in enumerate(device_ids):  # no GPU to check them against, but -2 is no GPU anywhere
             parse_device(d, f"device_ids[{i}]")
         if not _warned_no_gpu:
@@ -85,7 +86,7 @@ def buffers_restored_on_failure(module: nn.Module) -> Iterator[None]:
     Replica 0 shares the original's buffers, so its BatchNorm updates land in them during the step
     (stock's behaviour: the running statistics come from chunk 0). If another replica then fails,
     stock keeps replica 0's half of the step. Here the buffers are copied before the replicas run (a
-    clone of each, all made by one ``_foreach_clone``), and on an exception every buffer is written
+    clone of each, all made by one ``_foreach_clone`` where torch has it), and on an exception every buffer is written
     back from the copy (all of them: BatchNorm's kernel updates its running statistics without moving
     their version counters). On success nothing more happens, and the buffers are the very tensors
     stock would leave.
@@ -94,7 +95,7 @@ def buffers_restored_on_failure(module: nn.Module) -> Iterator[None]:
     if not buffers:
         yield
         return
-    saved = torch._foreach_clone(buffers)  # the cheapest copy of many small buffers (step2_replicate._copy_buffers says how much)
+    saved = clone_all(buffers)  # the cheapest copy of many small buffers (step2_replicate._copy_buffers says how much)
     try:
         yield
     except BaseException:

@@ -33,7 +33,7 @@ PACKAGE = Path(minidp.__file__).resolve().parent
 # The bottom floor: the steps, the tensor-level copies, and what they stand on.
 PRIMITIVES = {
     "hooks", "nested", "device_ids", "ext", "comm", "replica_group", "parallel_backward", "cpu_threads",
-    "step1_scatter", "step2_replicate", "step3_parallel_apply", "step4_gather", "step5_reduce",
+    "torch_versions", "step1_scatter", "step2_replicate", "step3_parallel_apply", "step4_gather", "step5_reduce",
 }
 
 

@@ -12,6 +12,7 @@ import minidp
 
 from .helpers import CountsCalls
 from minidp.cli import COMMANDS, main
+from minidp import device_ids
 from minidp.cli.args import parse_device_ids
 from minidp.zoo import ZooEntry
 
@@ -76,7 +77,7 @@ def test_trace_runs_the_backwards_the_way_it_is_told_and_sets_the_default_back(t
     [("0,1", [0, 1]), ("cpu*4", ["cpu"] * 4), ("cuda:0,cuda:0", ["cuda:0", "cuda:0"]), ("cpu, 0*2", ["cpu", 0, 0])],
 )
 def test_device_ids_are_parsed_from_a_comma_list_with_repeats(text, expected, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # GPU ids 0 and 1 exist: the parsing is under test
+    monkeypatch.setattr(device_ids, "visible_gpus", lambda: 2)  # GPU ids 0 and 1 exist: the parsing is under test
     assert parse_device_ids(text) == expected
 
 

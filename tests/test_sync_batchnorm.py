@@ -17,6 +17,7 @@ from torch import nn
 
 import minidp
 from minidp.replica_group import ReplicaGroup, current
+from minidp.torch_versions import BATCHNORM_TAKES_BIAS
 
 from .helpers import RTOL_FLOAT64, cpu_ids, finishes_within, max_relative_error, requires_cuda
 
@@ -126,14 +127,26 @@ def test_running_statistics_follow_batchnorm_over_several_steps(generator, momen
     assert sync.num_batches_tracked.item() == 3
 
 
+NEEDS_BATCHNORM_BIAS = pytest.mark.skipif(not BATCHNORM_TAKES_BIAS, reason="nn.BatchNorm takes `bias` from torch 2.12 on")
+NO_BIAS = {"bias": False} if BATCHNORM_TAKES_BIAS else {}  # torch 2.11's BatchNorm always has its bias
+
+
 @pytest.mark.parametrize(
-    "options", [{"affine": False}, {"bias": False}, {"eps": 0.1}], ids=["affine=False", "bias=False", "eps=0.1"]
+    "options",
+    [{"affine": False}, pytest.param({"bias": False}, marks=NEEDS_BATCHNORM_BIAS), {"eps": 0.1}],
+    ids=["affine=False", "bias=False", "eps=0.1"],
 )
 def test_the_constructor_options_mean_what_they_mean_for_batchnorm(generator, options):
     reference, sync = batchnorm_pair(4, generator, **options)
     parallel = minidp.DataParallel(sync, cpu_ids(3))
     finishes_within(BOUND_S, steps_agree(reference, parallel, [batch(4, 10, generator)], generator))
     assert_same_state(sync, reference)
+
+
+@pytest.mark.skipif(BATCHNORM_TAKES_BIAS, reason="this torch's BatchNorm takes `bias`")
+def test_bias_false_where_batchnorm_has_no_such_option_is_refused_with_the_torch_it_needs():
+    with pytest.raises(TypeError, match=r"SyncBatchNorm\(bias=False\) needs torch 2.12 or newer.*freeze it"):
+        minidp.SyncBatchNorm(CHANNELS, bias=False)
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
@@ -249,13 +262,14 @@ def test_an_input_with_the_wrong_channel_count_is_refused_before_any_state_chang
 
 
 def conv_net(generator: torch.Generator) -> nn.Module:
-    """Two conv blocks with BatchNorm2d (one frozen, one cumulative), a head with BatchNorm1d (no bias); float64.
+    """Two conv blocks with BatchNorm2d (one frozen, one cumulative), a head with BatchNorm1d (no bias, where torch
+    has the option); float64.
     Layers before a BatchNorm have no bias: BatchNorm removes it, leaving it a gradient of rounding noise."""
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=generator)))
     model = nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
         nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
-        nn.Flatten(), nn.Linear(4 * 5 * 5, 6, bias=False), nn.BatchNorm1d(6, bias=False), nn.Linear(6, 3),
+        nn.Flatten(), nn.Linear(4 * 5 * 5, 6, bias=False), nn.BatchNorm1d(6, **NO_BIAS), nn.Linear(6, 3),
     ).double()
     model[4].weight.requires_grad_(False)
     return model

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..comm import chunk_sizes_for
-from ..device_ids import as_device
+from ..device_ids import as_device, visible_gpus
 from ..digits import SyntheticDigits
 from ..criterion import parallel_criterion
 from ..tracing import trace, write_trace_artifacts
@@ -78,7 +78,7 @@ def choose_device_ids(device: str, replicas: Optional[int]) -> list[Union[int, s
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return ["cpu"] * (replicas or DEFAULT_CPU_REPLICAS)
-    gpus = torch.cuda.device_count()
+    gpus = visible_gpus()
     if gpus == 0:
         raise SystemExit("--device cuda: this process sees no GPU; use --device cpu to run replicas on the CPU")
     return [i % gpus for i in range(replicas or gpus)]

@@ -12,17 +12,11 @@ from typing import Optional
 
 import torch
 
-from ..device_ids import DeviceInfo, DeviceLike, devices
+from ..device_ids import DeviceInfo, devices, visible_gpus
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "GPU utilisation needs the NVIDIA management library (pip install nvidia-ml-py)."
-
-
-def default_device_ids(replicas_on_cpu: int) -> list[DeviceLike]:
-    """Every visible GPU, else ``replicas_on_cpu`` CPU replicas."""
-    count = torch.cuda.device_count()
-    return list(range(count)) if count else ["cpu"] * replicas_on_cpu
 
 
 def _memory_used(info: DeviceInfo) -> Optional[int]:
@@ -65,6 +59,6 @@ def run(args: argparse.Namespace) -> int:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         print(f"CUDA_VISIBLE_DEVICES={visible!r}: logical GPU ids count from 0 over these")
-    if torch.cuda.device_count() == 0:
+    if visible_gpus() == 0:
         print("no GPU visible: run replicas on the CPU with device_ids=['cpu'] * n")
     return 0

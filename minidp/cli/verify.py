@@ -14,7 +14,7 @@ from ..device_ids import as_devices
 from ..verification import verify
 from ..zoo import ZOO
 from .args import parse_device_ids, positive_int, seed
-from .devices import default_device_ids
+from ..device_ids import default_device_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
