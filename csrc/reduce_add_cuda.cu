@@ -58,7 +58,7 @@ __device__ void load_group(const T* p, int n, bool vector, Group<T>& g) {
   } else {
 #pragma unroll
     for (int e = 0; e < kGroup; ++e) {
-      g.v[e] = e < n ? p[e] : T(0);
+      g.v[e] = e < n ? p[e] : T{};  // zero; not T(0): torch builds with -D__CUDA_NO_HALF_CONVERSIONS__
     }
   }
 }

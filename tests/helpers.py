@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -87,14 +87,15 @@ def finishes_within(seconds: float, function: Callable[[], Any]) -> Any:
     return outcome["result"]
 
 
-def fresh_python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def fresh_python(*args: str, timeout: float = 120, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
     """``python *args`` in a fresh interpreter that imports this checkout's minidp, output captured.
 
     For what a test process cannot do to itself (fork, Ctrl-C, exit) or must see from a clean
     start; ``timeout`` turns a hang into a failure (``subprocess.TimeoutExpired``), the process killed.
+    ``env``: variables set for it on top of this process's.
     """
     paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(paths))
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
