@@ -154,6 +154,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         """
         converted = module
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+            # Without affine there is no bias either way: bias=True then, which every torch takes (2.11 has no option).
             converted = cls(
                 module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
                 bias=module.bias is not None or not module.affine,

@@ -1,8 +1,8 @@
 """What differs among the torch releases minidp supports (2.11 and newer), in one place.
 
-minidp is developed and tested on the newest of them; the oldest, 2.11, lacks a few things it uses. Each
-name below stands for one such thing, with what minidp does where torch lacks it. Nothing else in minidp
-looks at torch's version: it asks here.
+minidp is developed on torch 2.13, and its suite runs on 2.13 and on 2.11 (CI runs both); 2.11 lacks a few
+things minidp uses. Each name below stands for one such thing, with what minidp does where torch lacks it.
+Nothing else in minidp looks at torch's version: it asks here.
 """
 
 from __future__ import annotations

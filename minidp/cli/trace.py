@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
+from ..device_ids import default_device_ids
 from ..parallel_backward import parallel_backward_settings
 from ..tracing import trace, write_trace_artifacts
 from ..wrapper import DataParallel
 from ..zoo import ZOO
 from .args import non_negative_int, parse_device_ids, positive_int, seed
-from ..device_ids import default_device_ids
 
 
 _PARALLEL_BACKWARD = {"auto": "auto", "on": True, "off": False}  # --parallel-backward: set_parallel_backward's settings

@@ -10,11 +10,10 @@ import argparse
 import torch
 from tqdm import tqdm
 
-from ..device_ids import as_devices
+from ..device_ids import as_devices, default_device_ids
 from ..verification import verify
 from ..zoo import ZOO
 from .args import parse_device_ids, positive_int, seed
-from ..device_ids import default_device_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
