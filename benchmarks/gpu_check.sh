@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1
 export MINIDP_EXT=1              # a failed build is an error here, not a silent fallback
 export MINIDP_BENCH_DEVICE=cuda
-py=${PYTHON:-python}
+py=${PYTHON:-python3}  # the CUDA machines name their interpreter python3 only
 
 names=() codes=() seconds=()
 
