@@ -167,6 +167,12 @@ class ReplicaEntry(torch.autograd.Function):
 
     Where a replica's graph ends. The node keeps the tensors it aliases (``outer``), which
     :class:`ParallelBackward` takes as its inputs.
+
+    Why a node per replica, when each replica's graph could end at its own outputs of the shared ``Broadcast``
+    (``torch.autograd.grad`` takes ``GradientEdge``s, and the entries cost 2 to 3 us a tensor at every step): a
+    ``grad`` that captures at a node runs all the tensor hooks of that node's outputs, so a hook on one replica's
+    parameter would fire in every replica's backward, with ``None`` in all but its own (checked on torch 2.13
+    with a two-output Function and a hook on each output). An entry's outputs are its replica's alone.
     """
 
     @staticmethod
