@@ -348,6 +348,30 @@ def test_hooks_on_replica_modules_inputs_and_parameters_fire_once_each(generator
     assert hooked.calls == {"replica parameter": 3, "replica input": 3}
 
 
+def test_a_grad_that_captures_at_a_shared_node_runs_every_output_s_hooks_hence_an_entry_per_replica():
+    """Why each replica's graph ends at an entry of its own, not at its outputs of the shared Broadcast: autograd runs
+    the hooks of all a node's outputs when ``torch.autograd.grad`` captures there (ReplicaEntry's docstring). Should
+    torch stop doing so, the entries could go."""
+
+    class TwoAliases(torch.autograd.Function):  # a Broadcast to two replicas on the source device, in small
+        @staticmethod
+        def forward(ctx, tensor):
+            return tensor.detach(), tensor.detach()
+
+        @staticmethod
+        def backward(ctx, first, second):
+            return first
+
+    source = torch.randn(3, requires_grad=True)
+    replica_0, replica_1 = TwoAliases.apply(source)
+    seen = {0: [], 1: []}
+    replica_0.register_hook(lambda g: seen[0].append(g))
+    replica_1.register_hook(lambda g: seen[1].append(g))
+    (gradient,) = torch.autograd.grad((replica_0 * 2).sum(), [torch.autograd.graph.GradientEdge(replica_0.grad_fn, 0)])
+    assert torch.equal(gradient, torch.full((3,), 2.0))
+    assert len(seen[0]) == 1 and seen[1] == [None]  # replica 1's hook ran in replica 0's backward
+
+
 def test_retain_graph_lets_a_second_backward_add_the_same_gradients(generator):
     model, x = SmallCNN(), _images(generator)
     once, _ = _step(model, x, True)
