@@ -348,7 +348,7 @@ def test_hooks_on_replica_modules_inputs_and_parameters_fire_once_each(generator
     assert hooked.calls == {"replica parameter": 3, "replica input": 3}
 
 
-def test_a_grad_that_captures_at_a_shared_node_runs_every_output_s_hooks_hence_an_entry_per_replica():
+def test_a_grad_that_captures_at_a_shared_node_runs_every_output_s_hooks_hence_an_entry_per_replica(generator):
     """Why each replica's graph ends at an entry of its own, not at its outputs of the shared Broadcast: autograd runs
     the hooks of all a node's outputs when ``torch.autograd.grad`` captures there (ReplicaEntry's docstring). Should
     torch stop doing so, the entries could go."""
@@ -362,7 +362,7 @@ def test_a_grad_that_captures_at_a_shared_node_runs_every_output_s_hooks_hence_a
         def backward(ctx, first, second):
             return first
 
-    source = torch.randn(3, requires_grad=True)
+    source = torch.randn(3, generator=generator, requires_grad=True)
     replica_0, replica_1 = TwoAliases.apply(source)
     seen = {0: [], 1: []}
     replica_0.register_hook(lambda g: seen[0].append(g))
