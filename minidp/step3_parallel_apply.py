@@ -23,6 +23,7 @@ in the same worker threads, the same way (errors named by replica, Ctrl-C held u
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -56,11 +57,24 @@ class _ReplicaThreads:
         # A forked child has only the thread that forked: the parent's workers do not exist there,
         # so their idle inboxes would take a task that nobody runs (and the lock may be held).
         os.register_at_fork(after_in_child=self._forget_threads)
+        # A worker may still be busy when the program ends (freeing its last task's tensors releases
+        # the GIL inside torch). Once the interpreter finalizes, a thread that takes the GIL back is
+        # ended by pthread_exit, whose unwinding through torch's C++ frames aborts the process
+        # ("terminate called without an active exception"). So at exit, before finalizing, every
+        # worker is told to stop and is waited for.
+        atexit.register(self._stop_threads)
 
     def _forget_threads(self) -> None:
         self._idle: list[queue.SimpleQueue] = []
+        self._workers: list[tuple[threading.Thread, queue.SimpleQueue]] = []
         self._lock = threading.Lock()
-        self._started = 0
+
+    def _stop_threads(self) -> None:
+        for _, inbox in self._workers:
+            inbox.put(None)  # after any task already there: a busy worker finishes it first
+        for thread, _ in self._workers:
+            thread.join()
+        self._forget_threads()
 
     def run_all(self, fns: Sequence[Callable[[], Any]]) -> list[Any]:
         """``[fn() for fn in fns]``, all at once: ``fns[0]`` in the calling thread, each other on a thread of its own.
@@ -97,14 +111,15 @@ class _ReplicaThreads:
 
     def _start_thread(self) -> queue.SimpleQueue:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._started += 1
-        name = f"minidp-replica-{self._started}"
-        threading.Thread(target=self._serve, args=(inbox,), name=name, daemon=True).start()
+        name = f"minidp-replica-{len(self._workers) + 1}"
+        thread = threading.Thread(target=self._serve, args=(inbox,), name=name, daemon=True)
+        thread.start()
+        self._workers.append((thread, inbox))
         return inbox
 
     def _serve(self, inbox: queue.SimpleQueue) -> None:
-        while True:
-            fn, future = inbox.get()
+        while (task := inbox.get()) is not None:
+            fn, future = task
             result = fn()  # fn reports its own errors in its result
             # Idle again before the result wakes the caller, whose next call (or nested call) may
             # need a thread at once: it finds this one instead of starting another.
@@ -112,7 +127,7 @@ class _ReplicaThreads:
                 self._idle.append(inbox)
             future.set_result(result)
             # Waiting for the next task must not keep this one's replica, outputs and graph alive.
-            del fn, future, result
+            del task, fn, future, result
 
 
 _threads = _ReplicaThreads()

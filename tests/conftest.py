@@ -12,7 +12,9 @@ Every test runs twice, under two configurations of :class:`minidp.DataParallel`'
   where it cannot be built), and the replicas' backwards one after the other, as autograd runs them.
 
 Features that are on by default must be exactly as safe as the stock path: both must pass. A test
-module about one of the features pins it with :func:`configure_dataparallel`.
+module about one of the features pins it with :func:`configure_dataparallel`. A test whose work runs in
+a fresh interpreter (a script, a forked or spawned process), which the configuration does not reach, is
+marked ``fresh_interpreter`` and runs once, under the first configuration chosen.
 """
 
 from __future__ import annotations
@@ -66,3 +68,24 @@ def dataparallel_configuration(request, monkeypatch):
         monkeypatch, configuration["cache_replicas"], configuration["backend"], configuration["parallel_backward"]
     )
     return request.param
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "fresh_interpreter: the test's work runs where the configuration does not reach; it runs once"
+    )
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Deselect a ``fresh_interpreter`` test's runs under every configuration but the first chosen."""
+    repeats = [
+        item
+        for item in items
+        if item.get_closest_marker("fresh_interpreter")
+        and getattr(item, "callspec", None) is not None
+        and item.callspec.params.get("dataparallel_configuration", _CHOSEN[0]) != _CHOSEN[0]
+    ]
+    if repeats:
+        config.hook.pytest_deselected(items=repeats)
+        deselected = set(repeats)
+        items[:] = [item for item in items if item not in deselected]

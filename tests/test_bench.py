@@ -64,6 +64,7 @@ def test_the_forward_rows_floor_reuses_its_replicas_where_the_others_replicate_a
     assert len(replicated) == 3
 
 
+@pytest.mark.fresh_interpreter
 def test_the_cpu_replicas_benchmark_runs_every_variant_and_says_where_the_time_goes():
     """benchmarks/bench_cpu_replicas.py end to end, shortest run: one device, minidp (the default, which says the
     way it took; parallel backward with the caller's threads and with shared ones; serial backward) and torch DDP
@@ -82,6 +83,7 @@ def test_the_cpu_replicas_benchmark_runs_every_variant_and_says_where_the_time_g
 
 
 @pytest.mark.parametrize("model", ["cnn", "deep"])
+@pytest.mark.fresh_interpreter
 def test_the_tracer_overhead_benchmark_runs_on_either_model(model):
     """benchmarks/trace_overhead.py end to end, shortest run: traced and untraced steps, their ratio, for each model."""
     done = fresh_python(str(ROOT / "benchmarks" / "trace_overhead.py"), "--steps", "2", "--replicas", "2",
@@ -92,6 +94,7 @@ def test_the_tracer_overhead_benchmark_runs_on_either_model(model):
 
 
 @pytest.mark.parametrize("kind", ["untraced", "traced"])
+@pytest.mark.fresh_interpreter
 def test_the_tracer_overhead_benchmark_runs_one_kind_untimed_for_an_instruction_counter(kind):
     """``--one-kind``: the steps of one kind and nothing else (no timing, no other kind's rounds), so that an
     instruction counter around the process sees one kind's work."""

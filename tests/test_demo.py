@@ -143,6 +143,7 @@ def test_balanced_trains_exactly_as_the_gathered_run_and_prints_both_ledgers(cap
     assert gathered_row[-2:] == ["16", "B"]  # two replicas' numerator and denominator, float32
 
 
+@pytest.mark.fresh_interpreter
 def test_processes_trains_with_minidp_distributed(capfd):
     assert main(["demo", "--processes", "2", "--samples", "200", "--epochs", "1", "--batch-size", "40"]) == 0
     out = capfd.readouterr().out  # printed by rank 0, a process of its own

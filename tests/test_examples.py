@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from .helpers import ROOT, fresh_python
+
+pytestmark = pytest.mark.fresh_interpreter
 
 
 def run_example(name: str, *args: str) -> str:

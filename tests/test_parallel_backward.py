@@ -120,6 +120,7 @@ def test_an_unknown_thread_setting_is_refused_and_changes_nothing():
     assert minidp.get_parallel_backward_threads() == "caller"
 
 
+@pytest.mark.fresh_interpreter
 def test_the_default_setting_is_auto():
     done = fresh_python("-c", "import minidp; print(minidp.get_parallel_backward())", timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "auto", done.stderr
@@ -540,6 +541,7 @@ expected = grads()  # the parent's worker threads have run a backward from here 
 """
 
 
+@pytest.mark.fresh_interpreter
 def test_a_forked_child_runs_the_parallel_backward():
     script = TRAIN_STEP + forked_child("all(torch.equal(a, b) for a, b in zip(grads(), expected))",
                                        "its first parallel backward")
@@ -547,6 +549,7 @@ def test_a_forked_child_runs_the_parallel_backward():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.fresh_interpreter
 def test_ctrl_c_in_the_backward_waits_for_every_replica_then_reraises():
     """Ctrl-C while replica 1's backward computes: KeyboardInterrupt comes from backward() once it is done,
     and the process exits cleanly (a worker left inside a kernel at exit aborts it)."""

@@ -12,6 +12,7 @@ import gc
 import time
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -28,6 +29,7 @@ expected = step()  # the parent's worker threads exist from here on
 """
 
 
+@pytest.mark.fresh_interpreter
 def test_a_forked_child_runs_data_parallel():
     """A child of ``os.fork()`` has none of its parent's worker threads; its first step must not wait for them."""
     script = STEP + forked_child("step() == expected", "its first DataParallel call")
@@ -35,6 +37,7 @@ def test_a_forked_child_runs_data_parallel():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.fresh_interpreter
 def test_a_fork_started_multiprocessing_pool_runs_data_parallel():
     script = STEP + """
 import multiprocessing
@@ -45,6 +48,7 @@ with multiprocessing.get_context("fork").Pool(1) as pool:  # leaving the block t
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.fresh_interpreter
 def test_ctrl_c_waits_for_every_replica_then_reraises():
     """Ctrl-C while replica 1 computes: KeyboardInterrupt comes once it is done, and the process exits
     cleanly (a worker left inside a kernel at exit aborts it: "terminate called without an active exception")."""
@@ -86,6 +90,7 @@ def test_an_idle_worker_keeps_no_replica_output_or_graph():
     assert replica() is None and output() is None
 
 
+@pytest.mark.fresh_interpreter
 def test_nested_data_parallel_does_not_grow_the_pool():
     """Two replicas that each run ``data_parallel`` on two replicas need three worker threads at most,
     however late a worker runs again after reporting its result: by then it is idle already."""
@@ -119,3 +124,31 @@ print("worker threads:", threading.active_count() - 1)
     assert label.strip() == "worker threads"
     # 3 when the two inner calls overlap; 2 when one inner call's worker is idle again before the other asks
     assert 2 <= int(count) <= 3, done.stdout
+
+
+@pytest.mark.fresh_interpreter
+def test_a_program_that_ends_while_a_worker_is_busy_waits_for_it_and_exits_cleanly():
+    """A worker may still be inside torch after reporting its result (freeing its task's tensors) when the
+    main thread ends. Stock's threads are joined before ``parallel_apply`` returns; minidp's are joined at
+    exit, before the interpreter finalizes: a thread that comes back to Python after that is ended by
+    ``pthread_exit``, which aborts the process when it unwinds through torch's C++ frames."""
+    script = """
+import threading, torch, minidp
+from concurrent.futures import Future
+from torch import nn
+
+def busy_after_reporting(frame, event, arg):  # about 0.1 s of matrix products, outside the GIL
+    if event == "return" and frame.f_code is Future.set_result.__code__:
+        product = torch.ones(1500, 1500)
+        for _ in range(5):
+            product = product @ product / 1500
+        print("the worker finished", flush=True)
+
+threading.setprofile(busy_after_reporting)  # for every thread started from here on: the workers
+with torch.no_grad():
+    minidp.data_parallel(nn.Linear(4, 4), torch.randn(8, 4), ["cpu"] * 2)
+print("the main thread ended", flush=True)
+"""
+    done = fresh_python("-c", script, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["the main thread ended", "the worker finished"]

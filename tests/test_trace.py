@@ -192,6 +192,7 @@ os.execv(sys.executable, [sys.executable, "-c", {_TRACED_AFTER_EXEC!r}])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU peak is the kernel's RSS high-water mark")
+@pytest.mark.fresh_interpreter
 def test_cpu_memory_peak_is_not_the_peak_of_the_program_that_exec_ed_this_one():
     done = fresh_python("-c", _EXEC_FROM_A_LARGER_PROGRAM)
     assert done.returncode == 0, done.stderr
