@@ -54,12 +54,15 @@ class _ReplicaThreads:
 
     def __init__(self) -> None:
         self._forget_threads()
-        # A forked child has only the thread that forked: the parent's workers do not exist there,
-        # so their idle inboxes would take a task that nobody runs (and the lock may be held).
-        os.register_at_fork(after_in_child=self._forget_threads)
-        # A worker may still be busy when the program ends (freeing its last task's tensors releases
-        # the GIL inside torch). Once the interpreter finalizes, a thread that takes the GIL back is
-        # ended by pthread_exit, whose unwinding through torch's C++ frames aborts the process
+        # Unlike stock's threads, joined before its parallel_apply returns, a worker here still runs
+        # after reporting its result: it lets go of its task, and freeing the task's tensors runs
+        # torch's C++ destructors outside the GIL. A child forked meanwhile would get that work frozen
+        # midway (the thread that did it does not exist there), so a fork first waits for every
+        # worker to let go of its task. And as a forked child has only the thread that forked, the
+        # parent's idle inboxes would take tasks that nobody runs: the child forgets them.
+        os.register_at_fork(before=self._wait_until_let_go, after_in_child=self._forget_threads)
+        # So does the end of the program: once the interpreter finalizes, a thread that takes the GIL
+        # back is ended by pthread_exit, whose unwinding through torch's C++ frames aborts the process
         # ("terminate called without an active exception"). So at exit, before finalizing, every
         # worker is told to stop and is waited for.
         atexit.register(self._stop_threads)
@@ -68,6 +71,12 @@ class _ReplicaThreads:
         self._idle: list[queue.SimpleQueue] = []
         self._workers: list[tuple[threading.Thread, queue.SimpleQueue]] = []
         self._lock = threading.Lock()
+        self._letting_go = 0  # workers that reported a result and have not yet let go of its task
+        self._all_let_go = threading.Condition(self._lock)
+
+    def _wait_until_let_go(self) -> None:
+        with self._all_let_go:
+            self._all_let_go.wait_for(lambda: self._letting_go == 0)
 
     def _stop_threads(self) -> None:
         for _, inbox in self._workers:
@@ -125,9 +134,13 @@ class _ReplicaThreads:
             # need a thread at once: it finds this one instead of starting another.
             with self._lock:
                 self._idle.append(inbox)
+                self._letting_go += 1
             future.set_result(result)
             # Waiting for the next task must not keep this one's replica, outputs and graph alive.
             del task, fn, future, result
+            with self._lock:
+                self._letting_go -= 1
+                self._all_let_go.notify_all()
 
 
 _threads = _ReplicaThreads()

@@ -37,6 +37,36 @@ def test_a_forked_child_runs_data_parallel():
     assert done.returncode == 0, done.stderr
 
 
+
+@pytest.mark.fresh_interpreter
+def test_a_fork_waits_for_every_worker_to_let_go_of_its_last_task():
+    """A worker lets go of its task (frees its tensors, partly outside the GIL) after reporting the result, so
+    the caller may fork meanwhile: the child would get memory half freed. Stock's threads are joined before
+    ``parallel_apply`` returns (docs/stock-behaviour.md, B25); minidp's fork waits for its workers to let go."""
+    script = """
+import os, threading, time, torch, minidp
+from concurrent.futures import Future
+from torch import nn
+
+def slow_to_let_go(frame, event, arg):  # the worker lets go 0.3 s after the caller has its result
+    if event == "return" and frame.f_code is Future.set_result.__code__:
+        time.sleep(0.3)
+        print("the worker let go of its task", flush=True)
+
+threading.setprofile(slow_to_let_go)  # for every thread started from here on: the workers
+with torch.no_grad():
+    minidp.data_parallel(nn.Linear(4, 4), torch.randn(8, 4), ["cpu"] * 2)
+print("forking", flush=True)
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+print("forked", flush=True)
+"""
+    done = fresh_python("-c", script, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["forking", "the worker let go of its task", "forked"]
+
 @pytest.mark.fresh_interpreter
 def test_a_fork_started_multiprocessing_pool_runs_data_parallel():
     script = STEP + """
@@ -129,8 +159,8 @@ print("worker threads:", threading.active_count() - 1)
 @pytest.mark.fresh_interpreter
 def test_a_program_that_ends_while_a_worker_is_busy_waits_for_it_and_exits_cleanly():
     """A worker may still be inside torch after reporting its result (freeing its task's tensors) when the
-    main thread ends. Stock's threads are joined before ``parallel_apply`` returns; minidp's are joined at
-    exit, before the interpreter finalizes: a thread that comes back to Python after that is ended by
+    main thread ends. Stock's threads are joined before ``parallel_apply`` returns (docs/stock-behaviour.md, B25);
+    minidp's are joined at exit, before the interpreter finalizes: a thread that comes back to Python after that is ended by
     ``pthread_exit``, which aborts the process when it unwinds through torch's C++ frames."""
     script = """
 import threading, torch, minidp
