@@ -555,6 +555,7 @@ def test_ctrl_c_in_the_backward_waits_for_every_replica_then_reraises():
     and the process exits cleanly (a worker left inside a kernel at exit aborts it)."""
     script = """
 import signal, threading, time, torch, minidp
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even where a background launch left SIGINT ignored
 from torch import nn
 
 class SlowBackward(torch.autograd.Function):

@@ -84,6 +84,7 @@ def test_ctrl_c_waits_for_every_replica_then_reraises():
     cleanly (a worker left inside a kernel at exit aborts it: "terminate called without an active exception")."""
     script = """
 import signal, threading, time, torch, minidp
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even where a background launch left SIGINT ignored
 from torch import nn
 
 class Computes(nn.Module):
