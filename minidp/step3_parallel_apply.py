@@ -61,10 +61,10 @@ class _ReplicaThreads:
         # worker to let go of its task. And as a forked child has only the thread that forked, the
         # parent's idle inboxes would take tasks that nobody runs: the child forgets them.
         os.register_at_fork(before=self._wait_until_let_go, after_in_child=self._forget_threads)
-        # So does the end of the program: once the interpreter finalizes, a thread that takes the GIL
-        # back is ended by pthread_exit, whose unwinding through torch's C++ frames aborts the process
-        # ("terminate called without an active exception"). So at exit, before finalizing, every
-        # worker is told to stop and is waited for.
+        # The end of the program has the same window: once the interpreter finalizes, a thread that
+        # takes the GIL back is ended by pthread_exit, whose unwinding through torch's C++ frames aborts
+        # the process ("terminate called without an active exception"). So at exit, before finalizing,
+        # every worker is told to stop and is waited for.
         atexit.register(self._stop_threads)
 
     def _forget_threads(self) -> None:
