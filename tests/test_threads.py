@@ -29,6 +29,22 @@ expected = step()  # the parent's worker threads exist from here on
 """
 
 
+def after_each_report(action: str) -> str:
+    """Lines of a script: every worker started from here on runs the statements ``action`` (one line, ``;``
+    between them) just after reporting a result, as a busy machine may run a thread late; the rest of its
+    task (letting go of the task's tensors) comes after."""
+    return f"""
+import threading
+from concurrent.futures import Future
+
+def after_reporting(frame, event, arg):
+    if event == "return" and frame.f_code is Future.set_result.__code__:
+        {action}
+
+threading.setprofile(after_reporting)  # for every thread started from here on: the workers
+"""
+
+
 @pytest.mark.fresh_interpreter
 def test_a_forked_child_runs_data_parallel():
     """A child of ``os.fork()`` has none of its parent's worker threads; its first step must not wait for them."""
@@ -37,23 +53,15 @@ def test_a_forked_child_runs_data_parallel():
     assert done.returncode == 0, done.stderr
 
 
-
 @pytest.mark.fresh_interpreter
 def test_a_fork_waits_for_every_worker_to_let_go_of_its_last_task():
     """A worker lets go of its task (frees its tensors, partly outside the GIL) after reporting the result, so
     the caller may fork meanwhile: the child would get memory half freed. Stock's threads are joined before
     ``parallel_apply`` returns (docs/stock-behaviour.md, B25); minidp's fork waits for its workers to let go."""
-    script = """
-import os, threading, time, torch, minidp
-from concurrent.futures import Future
+    # The worker lets go 0.3 s after the caller has its result.
+    script = after_each_report('time.sleep(0.3); print("the worker let go of its task", flush=True)') + """
+import os, time, torch, minidp
 from torch import nn
-
-def slow_to_let_go(frame, event, arg):  # the worker lets go 0.3 s after the caller has its result
-    if event == "return" and frame.f_code is Future.set_result.__code__:
-        time.sleep(0.3)
-        print("the worker let go of its task", flush=True)
-
-threading.setprofile(slow_to_let_go)  # for every thread started from here on: the workers
 with torch.no_grad():
     minidp.data_parallel(nn.Linear(4, 4), torch.randn(8, 4), ["cpu"] * 2)
 print("forking", flush=True)
@@ -66,6 +74,7 @@ print("forked", flush=True)
     done = fresh_python("-c", script, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["forking", "the worker let go of its task", "forked"]
+
 
 @pytest.mark.fresh_interpreter
 def test_a_fork_started_multiprocessing_pool_runs_data_parallel():
@@ -125,16 +134,9 @@ def test_an_idle_worker_keeps_no_replica_output_or_graph():
 def test_nested_data_parallel_does_not_grow_the_pool():
     """Two replicas that each run ``data_parallel`` on two replicas need three worker threads at most,
     however late a worker runs again after reporting its result: by then it is idle already."""
-    script = """
+    script = after_each_report("time.sleep(0.02)") + """
 import threading, time, torch, minidp
-from concurrent.futures import Future
 from torch import nn
-
-def late_after_reporting(frame, event, arg):  # as a busy machine can schedule a thread: 20 ms late
-    if event == "return" and frame.f_code is Future.set_result.__code__:
-        time.sleep(0.02)
-
-threading.setprofile(late_after_reporting)  # for every thread started from here on: the workers
 
 class Outer(nn.Module):
     def __init__(self):
@@ -163,19 +165,11 @@ def test_a_program_that_ends_while_a_worker_is_busy_waits_for_it_and_exits_clean
     main thread ends. Stock's threads are joined before ``parallel_apply`` returns (docs/stock-behaviour.md, B25);
     minidp's are joined at exit, before the interpreter finalizes: a thread that comes back to Python after that is ended by
     ``pthread_exit``, which aborts the process when it unwinds through torch's C++ frames."""
-    script = """
-import threading, torch, minidp
-from concurrent.futures import Future
+    # The worker computes matrix products (outside the GIL) after reporting; the main thread ends meanwhile.
+    busy = "torch.ones(2500, 2500) @ torch.ones(2500, 2500)"
+    script = after_each_report(busy + '; print("the worker finished", flush=True)') + """
+import torch, minidp
 from torch import nn
-
-def busy_after_reporting(frame, event, arg):  # about 0.1 s of matrix products, outside the GIL
-    if event == "return" and frame.f_code is Future.set_result.__code__:
-        product = torch.ones(1500, 1500)
-        for _ in range(5):
-            product = product @ product / 1500
-        print("the worker finished", flush=True)
-
-threading.setprofile(busy_after_reporting)  # for every thread started from here on: the workers
 with torch.no_grad():
     minidp.data_parallel(nn.Linear(4, 4), torch.randn(8, 4), ["cpu"] * 2)
 print("the main thread ended", flush=True)
