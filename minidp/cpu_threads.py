@@ -9,6 +9,9 @@ pays"). So
 * a forward of CPU replicas runs each with its *share* of the caller's count (:func:`share`), and
 * their backwards run in parallel, by default, only where their teams fit the cores
   (:func:`minidp.parallel_backward.applies`).
+
+They also share the libraries below torch, whose first call in a process is not always safe to make from
+two threads at once: minidp makes it before any replica runs (:func:`finish_vector_math_setup`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,20 @@ import torch
 # other threads keep theirs); under the native thread pool it is process-wide, and K replicas
 # setting and restoring it at once would race, so there the replicas keep the caller's count.
 PER_THREAD_INTRA_OP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def finish_vector_math_setup() -> None:
+    """Make one call into MKL's vector math (VML) in this thread, so that no two threads make the process's first at once.
+
+    In builds with MKL (torch's x86 wheels), tanh, exp, log, sin, cos, erf, sqrt... of float and double CPU
+    tensors are computed by VML. Measured with torch 2.13's CPU wheel (MKL 2024.2): when two threads make the
+    process's first VML call at once, one of them can get a less accurate result (tanh off by 4e-5, exp by
+    2e-4, where the same call made later agrees bit for bit), in 1 to 4 of 100 processes; once one call has
+    completed, no later call, from any thread, of 16 such functions in float or double is (0 in 1,500
+    processes). The first forward of CPU replicas makes exactly such calls, at once.
+    """
+    if torch.backends.mkl.is_available():
+        torch.exp(torch.zeros(1, dtype=torch.float32, device="cpu"))
 
 
 def share(threads: int, replicas: int) -> int:

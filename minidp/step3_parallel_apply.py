@@ -54,6 +54,9 @@ class _ReplicaThreads:
 
     def __init__(self) -> None:
         self._forget_threads()
+        # Before any worker exists: replicas that run a library's first call at once can get a wrong
+        # result (cpu_threads.finish_vector_math_setup). A forked child inherits the finished setup.
+        cpu_threads.finish_vector_math_setup()
         # Unlike stock's threads, joined before its parallel_apply returns, a worker here still runs
         # after reporting its result: it lets go of its task, and freeing the task's tensors runs
         # torch's C++ destructors outside the GIL. A child forked meanwhile would get that work frozen
