@@ -11,6 +11,10 @@ thread-local, so each worker re-enters the caller's (autocast's dtype too, which
 On a GPU each worker makes its replica's device current, and replicas that share one GPU each get
 their own CUDA stream so that their kernels can overlap.
 
+Random numbers, unlike grad mode, are not per thread: every device has one generator, and replicas
+that share a device (CPU replicas, repeated GPU ids) draw from it at once, in an order that changes
+between runs. That is warned about when it happens (docs/stock-behaviour.md B40).
+
 An exception in any replica is re-raised in the caller, with its type, the replica's index and
 device in the message, and the replica's traceback attached as the cause, once every replica has
 finished: no thread is left running.
@@ -30,6 +34,7 @@ import os
 import queue
 import threading
 import traceback
+import warnings
 from itertools import chain
 from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -311,6 +316,9 @@ def parallel_apply(
             stream.wait_stream(torch.cuda.current_stream(device))
     caller = _CallerState(sum(d.type == "cpu" for d in devices))
     group = ReplicaGroup(n, modules)  # what the replicas meet in (minidp.replica_group)
+    # The devices on which replicas share a random number generator (a meta device has none).
+    shared = [d for d in dict.fromkeys(devices) if devices.count(d) > 1 and d.type in ("cpu", "cuda")]
+    generator_states = [_generator_state(d) for d in shared]
 
     cut = parallel_backward.applies(devices)  # CPU replicas: each one's backward in its thread, if it can
     regions: list[Optional[parallel_backward.Region]] = [None] * n
@@ -338,6 +346,9 @@ def parallel_apply(
                 if tensor.device == device:
                     tensor.record_stream(current)
     _reraise_first_failure(results, devices, "forward")
+    for device, state in zip(shared, generator_states):
+        if state != _generator_state(device):
+            _warn_shared_draws(device, devices.count(device))
     aliases = None
     if cut and all(r is not None for r in regions):
         aliases = parallel_backward.join(regions, functools.partial(_run_backwards, modules, devices))
@@ -346,6 +357,28 @@ def parallel_apply(
         replaced = iter(aliases)
         results = [map_tensors(lambda t: next(replaced) if t.requires_grad else t, r) for r in results]
     return results
+
+
+def _generator_state(device: torch.device) -> bytes:
+    """The state of the random number generator that everything running on ``device`` draws from.
+
+    As bytes, read with dispatch modes off: a memory ledger (minidp.tracing.memory) is such a mode, and
+    would count the state, once an operator (``.numpy()``'s detach) took it, as one of the step's tensors.
+    """
+    with torch._C._DisableTorchDispatch():
+        state = torch.default_generator.get_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+        return state.numpy().tobytes()
+
+
+def _warn_shared_draws(device: torch.device, replicas: int) -> None:
+    warnings.warn(
+        f"parallel_apply: the {replicas} replicas on {device} drew random numbers (Dropout?) from the one generator "
+        f"of {device}, all at once: which replica gets which numbers changes from run to run, so a seeded run "
+        "cannot be repeated exactly, and a layer that recomputes its forward in the backward from the random "
+        "state it saved (torch.utils.checkpoint) gets other numbers than its forward did, so its gradients are "
+        "wrong. For such a model, give each replica a device of its own, or a process of its own (minidp.distributed).",
+        stacklevel=2,
+    )
 
 
 def _enter_replica(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, list]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -160,3 +161,23 @@ def test_without_devices_a_replica_runs_where_its_parameters_are_though_it_lists
     (replica,) = minidp.replicate(nn.Linear(2, 2, device="meta"), ["meta"])
     assert list(replica.parameters()) == []
     assert _module_device(replica, (3,)) == torch.device("meta")
+
+
+def dropout_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+
+
+def test_replicas_that_draw_from_the_generator_they_share_are_warned_about():
+    """Stock's replicas draw from their own GPU's generator each (docs/stock-behaviour.md B40); CPU replicas share the
+    CPU's, so which one gets which numbers changes between runs, and a checkpointed layer recomputes other ones."""
+    drops = dropout_model()
+    with pytest.warns(UserWarning, match="2 replicas on cpu drew random numbers"):
+        minidp.parallel_apply([drops, drops], [torch.randn(2, 4), torch.randn(2, 4)], devices=cpu_ids(2))
+
+
+@pytest.mark.parametrize("replicas, training", [(2, False), (1, True)], ids=["nothing drawn", "one replica"])
+def test_replicas_that_do_not_share_their_draws_get_no_warning(replicas, training):
+    drops = dropout_model().train(training)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        minidp.parallel_apply([drops] * replicas, [torch.randn(2, 4)] * replicas, devices=cpu_ids(replicas))
