@@ -6,6 +6,8 @@ four replicas on the CPU, ``[0, 0]`` for two replicas on GPU 0.
 
 GPU ids are *logical*: under ``CUDA_VISIBLE_DEVICES="0,4"`` this process sees two GPUs, called 0 and 1,
 which are the machine's GPUs 0 and 4. :func:`devices` shows both numbers side by side.
+
+Each device has one random number generator, which everything running on it draws from (:func:`generator_state`).
 """
 
 from __future__ import annotations
@@ -108,6 +110,17 @@ class DeviceInfo:
     name: str
     total_memory: int  # bytes; 0 where unknown
     used_memory: int  # bytes this process's allocator holds; 0 where unknown
+
+
+def generator_state(device: torch.device) -> bytes:
+    """The state of the random number generator that everything on ``device`` (the CPU, or one GPU) draws from.
+
+    Bytes, read with dispatch modes off: a memory ledger (minidp.tracing.memory) is such a mode, and would
+    count the state, once an operator took it (``.numpy()``'s detach, ``torch.equal``), as one of the step's tensors.
+    """
+    with torch._C._DisableTorchDispatch():
+        state = torch.default_generator.get_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+        return state.numpy().tobytes()
 
 
 def _physical_gpu_ids() -> list[str]:

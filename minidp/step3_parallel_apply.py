@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from . import cpu_threads, parallel_backward
-from .device_ids import DeviceLike, as_devices
+from .device_ids import DeviceLike, as_devices, generator_state
 from .hooks import observe_replica, observe_replica_backward, observe_replica_outputs
 from .nested import is_per_replica, map_tensors, tensors_in
 from .replica_group import ReplicaGroup
@@ -318,7 +318,7 @@ def parallel_apply(
     group = ReplicaGroup(n, modules)  # what the replicas meet in (minidp.replica_group)
     # The devices on which replicas share a random number generator (a meta device has none).
     shared = [d for d in dict.fromkeys(devices) if devices.count(d) > 1 and d.type in ("cpu", "cuda")]
-    generator_states = [_generator_state(d) for d in shared]
+    generator_states = [generator_state(d) for d in shared]
 
     cut = parallel_backward.applies(devices)  # CPU replicas: each one's backward in its thread, if it can
     regions: list[Optional[parallel_backward.Region]] = [None] * n
@@ -347,7 +347,7 @@ def parallel_apply(
                     tensor.record_stream(current)
     _reraise_first_failure(results, devices, "forward")
     for device, state in zip(shared, generator_states):
-        if state != _generator_state(device):
+        if state != generator_state(device):
             _warn_shared_draws(device, devices.count(device))
     aliases = None
     if cut and all(r is not None for r in regions):
@@ -357,17 +357,6 @@ def parallel_apply(
         replaced = iter(aliases)
         results = [map_tensors(lambda t: next(replaced) if t.requires_grad else t, r) for r in results]
     return results
-
-
-def _generator_state(device: torch.device) -> bytes:
-    """The state of the random number generator that everything running on ``device`` draws from.
-
-    As bytes, read with dispatch modes off: a memory ledger (minidp.tracing.memory) is such a mode, and
-    would count the state, once an operator (``.numpy()``'s detach) took it, as one of the step's tensors.
-    """
-    with torch._C._DisableTorchDispatch():
-        state = torch.default_generator.get_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
-        return state.numpy().tobytes()
 
 
 def _warn_shared_draws(device: torch.device, replicas: int) -> None:

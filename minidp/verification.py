@@ -85,7 +85,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from .comm import check_dim
-from .device_ids import DeviceLike, as_devices, default_device_ids
+from .device_ids import DeviceLike, as_devices, default_device_ids, generator_state
 from .nested import leaves, map_tensors
 from .reference import chunked_reference
 from .step2_replicate import check_is_module
@@ -361,11 +361,11 @@ def _random_layers(
                           "numbers than one device, so no two runs can be compared")]
 
 
-def _generator_states() -> list[torch.Tensor]:
-    generators = [torch.default_generator]
+def _generator_states() -> list[bytes]:
+    devices = [torch.device("cpu")]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        generators.extend(torch.cuda.default_generators)
-    return [generator.get_state() for generator in generators]
+        devices += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [generator_state(device) for device in devices]
 
 
 def _drawing_modules(model: nn.Module, forward: Callable[[nn.Module], Any], threads: Optional[int]) -> list[str]:
@@ -383,7 +383,7 @@ def _drawing_modules(model: nn.Module, forward: Callable[[nn.Module], Any], thre
     def after(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             states, child_drew = local.open.pop()
-            drew = any(not torch.equal(a, b) for a, b in zip(states, _generator_states()))
+            drew = states != _generator_states()
             if drew and not child_drew:
                 drawing.append(name)
             if drew and local.open:
