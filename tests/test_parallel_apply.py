@@ -176,7 +176,7 @@ def test_replicas_that_draw_from_the_generator_they_share_are_warned_about():
 
 
 @pytest.mark.parametrize("replicas, training", [(2, False), (1, True)], ids=["nothing drawn", "one replica"])
-def test_replicas_that_do_not_share_their_draws_get_no_warning(replicas, training):
+def test_replicas_that_share_no_draws_from_a_generator_get_no_warning(replicas, training):
     drops = dropout_model().train(training)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
