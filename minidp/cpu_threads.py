@@ -32,9 +32,11 @@ def finish_vector_math_setup() -> None:
     In builds with MKL (torch's x86 wheels), tanh, exp, log, sin, cos, erf, sqrt... of float and double CPU
     tensors are computed by VML. Measured with torch 2.13's CPU wheel (MKL 2024.2): when two threads make the
     process's first VML call at once, one of them can get a less accurate result (tanh off by 4e-5, exp by
-    2e-4, where the same call made later agrees bit for bit), in 1 to 4 of 100 processes; once one call has
-    completed, no later call, from any thread, of 16 such functions in float or double is (0 in 1,500
-    processes). The first forward of CPU replicas makes exactly such calls, at once.
+    2e-4, where the same call made later agrees bit for bit), in 1 to 7 of 100 processes
+    (``python tests/first_math_calls_at_once.py 300 --without-minidp``: 3 to 20 of the 300); once one call has
+    completed, as minidp's import makes it, no later call of 16 such functions in float or double is, from any
+    thread (``python tests/first_math_calls_at_once.py 1500 --functions tanh,sin,log,erf,exp,sqrt,erfinv,tan,atan,
+    acos,log10,log2,erfc,asin,cos,trunc``: 0 of the 1,500). The first forward of CPU replicas makes such calls, at once.
     """
     if torch.backends.mkl.is_available():
         torch.exp(torch.zeros(1, dtype=torch.float32, device="cpu"))

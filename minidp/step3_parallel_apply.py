@@ -35,6 +35,7 @@ import queue
 import threading
 import traceback
 import warnings
+from collections import Counter
 from itertools import chain
 from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -317,8 +318,8 @@ def parallel_apply(
     caller = _CallerState(sum(d.type == "cpu" for d in devices))
     group = ReplicaGroup(n, modules)  # what the replicas meet in (minidp.replica_group)
     # The devices on which replicas share a random number generator (a meta device has none).
-    shared = [d for d in dict.fromkeys(devices) if devices.count(d) > 1 and d.type in ("cpu", "cuda")]
-    generator_states = [generator_state(d) for d in shared]
+    shared = {d: k for d, k in Counter(devices).items() if k > 1 and d.type in ("cpu", "cuda")}
+    generator_states = {d: generator_state(d) for d in shared}
 
     cut = parallel_backward.applies(devices)  # CPU replicas: each one's backward in its thread, if it can
     regions: list[Optional[parallel_backward.Region]] = [None] * n
@@ -346,9 +347,9 @@ def parallel_apply(
                 if tensor.device == device:
                     tensor.record_stream(current)
     _reraise_first_failure(results, devices, "forward")
-    for device, state in zip(shared, generator_states):
-        if state != generator_state(device):
-            _warn_shared_draws(device, devices.count(device))
+    for device, replicas in shared.items():
+        if generator_states[device] != generator_state(device):
+            _warn_shared_draws(device, replicas)
     aliases = None
     if cut and all(r is not None for r in regions):
         aliases = parallel_backward.join(regions, functools.partial(_run_backwards, modules, devices))

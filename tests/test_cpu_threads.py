@@ -90,58 +90,16 @@ def test_a_thread_started_after_a_step_begins_with_the_callers_count():
         torch.set_num_threads(previous)
 
 
-FIRST_TANH_AT_ONCE = """
-import os, sys, threading, traceback
-import torch
-import minidp  # nothing computes before the children are forked: each starts as a fresh process would
-
-
-def child(seed, threads=2):
-    rows = torch.rand(threads, 16, generator=torch.Generator().manual_seed(seed)) * 4 - 2
-    together = threading.Barrier(threads)
-    outputs = [None] * threads
-
-    def tanh(i):
-        together.wait()  # every thread calls tanh at the same moment
-        outputs[i] = torch.tanh(rows[i])
-
-    others = [threading.Thread(target=tanh, args=(i,)) for i in range(1, threads)]
-    for thread in others:
-        thread.start()
-    tanh(0)
-    for thread in others:
-        thread.join()
-    return all(torch.equal(output, torch.tanh(row)) for output, row in zip(outputs, rows))
-
-
-wrong, failed = [], []  # seeds; (seed, exit code) of a child that raised or crashed
-for seed in range(int(sys.argv[1])):
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os._exit(0 if child(seed) else 1)
-        except BaseException:
-            traceback.print_exc()
-            os._exit(2)
-    _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    if code == 1:
-        wrong.append(seed)
-    elif code != 0:
-        failed.append((seed, code))
-print("children whose first tanh was wrong:", wrong, "failed:", failed)
-"""
-
-
 @pytest.mark.fresh_interpreter
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_after_import_two_threads_first_tanh_at_once_is_exact():
     """MKL's vector math, which computes torch.tanh on the CPU, can give a less accurate result to one of two
     threads that make the process's first call at once; importing minidp makes that call before any replica
-    runs (minidp/cpu_threads.py). Each child here is a fresh process in which two threads call tanh at the
-    same moment: each must agree bit for bit with tanh called after. Plain threads rather than replicas,
-    because the race is rarer through replicas (each runs with its share of intra-op threads): without minidp's
-    call, 1 child in 400 got a wrong tanh through replicas, and 3 to 20 of these 300 children did."""
-    done = fresh_python("-c", FIRST_TANH_AT_ONCE, "300", timeout=180)
+    runs (minidp/cpu_threads.py). tests/first_math_calls_at_once.py forks 300 children from a process that has
+    imported minidp and computed nothing; in each, two threads call tanh at the same moment, and each result
+    must agree bit for bit with tanh called after. Plain threads rather than replicas, because the race is rarer
+    through replicas, each with its share of intra-op threads. Without minidp's call (``--without-minidp``), 3 to
+    20 of these 300 children got a wrong tanh."""
+    done = fresh_python("tests/first_math_calls_at_once.py", "300", timeout=180)
     assert done.returncode == 0, done.stderr
-    assert "children whose first tanh was wrong: [] failed: []" in done.stdout, done.stdout + done.stderr
+    assert "children with a call that was not exact: [] failed: []" in done.stdout, done.stdout + done.stderr
