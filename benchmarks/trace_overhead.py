@@ -1,6 +1,6 @@
 """What tracing costs: one training step of the demo CNN with and without ``minidp.trace()``.
 
-    python benchmarks/trace_overhead.py [--steps 30] [--batch 256] [--replicas 4] [--model cnn|deep] [--ledger] [--rss-reads]
+    python benchmarks/trace_overhead.py [--steps 30] [--batch 256] [--replicas 4] [--model cnn|deep] [--ledger] [--rss-reads] [--parts]
     python benchmarks/trace_overhead.py --steps 10 --one-kind untraced|traced    # untimed, for an instruction counter
 
 ``--model deep``: instead of the CNN, ``minidp.cli.bench.deep_cheap`` (48 blocks of ``Linear``, ``BatchNorm1d``
@@ -16,6 +16,13 @@ counts every allocation), and, for comparison, the step under ``torch.profiler.p
 record_shapes=True, with_stack=True)`` followed by the analysis behind its memory timeline
 (``torch.profiler._memory_profiler.MemoryProfile``), which sees only the calling thread's allocations; and
 what the ledger costs per operator, on a small ``torch.add`` watched and not, alternating.
+
+``--parts`` adds, to the rotation, where the tracer's cost lies: the step with a listener installed that records
+nothing and passes every call on (what the hooks cost once something listens), and the traced step once per stage
+with that stage's describer (:mod:`minidp.tracing.describers`, the bookkeeping the recorder does while the step
+runs: the replicate describer walks the replicas and has the recorder put hooks on their backward) replaced by one
+that records nothing, and the traced step with the describers in place but no hook put on the backward
+(``Trace.watch_replicas`` a no-op). Each such step's events are incomplete: they are timed, not read.
 
 ``--rss-reads`` times the two ways the trace can read the process's peak resident memory at its end, each right
 after an untraced step, alternating: the ``VmHWM`` line of ``/proc/self/status`` and ``getrusage``.
@@ -47,9 +54,12 @@ import torch
 from torch.profiler._memory_profiler import MemoryProfile
 
 import minidp
+from minidp import hooks
 from minidp.cli.bench import deep_cheap
 from minidp.hooks import observed
+from minidp.tracing import describers
 from minidp.tracing.memory import AllocationLedger, PeakResidentMemory
+from minidp.tracing.recorder import Trace
 from minidp.zoo import ZOO
 
 
@@ -61,6 +71,9 @@ def main() -> None:
     parser.add_argument("--model", choices=["cnn", "deep"], default="cnn")
     parser.add_argument("--ledger", action="store_true",
                         help="also time minidp.trace(ledger=True) and torch's memory profile")
+    parser.add_argument("--parts", action="store_true",
+                        help="also time a listener that records nothing, and the traced step without each stage's "
+                             "describer, and without the backward's hooks")
     parser.add_argument("--rss-reads", action="store_true",
                         help="also time the two reads of the peak resident memory, right after a step")
     parser.add_argument("--one-kind", choices=["untraced", "traced"],
@@ -101,6 +114,11 @@ def main() -> None:
     kinds = {"tracing off": step, "tracing on": traced}
     if args.ledger:
         kinds.update({"ledger on": ledger, "torch memory profile": torch_memory_profile})
+    if args.parts:
+        kinds["a listener that records nothing"] = functools.partial(listened, step)
+        kinds.update({f"tracing on, no {stage} describer": functools.partial(without_describer, stage, traced)
+                      for stage in describers.DESCRIBERS})
+        kinds["tracing on, no backward hooks"] = functools.partial(without_backward_hooks, traced)
 
     def timed(run: Callable[[], None]) -> tuple[float, float]:
         """Wall time and CPU time (all threads of the process) of one step."""
@@ -161,6 +179,51 @@ def main() -> None:
     off = min(timeit.repeat(instrumented, number=n, repeat=7)) / n
     plain_call = min(timeit.repeat(bare, number=n, repeat=7)) / n
     print(f"an instrumented call with no tracer active: {(off - plain_call) * 1e9:.0f} ns more than the bare call")
+
+
+class PassingListener:
+    """A listener that records nothing: every call it hears of, it runs and returns."""
+
+    def on_call(self, stage: str, function: Callable, arguments) -> object:
+        return function(*arguments.args, **arguments.kwargs)
+
+    def on_replica(self, replica: int, device: torch.device, module: object, call: Callable[[], object]) -> object:
+        return call()
+
+    def on_replica_backward(self, replica: int, device: torch.device, module: object, call: Callable[[], object]) -> object:
+        return call()
+
+    def on_replica_outputs(self, modules: object, outputs: object, one_call_each: bool) -> None:
+        pass
+
+
+def listened(step: Callable[[], None]) -> None:
+    """``step()`` with a :class:`PassingListener` installed."""
+    previous = hooks.set_listener(PassingListener())
+    try:
+        step()
+    finally:
+        hooks.set_listener(previous)
+
+
+def without_describer(stage: str, traced: Callable[[], None]) -> None:
+    """``traced()`` with the describer of ``stage`` replaced by one that records nothing."""
+    kept = describers.DESCRIBERS[stage]
+    describers.DESCRIBERS[stage] = lambda tracer, arguments, result: functools.partial(iter, ())
+    try:
+        traced()
+    finally:
+        describers.DESCRIBERS[stage] = kept
+
+
+def without_backward_hooks(traced: Callable[[], None]) -> None:
+    """``traced()`` with the recorder putting no hook on the replicas' backward (so it records no backward span)."""
+    kept = Trace.watch_replicas
+    Trace.watch_replicas = lambda self, replicas, parameters: None
+    try:
+        traced()
+    finally:
+        Trace.watch_replicas = kept
 
 
 def median_with_interval(values: list[float]) -> tuple[float, float, float]:

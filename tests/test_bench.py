@@ -93,6 +93,41 @@ def test_the_tracer_overhead_benchmark_runs_on_either_model(model):
     assert "wall time per step: tracing off" in done.stdout
 
 
+@pytest.mark.fresh_interpreter
+def test_the_tracer_overhead_benchmark_times_where_the_cost_lies():
+    """``--parts``: a listener that records nothing, the traced step without each stage's describer, and without
+    the backward's hooks, each timed against the untraced step like the traced one."""
+    done = fresh_python(str(ROOT / "benchmarks" / "trace_overhead.py"), "--steps", "2", "--replicas", "2",
+                        "--batch", "8", "--parts", timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    kinds = ["tracing on", "a listener that records nothing",
+             *(f"tracing on, no {stage} describer" for stage in ("scatter", "replicate", "gather", "reduce")),
+             "tracing on, no backward hooks"]
+    walls = [line for line in done.stdout.splitlines() if line.startswith("wall time per step: tracing off ")]
+    assert [kind for kind in kinds if any(f" ms, {kind} " in line for line in walls)] == kinds
+
+
+def test_a_step_traced_without_a_stage_s_describer_records_no_event_of_that_stage():
+    """What ``--parts`` times is the trace less one stage's bookkeeping: that stage leaves no event, the others do,
+    and the describer is back in place afterwards."""
+    from benchmarks.trace_overhead import without_describer
+    from minidp.tracing import describers
+
+    kept = describers.DESCRIBERS["reduce"]
+    model = minidp.DataParallel(torch.nn.Linear(3, 2), ["cpu", "cpu"])
+    traces = []
+
+    def traced() -> None:
+        with minidp.trace() as step:
+            model(torch.randn(4, 3)).sum().backward()
+        traces.append(step)
+
+    without_describer("reduce", traced)
+    stages = {event.stage for event in traces[0].events}
+    assert "reduce" not in stages and {"scatter", "replicate", "forward", "gather", "backward"} <= stages
+    assert describers.DESCRIBERS["reduce"] is kept
+
+
 @pytest.mark.parametrize("kind", ["untraced", "traced"])
 @pytest.mark.fresh_interpreter
 def test_the_tracer_overhead_benchmark_runs_one_kind_untimed_for_an_instruction_counter(kind):

@@ -128,8 +128,7 @@ class Trace:
     The block itself only notes when each call ran and what it was given; the events (bytes moved,
     details) are written from those notes when first read (``events``, the views), so that bookkeeping
     is no part of the step's time. Until then the trace holds the tensors the notes name: the inputs'
-    chunks, the replicas' tensors and outputs, the gathered output (never the replicas' gradients,
-    counted at once). ``ledger=True`` also counts every allocation of the step for :meth:`ledger`
+    chunks and the replicas' tensors (never the replicas' outputs or gradients, counted at once). ``ledger=True`` also counts every allocation of the step for :meth:`ledger`
     (what it costs: BENCHMARKS.md, "Tracer overhead").
     """
 
