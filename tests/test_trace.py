@@ -106,6 +106,21 @@ def test_nothing_is_recorded_after_the_trace_ends(generator):
     assert len(step.events) == count
 
 
+def test_a_trace_whose_events_are_not_read_yet_keeps_no_replica_output_alive(generator):
+    # Held for counting until the events were read, the replicas' outputs cost the traced step 1.6 to 3.9 points
+    # (BENCHMARKS.md, "The targets in one afternoon"); the gather describer counts them at once instead.
+    network = ZOO["mlp"].build()
+    outputs = []
+    network.register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))  # every replica's
+    model = minidp.DataParallel(network, cpu_ids(2))
+    # (Without grad: with it, where the backward runs in parallel, gather gets the joining node's aliases of them.)
+    with minidp.trace() as step, torch.no_grad():
+        model(torch.randn(4, 16, generator=generator))
+    assert len(outputs) == 2
+    assert [output() for output in outputs] == [None, None]
+    assert [e.bytes for e in events(step, "gather")] == [2 * 4 * 4] * 2  # and still counted: two rows of 4 floats
+
+
 def test_a_trace_of_a_training_loop_is_freed_once_the_caller_lets_go_of_it(generator):
     # Each traced step holds its tensors until its events are read; a trace that outlived its last reference
     # (a loop of hooks through autograd's nodes, which the garbage collector cannot see) kept them for good.
