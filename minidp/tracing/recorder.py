@@ -128,8 +128,9 @@ class Trace:
     The block itself only notes when each call ran and what it was given; the events (bytes moved,
     details) are written from those notes when first read (``events``, the views), so that bookkeeping
     is no part of the step's time. Until then the trace holds the tensors the notes name: the inputs'
-    chunks and the replicas' tensors (never the replicas' outputs or gradients, counted at once). ``ledger=True`` also counts every allocation of the step for :meth:`ledger`
-    (what it costs: BENCHMARKS.md, "Tracer overhead").
+    chunks and the replicas' tensors (never the outputs, gathered or not, nor the replicas' gradients:
+    those are counted at once). ``ledger=True`` also counts every allocation of the step for
+    :meth:`ledger` (what it costs: BENCHMARKS.md, "Tracer overhead").
     """
 
     def __init__(self, ledger: bool = False) -> None:
