@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import math
 import statistics
 import time
@@ -184,7 +185,7 @@ def main() -> None:
 class PassingListener:
     """A listener that records nothing: every call it hears of, it runs and returns."""
 
-    def on_call(self, stage: str, function: Callable, arguments) -> object:
+    def on_call(self, stage: str, function: Callable, arguments: inspect.BoundArguments) -> object:
         return function(*arguments.args, **arguments.kwargs)
 
     def on_replica(self, replica: int, device: torch.device, module: object, call: Callable[[], object]) -> object:
