@@ -317,7 +317,10 @@ def parallel_apply(
             stream.wait_stream(torch.cuda.current_stream(device))
     caller = _CallerState(sum(d.type == "cpu" for d in devices))
     group = ReplicaGroup(n, modules)  # what the replicas meet in (minidp.replica_group)
-    # The devices on which replicas share a random number generator (a meta device has none).
+    # The devices on which replicas share a random number generator (a meta device has none). Their states are read
+    # before and after the replicas run: 5 to 7 us a read (`python -m timeit -s "import torch; from minidp.device_ids
+    # import generator_state; d = torch.device('cpu')" "generator_state(d)"`), against 342 us for the whole call on
+    # two nn.Identity replicas and tens of ms for a CNN's step.
     shared = {d: k for d, k in Counter(devices).items() if k > 1 and d.type in ("cpu", "cuda")}
     generator_states = {d: generator_state(d) for d in shared}
 
