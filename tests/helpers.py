@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -162,14 +163,15 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def run_job(run_checks: Callable, world_size: int, plan: dict, job_timeout: float) -> list[dict]:
-    """``run_checks(plan, seed)`` on ``world_size`` Gloo processes (``minidp.distributed.launch``), with one fresh
-    seed printed for replay; each rank's results, by check name."""
+def run_job(run_checks: Callable, world_size: int, plan: Any, job_timeout: float, group_timeout: float = 60.0) -> list[dict]:
+    """``run_checks(plan, seed)`` on ``world_size`` Gloo processes (``minidp.distributed.launch``, whose process
+    group waits ``group_timeout`` seconds in a collective), with one fresh seed printed for replay; each rank's
+    results, by check name."""
     from minidp.distributed import launch  # only the multi-process tests pay for torch.distributed's setup
 
     seed = int(torch.randint(0, 2**20, ()).item())
     print(f"job seed: {seed}")
-    return launch(run_checks, world_size, (plan, seed), job_timeout=job_timeout)
+    return launch(run_checks, world_size, (plan, seed), timeout=group_timeout, job_timeout=job_timeout)
 
 
 def job_fixture(name: str, run_checks: Callable, world_size: int, plan: dict, job_timeout: float) -> Any:
@@ -181,6 +183,47 @@ def job_fixture(name: str, run_checks: Callable, world_size: int, plan: dict, jo
 
     results.__doc__ = f"Every check of the plan, as each of {world_size} ranks saw it."
     return pytest.fixture(scope="module", name=name)(results)
+
+
+# ---- PyTorch's own tests, ported: the cases of one upstream file run in one job ---------------------------------
+
+UPSTREAM_JOB_TIMEOUT = 300.0  # seconds for a whole job
+UPSTREAM_GROUP_TIMEOUT = 30.0  # a collective that waits longer for a rank that raised fails instead
+
+
+def run_upstream(plan: tuple[str, list[tuple[str, dict]]], seed: int) -> dict[str, Optional[str]]:
+    """Rank side: ``plan`` is a module of ported upstream bodies and its cases, ``(dotted name in that module,
+    keyword arguments)``; each runs in order, every rank seeded alike with ``seed``. Per case id, None or the
+    traceback of what it raised. A barrier after each case keeps a case that fails on one rank from running into
+    the next."""
+    import importlib
+    from operator import attrgetter
+
+    import torch.distributed as dist
+
+    module, cases = plan
+    bodies = importlib.import_module(module)
+    results: dict[str, Optional[str]] = {}
+    for name, kwargs in cases:
+        case_id = name + "".join(f"[{value}]" for value in kwargs.values())
+        torch.manual_seed(seed)
+        try:
+            attrgetter(name)(bodies)(**kwargs)
+            results[case_id] = None
+        except Exception:  # one failing check is one failing test, not a failed job
+            results[case_id] = traceback.format_exc()
+        dist.barrier()
+    return results
+
+
+def launch_upstream(module: str, cases: list[tuple[str, dict]], processes: int = 2) -> list[dict[str, Optional[str]]]:
+    """Start ``processes`` Gloo processes once and run every case of ``module`` in them; each rank's results."""
+    return run_job(run_upstream, processes, (module, cases), UPSTREAM_JOB_TIMEOUT, UPSTREAM_GROUP_TIMEOUT)
+
+
+def assert_passed_on_every_rank(results: list[dict[str, Optional[str]]], case_id: str) -> None:
+    failures = [f"rank {rank}:\n{ranks[case_id]}" for rank, ranks in enumerate(results) if ranks[case_id] is not None]
+    assert not failures, "\n".join(failures)
 
 
 def each_rank(results: list[dict], check: str) -> list:

@@ -19,6 +19,7 @@ import pytest
 import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powerSGD
 
 from . import upstream_ddp_checks as checks
+from .helpers import assert_passed_on_every_rank, launch_upstream
 
 
 @pytest.fixture(autouse=True)
@@ -66,123 +67,123 @@ CASES = [
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
     """Every case of CASES, run once in one job of 2 ranks; each rank's results."""
-    return checks.launch_cases(CASES)
+    return launch_upstream(checks.__name__, CASES)
 
 
 # ---- ported: each passes on every rank --------------------------------------------------------------
 
 
 def test_gloo_backend_cpu_module(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_gloo_backend_cpu_module")
+    assert_passed_on_every_rank(ranks, "test_gloo_backend_cpu_module")
 
 
 def test_gloo_backend_cpu_module_grad_is_view(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_gloo_backend_cpu_module_grad_is_view")
+    assert_passed_on_every_rank(ranks, "test_gloo_backend_cpu_module_grad_is_view")
 
 
 def test_global_local_unused_params_grad(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_global_local_unused_params_grad")
+    assert_passed_on_every_rank(ranks, "test_global_local_unused_params_grad")
 
 
 def test_global_local_unused_params_grad_with_grad_is_view(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_global_local_unused_params_grad_with_grad_is_view")
+    assert_passed_on_every_rank(ranks, "test_global_local_unused_params_grad_with_grad_is_view")
 
 
 def test_global_local_unused_params_grad_with_static_graph(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_global_local_unused_params_grad_with_static_graph")
+    assert_passed_on_every_rank(ranks, "test_global_local_unused_params_grad_with_static_graph")
 
 
 def test_find_unused_parameters_when_unused_parameters_empty(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_find_unused_parameters_when_unused_parameters_empty")
+    assert_passed_on_every_rank(ranks, "test_find_unused_parameters_when_unused_parameters_empty")
 
 
 def test_ignored_output(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ignored_output")
+    assert_passed_on_every_rank(ranks, "test_ignored_output")
 
 
 def test_ignored_output_with_unused_parameters(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ignored_output_with_unused_parameters")
+    assert_passed_on_every_rank(ranks, "test_ignored_output_with_unused_parameters")
 
 
 def test_save_load_checkpoint(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_save_load_checkpoint")
+    assert_passed_on_every_rank(ranks, "test_save_load_checkpoint")
 
 
 def test_sparse_gradients(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_sparse_gradients")
+    assert_passed_on_every_rank(ranks, "test_sparse_gradients")
 
 
 def test_sparse_gradients_grad_is_view(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_sparse_gradients_grad_is_view")
+    assert_passed_on_every_rank(ranks, "test_sparse_gradients_grad_is_view")
 
 
 def test_ddp_comm_hook_future_passing_cpu(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_comm_hook_future_passing_cpu")
+    assert_passed_on_every_rank(ranks, "test_ddp_comm_hook_future_passing_cpu")
 
 
 def test_ddp_invalid_comm_hook_init(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_invalid_comm_hook_init")
+    assert_passed_on_every_rank(ranks, "test_ddp_invalid_comm_hook_init")
 
 
 def test_ddp_invalid_comm_hook_return_type(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_invalid_comm_hook_return_type")
+    assert_passed_on_every_rank(ranks, "test_ddp_invalid_comm_hook_return_type")
 
 
 def test_ddp_comm_hook_register_just_once(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_comm_hook_register_just_once")
+    assert_passed_on_every_rank(ranks, "test_ddp_comm_hook_register_just_once")
 
 
 def test_ddp_comm_hook_sparse_gradients(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_comm_hook_sparse_gradients")
+    assert_passed_on_every_rank(ranks, "test_ddp_comm_hook_sparse_gradients")
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_ddp_checkpointing_once(ranks, use_reentrant):
-    checks.assert_passed_on_every_rank(ranks, f"test_ddp_checkpointing_once[{use_reentrant}]")
+    assert_passed_on_every_rank(ranks, f"test_ddp_checkpointing_once[{use_reentrant}]")
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_ddp_checkpointing_unused_params(ranks, use_reentrant):
-    checks.assert_passed_on_every_rank(ranks, f"test_ddp_checkpointing_unused_params[{use_reentrant}]")
+    assert_passed_on_every_rank(ranks, f"test_ddp_checkpointing_unused_params[{use_reentrant}]")
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_ddp_checkpointing_twice(ranks, use_reentrant):
-    checks.assert_passed_on_every_rank(ranks, f"test_ddp_checkpointing_twice[{use_reentrant}]")
+    assert_passed_on_every_rank(ranks, f"test_ddp_checkpointing_twice[{use_reentrant}]")
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_ddp_checkpointing_twice_static_graph(ranks, use_reentrant):
-    checks.assert_passed_on_every_rank(ranks, f"test_ddp_checkpointing_twice_static_graph[{use_reentrant}]")
+    assert_passed_on_every_rank(ranks, f"test_ddp_checkpointing_twice_static_graph[{use_reentrant}]")
 
 
 def test_ddp_checkpointing_dynamic_module(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_checkpointing_dynamic_module")
+    assert_passed_on_every_rank(ranks, "test_ddp_checkpointing_dynamic_module")
 
 
 def test_ddp_checkpointing_dynamic_weight_sharing(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_checkpointing_dynamic_weight_sharing")
+    assert_passed_on_every_rank(ranks, "test_ddp_checkpointing_dynamic_weight_sharing")
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_ddp_checkpointing_weight_sharing(ranks, use_reentrant):
-    checks.assert_passed_on_every_rank(ranks, f"test_ddp_checkpointing_weight_sharing[{use_reentrant}]")
+    assert_passed_on_every_rank(ranks, f"test_ddp_checkpointing_weight_sharing[{use_reentrant}]")
 
 
 def test_ddp_checkpointing_twice_weight_sharing(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_checkpointing_twice_weight_sharing")
+    assert_passed_on_every_rank(ranks, "test_ddp_checkpointing_twice_weight_sharing")
 
 
 def test_ddp_buffer_sync_multi_forward_with_batchnorm(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_buffer_sync_multi_forward_with_batchnorm")
+    assert_passed_on_every_rank(ranks, "test_ddp_buffer_sync_multi_forward_with_batchnorm")
 
 
 def test_dataclass_output(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_dataclass_output")
+    assert_passed_on_every_rank(ranks, "test_dataclass_output")
 
 
 def test_dataclass_output_unused_param(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_dataclass_output_unused_param")
+    assert_passed_on_every_rank(ranks, "test_dataclass_output_unused_param")
 
 
 def test_invalid_powerSGD_state():

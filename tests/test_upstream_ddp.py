@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from . import upstream_ddp_checks as checks
+from .helpers import assert_passed_on_every_rank, launch_upstream
 
 
 @pytest.fixture(autouse=True)
@@ -140,96 +141,96 @@ GPU_ONLY = {
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
     """Every case of CPU_GLOO and PORTED_TO_CPU, run once in one job of 2 ranks; each rank's results."""
-    return checks.launch_cases([(name, {}) for name in CPU_GLOO + PORTED_TO_CPU])
+    return launch_upstream(checks.__name__, [(name, {}) for name in CPU_GLOO + PORTED_TO_CPU])
 
 
 # ---- ported: each passes on every rank --------------------------------------------------------------
 
 
 def test_DistributedDataParallelCPU(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_DistributedDataParallelCPU")
+    assert_passed_on_every_rank(ranks, "test_DistributedDataParallelCPU")
 
 
 def test_DistributedDataParallelCPU_grad_is_view(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_DistributedDataParallelCPU_grad_is_view")
+    assert_passed_on_every_rank(ranks, "test_DistributedDataParallelCPU_grad_is_view")
 
 
 def test_DistributedDataParallel_requires_grad(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_DistributedDataParallel_requires_grad")
+    assert_passed_on_every_rank(ranks, "test_DistributedDataParallel_requires_grad")
 
 
 def test_ddp_create_graph(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_create_graph")
+    assert_passed_on_every_rank(ranks, "test_ddp_create_graph")
 
 
 def test_accumulate_gradients_no_sync(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_accumulate_gradients_no_sync")
+    assert_passed_on_every_rank(ranks, "test_accumulate_gradients_no_sync")
 
 
 def test_accumulate_gradients_no_sync_grad_is_view(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_accumulate_gradients_no_sync_grad_is_view")
+    assert_passed_on_every_rank(ranks, "test_accumulate_gradients_no_sync_grad_is_view")
 
 
 def test_accumulate_gradients_no_sync_allreduce_hook(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_accumulate_gradients_no_sync_allreduce_hook")
+    assert_passed_on_every_rank(ranks, "test_accumulate_gradients_no_sync_allreduce_hook")
 
 
 def test_accumulate_gradients_no_sync_allreduce_with_then_hook(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_accumulate_gradients_no_sync_allreduce_with_then_hook")
+    assert_passed_on_every_rank(ranks, "test_accumulate_gradients_no_sync_allreduce_with_then_hook")
 
 
 def test_ddp_logging_data_cpu(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_logging_data_cpu")
+    assert_passed_on_every_rank(ranks, "test_ddp_logging_data_cpu")
 
 
 def test_static_graph_api_cpu(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_static_graph_api_cpu")
+    assert_passed_on_every_rank(ranks, "test_static_graph_api_cpu")
 
 
 def test_grads_same_across_ranks_with_no_sync(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_grads_same_across_ranks_with_no_sync")
+    assert_passed_on_every_rank(ranks, "test_grads_same_across_ranks_with_no_sync")
 
 
 
 def test_ddp_join_model_equivalence(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_join_model_equivalence")
+    assert_passed_on_every_rank(ranks, "test_ddp_join_model_equivalence")
 
 
 def test_ddp_uneven_input_join_disable(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_uneven_input_join_disable")
+    assert_passed_on_every_rank(ranks, "test_ddp_uneven_input_join_disable")
 
 
 def test_ddp_uneven_input_exception(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_uneven_input_exception")
+    assert_passed_on_every_rank(ranks, "test_ddp_uneven_input_exception")
 
 
 
 def test_output_unused_in_loss_tuple_module(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_output_unused_in_loss_tuple_module")
+    assert_passed_on_every_rank(ranks, "test_output_unused_in_loss_tuple_module")
 
 
 def test_output_unused_in_loss_dict_module(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_output_unused_in_loss_dict_module")
+    assert_passed_on_every_rank(ranks, "test_output_unused_in_loss_dict_module")
 
 
 def test_undefined_grad_parity_unused_parameters(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_undefined_grad_parity_unused_parameters")
+    assert_passed_on_every_rank(ranks, "test_undefined_grad_parity_unused_parameters")
 
 
 def test_different_graph_across_ranks(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_different_graph_across_ranks")
+    assert_passed_on_every_rank(ranks, "test_different_graph_across_ranks")
 
 
 def test_ddp_returns_tensor_with_no_grad(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_returns_tensor_with_no_grad")
+    assert_passed_on_every_rank(ranks, "test_ddp_returns_tensor_with_no_grad")
 
 
 def test_ddp_new_tensor_in_fwd(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_new_tensor_in_fwd")
+    assert_passed_on_every_rank(ranks, "test_ddp_new_tensor_in_fwd")
 
 
 def test_ddp_new_tensor_in_fwd_static_graph(ranks):
-    checks.assert_passed_on_every_rank(ranks, "test_ddp_new_tensor_in_fwd_static_graph")
+    assert_passed_on_every_rank(ranks, "test_ddp_new_tensor_in_fwd_static_graph")
 
 
 # ---- not ported ----------------------------------------------------------------------------------

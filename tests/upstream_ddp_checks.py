@@ -14,7 +14,7 @@ the PyTorch contributors):
 
 How the port reads: upstream's ``MultiProcessTestCase`` seeds every process alike before each test
 and compares a DDP model with a single-process model trained on the whole batch; here
-:func:`run_upstream` seeds every rank alike (one fresh seed per job) and calls each check in turn.
+``tests.helpers.run_upstream`` seeds every rank alike (one fresh seed per job) and calls each check in turn.
 A check raises (``AssertionError`` from ``torch.testing.assert_close``, which is what upstream's
 ``assertEqual`` does on tensors, or the error the wrapper raised); the tests in
 ``test_upstream_ddp.py`` and ``test_upstream_c10d_gloo.py`` then assert that no rank raised.
@@ -31,7 +31,6 @@ import copy
 import io
 import os
 import re
-import traceback
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from itertools import product
@@ -1287,45 +1286,3 @@ def test_dataclass_output() -> None:
 
 def test_dataclass_output_unused_param() -> None:
     _dataclass_output(skip_o1=True)
-
-
-# ==================================================================================================
-
-
-CHECKS: dict[str, Callable[..., None]] = {name: value for name, value in list(globals().items()) if name.startswith("test_")}
-
-
-def run_upstream(cases: list[tuple[str, dict]], seed: int) -> dict[str, Optional[str]]:
-    """Run each (check name, keyword arguments) in order, every rank seeded alike with ``seed``;
-    per case id, None or the traceback of what it raised. A barrier after each case keeps a case that
-    fails on one rank from running into the next."""
-    results: dict[str, Optional[str]] = {}
-    for name, kwargs in cases:
-        case_id = name + "".join(f"[{value}]" for value in kwargs.values())
-        torch.manual_seed(seed)
-        try:
-            CHECKS[name](**kwargs)
-            results[case_id] = None
-        except Exception:  # one failing check is one failing test, not a failed job
-            results[case_id] = traceback.format_exc()
-        dist.barrier()
-    return results
-
-
-# ---- the pytest side: one job for many cases ------------------------------------------------------
-
-
-JOB_TIMEOUT = 300.0  # seconds for a whole job
-GROUP_TIMEOUT = 30.0  # a collective that waits longer for a rank that raised fails instead
-
-
-def launch_cases(cases: list[tuple[str, dict]]) -> list[dict[str, Optional[str]]]:
-    """Start 2 Gloo processes once and run every case in them; each rank's results."""
-    seed = int(torch.randint(0, 2**20, ()).item())
-    print(f"job seed: {seed}")
-    return md.launch(run_upstream, 2, (cases, seed), timeout=GROUP_TIMEOUT, job_timeout=JOB_TIMEOUT)
-
-
-def assert_passed_on_every_rank(results: list[dict[str, Optional[str]]], case_id: str) -> None:
-    failures = [f"rank {rank}:\n{ranks[case_id]}" for rank, ranks in enumerate(results) if ranks[case_id] is not None]
-    assert not failures, "\n".join(failures)
