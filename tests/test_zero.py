@@ -49,6 +49,7 @@ TWO_PROCESSES = {
     "mixed_dtypes": (checks.mixed_dtypes, {}),
     "failing_step": (checks.failing_step, {"failing_rank": 1}),
     "add_param_group_refused": (checks.add_param_group_refused_on_one_rank, {}),
+    "alone_under_join": (checks.alone_under_join, {}),
 }
 
 THREE_PROCESSES = {
@@ -58,6 +59,7 @@ THREE_PROCESSES = {
     "checkpoint": (checks.checkpoint, {"to": 2}),
     "state_memory": (checks.state_memory, {}),
     "failing_step": (checks.failing_step, {"failing_rank": 2}),
+    "alone_under_join": (checks.alone_under_join, {}),
 }
 
 
@@ -221,6 +223,15 @@ def test_add_param_group_refused_on_one_rank_is_refused_on_every_rank_and_kept_b
         kind, message = result["error"]
         assert kind == "ValueError" and "add_param_group failed on rank 1: some parameters appear in more than one" in message
         assert result["groups"] == result["local_groups"] == 1
+
+
+def test_as_join_s_only_joinable_a_joined_rank_keeps_stepping_its_share(two, three):
+    # torch's ZRO line 1076: step() notifies the Join context, and its join hook calls step() again on a joined
+    # rank, so with the optimizer as the first Joinable the joined rank issues one all-reduce more than the others
+    # (torch 2.13, Gloo: the job fails with a size mismatch); minidp's hook steps without notifying
+    # (minidp/distributed/join.py, ZeroJoinHook)
+    assert_same_as_torch(two, "alone_under_join")
+    assert_same_as_torch(three, "alone_under_join")
 
 
 def test_overlap_with_ddp_is_refused_with_the_way_out():

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import minidp.distributed as md
@@ -306,3 +307,23 @@ def add_param_group_refused_on_one_rank(seed: int) -> dict:
     zero = md.ZeroRedundancyOptimizer(first, torch.optim.SGD, lr=0.1)
     error = _error_of(lambda: zero.add_param_group({"params": [first[0] if dist.get_rank() == 1 else extra]}))
     return {"error": error, "groups": len(zero.param_groups), "local_groups": len(zero.optim.param_groups)}
+
+
+def alone_under_join(seed: int) -> dict:
+    """Uneven inputs with the optimizer as ``Join``'s only Joinable: rank r steps 2 + r times, every gradient ones on
+    every rank (as if averaged). A joined rank's hook steps its share from the gradients it holds, so every rank ends
+    with what a plain Adam makes of as many steps as the last rank took; per parameter, None where bitwise equal."""
+    torch.manual_seed(seed)  # the same parameters on every rank, as after DDP's construction
+    module = varied()
+    reference = copy.deepcopy(module)
+    zero = md.ZeroRedundancyOptimizer(module.parameters(), torch.optim.Adam, lr=0.01)
+    plain = torch.optim.Adam(reference.parameters(), lr=0.01)
+    for p in list(module.parameters()) + list(reference.parameters()):
+        p.grad = torch.ones_like(p)
+    with Join([zero]):
+        for _ in range(2 + dist.get_rank()):
+            zero.step()
+    for _ in range(2 + dist.get_world_size() - 1):
+        plain.step()
+    return {"differences": [None if torch.equal(ours, theirs) else f"{name} differs from the plain optimizer's"
+                            for (name, ours), theirs in zip(module.named_parameters(), reference.parameters())]}

@@ -18,6 +18,10 @@ each bucket's all-reduce, in bucket order              each bucket's, of zeros (
 ``find_unused_parameters``: the used-parameter map     the sum of its last reduction (as torch)
 ====================================================  ==============================================
 
+A :class:`~minidp.distributed.ZeroRedundancyOptimizer` in the same ``Join`` shadows its step
+(:class:`ZeroJoinHook`): the joined rank steps its share of the parameters and broadcasts it, as the ranks still
+training do.
+
 Gradients are divided by the world size the job started with (``divide_by_initial_world_size=True``,
 the default: every sample weighs the same), or by the number of ranks still training (the sum of the
 first all-reduce), as torch's reducer does (``_set_forward_pass_work_handle``).
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import JoinHook
+from torch.optim import Optimizer
 
 from .broadcast import broadcast_from
 
@@ -81,3 +86,23 @@ class DDPJoinHook(JoinHook):
         ddp = self.ddp
         tensors = list(ddp.module.parameters()) + (list(ddp.module.buffers()) if ddp.broadcast_buffers else [])
         broadcast_from(tensors, ddp.process_group, common_rank(ddp, candidate=is_last_joiner))
+
+
+class ZeroJoinHook(JoinHook):
+    """What a joined rank does for a :class:`~minidp.distributed.ZeroRedundancyOptimizer` (torch's ``_ZeROJoinHook``).
+
+    Once per iteration of the ranks still training, the optimizer's step: this rank's share updated from the
+    gradients it holds, then every share broadcast from its owner. Those gradients are the user's to set, as
+    torch says of its hook: the joined rank owns a share of the parameters whatever its data, and the ranks still
+    training take that share from it. (A DDP in the same ``Join`` shadows the gradients' all-reduce, but leaves
+    this rank's ``.grad`` as it was, as torch's does.) The step here does not notify the ``Join`` context: where
+    the optimizer is its first ``Joinable``, torch's hook, calling ``step()``, issues one all-reduce more on the
+    joined rank than the ranks still training issue, and the collectives stop matching (measured with torch 2.13
+    and Gloo: the job fails with a size mismatch).
+    """
+
+    def __init__(self, zero: Optimizer) -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero.shadowed_step()

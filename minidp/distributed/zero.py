@@ -20,6 +20,11 @@ one rank, where :meth:`~ZeroRedundancyOptimizer.state_dict` renumbers them into 
 plain optimizer over all the parameters would have written; :meth:`~ZeroRedundancyOptimizer.load_state_dict`,
 on every rank, keeps its own share of such a dict.
 
+Uneven inputs: the optimizer is a ``Joinable`` (``torch.distributed.algorithms.Join``). A rank out of data
+runs the step's collectives for the ranks still training: its local step on its share, from the gradients it
+holds (which it must be given: torch's contract, :class:`~minidp.distributed.join.ZeroJoinHook`), and every
+share's broadcast.
+
 Errors: every rank checks that the others were given the same parameters (shapes, dtypes, groups),
 and an error met on one rank only (a bad argument, a failing local step) is raised on every rank
 (:func:`minidp.distributed.checks.raise_on_every_rank`) instead of leaving the others waiting in a
@@ -33,10 +38,12 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.optim import Optimizer
 
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, check_same_everywhere, first_difference, raise_on_every_rank, start_failure_vote
+from .join import ZeroJoinHook
 
 Shares = list[list[list[torch.Tensor]]]  # shares[rank][group]: the parameters of that group the rank updates
 
@@ -59,7 +66,7 @@ def partition(groups: Sequence[Sequence[torch.Tensor]], world_size: int) -> Shar
     return shares
 
 
-class ZeroRedundancyOptimizer(Optimizer):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Each rank keeps the optimizer state of its share of the parameters; torch's signature and results.
 
     Args:
@@ -76,7 +83,8 @@ class ZeroRedundancyOptimizer(Optimizer):
     ``shares[r][g]`` lists the parameters of group ``g`` that rank ``r`` updates; ``optim`` is this
     rank's optimizer over its share. ``param_groups`` holds every parameter, as a plain optimizer's
     does: schedulers and ``zero_grad()`` work on it, and its settings reach ``optim`` at each step.
-    Not supported: ``torch.distributed.algorithms.Join`` (uneven inputs).
+    Under ``torch.distributed.algorithms.Join`` (uneven inputs) a rank out of data keeps stepping with the
+    others (:meth:`join_hook`).
     """
 
     def __init__(
@@ -107,6 +115,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.parameters_as_bucket_view = parameters_as_bucket_view
+        Joinable.__init__(self)  # not in a Join context until Join([..., optimizer]) says so
         self._constructed = False  # Optimizer.__init__ calls add_param_group: the plain one until then
         self._consolidated: list[dict[str, Any]] = []
         error = None
@@ -126,6 +135,12 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any) -> Optional[float]:
         """Update this rank's share (step 2), then send every share from its owner to all ranks (step 3)."""
+        Join.notify_join_context(self)  # under Join, if this optimizer is its first Joinable: this rank still trains
+        return self.shadowed_step(closure, **kwargs)
+
+    def shadowed_step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any) -> Optional[float]:
+        """:meth:`step` without telling a ``Join`` context that this rank still trains: what a rank that has joined
+        runs for the ranks still training (:class:`~minidp.distributed.join.ZeroJoinHook`)."""
         if self.parameters_as_bucket_view and self._trainable() != self._trainable_mask:
             self._build_buckets()  # a parameter was frozen or unfrozen: it leaves or joins its bucket
         _copy_settings(self.param_groups, self.optim.param_groups)  # a scheduler changed the lr here, say
@@ -151,6 +166,21 @@ class ZeroRedundancyOptimizer(Optimizer):
                    "share took this step partly or not at all: load the last checkpoint on every rank to train on",
         )
         return loss
+
+    # ---- uneven inputs: torch.distributed.algorithms.Join ----------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> ZeroJoinHook:
+        """The hook ``Join`` runs on a rank that has joined: one :meth:`shadowed_step` per iteration of the others."""
+        return ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where ``Join``'s all-reduces run: the first parameter's device (torch's ``_default_device``)."""
+        return self.param_groups[0]["params"][0].device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
 
     # ---- parameter groups -------------------------------------------------------------------------
 
