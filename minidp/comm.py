@@ -271,8 +271,11 @@ def chunk_sizes_for(batch_size: int, num_devices: int) -> list[int]:
     """The sizes ``torch.chunk`` would cut ``batch_size`` rows into for ``num_devices`` devices.
 
     Every chunk but the last has ``ceil(batch_size / num_devices)`` rows, so there can be fewer
-    chunks than devices: 10 rows on 3 devices -> [4, 4, 2]; 5 on 4 -> [2, 2, 1]; 2 on 4 -> [1, 1].
+    chunks than devices: 10 rows on 3 devices -> [4, 4, 2]; 5 on 4 -> [2, 2, 1]; 2 on 4 -> [1, 1]. An empty
+    batch gives every device an empty chunk, as ``torch.chunk`` does: 0 rows on 3 devices -> [0, 0, 0].
     """
+    if batch_size == 0:
+        return [0] * num_devices
     step = math.ceil(batch_size / num_devices)
     sizes = [step] * (batch_size // step)
     if batch_size % step:
@@ -313,10 +316,13 @@ def chunk_sizes_for_weights(batch_size: int, chunk_weights: Sequence[float]) -> 
        index), until every device has at least one.
 
     With fewer rows than devices, the first ``batch_size`` devices get one row each (fewer chunks
-    than devices, as :func:`chunk_sizes_for` gives). ``[3, 1]`` on 10 rows -> [8, 2] (quotas 7.5, 2.5:
-    the tie goes to device 0); ``[1, 1, 1]`` on 10 -> [4, 3, 3]; ``[100, 1]`` on 10 -> [9, 1] (step 3).
+    than devices, as :func:`chunk_sizes_for` gives), and an empty batch an empty chunk each, as there.
+    ``[3, 1]`` on 10 rows -> [8, 2] (quotas 7.5, 2.5: the tie goes to device 0); ``[1, 1, 1]`` on 10 -> [4, 3, 3];
+    ``[100, 1]`` on 10 -> [9, 1] (step 3).
     """
     weights = [Fraction(w) for w in check_chunk_weights(chunk_weights)]
+    if batch_size == 0:
+        return [0] * len(weights)
     if batch_size < len(weights):
         return [1] * batch_size
     total = sum(weights)

@@ -56,8 +56,6 @@ def plan_splits(
         size = tensor.shape[dim]
         sizes = splits.get(size)
         if sizes is None:
-            if size == 0:
-                raise ValueError(f"{path} is an empty batch (size 0 along dim {dim}): there is nothing to scatter")
             if chunk_sizes is not None and splits:
                 raise ValueError(
                     f"{path} has {size} rows along dim {dim} but {first_path} has {first_size}, and chunk_sizes "

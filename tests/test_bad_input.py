@@ -133,14 +133,6 @@ def test_dim_out_of_range_names_the_input(model, dim, generator):
     assert_untouched(model, before)
 
 
-def test_an_empty_batch_is_an_error(model):
-    """Stock scatters 0 rows into n empty chunks (B15) and runs every replica on nothing."""
-    before = snapshot(model)
-    with pytest.raises(ValueError, match=r"inputs\[0\] is an empty batch"):
-        minidp.DataParallel(model, cpu_ids(2))(torch.randn(0, 4))
-    assert_untouched(model, before)
-
-
 def test_a_0_dim_input_has_no_batch_to_split():
     """B15: stock fails inside torch.chunk; minidp names the input."""
     with pytest.raises(ValueError, match="0-dim tensor and has no dim 0"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import warnings
 
@@ -145,6 +146,25 @@ def test_a_module_without_arguments_runs_once():
     dp = Recording(Constant(), cpu_ids(3))
     assert torch.equal(dp(), torch.ones(2))
     assert ("parallel_apply", 1) in dp.calls
+
+
+def test_an_empty_batch_runs_every_replica_on_nothing_as_stock(generator):
+    """B15: 0 rows give every device an empty chunk; every replica runs on it, the output has 0 rows, the
+    gradients are zeros and replica 0's BatchNorm counts the batch: what stock (emulated) and one device give."""
+    model = bn_model().double()
+    stock_model = copy.deepcopy(model)
+    x = torch.randn(0, 4, dtype=torch.float64, requires_grad=True)
+    dp = Recording(model, cpu_ids(3))
+    out = dp(x)
+    out.sum().backward()
+    with emulated_stock():
+        stock_out = nn.DataParallel(stock_model, [0, 1, 2])(x)
+        stock_out.sum().backward()
+    assert ("parallel_apply", 3) in dp.calls
+    assert out.shape == stock_out.shape == (0, 2)
+    for (name, ours), theirs in zip(model.state_dict().items(), stock_model.state_dict().values()):
+        assert torch.equal(ours, theirs), name
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), stock_model.parameters()))
 
 
 def test_scalar_outputs_become_one_entry_per_replica(generator):

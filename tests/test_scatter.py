@@ -39,6 +39,16 @@ def test_chunks_follow_torch_chunk(rows, replicas, sizes, generator):
     assert [c.shape[0] for c in stock] == sizes
 
 
+@pytest.mark.parametrize("chunk_weights", [None, [2, 1, 1]])
+def test_an_empty_batch_gives_every_device_an_empty_chunk(chunk_weights):
+    """B15: 0 rows give n empty chunks, as torch.chunk cuts them (chunk_weights' shares of 0 rows too)."""
+    x = torch.empty(0, 3)
+    chunks = minidp.scatter(x, cpu_ids(3), chunk_weights=chunk_weights)
+    assert [tuple(c.shape) for c in chunks] == [(0, 3)] * 3
+    with emulated_stock():
+        assert [tuple(c.shape) for c in nn.parallel.scatter(x, [0, 1, 2])] == [(0, 3)] * 3
+
+
 def test_chunk_sizes_give_an_explicit_split(generator):
     """``chunk_sizes`` (stock's Scatter argument, for unequal GPUs) splits as torch.split does."""
     x = torch.randn(10, 2, generator=generator)
