@@ -198,6 +198,34 @@ def gradient_penalty_as_stock(seed: int, steps: int = 3) -> list:
     return differences
 
 
+def compiled_as_stock(seed: int, steps: int = 3) -> dict:
+    """``torch.compile(ddp)`` (AOTAutograd, eager kernels: the backward compiled too), then SGD: bitwise stock's
+    parameters after every step; then, compiled alone, where dynamo broke minidp's graph (each reason's first
+    line after its title, with its count)."""
+    import torch._dynamo
+
+    def train(wrappers: list[nn.Module], modules: list[nn.Module]) -> list:
+        compiled = [torch.compile(ddp, backend="aot_eager") for ddp in wrappers]
+        optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in wrappers]
+        differences = []
+        for step in range(steps):
+            for model, optimizer in zip(compiled, optimizers):
+                optimizer.zero_grad()
+                model(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+                optimizer.step()
+            differences.append(_difference(modules[-1], modules[0]))
+        return differences
+
+    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)
+    differences = train([theirs, ours], [theirs_module, ours_module])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    alone = copy.deepcopy(ours_module)
+    train([md.DistributedDataParallel(alone)], [alone])
+    breaks = {reason.splitlines()[1].strip(): count for reason, count in torch._dynamo.utils.counters["graph_break"].items()}
+    return {"differences": differences, "breaks": breaks}
+
+
 # ---- communication hooks ---------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ TWO_PROCESSES = {
     "create_graph": (checks.create_graph_as_stock, {}),
     "create_graph_second": (checks.create_graph_with_several_parameters, {}),
     "gradient_penalty": (checks.gradient_penalty_as_stock, {}),
+    "compiled": (checks.compiled_as_stock, {}),
     "comm_hook_errors": (checks.comm_hook_errors, {}),
     "builtin_allreduce": (checks.builtin_hook_as_stock, {"hook_type": "ALLREDUCE"}),
     "builtin_fp16": (checks.builtin_hook_as_stock, {"hook_type": "FP16_COMPRESS"}),
@@ -113,6 +114,18 @@ def test_create_graph_with_several_parameters_averages_the_values_where_stock_ra
 def test_gradient_penalty_on_the_inputs_matches_stock_bitwise(two):
     for differences in each_rank(two, "gradient_penalty"):
         assert differences == [None] * 3
+
+
+def test_torch_compile_of_the_wrapper_trains_as_stock_bitwise_and_traces_only_the_module(two):
+    # torch DDP's forward keeps its bookkeeping out of dynamo's graphs (distributed.py, _inside_ddp_forward:
+    # "dynamo only kicks in for the 'module_to_run' underneath"); minidp's steps before and after the module are
+    # skipped by dynamo as a whole, so the graph breaks only there, never inside them
+    for result in each_rank(two, "compiled"):
+        assert result["differences"] == [None] * 3
+        assert sorted(result["breaks"]) == [
+            f"Explanation: Dynamo developers have intentionally marked that the function "
+            f"`DistributedDataParallel.{step}` should not be traced." for step in ("_after_module", "_before_module")
+        ]
 
 
 # ---- communication hooks: _check_comm_hook (distributed.py:2462), _register_builtin_comm_hook (:2260) ----

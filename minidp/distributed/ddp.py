@@ -177,28 +177,43 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiled("minidp.DistributedDataParallel.forward"):
-            recording = torch.is_grad_enabled()
-            if recording and self.require_backward_grad_sync:
-                # the previous iteration's statistics, when sampled (set_runtime_stats_and_log), before a rebuild
-                if self._logging.should_sample(self.reducer.iteration):
-                    self._logging.record(self.reducer.iteration, self.reducer.last_stamps, self.reducer.runtime_facts())
-                self.reducer.prepare_for_forward()
-            if recording:
-                self.reducer.before_forward()
-            # under Join: tell the joined ranks that this one still trains (minidp.distributed.join)
-            work = Join.notify_join_context(self)
-            self.reducer.set_forward_pass_work(work, self._divide_by_initial_world_size)
-            if self.will_sync_module_buffers():
-                # under Join rank 0 may have joined with stale buffers: the newest rank still training sends
-                source = common_rank(self, candidate=True) if self._join_config.enable else 0
-                broadcast_from(self._buffers_to_sync(), self.process_group, source)
-            if self._join_config.enable:
-                sync_backward_vote(self, joined=False)
+            recording = self._before_module()
             output = (self.module if self._replicas is None else self._replicas)(*inputs, **kwargs)
-            self.require_forward_param_sync = recording and self.require_backward_grad_sync
-            if self.require_forward_param_sync:
-                self.reducer.prepare_for_backward(output)
-            return output
+            return self._after_module(output, recording)
+
+    # Under torch.compile, dynamo compiles the module's forward and runs the two steps around it as they are
+    # (torch._disable_dynamo, as torch DDP keeps its own bookkeeping out of the graph): traced, the reducer's clock
+    # readings and its search of the output would each break the graph inside the wrapper. The decorator imports
+    # dynamo at the first call, as torch DDP's forward does.
+    @torch._disable_dynamo
+    def _before_module(self) -> bool:
+        """Before the module's forward: whether this forward records a graph (and so prepares a backward)."""
+        recording = torch.is_grad_enabled()
+        if recording and self.require_backward_grad_sync:
+            # the previous iteration's statistics, when sampled (set_runtime_stats_and_log), before a rebuild
+            if self._logging.should_sample(self.reducer.iteration):
+                self._logging.record(self.reducer.iteration, self.reducer.last_stamps, self.reducer.runtime_facts())
+            self.reducer.prepare_for_forward()
+        if recording:
+            self.reducer.before_forward()
+        # under Join: tell the joined ranks that this one still trains (minidp.distributed.join)
+        work = Join.notify_join_context(self)
+        self.reducer.set_forward_pass_work(work, self._divide_by_initial_world_size)
+        if self.will_sync_module_buffers():
+            # under Join rank 0 may have joined with stale buffers: the newest rank still training sends
+            source = common_rank(self, candidate=True) if self._join_config.enable else 0
+            broadcast_from(self._buffers_to_sync(), self.process_group, source)
+        if self._join_config.enable:
+            sync_backward_vote(self, joined=False)
+        return recording
+
+    @torch._disable_dynamo
+    def _after_module(self, output: Any, recording: bool) -> Any:
+        """After the module's forward: the next backward reduces if this forward recorded and syncs."""
+        self.require_forward_param_sync = recording and self.require_backward_grad_sync
+        if self.require_forward_param_sync:
+            self.reducer.prepare_for_backward(output)
+        return output
 
     def _buffers_to_sync(self) -> list[torch.Tensor]:
         return list(self.module.buffers())  # looked up each time: a module may replace its buffers
