@@ -117,9 +117,9 @@ def test_gradient_penalty_on_the_inputs_matches_stock_bitwise(two):
 
 
 def test_torch_compile_of_the_wrapper_trains_as_stock_bitwise_and_traces_only_the_module(two):
-    # torch DDP's forward keeps its bookkeeping out of dynamo's graphs (distributed.py, _inside_ddp_forward:
-    # "dynamo only kicks in for the 'module_to_run' underneath"); minidp's steps before and after the module are
-    # skipped by dynamo as a whole, so the graph breaks only there, never inside them
+    # torch DDP means dynamo to compile the module only (distributed.py, _inside_ddp_forward: "dynamo only kicks in
+    # for the 'module_to_run' underneath"; measured, its forward also breaks the graph at its logger); minidp's steps
+    # before and after the module are skipped by dynamo as a whole, so the graph breaks there, never inside them
     for result in each_rank(two, "compiled"):
         assert result["differences"] == [None] * 3
         assert sorted(result["breaks"]) == [

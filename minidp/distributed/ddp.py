@@ -182,9 +182,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             return self._after_module(output, recording)
 
     # Under torch.compile, dynamo compiles the module's forward and runs the two steps around it as they are
-    # (torch._disable_dynamo, as torch DDP keeps its own bookkeeping out of the graph): traced, the reducer's clock
-    # readings and its search of the output would each break the graph inside the wrapper. The decorator imports
-    # dynamo at the first call, as torch DDP's forward does.
+    # (torch._disable_dynamo; torch DDP means the same, "dynamo only kicks in for the 'module_to_run' underneath",
+    # distributed.py): traced, the reducer's clock readings and its search of the output would each break the graph
+    # inside the wrapper. The decorator imports dynamo at its first call, as torch DDP's forward does.
     @torch._disable_dynamo
     def _before_module(self) -> bool:
         """Before the module's forward: whether this forward records a graph (and so prepares a backward)."""

@@ -37,8 +37,10 @@ from torch.optim import Optimizer
 
 from .broadcast import broadcast_from
 
-# a minidp.distributed.DistributedDataParallel (its module imports this one, so not by name here)
+# a minidp.distributed.DistributedDataParallel and ZeroRedundancyOptimizer (their modules import this one, so not
+# by name here)
 DistributedDataParallel = nn.Module
+ZeroRedundancyOptimizer = Optimizer
 
 
 def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
@@ -101,7 +103,7 @@ class ZeroJoinHook(JoinHook):
     and Gloo: the job fails with a size mismatch).
     """
 
-    def __init__(self, zero: Optimizer) -> None:
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
         self.zero = zero
 
     def main_hook(self) -> None:
