@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import traceback
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -196,9 +198,6 @@ def run_upstream(plan: tuple[str, list[tuple[str, dict]]], seed: int) -> dict[st
     keyword arguments)``; each runs in order, every rank seeded alike with ``seed``. Per case id, None or the
     traceback of what it raised. A barrier after each case keeps a case that fails on one rank from running into
     the next."""
-    import importlib
-    from operator import attrgetter
-
     import torch.distributed as dist
 
     module, cases = plan
