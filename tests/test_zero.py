@@ -17,7 +17,7 @@ from . import ddp_checks
 from . import zero_checks as checks
 from .helpers import each_rank, job_fixture
 from .helpers import assert_no_differences as assert_same_as_torch
-from minidp.distributed import ZeroRedundancyOptimizer
+from minidp.distributed import RankFailed, ZeroRedundancyOptimizer, launch
 from minidp.distributed.zero import partition
 
 
@@ -232,6 +232,13 @@ def test_as_join_s_only_joinable_a_joined_rank_keeps_stepping_its_share(two, thr
     # (minidp/distributed/join.py, ZeroJoinHook)
     assert_same_as_torch(two, "alone_under_join")
     assert_same_as_torch(three, "alone_under_join")
+
+
+def test_torch_s_optimizer_as_join_s_only_joinable_breaks_the_collectives():
+    # the stock behaviour the test above departs from (ZRO line 1076, and _ZeROJoinHook.main_hook calling step()):
+    # a joined rank's all-reduce meets the broadcast of a rank still training, and Gloo ends the job
+    with pytest.raises(RankFailed):
+        launch(checks.torch_alone_under_join, 2, (0,), timeout=10.0, job_timeout=60.0)
 
 
 def test_overlap_with_ddp_is_refused_with_the_way_out():

@@ -309,21 +309,36 @@ def add_param_group_refused_on_one_rank(seed: int) -> dict:
     return {"error": error, "groups": len(zero.param_groups), "local_groups": len(zero.optim.param_groups)}
 
 
-def alone_under_join(seed: int) -> dict:
-    """Uneven inputs with the optimizer as ``Join``'s only Joinable: rank r steps 2 + r times, every gradient ones on
-    every rank (as if averaged). A joined rank's hook steps its share from the gradients it holds, so every rank ends
-    with what a plain Adam makes of as many steps as the last rank took; per parameter, None where bitwise equal."""
-    torch.manual_seed(seed)  # the same parameters on every rank, as after DDP's construction
-    module = varied()
-    reference = copy.deepcopy(module)
-    zero = md.ZeroRedundancyOptimizer(module.parameters(), torch.optim.Adam, lr=0.01)
-    plain = torch.optim.Adam(reference.parameters(), lr=0.01)
-    for p in list(module.parameters()) + list(reference.parameters()):
+def _steps_alone_under_join(zero_class: type, module: nn.Module) -> None:
+    """Uneven inputs with the optimizer as ``Join``'s only Joinable: rank r steps 2 + r times, every gradient ones
+    on every rank (as if averaged)."""
+    zero = zero_class(module.parameters(), torch.optim.Adam, lr=0.01)
+    for p in module.parameters():
         p.grad = torch.ones_like(p)
     with Join([zero]):
         for _ in range(2 + dist.get_rank()):
             zero.step()
+
+
+def alone_under_join(seed: int) -> dict:
+    """:func:`_steps_alone_under_join` with minidp's optimizer. A joined rank's hook steps its share from the
+    gradients it holds, so every rank ends with what a plain Adam makes of as many steps as the last rank took; per
+    parameter, None where bitwise equal."""
+    torch.manual_seed(seed)  # the same parameters on every rank, as after DDP's construction
+    module = varied()
+    reference = copy.deepcopy(module)
+    _steps_alone_under_join(md.ZeroRedundancyOptimizer, module)
+    plain = torch.optim.Adam(reference.parameters(), lr=0.01)
+    for p in reference.parameters():
+        p.grad = torch.ones_like(p)
     for _ in range(2 + dist.get_world_size() - 1):
         plain.step()
     return {"differences": [None if torch.equal(ours, theirs) else f"{name} differs from the plain optimizer's"
                             for (name, ours), theirs in zip(module.named_parameters(), reference.parameters())]}
+
+
+def torch_alone_under_join(seed: int) -> None:
+    """:func:`_steps_alone_under_join` with torch's optimizer: its join hook calls ``step()``, which notifies the
+    ``Join`` context again, so a joined rank issues one all-reduce more than the others (a job expected to fail)."""
+    torch.manual_seed(seed)
+    _steps_alone_under_join(TorchZero, varied())

@@ -99,8 +99,8 @@ class ZeroJoinHook(JoinHook):
     training take that share from it. (A DDP in the same ``Join`` shadows the gradients' all-reduce, but leaves
     this rank's ``.grad`` as it was, as torch's does.) The step here does not notify the ``Join`` context: where
     the optimizer is its first ``Joinable``, torch's hook, calling ``step()``, issues one all-reduce more on the
-    joined rank than the ranks still training issue, and the collectives stop matching (measured with torch 2.13
-    and Gloo: the job fails with a size mismatch).
+    joined rank than the ranks still training issue, and the collectives stop matching (on Gloo the job fails:
+    ``tests/test_zero.py``, torch 2.11 and 2.13).
     """
 
     def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
