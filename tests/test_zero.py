@@ -228,8 +228,7 @@ def test_add_param_group_refused_on_one_rank_is_refused_on_every_rank_and_kept_b
 def test_as_join_s_only_joinable_a_joined_rank_keeps_stepping_its_share(two, three):
     # torch's ZRO line 1076: step() notifies the Join context, and its join hook calls step() again on a joined
     # rank, so with the optimizer as the first Joinable the joined rank issues one all-reduce more than the others
-    # (torch 2.13, Gloo: the job fails with a size mismatch); minidp's hook steps without notifying
-    # (minidp/distributed/join.py, ZeroJoinHook)
+    # (the next test); minidp's hook steps without notifying (minidp/distributed/join.py, ZeroJoinHook)
     assert_same_as_torch(two, "alone_under_join")
     assert_same_as_torch(three, "alone_under_join")
 

@@ -20,6 +20,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import minidp.distributed as md
 
+from .ddp_checks import _difference as first_difference
+
 TorchDDP = nn.parallel.DistributedDataParallel
 
 OPTIMIZERS: dict[str, tuple[type, dict]] = {
@@ -322,8 +324,8 @@ def _steps_alone_under_join(zero_class: type, module: nn.Module) -> None:
 
 def alone_under_join(seed: int) -> dict:
     """:func:`_steps_alone_under_join` with minidp's optimizer. A joined rank's hook steps its share from the
-    gradients it holds, so every rank ends with what a plain Adam makes of as many steps as the last rank took; per
-    parameter, None where bitwise equal."""
+    gradients it holds, so every rank ends with what a plain Adam makes of as many steps as the last rank took: the
+    first parameter or gradient that is not bitwise equal to the plain Adam's, or None."""
     torch.manual_seed(seed)  # the same parameters on every rank, as after DDP's construction
     module = varied()
     reference = copy.deepcopy(module)
@@ -333,8 +335,7 @@ def alone_under_join(seed: int) -> dict:
         p.grad = torch.ones_like(p)
     for _ in range(2 + dist.get_world_size() - 1):
         plain.step()
-    return {"differences": [None if torch.equal(ours, theirs) else f"{name} differs from the plain optimizer's"
-                            for (name, ours), theirs in zip(module.named_parameters(), reference.parameters())]}
+    return {"differences": [first_difference(module, reference)]}
 
 
 def torch_alone_under_join(seed: int) -> None:
