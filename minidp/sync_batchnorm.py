@@ -33,8 +33,9 @@ exchange is a callable it is given.
 When nothing is synchronised, a call is exactly ``nn.BatchNorm``'s: outside parallel_apply, with
 one replica, and whenever ``F.batch_norm`` would use the running statistics rather than the batch's
 (eval mode with running statistics). Eval mode without running statistics normalises by batch
-statistics, so there the replicas do meet, and the result is the full batch's
-(``torch.nn.SyncBatchNorm`` synchronises in training only).
+statistics, so there the replicas of one process do meet, and the result is that process's full batch's;
+processes exchange statistics in training only, as ``torch.nn.SyncBatchNorm`` synchronises in training
+only.
 """
 
 from __future__ import annotations
@@ -97,13 +98,19 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         membership = replica_group.current()
         batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
         alone = membership is None or membership.count == 1
-        if (alone and self.across_processes is None) or not batch_statistics:
+        # Processes exchange statistics in training only, as torch.nn.SyncBatchNorm does: in eval mode a rank
+        # may run batches the others do not run (inference on rank 0 alone), and would wait for them forever.
+        exchange = self.across_processes if self.training else None
+        if (alone and exchange is None) or not batch_statistics:
             return super().forward(input)
-        return self._synchronised_forward(input, None if alone else membership)
+        return self._synchronised_forward(input, None if alone else membership, exchange)
 
-    def _synchronised_forward(self, input: torch.Tensor, membership: Optional[Membership]) -> torch.Tensor:
+    def _synchronised_forward(
+        self, input: torch.Tensor, membership: Optional[Membership],
+        exchange: Optional[Callable[[list[_Statistics]], list[_Statistics]]],
+    ) -> torch.Tensor:
         """Normalise ``input`` (this replica's chunk) by the statistics of every replica's chunk (of
-        every process's, with ``across_processes``); ``membership`` None: this process's only replica."""
+        every process's, through ``exchange``); ``membership`` None: this process's only replica."""
         if input.size(1) != self.num_features:
             raise ValueError(
                 f"SyncBatchNorm(num_features={self.num_features}) got an input with {input.size(1)} channels "
@@ -113,9 +120,9 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         everyone = [_chunk_statistics(input)]
         if group is not None:
             everyone = group.meet(index, self._meeting_key, everyone[0], where=self)
-        if self.across_processes is not None:
+        if exchange is not None:
             # one collective per process: replica 0 makes it, its replicas receive the result
-            everyone = self.across_processes(everyone) if index == 0 else None
+            everyone = exchange(everyone) if index == 0 else None
             if group is not None:
                 everyone = group.meet(index, (self._meeting_key, "processes"), everyone, where=self)[0]
         mean, variance, total = _combine(everyone, input.device)

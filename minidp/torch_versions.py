@@ -16,6 +16,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 # `nn.BatchNorm*(..., bias=False)` (an affine weight without a bias) arrived in torch 2.12.
 BATCHNORM_TAKES_BIAS: bool = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
+# torch 2.13 renames DistributedDataParallel's `broadcast_buffers` to `forward_sync_buffers` and warns on the old name.
+DDP_DEPRECATES_BROADCAST_BUFFERS: bool = (
+    "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+)
+
 _foreach_clone = getattr(torch, "_foreach_clone", None)  # torch 2.12 and newer
 
 

@@ -13,18 +13,19 @@ import contextlib
 import copy
 import sys
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import minidp.distributed as md
 from minidp.zoo import MLP, ResNetBlockBN
 
-from .helpers import max_relative_error
+from .helpers import debug_level, max_relative_error
 
 TorchDDP = nn.parallel.DistributedDataParallel
 
@@ -111,22 +112,31 @@ def against_torch(
     micro_batches: int = 1,
     hook: Optional[str] = None,
     set_to_none: bool = True,
+    ignored: Sequence[str] = (),
+    mesh: bool = False,
     **ddp_options: Any,
 ) -> dict:
     """Train stock DDP and minidp's side by side from different initial weights on each rank (SGD
     with momentum); after every step, the first difference in parameters, gradients or buffers.
 
     ``micro_batches`` > 1: the first ones under ``no_sync()``. ``hook``: a name in :data:`HOOKS`.
+    ``ignored``: names both leave alone (``_set_params_and_buffers_to_ignore_for_model``). ``mesh``: both
+    average over a 1-D ``DeviceMesh`` of every rank (``device_mesh=``) instead of a process group.
     """
     rank = dist.get_rank()
     build, _, loss_of = MODELS[model]
     torch.manual_seed(seed + rank)  # different weights on every rank: the constructors must broadcast rank 0's
     theirs_module = build().to(dtype)
     ours_module = copy.deepcopy(theirs_module)
-    with warnings.catch_warnings():  # torch 2.13 deprecates the name broadcast_buffers (same meaning)
+    if ignored:
+        TorchDDP._set_params_and_buffers_to_ignore_for_model(theirs_module, list(ignored))
+        md.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ours_module, list(ignored))
+    if mesh:
+        ddp_options["device_mesh"] = init_device_mesh("cpu", (dist.get_world_size(),))
+    with warnings.catch_warnings():  # torch 2.13 deprecates the name broadcast_buffers (same meaning); both warn
         warnings.simplefilter("ignore", FutureWarning)
         theirs = TorchDDP(theirs_module, **ddp_options)
-    ours = md.DistributedDataParallel(ours_module, **ddp_options)
+        ours = md.DistributedDataParallel(ours_module, **ddp_options)
     if hook is not None:
         theirs.register_comm_hook(None, HOOKS[hook][0])
         ours.register_comm_hook(None, HOOKS[hook][1])
@@ -207,14 +217,25 @@ def mismatched_model(seed: int) -> str:
     return "no error"
 
 
-def unused_without_find_unused(seed: int) -> str:
-    """A parameter that gets no gradient while ``find_unused_parameters=False``: the error of the backward."""
-    ddp = md.DistributedDataParallel(PartlyUsed())
-    try:
-        ddp(torch.randn(4, 8))[0].sum().backward()
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+def unused_without_find_unused(seed: int) -> dict[str, list]:
+    """A parameter that gets no gradient while ``find_unused_parameters=False``, in stock and in minidp, at debug
+    levels OFF and INFO: per wrapper, ``[level, the call that raised, its message, the logged error]`` each."""
+    found: dict[str, list] = {"stock": [], "minidp": []}
+    for level in ("OFF", "INFO"):
+        with debug_level(level):
+            for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+                torch.manual_seed(seed)
+                ddp = wrapper(PartlyUsed())
+                call = "first backward"
+                try:
+                    ddp(torch.randn(4, 8))[0].sum().backward()
+                    call = "second forward"
+                    ddp(torch.randn(4, 8))
+                    call, message = "none", ""
+                except RuntimeError as error:
+                    message = str(error)
+                found[name].append([level, call, message, ddp._get_ddp_logging_data().get("error", "")])
+    return found
 
 
 def timeline_of_a_step(seed: int) -> list[list[dict]]:

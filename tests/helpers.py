@@ -13,7 +13,7 @@ import threading
 import traceback
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -187,6 +187,25 @@ def job_fixture(name: str, run_checks: Callable, world_size: int, plan: dict, jo
     return pytest.fixture(scope="module", name=name)(results)
 
 
+@contextlib.contextmanager
+def debug_level(level: str) -> Iterator[None]:
+    """``TORCH_DISTRIBUTED_DEBUG=level`` for the block, read again by torch.distributed in this process (as
+    upstream's ``with_dist_debug_levels`` does); the old level after it."""
+    import torch.distributed as dist
+
+    previous = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = level
+    dist.set_debug_level_from_env()
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TORCH_DISTRIBUTED_DEBUG"]
+        else:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = previous
+        dist.set_debug_level_from_env()
+
+
 # ---- PyTorch's own tests, ported: the cases of one upstream file run in one job ---------------------------------
 
 UPSTREAM_JOB_TIMEOUT = 300.0  # seconds for a whole job
@@ -195,19 +214,21 @@ UPSTREAM_GROUP_TIMEOUT = 30.0  # a collective that waits longer for a rank that 
 
 def run_upstream(plan: tuple[str, list[tuple[str, dict]]], seed: int) -> dict[str, Optional[str]]:
     """Rank side: ``plan`` is a module of ported upstream bodies and its cases, ``(dotted name in that module,
-    keyword arguments)``; each runs in order, every rank seeded alike with ``seed``. Per case id, None or the
-    traceback of what it raised. A barrier after each case keeps a case that fails on one rank from running into
-    the next."""
+    keyword arguments)``; a name ``"other.module:dotted.name"`` is looked up in that other module instead, so that
+    one job can run the cases of several. Each runs in order, every rank seeded alike with ``seed``. Per case id
+    (the name as given, then each keyword argument's value in brackets), None or the traceback of what it raised.
+    A barrier after each case keeps a case that fails on one rank from running into the next."""
     import torch.distributed as dist
 
     module, cases = plan
-    bodies = importlib.import_module(module)
     results: dict[str, Optional[str]] = {}
     for name, kwargs in cases:
         case_id = name + "".join(f"[{value}]" for value in kwargs.values())
+        other_module, _, dotted_name = name.rpartition(":")
+        bodies = importlib.import_module(other_module or module)
         torch.manual_seed(seed)
         try:
-            attrgetter(name)(bodies)(**kwargs)
+            attrgetter(dotted_name)(bodies)(**kwargs)
             results[case_id] = None
         except Exception:  # one failing check is one failing test, not a failed job
             results[case_id] = traceback.format_exc()
@@ -216,7 +237,8 @@ def run_upstream(plan: tuple[str, list[tuple[str, dict]]], seed: int) -> dict[st
 
 
 def launch_upstream(module: str, cases: list[tuple[str, dict]], processes: int = 2) -> list[dict[str, Optional[str]]]:
-    """Start ``processes`` Gloo processes once and run every case of ``module`` in them; each rank's results."""
+    """Start ``processes`` Gloo processes once and run every case of ``module`` (or, named ``"module:name"``, of
+    another module) in them; each rank's results."""
     return run_job(run_upstream, processes, (module, cases), UPSTREAM_JOB_TIMEOUT, UPSTREAM_GROUP_TIMEOUT)
 
 

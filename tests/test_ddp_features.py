@@ -8,10 +8,12 @@ behaviour of its C++ reducer as torch's own tests exercise it
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
-from . import ddp_feature_checks as checks
-from .helpers import RTOL_FLOAT64, cpu_ids, each_rank, job_fixture
+from . import ddp_checks, ddp_feature_checks as checks
+from .helpers import RTOL_FLOAT64, assert_no_differences, cpu_ids, each_rank, job_fixture
 from minidp.distributed import RankFailed, launch
 from minidp.distributed.reducer import CREATE_GRAPH_WARNING
 
@@ -60,6 +62,11 @@ TWO_PROCESSES = {
     "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
     "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
     "torch_sync_bn_cpu": (checks.torch_sync_batchnorm_on_cpu, {}),
+    "ignored": (ddp_checks.against_torch, {"model": "resnet_bn", "ignored": ["conv2.weight", "bn2.running_mean"]}),
+    "ignored_find_unused": (ddp_checks.against_torch, {
+        "model": "partly_used", "ignored": ["head.bias", "never.weight"], "find_unused_parameters": True}),
+    "no_init_sync": (ddp_checks.against_torch, {"model": "resnet_bn", "init_sync": False}),
+    "device_mesh": (ddp_checks.against_torch, {"mesh": True}),
 }
 
 
@@ -71,6 +78,22 @@ THREE_PROCESSES = {
     "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
     "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
 }
+
+
+# Arguments torch DDP took in 2.13, compared where the installed torch has them.
+TORCH_DDP_ARGUMENTS = inspect.signature(ddp_checks.TorchDDP.__init__).parameters
+if "forward_sync_buffers" in TORCH_DDP_ARGUMENTS:
+    TWO_PROCESSES["forward_sync_off"] = (ddp_checks.against_torch, {"model": "resnet_bn", "forward_sync_buffers": False})
+if "batched_grad_copy" in TORCH_DDP_ARGUMENTS:
+    TWO_PROCESSES["batched_copy"] = (ddp_checks.against_torch, {"model": "resnet_bn", "batched_grad_copy": True})
+    TWO_PROCESSES["batched_copy_views"] = (ddp_checks.against_torch, {
+        "batched_grad_copy": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 1})
+    THREE_PROCESSES["batched_copy"] = (ddp_checks.against_torch, {"model": "resnet_bn", "batched_grad_copy": True})
+if "bucket_cap_mb_list" in TORCH_DDP_ARGUMENTS:
+    TWO_PROCESSES["bucket_list"] = (ddp_checks.against_torch, {"model": "resnet_bn", "bucket_cap_mb_list": [0.001, 0.004]})
+    TWO_PROCESSES["bucket_list_hooked"] = (ddp_checks.hook_calls, {"bucket_cap_mb_list": [1, 2]})
+    TWO_PROCESSES["bucket_list_find_unused"] = (ddp_checks.hook_calls, {
+        "bucket_cap_mb_list": [2, 1], "find_unused_parameters": True})
 
 
 two = job_fixture("two", _run_checks, 2, TWO_PROCESSES, JOB_TIMEOUT)
@@ -296,3 +319,53 @@ def test_a_rank_out_of_data_without_join_is_an_error_on_every_rank_within_the_ti
     assert "Timed out" in outcomes[0][1] or "Connection closed" in outcomes[0][1]  # its barrier, outside DDP
     assert "rank 1: the all-reduce of bucket 0 did not complete" in outcomes[1][1]
     assert "with ddp.join():" in outcomes[1][1]
+
+
+# ---- construction: what is synchronised, and over which ranks (distributed.py:886-1075) -------------
+
+
+@pytest.mark.parametrize("check", ["ignored", "ignored_find_unused"])
+def test_ignored_parameters_and_buffers_are_left_alone_as_stock_leaves_them(two, check):
+    # _set_params_and_buffers_to_ignore_for_model: not broadcast at construction (so they keep each rank's
+    # initial values), not reduced (local gradients), and an ignored buffer is not broadcast before forwards
+    assert_no_differences(two, check)
+
+
+def test_init_sync_false_neither_checks_nor_broadcasts_as_stock(two):
+    assert_no_differences(two, "no_init_sync")
+
+
+def test_a_one_dimensional_device_mesh_averages_over_its_ranks_as_stock(two):
+    assert_no_differences(two, "device_mesh")
+
+
+@pytest.mark.skipif("forward_sync_buffers" not in TORCH_DDP_ARGUMENTS, reason="torch DDP takes it from 2.13")
+def test_forward_sync_buffers_false_syncs_buffers_once_at_construction_as_stock(two):
+    assert_no_differences(two, "forward_sync_off")
+
+
+@pytest.mark.skipif("bucket_cap_mb_list" not in TORCH_DDP_ARGUMENTS, reason="torch DDP takes it from 2.13")
+def test_a_cap_per_bucket_trains_as_stock_bitwise(two):
+    assert_no_differences(two, "bucket_list")
+
+
+@pytest.mark.skipif("bucket_cap_mb_list" not in TORCH_DDP_ARGUMENTS, reason="torch DDP takes it from 2.13")
+@pytest.mark.parametrize("check", ["bucket_list_hooked", "bucket_list_find_unused"])
+def test_a_cap_per_bucket_hands_hooks_stocks_buckets_in_every_backward(two, check):
+    for result in each_rank(two, check):
+        assert result["minidp"] == result["stock"]
+        assert result["plans"] == [[indices for _, _, indices in backward] for backward in result["stock"]]
+
+
+@pytest.mark.skipif("batched_grad_copy" not in TORCH_DDP_ARGUMENTS, reason="torch DDP takes it from 2.13")
+@pytest.mark.parametrize("check", ["batched_copy", "batched_copy_views"])
+def test_batched_gradient_copies_train_as_stocks_bitwise(two, check):
+    # one copy and one division per full bucket (distributed.py: batched_grad_copy), with bucket views too
+    assert_no_differences(two, check)
+
+
+@pytest.mark.skipif("batched_grad_copy" not in TORCH_DDP_ARGUMENTS, reason="torch DDP takes it from 2.13")
+def test_batched_gradient_copies_divide_as_stock_where_a_third_is_inexact(three):
+    # three ranks: stock's batched path divides the bucket by 3 where its default multiplies each gradient by
+    # 1/3, and the bits differ; minidp follows each path
+    assert_no_differences(three, "batched_copy")

@@ -159,11 +159,16 @@ def test_mismatched_models_raise_on_every_rank_naming_the_parameter(two):
         assert "parameter 0 ('net.0.weight') has shape (33, 16) on rank 1 and (32, 16) on rank 0" in message
 
 
-def test_a_parameter_without_gradient_is_named_when_find_unused_parameters_is_false(two):
-    on_rank_0, on_rank_1 = each_rank(two, "unused_without_find_unused")
-    assert "'never.weight' (index 4)" in on_rank_0 and "'branch.weight' (index 2)" not in on_rank_0
-    assert "'branch.weight' (index 2)" in on_rank_1  # rank 1 skips the branch too
-    assert "find_unused_parameters=True" in on_rank_1
+def test_a_parameter_without_gradient_fails_the_next_forward_with_stocks_words_and_log(two):
+    # reducer.cpp (ensure_prior_reduction_finished): the backward ends, the next forward raises; the indices that
+    # got no gradient on this rank, their names unless TORCH_DISTRIBUTED_DEBUG is OFF; logged (_log_and_throw)
+    for result in each_rank(two, "unused_without_find_unused"):
+        assert result["minidp"] == result["stock"]
+    (_, call, message, logged), (_, _, named, _) = two[1]["unused_without_find_unused"]["minidp"]
+    assert call == "second forward" and message in logged
+    # branch (rank 0 alone uses it), never, and side (its output is not in the loss); names last-registered first
+    assert "Parameter indices which did not receive grad for rank 1: 2 3 4 5 8 9" in message
+    assert "rank 1: side.bias, side.weight, never.bias, never.weight, branch.bias, branch.weight" in named
 
 
 # ---- timeline ----------------------------------------------------------------------------------

@@ -19,6 +19,21 @@ def test_a_bucket_cap_must_be_positive():
         DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1)
 
 
+def test_each_per_bucket_cap_must_be_positive():
+    with pytest.raises(ValueError, match=r"bucket_cap_mb_list\[1\] must be positive, got 0"):
+        DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb_list=[1, 0])
+
+
+@pytest.mark.parametrize("argument, value", [
+    ("mixed_precision", object()), ("skip_all_reduce_unused_params", True),
+    ("delay_all_reduce_named_params", [("w", nn.Parameter(torch.ones(1)))]),
+])
+def test_torch_ddp_arguments_minidp_lacks_are_refused_by_name_not_ignored(argument, value):
+    # torch/nn/parallel/distributed.py takes them (torch 2.13); minidp does not implement them, and says so
+    with pytest.raises(NotImplementedError, match=f"does not implement {argument} .*torch.nn.parallel"):
+        DistributedDataParallel(nn.Linear(2, 2), **{argument: value})
+
+
 def test_without_a_process_group_the_error_says_how_to_make_one():
     with pytest.raises(RuntimeError, match="init_process_group.*minidp.distributed.launch"):
         DistributedDataParallel(nn.Linear(2, 2))

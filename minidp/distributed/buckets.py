@@ -14,12 +14,14 @@ The rules, with the torch 2.13 source they follow:
    order is the registration order, buckets are sorted by their smallest index.
 2. **Limits** (``distributed.py``, ``_BucketCapacityConfig``): ``bucket_cap_mb=None`` means a cap
    of 25 MiB with a first bucket of ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB); an explicit
-   ``bucket_cap_mb`` gives ``int(bucket_cap_mb * 2**20)`` bytes for every bucket, the first too.
+   ``bucket_cap_mb`` gives ``int(bucket_cap_mb * 2**20)`` bytes for every bucket, the first too;
+   ``bucket_cap_mb_list`` (torch 2.13) gives bucket k its own limit, in the first plan and the rebuilt one.
 3. **The first backward's plan** (``_BucketCapacityConfig.compute_bucket_size_limits`` and
    ``_ddp_init_helper``): with ``find_unused_parameters=False`` (or ``static_graph``) the only limit
    is ``sys.maxsize``, so every parameter shares one bucket, in registration order: the registration
    order need not be the order gradients arrive in, so DDP does not guess. With
-   ``find_unused_parameters=True`` the limits are ``[first, cap]`` (``[cap]`` when they are equal).
+   ``find_unused_parameters=True`` the limits are ``[first, cap]`` (``[cap]`` when they are equal);
+   with ``bucket_cap_mb_list``, that list whatever the other arguments.
    Then the list of buckets is reversed (``list(reversed(bucket_indices))``): the parameters
    registered last, whose gradients come first, are in bucket 0.
 4. **The rebuild** (``reducer.cpp``, ``rebuild_buckets``): after the first backward that reduced
@@ -48,13 +50,23 @@ NO_LIMIT = sys.maxsize
 
 @dataclass(frozen=True)
 class BucketCaps:
-    """The two byte limits of a plan: ``first`` for bucket 0 of a rebuilt plan, ``cap`` for the rest."""
+    """The byte limits of a plan: ``first`` for bucket 0 of a rebuilt plan, ``cap`` for the rest; or, when the
+    user gave one per bucket (``bucket_cap_mb_list``), ``per_bucket``: bucket k's limit, the last one repeated."""
 
     first: int
     cap: int
+    per_bucket: tuple[int, ...] = ()
 
     @classmethod
-    def from_mb(cls, bucket_cap_mb: Optional[float]) -> "BucketCaps":
+    def from_mb(cls, bucket_cap_mb: Optional[float], bucket_cap_mb_list: Optional[Sequence[float]] = None) -> "BucketCaps":
+        """From DDP's arguments (``_BucketCapacityConfig.create``); ``bucket_cap_mb_list`` overrides ``bucket_cap_mb``."""
+        if bucket_cap_mb_list:
+            for position, mb in enumerate(bucket_cap_mb_list):
+                if not mb > 0:
+                    raise ValueError(f"bucket_cap_mb_list[{position}] must be positive, got {mb}")
+            per_bucket = tuple(int(mb * MIB) for mb in bucket_cap_mb_list)
+            cap = int(max(bucket_cap_mb_list) * MIB)
+            return cls(first=cap, cap=cap, per_bucket=per_bucket)
         if bucket_cap_mb is None:
             return cls(first=dist._DEFAULT_FIRST_BUCKET_BYTES, cap=DEFAULT_BUCKET_CAP_MB * MIB)
         if not bucket_cap_mb > 0:
@@ -63,7 +75,10 @@ class BucketCaps:
         return cls(first=cap, cap=cap)
 
     def limits(self) -> list[int]:
-        """``[first, cap]``, or ``[cap]`` when the first bucket is not smaller."""
+        """The limits of a rebuilt plan: ``per_bucket`` if given, else ``[first, cap]`` (``[cap]`` when the first
+        bucket is not smaller)."""
+        if self.per_bucket:
+            return list(self.per_bucket)
         return [self.first, self.cap] if self.first < self.cap else [self.cap]
 
 
@@ -108,7 +123,7 @@ def initial_plan(
     params: Sequence[torch.Tensor], caps: BucketCaps, find_unused_parameters: bool, sparse: Optional[Sequence[bool]] = None
 ) -> list[list[int]]:
     """Rule 3: the plan of the first backward, buckets in the order they are reduced."""
-    limits = caps.limits() if find_unused_parameters else [NO_LIMIT]
+    limits = caps.limits() if find_unused_parameters or caps.per_bucket else [NO_LIMIT]
     return list(reversed(assign_buckets(params, limits, sparse=sparse)))
 
 
@@ -117,7 +132,7 @@ def rebuilt_plan(
 ) -> list[list[int]]:
     """Rule 4: the plan made from the order the gradients of ``params`` arrived in."""
     in_order = None if sparse is None else [sparse[i] for i in arrival_order]
-    return assign_buckets([params[i] for i in arrival_order], [caps.first, caps.cap], arrival_order, in_order)
+    return assign_buckets([params[i] for i in arrival_order], caps.limits(), arrival_order, in_order)
 
 
 def _dense_strides(tensor: torch.Tensor) -> bool:

@@ -30,11 +30,36 @@ class TensorSpec(NamedTuple):
     dtype: str
 
 
-def describe(module: nn.Module, buffers: bool) -> list[TensorSpec]:
-    """What must match across ranks: every parameter, and every buffer when they are broadcast."""
-    specs = [TensorSpec("parameter", n, tuple(p.shape), p.stride(), str(p.dtype)) for n, p in module.named_parameters()]
+# Where torch DDP finds the names of what it leaves alone (``_set_params_and_buffers_to_ignore_for_model`` sets it).
+IGNORED_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
+
+
+def ignored_names(module: nn.Module) -> frozenset[str]:
+    """The names (as ``named_parameters()``/``named_buffers()`` give them) of the parameters and buffers DDP
+    leaves alone: not checked, not broadcast, not reduced. Read once, when DDP wraps the module, as torch reads it."""
+    return frozenset(getattr(module, IGNORED_ATTRIBUTE, ()))
+
+
+def synced_tensors(module: nn.Module, ignored: frozenset[str], buffers: bool) -> list[torch.Tensor]:
+    """The parameters, then (if ``buffers``) the buffers, that DDP copies from one rank to all: those not ignored.
+    Looked up at each call: a module may replace its buffers between forwards."""
+    tensors = [p for n, p in module.named_parameters() if n not in ignored]
     if buffers:
-        specs += [TensorSpec("buffer", n, tuple(b.shape), b.stride(), str(b.dtype)) for n, b in module.named_buffers()]
+        tensors += [b for n, b in module.named_buffers() if n not in ignored]
+    return tensors
+
+
+def describe(module: nn.Module, buffers: bool, ignored: frozenset[str] = frozenset()) -> list[TensorSpec]:
+    """What must match across ranks: every parameter not ignored, and every such buffer when they are broadcast."""
+    specs = [
+        TensorSpec("parameter", n, tuple(p.shape), p.stride(), str(p.dtype))
+        for n, p in module.named_parameters() if n not in ignored
+    ]
+    if buffers:
+        specs += [
+            TensorSpec("buffer", n, tuple(b.shape), b.stride(), str(b.dtype))
+            for n, b in module.named_buffers() if n not in ignored
+        ]
     return specs
 
 
@@ -74,10 +99,12 @@ def check_same_everywhere(
         raise ValueError(f"{needs} on every rank, but {found}. {advice}")
 
 
-def check_same_model(module: nn.Module, group: dist.ProcessGroup, buffers: bool) -> None:
+def check_same_model(
+    module: nn.Module, group: dist.ProcessGroup, buffers: bool, ignored: frozenset[str] = frozenset()
+) -> None:
     """Raise on every rank of ``group`` unless all ranks' ``module`` match rank 0's (a collective)."""
     check_same_everywhere(
-        describe(module, buffers), group, first_difference, "DistributedDataParallel needs the same model",
+        describe(module, buffers, ignored), group, first_difference, "DistributedDataParallel needs the same model",
         "Build the model the same way on every rank (rank 0's values are then broadcast to all).",
     )
 
@@ -93,10 +120,13 @@ def sparse_gradient_flags(module: nn.Module, params: list[nn.Parameter]) -> list
     return [id(p) in sparse for p in params]
 
 
-def reducer_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str]]:
-    """The parameters DDP reduces and their names: those that require grad, each once, in registration
-    order (``DistributedDataParallel._build_params_for_reducer``). Their positions are the plan's indices."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+def reducer_parameters(
+    module: nn.Module, ignored: frozenset[str] = frozenset()
+) -> tuple[list[nn.Parameter], list[str]]:
+    """The parameters DDP reduces and their names: those that require grad and are not ``ignored``, each once,
+    in registration order (``DistributedDataParallel._build_params_for_reducer``). Their positions are the
+    plan's indices."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
     if not named:
         raise RuntimeError(
             "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient"

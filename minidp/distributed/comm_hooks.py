@@ -19,6 +19,10 @@ The built-in hooks (``_register_builtin_comm_hook``, ``dist.BuiltinCommHookType`
 with the arithmetic of the Python ``default_hooks``: ``ALLREDUCE`` divides the bucket by the world
 size, then all-reduces it; ``FP16_COMPRESS`` casts it to float16, divides, all-reduces, and casts back
 into the bucket. They are those Python hooks here, with the process group as their state.
+
+One more hook is DDP's own: with ``torch.distributed.optim._apply_optimizer_in_backward``, each
+parameter's optimizer steps inside the backward, once its bucket is reduced
+(:func:`optimizer_in_backward_hook`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .buckets import GradBucket
@@ -77,3 +82,41 @@ def future_result(value: Any, bucket_index: int) -> None:
             f"DDP communication hook's callback must return a torch.futures.Future object, but got "
             f"{type(value).__module__}.{type(value).__qualname__} (bucket {bucket_index})"
         )
+
+
+def optimizer_in_backward_hook(gradient_is_bucket_view: bool) -> CommHook:
+    """The hook DDP registers for parameters given optimizers by ``_apply_optimizer_in_backward`` (torch's
+    ``optimizer_overlap_hooks._apply_optim_in_backward_hook``, without its CUDA stream, which makes torch's fail
+    on a machine without an accelerator). Its state is a weak reference to the wrapper.
+
+    Per bucket: the all-reduce, waited for at once; the sum divided by the world size; each parameter's
+    ``.grad`` set to its view of the bucket (it is one already with ``gradient_is_bucket_view``) and its
+    optimizers stepped. When the backward ends, those parameters' ``.grad`` is set to None, as without DDP.
+    """
+    pending = {"clear_queued": False}
+
+    def hook(state, bucket):  # no annotations: under this module's postponed ones they would be strings, refused
+        ddp = state()
+        ddp.reducer._run_allreduce_hook(bucket).wait()
+        bucket.buffer().div_(ddp.process_group.size())
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            if hasattr(param, "_in_backward_optimizers"):
+                if not gradient_is_bucket_view:
+                    param.grad = grad
+                for optimizer in param._in_backward_optimizers:
+                    optimizer.step()
+        if not pending["clear_queued"]:
+            pending["clear_queued"] = True
+            Variable._execution_engine.queue_callback(lambda: _clear_stepped_gradients(ddp, pending))
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    return hook
+
+
+def _clear_stepped_gradients(ddp: Any, pending: dict) -> None:
+    for param in ddp._get_data_parallel_params(ddp.module):
+        if hasattr(param, "_in_backward_optimizers"):
+            param.grad = None
+    pending["clear_queued"] = False

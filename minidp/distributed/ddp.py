@@ -22,21 +22,27 @@ reducer then averages those sums over the processes.
 from __future__ import annotations
 
 import warnings
+import weakref
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.optim import apply_optimizer_in_backward
+from torch.nn.parallel.distributed import _BufferCommHookLocation
 
 from ..hooks import profiled
+from ..torch_versions import DDP_DEPRECATES_BROADCAST_BUFFERS
 from ..wrapper import DataParallel
 from .batchnorm import attach_exchange, check_torch_sync_batchnorm
 from .broadcast import broadcast_from, broadcast_from_rank0
 from .buckets import BucketCaps
-from .checks import check_same_model, reducer_parameters, sparse_gradient_flags
-from .comm_hooks import CommHook, builtin_hook, check_comm_hook
+from .checks import (
+    IGNORED_ATTRIBUTE, check_same_model, ignored_names, reducer_parameters, sparse_gradient_flags, synced_tensors,
+)
+from .comm_hooks import CommHook, builtin_hook, check_comm_hook, optimizer_in_backward_hook
 from .join import DDPJoinHook, common_rank, sync_backward_vote
 from .logging_data import LoggingData
 from .reducer import Reducer
@@ -56,10 +62,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             is moved there, as ``DataParallel`` does).
         output_device: where those replicas' outputs are gathered (default ``device_ids[0]``).
         dim: the batch dimension the replicas split inputs along.
-        broadcast_buffers: copy rank 0's buffers to every rank before each forward.
+        broadcast_buffers: the older name of ``forward_sync_buffers`` (deprecated by torch 2.13, which warns as
+            minidp does there), except that ``False`` also leaves buffers out of the construction's broadcast.
+        init_sync: check that every rank has the same model and broadcast rank 0's parameters and buffers
+            at construction (default); ``False``: neither (the caller sees to it that they are alike).
         process_group: the group to average over (default: the default group).
         bucket_cap_mb: bucket size in MiB (default 25, with a 1 MiB first bucket; see
-            :mod:`minidp.distributed.buckets`).
+            :mod:`minidp.distributed.buckets`); ``bucket_cap_mb_list``: one size per bucket instead.
         find_unused_parameters: allow parameters that get no gradient in a backward: the graph is
             searched after each forward and their buckets do not wait for them.
         gradient_as_bucket_view: leave each ``.grad`` a view of its bucket instead of copying into it.
@@ -67,6 +76,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             the first backward, which reduces everything at its end; a parameter used several times
             per backward (re-entrant checkpointing) is reduced after its last use
             (:meth:`~minidp.distributed.reducer.Reducer.set_static_graph`).
+        device_mesh: a 1-D ``DeviceMesh`` whose group to average over, instead of ``process_group``.
+        forward_sync_buffers: copy rank 0's buffers to every rank before each forward (default True), or
+            let the hook of :meth:`_register_buffer_comm_hook` make them alike.
+        check_reduction: deprecated by torch, no effect (a warning).
+        batched_grad_copy: copy a bucket's gradients into it once it is full, then divide it at once (torch
+            2.13's option; torch's bits, which differ from the default's where 1/world_size is inexact).
+
+    Parameters and buffers named by :meth:`_set_params_and_buffers_to_ignore_for_model` before wrapping are
+    left alone. ``mixed_precision``, ``delay_all_reduce_named_params`` with ``param_to_hook_all_reduce``,
+    and ``skip_all_reduce_unused_params`` are refused (``NotImplementedError``).
     """
 
     def __init__(
@@ -75,41 +94,132 @@ class DistributedDataParallel(nn.Module, Joinable):
         device_ids: Optional[Sequence[DeviceLike]] = None,
         output_device: Optional[DeviceLike] = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: Optional[bool] = None,
+        init_sync: bool = True,
         process_group: Optional[dist.ProcessGroup] = None,
         bucket_cap_mb: Optional[float] = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Optional[list[tuple[str, nn.Parameter]]] = None,
+        param_to_hook_all_reduce: Optional[nn.Parameter] = None,
+        mixed_precision: Optional[Any] = None,
+        device_mesh: Optional[Any] = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Optional[list[float]] = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: Optional[bool] = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)  # not in a Join context until join() or Join([...]) says so
-        caps = BucketCaps.from_mb(bucket_cap_mb)
+        refuse_unsupported(
+            delay_all_reduce_named_params=delay_all_reduce_named_params, param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+        )
+        caps = BucketCaps.from_mb(bucket_cap_mb, bucket_cap_mb_list)
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call torch.distributed.init_process_group() first "
                 "(torchrun sets the environment it reads), or start the processes with minidp.distributed.launch()"
             )
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.process_group = process_group_of(process_group, device_mesh)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh
         self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
+        self.forward_sync_buffers, init_sync_buffers = buffer_sync(broadcast_buffers, forward_sync_buffers)
+        if check_reduction:
+            warnings.warn(
+                "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid using "
+                "it.", FutureWarning, stacklevel=2,
+            )
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.batched_grad_copy = batched_grad_copy
         self.static_graph = static_graph
         self.device_ids = None if device_ids is None else list(device_ids)
         self.output_device = output_device
+        self.parameters_to_ignore = ignored_names(module)
+        # What torch's helpers take as the broadcast's bucket size (torch.distributed.utils._sync_module_states);
+        # minidp's own broadcasts send one flat tensor per dtype.
+        self.broadcast_bucket_size = 250 * 1024 * 1024
         self._bucket_caps = caps
         self._attach_replicas()  # before the parameters are listed: DataParallel may move a module to its one device
-        check_same_model(module, self.process_group, buffers=broadcast_buffers)
-        broadcast_from_rank0(
-            list(module.parameters()) + (list(module.buffers()) if broadcast_buffers else []),
-            self.process_group,
-        )
+        if init_sync:
+            check_same_model(module, self.process_group, init_sync_buffers, self.parameters_to_ignore)
+            broadcast_from_rank0(synced_tensors(module, self.parameters_to_ignore, init_sync_buffers), self.process_group)
         self._attach_reducer()
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the last forward was synchronised
+        self._buffer_hook: Optional[tuple[object, Callable, _BufferCommHookLocation]] = None
+        self._lazy_init_ran = False  # the first forward looks for optimizers in the backward
         self._divide_by_initial_world_size = True  # under Join (see minidp.distributed.join)
+
+    # The bucket sizes in bytes, under torch DDP's names: the cap, the per-bucket caps ([] without
+    # bucket_cap_mb_list), and whether the first bucket is smaller (the defaults' 1 MiB first bucket).
+    @property
+    def bucket_bytes_cap(self) -> int:
+        return self._bucket_caps.cap
+
+    @property
+    def bucket_bytes_cap_list(self) -> list[int]:
+        return list(self._bucket_caps.per_bucket)
+
+    @property
+    def bucket_bytes_cap_default(self) -> bool:
+        return self._bucket_caps.first < self._bucket_caps.cap
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """The older name of ``forward_sync_buffers`` (torch 2.13 keeps both)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Sequence[str]) -> None:
+        """Name parameters and buffers (``"fc.weight"``, as ``named_parameters()`` names them) that a DDP built
+        afterwards on ``module`` leaves alone: not checked, broadcast or reduced (torch DDP's static method)."""
+        setattr(module, IGNORED_ATTRIBUTE, params_and_buffers_to_ignore)
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name in params_and_buffers_to_ignore:
+                tensor._ddp_ignored = True
+
+    @staticmethod
+    def _get_data_parallel_params(module: nn.Module, named_params: bool = False) -> Iterator[Any]:
+        """The parameters of ``module`` that DDP reduces (those not ignored), or ``(name, parameter)`` pairs."""
+        for name, param in module.named_parameters():
+            if not hasattr(param, "_ddp_ignored"):
+                yield (name, param) if named_params else param
+
+    def _build_params_for_reducer(self) -> tuple[list[nn.Parameter], list[bool]]:
+        """The parameters the reducer reduces, in its order, and whether each gets sparse gradients (torch DDP's
+        method of that name; :func:`~minidp.distributed.checks.reducer_parameters`)."""
+        params, _ = reducer_parameters(self.module, self.parameters_to_ignore)
+        return params, sparse_gradient_flags(self.module, params)
+
+    def _build_debug_param_to_name_mapping(self, parameters: Sequence[nn.Parameter]) -> dict[int, str]:
+        """``{position in parameters: name}`` for every parameter the reducer reduces (torch DDP's method); a
+        ``ValueError`` (logged) where ``parameters`` and the module's disagree."""
+        position = {id(p): i for i, p in enumerate(parameters)}
+        mapping = {}
+        with self._errors_logged():
+            for name, param in self.module.named_parameters():
+                if name in self.parameters_to_ignore or not param.requires_grad:
+                    continue
+                if id(param) not in position:
+                    raise ValueError(
+                        f"Param with name {name} found in module parameters, but not DDP parameters. This indicates a "
+                        f"bug in minidp.distributed: please report it.")
+                mapping[position[id(param)]] = name
+            if len(position) != len(mapping):
+                raise ValueError(
+                    f"Expected param to name mapping to cover all parameters, but got conflicting lengths: "
+                    f"{len(position)} vs {len(mapping)}. This indicates a bug in minidp.distributed: please report it.")
+        return mapping
 
     def _attach_replicas(self) -> None:
         """Several replicas per process: a DataParallel over ``device_ids``. It shares ``module``, so it
@@ -122,7 +232,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _attach_reducer(self) -> None:
         """The reducer of this process's parameters (``_ddp_init_helper``): no collective, so that
         unpickling on one rank alone works."""
-        params, names = reducer_parameters(self.module)
+        params, names = reducer_parameters(self.module, self.parameters_to_ignore)
         check_torch_sync_batchnorm(self.module, params[0].device)
         attach_exchange(self.module, self.process_group)  # minidp.SyncBatchNorm: statistics of every process
         sparse = sparse_gradient_flags(self.module, params)
@@ -132,8 +242,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"(device_ids={self.device_ids}) do not sum; pass one device_id (or None), or use sparse=False"
             )
         self.reducer = Reducer(params, names, self.process_group, self._bucket_caps, self.find_unused_parameters,
-                               self.gradient_as_bucket_view, self.static_graph, sparse)
+                               self.gradient_as_bucket_view, self.static_graph, sparse, self.batched_grad_copy)
         self._logging = LoggingData()
+        self.reducer.log_error = self._logging.set_reducer_error
         self._logging.set_construction_data(
             self.module, params, self.process_group, device_ids=self.device_ids, output_device=self.output_device,
             broadcast_buffers=self.broadcast_buffers, bucket_cap_bytes=self._bucket_caps.cap,
@@ -168,7 +279,14 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "unpickling a DistributedDataParallel needs the default process group: call "
                 "torch.distributed.init_process_group() first, or unpickle the wrapped .module instead"
             )
+        # a wrapper pickled before `forward_sync_buffers` had it under its older name, now a property
+        forward_sync_buffers = state.pop("broadcast_buffers", True)
         super().__setstate__(state)
+        self.__dict__.setdefault("forward_sync_buffers", forward_sync_buffers)
+        self.__dict__.setdefault("parameters_to_ignore", frozenset())
+        self.__dict__.setdefault("_buffer_hook", None)
+        self.__dict__.setdefault("_lazy_init_ran", False)
+        self.__dict__.setdefault("batched_grad_copy", False)
         self.process_group = process_group
         self.__dict__.setdefault("require_forward_param_sync", True)
         self.__dict__.setdefault("require_backward_grad_sync", True)
@@ -188,6 +306,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     @torch._disable_dynamo
     def _before_module(self) -> bool:
         """Before the module's forward: whether this forward records a graph (and so prepares a backward)."""
+        if not self._lazy_init_ran:
+            self._lazy_init_ran = True
+            self._setup_in_backward_optimizers()
         recording = torch.is_grad_enabled()
         if recording and self.require_backward_grad_sync:
             # the previous iteration's statistics, when sampled (set_runtime_stats_and_log), before a rebuild
@@ -199,10 +320,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         # under Join: tell the joined ranks that this one still trains (minidp.distributed.join)
         work = Join.notify_join_context(self)
         self.reducer.set_forward_pass_work(work, self._divide_by_initial_world_size)
-        if self.will_sync_module_buffers():
-            # under Join rank 0 may have joined with stale buffers: the newest rank still training sends
-            source = common_rank(self, candidate=True) if self._join_config.enable else 0
-            broadcast_from(self._buffers_to_sync(), self.process_group, source)
+        if self.will_sync_module_buffers() and self._buffer_hook_location() is not _BufferCommHookLocation.POST_FORWARD:
+            self._sync_buffers(joined=False)
         if self._join_config.enable:
             sync_backward_vote(self, joined=False)
         return recording
@@ -210,17 +329,79 @@ class DistributedDataParallel(nn.Module, Joinable):
     @torch._disable_dynamo
     def _after_module(self, output: Any, recording: bool) -> Any:
         """After the module's forward: the next backward reduces if this forward recorded and syncs."""
+        if self.will_sync_module_buffers() and self._buffer_hook_location() is _BufferCommHookLocation.POST_FORWARD:
+            self._sync_buffers(joined=False)
         self.require_forward_param_sync = recording and self.require_backward_grad_sync
         if self.require_forward_param_sync:
             self.reducer.prepare_for_backward(output)
         return output
 
+    def _named_buffers_to_sync(self) -> dict[str, torch.Tensor]:
+        # looked up at each sync: a module may replace its buffers between forwards
+        return {n: b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore}
+
     def _buffers_to_sync(self) -> list[torch.Tensor]:
-        return list(self.module.buffers())  # looked up each time: a module may replace its buffers
+        return list(self._named_buffers_to_sync().values())
+
+    def _sync_buffers(self, joined: bool) -> None:
+        """The buffers made alike on every rank (``_sync_buffers``): by the buffer hook if one is registered,
+        else broadcast from rank 0, or under Join from the newest rank still training (rank 0 may have joined
+        with stale buffers; ``joined``: this rank has)."""
+        if self._buffer_hook is None:
+            source = common_rank(self, candidate=not joined) if self._join_config.enable else 0
+            broadcast_from(self._buffers_to_sync(), self.process_group, source)
+            return
+        state, hook, _ = self._buffer_hook
+        buffers = self._named_buffers_to_sync()
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers.values())):
+            futures = hook(state, buffers)
+        if futures is not None:
+            self.reducer._install_post_backward_futures(futures)
+
+    def _setup_in_backward_optimizers(self) -> None:
+        """If parameters DDP reduces were given optimizers by ``torch.distributed.optim._apply_optimizer_in_backward``,
+        step them after their bucket's all-reduce instead of after their local gradient: their own hooks removed,
+        :func:`~minidp.distributed.comm_hooks.optimizer_in_backward_hook` registered (torch DDP's same-named
+        method, at the first forward)."""
+        params = synced_tensors(self.module, self.parameters_to_ignore, buffers=False)
+        if not any(hasattr(p, "_in_backward_optimizers") for p in params):
+            return
+        handles = apply_optimizer_in_backward.param_to_optim_hook_handle_map
+        for param in params:
+            for handle in handles.get(param, []):
+                handle.remove()
+        self.register_comm_hook(weakref.ref(self), optimizer_in_backward_hook(self.gradient_as_bucket_view))
+        self.reducer._set_optimizer_in_backward()
+
+    def _default_broadcast_coalesced(
+        self, bufs: Optional[Sequence[torch.Tensor]] = None, bucket_size: Optional[int] = None, authoritative_rank: int = 0
+    ) -> None:
+        """Broadcast ``bufs`` (default: the buffers DDP syncs) from ``authoritative_rank`` to every rank: what the
+        forward does without a buffer hook, for a hook to call (torch DDP's method; ``bucket_size`` is accepted and
+        not needed: one flat tensor per dtype is sent)."""
+        broadcast_from(self._buffers_to_sync() if bufs is None else bufs, self.process_group, authoritative_rank)
+
+    def _buffer_hook_location(self) -> Optional[_BufferCommHookLocation]:
+        return None if self._buffer_hook is None else self._buffer_hook[2]
+
+    def _register_buffer_comm_hook(
+        self, state: object, hook: Callable[[object, dict[str, torch.Tensor]], Optional[list[torch.futures.Future]]],
+        comm_hook_location: _BufferCommHookLocation = _BufferCommHookLocation.POST_FORWARD,
+    ) -> None:
+        """Let ``hook(state, {name: buffer})`` make the buffers alike across ranks instead of the broadcast from
+        rank 0 (torch DDP's private API), before the forward or, by default, after it. The hook changes the
+        buffers in place; futures it returns are waited for at the end of the next backward."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        self._buffer_hook = (state, hook, comm_hook_location)
+
+    def _tensors_to_sync(self) -> list[torch.Tensor]:
+        """What the last rank to join copies to all (``_sync_final_model``): parameters, and buffers if synced."""
+        return synced_tensors(self.module, self.parameters_to_ignore, self.forward_sync_buffers)
 
     def will_sync_module_buffers(self) -> bool:
         """Whether this forward starts with a broadcast of the buffers (``will_sync_module_buffers``)."""
-        return self.broadcast_buffers and self.require_forward_param_sync and bool(self._buffers_to_sync())
+        return self.forward_sync_buffers and self.require_forward_param_sync and bool(self._buffers_to_sync())
 
     # ---- uneven inputs: torch.distributed.algorithms.Join ----------------------------------
 
@@ -325,8 +506,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._logging.set_sample_rate(sample_rate)
 
     def _check_reducer_finalized(self) -> None:
-        """Raise if the last backward left gradients unreduced (call it after ``backward()`` to fail early)."""
+        """Raise if the last backward left gradients unreduced (call it after ``backward()`` to fail early: the
+        next forward raises otherwise, as torch DDP's does)."""
         self.reducer._check_reducer_finalized()
+
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        """torch DDP clones the forward's outputs (``_DDPSink``) unless told not to, a copy of each output that only
+        its autograd function needs; minidp has no such function (its reducer hooks the outputs themselves), so it
+        never clones them, whatever ``val`` says: nothing to set."""
 
     def _remove_autograd_hooks(self) -> None:
         """Stop reducing gradients in the backward (the reducer's hooks removed)."""
@@ -342,6 +529,60 @@ class DistributedDataParallel(nn.Module, Joinable):
         """The events of the last synchronised backward on this rank (see :meth:`Reducer.timeline`);
         :func:`minidp.distributed.timeline.chrome_trace` merges several ranks' into one trace."""
         return self.reducer.timeline()
+
+
+def refuse_unsupported(**arguments: Any) -> None:
+    """Raise, before anything happens, if one of torch DDP's arguments that minidp does not implement is set."""
+    given = [name for name, value in arguments.items() if value not in (None, False)]
+    if given:
+        raise NotImplementedError(
+            f"minidp's DistributedDataParallel does not implement {', '.join(given)} (torch DDP's; the rest of its "
+            f"arguments work): leave {'it' if len(given) == 1 else 'them'} unset, or use "
+            f"torch.nn.parallel.DistributedDataParallel for this model"
+        )
+
+
+def process_group_of(process_group: Optional[dist.ProcessGroup], device_mesh: Optional[Any]) -> dist.ProcessGroup:
+    """The group DDP averages over: ``process_group``, else the one dimension of ``device_mesh``, else the default."""
+    if device_mesh is None:
+        return process_group if process_group is not None else dist.group.WORLD
+    if process_group is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+    if device_mesh._get_root_mesh() != device_mesh:
+        raise NotImplementedError(
+            f"device_mesh {device_mesh} is a slice of a larger mesh, which torch DDP takes for data parallelism over "
+            f"tensor-parallel modules (DTensor parameters); minidp does not: pass a 1-D mesh of its own, or its "
+            f"process group (device_mesh.get_group(0))"
+        )
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def buffer_sync(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool]) -> tuple[bool, bool]:
+    """Whether buffers are broadcast before each forward, and whether at construction, from the two arguments
+    that say so: ``forward_sync_buffers`` (the forward only: buffers are always synchronised at construction)
+    or, where it is not given, its older name ``broadcast_buffers`` (both; default True). torch 2.13 deprecates
+    ``broadcast_buffers``; minidp warns as the installed torch warns."""
+    if broadcast_buffers is not None and DDP_DEPRECATES_BROADCAST_BUFFERS:
+        if forward_sync_buffers is not None:
+            warnings.warn(
+                "Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` is "
+                "deprecated and its value is ignored when `forward_sync_buffers` is provided.",
+                FutureWarning, stacklevel=3,
+            )
+        else:
+            warnings.warn(
+                "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: unlike "
+                "`broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at init. If you rely on "
+                "buffers NOT being synced at init (e.g. rank-local buffers), keep using `broadcast_buffers=False` "
+                "until `init_sync_buffers` is available.",
+                FutureWarning, stacklevel=3,
+            )
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    synced = broadcast_buffers if broadcast_buffers is not None else True
+    return synced, synced
 
 
 def _default_group_or_none() -> Optional[dist.ProcessGroup]:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import JoinHook
+from torch.nn.parallel.distributed import _BufferCommHookLocation
 from torch.optim import Optimizer
 
 from .broadcast import broadcast_from
@@ -76,8 +77,8 @@ class DDPJoinHook(JoinHook):
         """One iteration of the ranks still training, shadowed."""
         ddp = self.ddp
         ddp.reducer.rebuild_buckets()
-        if ddp.will_sync_module_buffers():
-            broadcast_from(ddp._buffers_to_sync(), ddp.process_group, common_rank(ddp, candidate=False))
+        if ddp.will_sync_module_buffers() and ddp._buffer_hook_location() is not _BufferCommHookLocation.POST_FORWARD:
+            ddp._sync_buffers(joined=True)
         synchronised = sync_backward_vote(ddp, joined=True)
         ddp.require_forward_param_sync = synchronised
         if synchronised:
@@ -86,8 +87,8 @@ class DDPJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank has joined: the last one's parameters (and buffers) to all (``_sync_final_model``)."""
         ddp = self.ddp
-        tensors = list(ddp.module.parameters()) + (list(ddp.module.buffers()) if ddp.broadcast_buffers else [])
-        broadcast_from(tensors, ddp.process_group, common_rank(ddp, candidate=is_last_joiner))
+        ddp._authoritative_rank = common_rank(ddp, candidate=is_last_joiner)  # torch DDP keeps it there too
+        broadcast_from(ddp._tensors_to_sync(), ddp.process_group, ddp._authoritative_rank)
 
 
 class ZeroJoinHook(JoinHook):

@@ -110,9 +110,14 @@ class LoggingData:
                 self.entries["gloo_num_threads"] = threads
 
     def set_error(self, error: Exception) -> None:
-        """The wrapper refused a call with ``error`` (torch's ``logger.set_error_and_log``)."""
+        """The wrapper refused a call with ``error`` (torch's ``_log_and_throw``: its type, then its message)."""
         self.entries["has_error"] = 1
         self.entries["error"] = f"{type(error)}: {error}"
+
+    def set_reducer_error(self, error: Exception) -> None:
+        """The reducer failed with ``error`` (torch's C++ reducer logs its message alone)."""
+        self.entries["has_error"] = 1
+        self.entries["error"] = str(error)
 
     def set_sample_rate(self, sample_rate: int) -> None:
         if sample_rate < 1:

@@ -63,6 +63,12 @@ CREATE_GRAPH_WARNING = (
     "https://github.com/pytorch/pytorch/issues/63929"
 )
 
+# reducer.cpp's error when a parameter a static graph's first backward did not use gets a gradient later.
+STATIC_GRAPH_USED_LATER = (
+    "Your training graph has changed in this iteration, e.g., one parameter is unused in first iteration, but then "
+    "got used in the second iteration. this is not compatible with static_graph set to True."
+)
+
 # Timestamps: time.perf_counter() (monotonic, fine-grained), reported as seconds since the Unix
 # epoch through one anchor per process, so that the timelines of ranks on one machine line up.
 _ANCHOR_WALL, _ANCHOR_PERF = time.time(), time.perf_counter()
@@ -98,6 +104,7 @@ class Reducer:
         gradient_as_bucket_view: bool,
         static_graph: bool = False,
         sparse: Optional[Sequence[bool]] = None,
+        batched_grad_copy: bool = False,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -108,8 +115,10 @@ class Reducer:
         self.caps = caps
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.batched_grad_copy = batched_grad_copy  # copy a bucket's gradients when it is full, not one by one
         self.comm_hook: Optional[CommHook] = None
         self.comm_state: Any = None
+        self._optimizer_in_backward = False  # the hook has stepped the optimizers: no write-back into .grad
         self._lock = threading.Lock()
         self._warned_create_graph = False
 
@@ -141,6 +150,7 @@ class Reducer:
         self._expect_hooks = False  # True from the end of a synchronised forward to the end of its backward
         self._require_finalize = False  # a gradient was marked ready and the backward has not finished
         self._arrived = False
+        self._marked_unused = False  # this backward has marked its unused parameters ready
         self._finish_queued = False
         self._ready = [False] * len(self.params)
         self._next_bucket = 0
@@ -159,6 +169,10 @@ class Reducer:
         if static_graph:
             self.set_static_graph()
 
+        self.log_error: Callable[[Exception], None] = lambda error: None  # the wrapper's logging data records them
+        self._graph_static = True  # the same unused parameters found at every search so far
+        self._last_search: Optional[list[int]] = None
+        self._post_backward_futures: list[torch.futures.Future] = []  # a buffer hook's, waited for at the end
         self._events: list[dict] = []  # this backward's, filled as it runs
         self._reduce_events: dict[int, dict] = {}  # bucket index -> its all-reduce event
         self._last_events: list[dict] = []  # the last finished backward's
@@ -225,8 +239,7 @@ class Reducer:
 
     def before_forward(self) -> None:
         """Called before every forward that records gradients."""
-        if self._require_finalize:
-            raise RuntimeError(self._unreduced_message("the previous backward"))
+        self._check_reducer_finalized()
         self.rebuild_buckets()
 
     def rebuild_buckets(self) -> bool:
@@ -254,6 +267,7 @@ class Reducer:
         Lightning call it again from outside, with ``[]`` or the loss)."""
         self._stamps["backward_compute_start"] = time.perf_counter()
         self._grad_ready_order = []
+        self._marked_unused = False
         self._expect_hooks = True
         self._arrived = False  # a gradient of this forward's backward has arrived (counted or not)
         self._ready = [False] * len(self.params)
@@ -273,7 +287,11 @@ class Reducer:
             self._remaining = list(self._static_counts)
             self._unused = [i for i, count in enumerate(self._static_counts) if count == 0]
         elif self.find_unused_parameters:
-            self._unused = self._unreached(outputs)
+            with torch.autograd.profiler.record_function("torch.distributed.ddp.reducer::search_unused_parameters"):
+                self._unused = self._unreached(outputs)
+            if self._last_search is not None and self._unused != self._last_search:
+                self._graph_static = False
+            self._last_search = self._unused
 
     def _note_backward_start(self, grad: torch.Tensor) -> None:
         """The gradient reached an output: the backward of this forward started, in the outermost
@@ -318,13 +336,19 @@ class Reducer:
             self._arrived = True
             if not self._finish_queued:  # queued already, unless the backward did not start at an output
                 self._queue_finish()
-            if self.static_graph:
-                self._remaining[index] += 1 if self._counting() else -1
-                if self._counting() or self._remaining[index] > 0:
-                    return  # counted; or more hooks of this parameter to come in this backward
-            if not self._grad_ready_order:  # the first gradient to be reduced in this backward
+            if self.static_graph and self._counting():
+                self._remaining[index] += 1  # the first backward only counts
+                return
+            if not self._marked_unused:  # at the first hook that does not only count, as reducer.cpp marks them
+                self._marked_unused = True
                 for unused in self._unused:  # nothing will arrive for these: their buckets need not wait
                     self._mark_ready(unused)
+            if self.static_graph:
+                if self._static_counts[index] == 0:
+                    raise self._logged(RuntimeError(STATIC_GRAPH_USED_LATER))
+                self._remaining[index] -= 1
+                if self._remaining[index] > 0:
+                    return  # more hooks of this parameter to come in this backward
             self._grad_ready_order.append(index)
             self._mark_ready(index)
 
@@ -340,20 +364,29 @@ class Reducer:
         self._require_finalize = True
         bucket_index, position = self._locator[index]
         bucket = self.buckets[bucket_index]
-        self._copy_into_bucket(bucket, position)
+        batched = self.batched_grad_copy and not bucket.sparse
+        if not batched:
+            self._copy_into_bucket(bucket, position)
         bucket.pending -= 1
         if bucket.pending == 0:
+            if batched:
+                self._copy_bucket(bucket)
             now = time.perf_counter()
             self._events.append({"stage": "bucket ready", "bucket": bucket.index, "start": now, "end": now})
             self._launch_ready_buckets()
 
-    def _copy_into_bucket(self, bucket: Bucket, position: int) -> None:
-        """``mark_variable_ready_dense``: the gradient into its view, divided by the world size unless a
-        hook will do it; no gradient: zeros."""
+    def _read_divisor(self) -> None:
+        """Under Join with ``divide_by_initial_world_size=False``: the number of ranks still training, counted
+        by the all-reduce launched before the forward, read once its first gradient needs it."""
         if self._divisor_work is not None:
             self._divisor_work.wait()
             self._divisor = int(self._divisor_work.result()[0].item())
             self._divisor_work = None
+
+    def _copy_into_bucket(self, bucket: Bucket, position: int) -> None:
+        """``mark_variable_ready_dense``: the gradient into its view, divided by the world size unless a
+        hook will do it; no gradient: zeros."""
+        self._read_divisor()
         if bucket.sparse:
             self._take_sparse_gradient(bucket)
             return
@@ -376,6 +409,32 @@ class Reducer:
             else:
                 view.copy_(grad)
             if self.gradient_as_bucket_view:
+                param.grad = view
+
+    def _copy_bucket(self, bucket: Bucket) -> None:
+        """``batched_grad_copy``: a full bucket's gradients into it at once (one ``_foreach_copy_``; no gradient:
+        zeros), then the whole bucket divided by the world size (one ``div_``) unless a hook will do it, as
+        torch's batched path does. A division, not the multiply of the gradient-by-gradient path: where
+        1/world_size is inexact (3 ranks) the two give different bits, each torch's own."""
+        self._read_divisor()
+        views, grads, copied = [], [], []
+        for param, view in zip(bucket.params, bucket.views):
+            grad = param.grad
+            if grad is None:
+                view.zero_()
+            elif not (self.gradient_as_bucket_view and _shares_storage(grad, view)):
+                if grad.requires_grad:  # backward(create_graph=True): the values go into the bucket, not the graph
+                    self._warn_create_graph()
+                    grad = grad.detach()
+                views.append(view)
+                grads.append(grad)
+                copied.append(param)
+        if views:
+            torch._foreach_copy_(views, grads)
+        if self.comm_hook is None:
+            bucket.buffer.div_(self._divisor)
+        if self.gradient_as_bucket_view:
+            for param, view in zip(copied, views):
                 param.grad = view
 
     def _take_sparse_gradient(self, bucket: Bucket) -> None:
@@ -461,8 +520,10 @@ class Reducer:
             counting = self._counting()
             missing = [i for i, ready in enumerate(self._ready) if not ready]
             if missing and not counting and (self.static_graph or not self.find_unused_parameters):
+                # Left unreduced, as torch DDP leaves it: the backward ends, and the next forward raises
+                # (before_forward), with torch's words, naming what got no gradient.
                 self._expect_hooks = False
-                raise RuntimeError(self._unreduced_message("this backward"))
+                return
             for index in missing:
                 # Reached from an output that the loss did not use: DDP's hook fires for it with no
                 # incoming gradient (its _DDPSink sees to that) and counts it used if .grad is set.
@@ -473,6 +534,9 @@ class Reducer:
             self._require_finalize = False
             for bucket in self.buckets:
                 self._write_back(bucket, self._result_of(bucket))
+            for future in self._post_backward_futures:
+                future.wait()
+            self._post_backward_futures = []
             if self._tracks_use():
                 self._wait_for_use()
                 if counting:  # what every later backward waits for, and leaves alone
@@ -516,7 +580,34 @@ class Reducer:
     def _check_reducer_finalized(self) -> None:
         """Raise if the last backward left gradients unreduced (``DistributedDataParallel._check_reducer_finalized``)."""
         if self._require_finalize:
-            raise RuntimeError(self._unreduced_message("the last backward"))
+            raise self._logged(RuntimeError(self._unreduced_message()))
+
+    def _logged(self, error: Exception) -> Exception:
+        """``error``, recorded first in the wrapper's logging data (torch's reducer logs its errors)."""
+        self.log_error(error)
+        return error
+
+    def _get_local_used_map(self) -> torch.Tensor:
+        """How many ranks used each parameter in the last reduced backward (``find_unused_parameters`` or a static graph)."""
+        return self._used_on_device
+
+    def _ddp_graph_static(self) -> bool:
+        """Whether every search so far found the same unused parameters (``Reducer::ddp_graph_static``): the
+        graph could have been declared static (logged as ``can_set_static_graph``)."""
+        return self._graph_static
+
+    def _run_allreduce_hook(self, bucket: GradBucket) -> torch.futures.Future:
+        """The all-reduce the reducer runs without a hook (its sum, not divided), for a hook to call."""
+        return dist.all_reduce(bucket.buffer(), group=self.group, async_op=True).get_future()
+
+    def _set_optimizer_in_backward(self) -> None:
+        """The registered hook steps the optimizers in the backward: the reduced buckets are not copied back."""
+        self._optimizer_in_backward = True
+
+    def _install_post_backward_futures(self, futures: Sequence[torch.futures.Future]) -> None:
+        """Futures the next backward waits for once its gradients are written back (a buffer hook's
+        collectives, ``DistributedDataParallel._register_buffer_comm_hook``)."""
+        self._post_backward_futures.extend(futures)
 
     def _remove_autograd_hooks(self) -> None:
         """Stop reducing: the parameters' hooks removed (``_remove_autograd_hooks``)."""
@@ -560,6 +651,8 @@ class Reducer:
 
     def _write_back(self, bucket: Bucket, result: torch.Tensor) -> None:
         """``finalize_bucket_dense``: the reduced gradients into ``.grad``; a gradient no rank used stays as it was."""
+        if self._optimizer_in_backward and not self.gradient_as_bucket_view and not bucket.sparse:
+            return  # the optimizers have used the gradients already, and they are cleared next
         if bucket.sparse:
             if result is not bucket.buffer:
                 bucket.buffer.copy_(result)  # into the parameter's own .grad, as reducer.cpp does
@@ -596,16 +689,40 @@ class Reducer:
         if into:
             torch._foreach_copy_(into, values)
 
-    def _unreduced_message(self, when: str) -> str:
+    def _unreduced_message(self) -> str:
+        """torch DDP's words (``Reducer::ensure_prior_reduction_finished``) for a backward that left gradients
+        unreduced: the likely cause, and what got no gradient on this rank, by name unless the debug level is OFF."""
         missing = [i for i, ready in enumerate(self._ready) if not ready]
-        listed = ", ".join(f"'{self.names[i]}' (index {i})" for i in missing)
-        return (
-            f"DistributedDataParallel on rank {self.rank}: {when} left gradients unreduced, because "
-            f"{len(missing)} parameter(s) got no gradient: {listed}. With find_unused_parameters=False every "
-            f"parameter that requires grad must get a gradient in every synchronised backward. Fix: pass "
-            f"find_unused_parameters=True, or make every output of forward take part in the loss, or set "
-            f"requires_grad=False on the parameters you do not train."
-        )
+        text = "Expected to have finished reduction in the prior iteration before starting a new one. "
+        if self.static_graph:
+            text += (
+                "This error indicates that your training graph has changed in this iteration, e.g., one parameter is "
+                "used in first iteration, but then got unused in the second iteration. this is not compatible with "
+                "static_graph set to True."
+            )
+        else:
+            text += (
+                "This error indicates that your module has parameters that were not used in producing loss. You can "
+                "enable unused parameter detection by passing the keyword argument `find_unused_parameters=True` to "
+                "`torch.nn.parallel.DistributedDataParallel`, and by \nmaking sure all `forward` function outputs "
+                "participate in calculating loss. \nIf you already have done the above, then the distributed data "
+                "parallel module wasn't able to locate the output tensors in the return value of your module's "
+                "`forward` function. Please include the loss function and the structure of the return value of "
+                "`forward` of your module when reporting this issue (e.g. list, dict, iterable)."
+            )
+        quiet = dist.get_debug_level() == dist.DebugLevel.OFF
+        if not quiet:
+            # names last-registered first, indices in order, as reducer.cpp lists them
+            text += f"\nParameters which did not receive grad for rank {self.rank}: " + ", ".join(
+                self.names[i] for i in reversed(missing))
+        text += f"\nParameter indices which did not receive grad for rank {self.rank}: " + " ".join(map(str, missing))
+        if quiet:
+            text += (
+                "\n In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL "
+                "to print out information about which particular parameters did not receive gradient on this rank as "
+                "part of this error"
+            )
+        return text
 
     def _warn_create_graph(self) -> None:
         if not self._warned_create_graph:
