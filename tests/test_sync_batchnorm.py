@@ -159,6 +159,19 @@ def test_without_running_statistics_every_mode_normalises_by_the_full_batch(gene
     assert_same_state(sync, reference)
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_processes_exchange_statistics_in_training_only_as_torch_sync_batchnorm(generator, training):
+    """torch.nn.SyncBatchNorm synchronises only when ``self.training`` (its ``need_sync``): in eval mode without
+    running statistics each process normalises by its own batch, so a rank may run inference alone."""
+    reference, sync = batchnorm_pair(3, generator, track_running_stats=False)
+    reference.train(training), sync.train(training)
+    exchanges = []
+    sync.across_processes = lambda statistics: exchanges.append(statistics) or statistics  # a world of one process
+    x = batch(3, 6, generator)
+    assert_close(sync(x), reference(x), "output")
+    assert len(exchanges) == (1 if training else 0)
+
+
 def test_eval_mode_normalises_by_running_statistics_without_meeting(generator, monkeypatch):
     reference, sync = batchnorm_pair(4, generator)
     meetings = []
