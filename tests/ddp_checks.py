@@ -55,11 +55,21 @@ class PartlyUsed(nn.Module):
         return out, self.side(h)
 
 
+class SomeUnused(PartlyUsed):
+    """PartlyUsed with the same parameters unused on every rank (``branch`` and ``never``), as
+    ``skip_all_reduce_unused_params`` requires."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return self.head(h), self.side(h)
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator], torch.Tensor], Callable[[Any], torch.Tensor]]] = {
     # name: (build, batch of n, loss of the output)
     "wide_mlp": (wide_mlp, lambda n, g: torch.randn(n, 256, generator=g), lambda out: out.pow(2).mean()),
     "resnet_bn": (ResNetBlockBN, lambda n, g: torch.randn(n, 3, 8, 8, generator=g), lambda out: out.pow(2).mean()),
     "partly_used": (PartlyUsed, lambda n, g: torch.randn(n, 8, generator=g), lambda out: out[0].pow(2).mean()),
+    "some_unused": (SomeUnused, lambda n, g: torch.randn(n, 8, generator=g), lambda out: out[0].pow(2).mean()),
 }
 
 

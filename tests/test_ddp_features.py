@@ -89,6 +89,11 @@ if "batched_grad_copy" in TORCH_DDP_ARGUMENTS:
     TWO_PROCESSES["batched_copy_views"] = (ddp_checks.against_torch, {
         "batched_grad_copy": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 1})
     THREE_PROCESSES["batched_copy"] = (ddp_checks.against_torch, {"model": "resnet_bn", "batched_grad_copy": True})
+if "skip_all_reduce_unused_params" in TORCH_DDP_ARGUMENTS:
+    skipping = {"model": "some_unused", "find_unused_parameters": True, "skip_all_reduce_unused_params": True,
+                "bucket_cap_mb": 0.0001}  # a bucket per parameter
+    TWO_PROCESSES["skip_unused"] = (ddp_checks.against_torch, skipping)
+    TWO_PROCESSES["skip_unused_hooked"] = (ddp_checks.hook_calls, skipping)
 if "bucket_cap_mb_list" in TORCH_DDP_ARGUMENTS:
     TWO_PROCESSES["bucket_list"] = (ddp_checks.against_torch, {"model": "resnet_bn", "bucket_cap_mb_list": [0.001, 0.004]})
     TWO_PROCESSES["bucket_list_hooked"] = (ddp_checks.hook_calls, {"bucket_cap_mb_list": [1, 2]})
@@ -369,3 +374,19 @@ def test_batched_gradient_copies_divide_as_stock_where_a_third_is_inexact(three)
     # three ranks: stock's batched path divides the bucket by 3 where its default multiplies each gradient by
     # 1/3, and the bits differ; minidp follows each path
     assert_no_differences(three, "batched_copy")
+
+
+@pytest.mark.skipif("skip_all_reduce_unused_params" not in TORCH_DDP_ARGUMENTS, reason="this torch's DDP lacks it")
+def test_skipping_the_all_reduce_of_unused_buckets_trains_as_stock_bitwise(two):
+    assert_no_differences(two, "skip_unused")
+
+
+@pytest.mark.skipif("skip_all_reduce_unused_params" not in TORCH_DDP_ARGUMENTS, reason="this torch's DDP lacks it")
+def test_buckets_of_unused_parameters_reach_no_hook_as_in_stock(two):
+    # reducer.cpp's should_skip_all_reduce_bucket: a bucket whose every parameter is unused launches nothing
+    unused = {2, 3, 4, 5}  # branch and never
+    for result in each_rank(two, "skip_unused_hooked"):
+        assert result["minidp"] == result["stock"]
+        for plan, backward in zip(result["plans"], result["minidp"]):
+            skipped = [bucket for bucket in plan if unused.issuperset(bucket)]
+            assert skipped and [indices for _, _, indices in backward] == [b for b in plan if b not in skipped]

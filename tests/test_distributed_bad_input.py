@@ -25,7 +25,7 @@ def test_each_per_bucket_cap_must_be_positive():
 
 
 @pytest.mark.parametrize("argument, value", [
-    ("mixed_precision", object()), ("skip_all_reduce_unused_params", True),
+    ("mixed_precision", object()),
     ("delay_all_reduce_named_params", [("w", nn.Parameter(torch.ones(1)))]),
 ])
 def test_torch_ddp_arguments_minidp_lacks_are_refused_by_name_not_ignored(argument, value):

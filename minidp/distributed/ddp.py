@@ -82,10 +82,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_reduction: deprecated by torch, no effect (a warning).
         batched_grad_copy: copy a bucket's gradients into it once it is full, then divide it at once (torch
             2.13's option; torch's bits, which differ from the default's where 1/world_size is inexact).
+        skip_all_reduce_unused_params: with ``find_unused_parameters`` or ``static_graph``, launch no all-reduce
+            for a bucket none of whose parameters got a gradient (every rank must find the same ones unused).
 
     Parameters and buffers named by :meth:`_set_params_and_buffers_to_ignore_for_model` before wrapping are
-    left alone. ``mixed_precision``, ``delay_all_reduce_named_params`` with ``param_to_hook_all_reduce``,
-    and ``skip_all_reduce_unused_params`` are refused (``NotImplementedError``).
+    left alone. ``mixed_precision`` and ``delay_all_reduce_named_params`` with ``param_to_hook_all_reduce`` are
+    refused (``NotImplementedError``).
     """
 
     def __init__(
@@ -115,7 +117,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         Joinable.__init__(self)  # not in a Join context until join() or Join([...]) says so
         refuse_unsupported(
             delay_all_reduce_named_params=delay_all_reduce_named_params, param_to_hook_all_reduce=param_to_hook_all_reduce,
-            mixed_precision=mixed_precision, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            mixed_precision=mixed_precision,
         )
         caps = BucketCaps.from_mb(bucket_cap_mb, bucket_cap_mb_list)
         if not dist.is_initialized():
@@ -137,6 +139,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.batched_grad_copy = batched_grad_copy
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.static_graph = static_graph
         self.device_ids = None if device_ids is None else list(device_ids)
         self.output_device = output_device
@@ -242,7 +245,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"(device_ids={self.device_ids}) do not sum; pass one device_id (or None), or use sparse=False"
             )
         self.reducer = Reducer(params, names, self.process_group, self._bucket_caps, self.find_unused_parameters,
-                               self.gradient_as_bucket_view, self.static_graph, sparse, self.batched_grad_copy)
+                               self.gradient_as_bucket_view, self.static_graph, sparse, self.batched_grad_copy,
+                               self.skip_all_reduce_unused_params)
         self._logging = LoggingData()
         self.reducer.log_error = self._logging.set_reducer_error
         self._logging.set_construction_data(
@@ -287,6 +291,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.__dict__.setdefault("_buffer_hook", None)
         self.__dict__.setdefault("_lazy_init_ran", False)
         self.__dict__.setdefault("batched_grad_copy", False)
+        self.__dict__.setdefault("skip_all_reduce_unused_params", False)
         self.process_group = process_group
         self.__dict__.setdefault("require_forward_param_sync", True)
         self.__dict__.setdefault("require_backward_grad_sync", True)

@@ -105,6 +105,7 @@ class Reducer:
         static_graph: bool = False,
         sparse: Optional[Sequence[bool]] = None,
         batched_grad_copy: bool = False,
+        skip_all_reduce_unused_params: bool = False,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -116,6 +117,9 @@ class Reducer:
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.batched_grad_copy = batched_grad_copy  # copy a bucket's gradients when it is full, not one by one
+        # launch no all-reduce for a bucket whose every parameter this rank found unused (the user promises every
+        # rank finds the same: torch DDP's skip_all_reduce_unused_params)
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.comm_hook: Optional[CommHook] = None
         self.comm_state: Any = None
         self._optimizer_in_backward = False  # the hook has stepped the optimizers: no write-back into .grad
@@ -155,6 +159,7 @@ class Reducer:
         self._ready = [False] * len(self.params)
         self._next_bucket = 0
         self._unused: list[int] = []
+        self._unused_set: set[int] = set()
         # Which parameters this rank used since the last reduction (no_sync steps count), summed over
         # the ranks after the last bucket: 0 means no rank used it, so its .grad is left alone. Kept on
         # the CPU (set once per gradient), all-reduced from a copy on the parameters' device.
@@ -286,12 +291,14 @@ class Reducer:
         elif self.static_graph:
             self._remaining = list(self._static_counts)
             self._unused = [i for i, count in enumerate(self._static_counts) if count == 0]
+            self._unused_set = set(self._unused)
         elif self.find_unused_parameters:
             with torch.autograd.profiler.record_function("torch.distributed.ddp.reducer::search_unused_parameters"):
                 self._unused = self._unreached(outputs)
             if self._last_search is not None and self._unused != self._last_search:
                 self._graph_static = False
             self._last_search = self._unused
+            self._unused_set = set(self._unused)
 
     def _note_backward_start(self, grad: torch.Tensor) -> None:
         """The gradient reached an output: the backward of this forward started, in the outermost
@@ -457,6 +464,10 @@ class Reducer:
         """All-reduce every full bucket from the next one due, in order, stopping at the first that is not full."""
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
             bucket = self.buckets[self._next_bucket]
+            self._next_bucket += 1
+            if self.skip_all_reduce_unused_params and not bucket.sparse and self._unused_set.issuperset(bucket.indices):
+                bucket.future = None  # no parameter of it got a gradient here, nor, by the user's promise, anywhere
+                continue
             event = {"stage": "all-reduce", "bucket": bucket.index, "start": time.perf_counter(), "end": None}
             self._stamps.setdefault("backward_comm_start", event["start"])
             if self.comm_hook is None:
@@ -467,7 +478,6 @@ class Reducer:
             bucket.future.add_done_callback(lambda _, event=event: _stamp_end(event))
             self._events.append(event)
             self._reduce_events[bucket.index] = event
-            self._next_bucket += 1
             if self._next_bucket == len(self.buckets) and self._tracks_use():
                 self._used_on_device = self._local_used.to(self.params[0].device, copy=True)
                 self._used_future = dist.all_reduce(self._used_on_device, group=self.group, async_op=True).get_future()
@@ -533,7 +543,8 @@ class Reducer:
             self._expect_hooks = False
             self._require_finalize = False
             for bucket in self.buckets:
-                self._write_back(bucket, self._result_of(bucket))
+                if bucket.future is not None:  # None: skipped, its gradients left as they are
+                    self._write_back(bucket, self._result_of(bucket))
             for future in self._post_backward_futures:
                 future.wait()
             self._post_backward_futures = []
