@@ -55,9 +55,17 @@ class PartlyUsed(nn.Module):
         return out, self.side(h)
 
 
-class SomeUnused(PartlyUsed):
-    """PartlyUsed with the same parameters unused on every rank (``branch`` and ``never``), as
-    ``skip_all_reduce_unused_params`` requires."""
+class SomeUnused(nn.Module):
+    """Layers unused on every rank (``never``, registered first, so reduced last, and ``branch``), as
+    ``skip_all_reduce_unused_params`` requires, between used ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.never = nn.Linear(16, 4)
+        self.trunk = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+        self.side = nn.Linear(16, 2)
+        self.branch = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = torch.tanh(self.trunk(x))

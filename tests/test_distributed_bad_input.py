@@ -26,7 +26,7 @@ def test_each_per_bucket_cap_must_be_positive():
 
 @pytest.mark.parametrize("argument, value", [
     ("mixed_precision", object()),
-    ("delay_all_reduce_named_params", [("w", nn.Parameter(torch.ones(1)))]),
+    ("delay_all_reduce_named_params", [("w", nn.Parameter(torch.ones(3)))]), ("param_to_hook_all_reduce", nn.Parameter(torch.ones(3))),
 ])
 def test_torch_ddp_arguments_minidp_lacks_are_refused_by_name_not_ignored(argument, value):
     # torch/nn/parallel/distributed.py takes them (torch 2.13); minidp does not implement them, and says so

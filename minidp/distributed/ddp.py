@@ -538,7 +538,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
 def refuse_unsupported(**arguments: Any) -> None:
     """Raise, before anything happens, if one of torch DDP's arguments that minidp does not implement is set."""
-    given = [name for name, value in arguments.items() if value not in (None, False)]
+    given = [name for name, value in arguments.items() if value is not None]  # identity: a tensor has no truth value
     if given:
         raise NotImplementedError(
             f"minidp's DistributedDataParallel does not implement {', '.join(given)} (torch DDP's; the rest of its "

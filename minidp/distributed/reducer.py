@@ -467,21 +467,25 @@ class Reducer:
             self._next_bucket += 1
             if self.skip_all_reduce_unused_params and not bucket.sparse and self._unused_set.issuperset(bucket.indices):
                 bucket.future = None  # no parameter of it got a gradient here, nor, by the user's promise, anywhere
-                continue
-            event = {"stage": "all-reduce", "bucket": bucket.index, "start": time.perf_counter(), "end": None}
-            self._stamps.setdefault("backward_comm_start", event["start"])
-            if self.comm_hook is None:
-                bucket.future = dist.all_reduce(bucket.buffer, group=self.group, async_op=True).get_future()
             else:
-                bucket.future = self.comm_hook(self.comm_state, GradBucket(bucket, len(self.buckets)))
-                future_result(bucket.future, bucket.index)
-            bucket.future.add_done_callback(lambda _, event=event: _stamp_end(event))
-            self._events.append(event)
-            self._reduce_events[bucket.index] = event
+                self._launch(bucket)
             if self._next_bucket == len(self.buckets) and self._tracks_use():
                 self._used_on_device = self._local_used.to(self.params[0].device, copy=True)
                 self._used_future = dist.all_reduce(self._used_on_device, group=self.group, async_op=True).get_future()
                 self._used_reduced = False
+
+    def _launch(self, bucket: Bucket) -> None:
+        """The bucket's all-reduce, or the communication hook's reduction, left running (``bucket.future``)."""
+        event = {"stage": "all-reduce", "bucket": bucket.index, "start": time.perf_counter(), "end": None}
+        self._stamps.setdefault("backward_comm_start", event["start"])
+        if self.comm_hook is None:
+            bucket.future = dist.all_reduce(bucket.buffer, group=self.group, async_op=True).get_future()
+        else:
+            bucket.future = self.comm_hook(self.comm_state, GradBucket(bucket, len(self.buckets)))
+            future_result(bucket.future, bucket.index)
+        bucket.future.add_done_callback(lambda _, event=event: _stamp_end(event))
+        self._events.append(event)
+        self._reduce_events[bucket.index] = event
 
     def shadow_backward(self) -> None:
         """A rank that has joined (:mod:`minidp.distributed.join`) takes part in the backward of the ranks
