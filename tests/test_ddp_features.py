@@ -82,6 +82,12 @@ THREE_PROCESSES = {
 
 # Arguments torch DDP took in 2.13, compared where the installed torch has them.
 TORCH_DDP_ARGUMENTS = inspect.signature(ddp_checks.TorchDDP.__init__).parameters
+
+
+def needs_torch_argument(name: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(name not in TORCH_DDP_ARGUMENTS, reason=f"this torch's DDP has no {name} to compare with")
+
+
 if "forward_sync_buffers" in TORCH_DDP_ARGUMENTS:
     TWO_PROCESSES["forward_sync_off"] = (ddp_checks.against_torch, {"model": "resnet_bn", "forward_sync_buffers": False})
 if "batched_grad_copy" in TORCH_DDP_ARGUMENTS:
@@ -344,17 +350,17 @@ def test_a_one_dimensional_device_mesh_averages_over_its_ranks_as_stock(two):
     assert_no_differences(two, "device_mesh")
 
 
-@pytest.mark.skipif("forward_sync_buffers" not in TORCH_DDP_ARGUMENTS, reason="torch DDP takes it from 2.13")
+@needs_torch_argument("forward_sync_buffers")
 def test_forward_sync_buffers_false_syncs_buffers_once_at_construction_as_stock(two):
     assert_no_differences(two, "forward_sync_off")
 
 
-@pytest.mark.skipif("bucket_cap_mb_list" not in TORCH_DDP_ARGUMENTS, reason="torch DDP takes it from 2.13")
+@needs_torch_argument("bucket_cap_mb_list")
 def test_a_cap_per_bucket_trains_as_stock_bitwise(two):
     assert_no_differences(two, "bucket_list")
 
 
-@pytest.mark.skipif("bucket_cap_mb_list" not in TORCH_DDP_ARGUMENTS, reason="torch DDP takes it from 2.13")
+@needs_torch_argument("bucket_cap_mb_list")
 @pytest.mark.parametrize("check", ["bucket_list_hooked", "bucket_list_find_unused"])
 def test_a_cap_per_bucket_hands_hooks_stocks_buckets_in_every_backward(two, check):
     for result in each_rank(two, check):
@@ -362,26 +368,26 @@ def test_a_cap_per_bucket_hands_hooks_stocks_buckets_in_every_backward(two, chec
         assert result["plans"] == [[indices for _, _, indices in backward] for backward in result["stock"]]
 
 
-@pytest.mark.skipif("batched_grad_copy" not in TORCH_DDP_ARGUMENTS, reason="torch DDP takes it from 2.13")
+@needs_torch_argument("batched_grad_copy")
 @pytest.mark.parametrize("check", ["batched_copy", "batched_copy_views"])
 def test_batched_gradient_copies_train_as_stocks_bitwise(two, check):
     # one copy and one division per full bucket (distributed.py: batched_grad_copy), with bucket views too
     assert_no_differences(two, check)
 
 
-@pytest.mark.skipif("batched_grad_copy" not in TORCH_DDP_ARGUMENTS, reason="torch DDP takes it from 2.13")
+@needs_torch_argument("batched_grad_copy")
 def test_batched_gradient_copies_divide_as_stock_where_a_third_is_inexact(three):
     # three ranks: stock's batched path divides the bucket by 3 where its default multiplies each gradient by
     # 1/3, and the bits differ; minidp follows each path
     assert_no_differences(three, "batched_copy")
 
 
-@pytest.mark.skipif("skip_all_reduce_unused_params" not in TORCH_DDP_ARGUMENTS, reason="this torch's DDP lacks it")
+@needs_torch_argument("skip_all_reduce_unused_params")
 def test_skipping_the_all_reduce_of_unused_buckets_trains_as_stock_bitwise(two):
     assert_no_differences(two, "skip_unused")
 
 
-@pytest.mark.skipif("skip_all_reduce_unused_params" not in TORCH_DDP_ARGUMENTS, reason="this torch's DDP lacks it")
+@needs_torch_argument("skip_all_reduce_unused_params")
 def test_buckets_of_unused_parameters_reach_no_hook_as_in_stock(two):
     # reducer.cpp's should_skip_all_reduce_bucket: a bucket whose every parameter is unused launches nothing
     unused = {0, 1, 8, 9}  # never (its bucket is the last one reduced) and branch
