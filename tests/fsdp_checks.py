@@ -96,10 +96,14 @@ def first_difference(ours: nn.Module, theirs: nn.Module, optimizers: tuple) -> O
 
 
 def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.float32, optimizer: str = "sgd",
-                  reshard_after_forward: bool = True, steps: int = 3, micro_batches: int = 1) -> dict:
+                  reshard_after_forward: bool = True, steps: int = 3, micro_batches: int = 1,
+                  unsynced: Optional[str] = None) -> dict:
     """Train FSDP2 and minidp side by side from the same weights (seeded alike on every rank, as
     FSDP2 requires), each rank on its own batches; after every backward and every step, the first
-    difference. ``micro_batches`` > 1: that many backwards per step, their sharded gradients summed."""
+    difference. ``micro_batches`` > 1: that many backwards per step, their sharded gradients summed.
+    ``unsynced``: each step's backwards but the last run after ``set_requires_gradient_sync(False)`` on
+    the root, the last after ``True``: ``"all"`` with ``recurse=True`` (no reduce-scatter until the last),
+    ``"root"`` with ``recurse=False`` (only the root's group accumulates unreduced)."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
     theirs = MODELS[model]().to(dtype)
@@ -116,6 +120,8 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
             x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + 10 * micro + rank),
                             dtype=dtype)
             for sharded in (ours, theirs):
+                if unsynced is not None:
+                    sharded.set_requires_gradient_sync(micro == micro_batches - 1, recurse=unsynced == "all")
                 sharded(x).pow(2).mean().backward()
             differences.append(first_difference(ours, theirs, optimizers))
         for opt in optimizers:
@@ -130,6 +136,62 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
     return {"differences": differences, "state_dict_equal": state_dict_equal,
             "reloaded": all(torch.equal(reloaded[k], full[k]) for k in full),
             "shard_shapes": [tuple(p.shape) for p in ours.parameters()]}
+
+
+def collectives_when_unsynced(seed: int, recurse: bool) -> dict:
+    """Three backwards, the first two after ``set_requires_gradient_sync(False, recurse=recurse)`` on
+    the root, the last after ``True``: each backward's reduce-scatters and all-gathers (the timeline),
+    and which groups had the switch off during the first two."""
+    torch.manual_seed(seed)
+    model = shard(Net(), md.fully_shard, True)
+    counts, switched_off = [], []
+    for micro in range(3):
+        model.set_requires_gradient_sync(micro == 2, recurse=recurse)
+        model(torch.randn(4, 13)).sum().backward()
+        if micro == 0:  # the groups' names (under the root) are set at the first forward
+            switched_off = [g.name for g in sharded_groups(model) if not g.requires_gradient_sync]
+        timeline = md.sharded_timeline(model)
+        counts.append({stage: sum(e["stage"] == stage for e in timeline) for stage in ("reduce-scatter", "all-gather")})
+    return {"counts": counts, "switched_off": switched_off, "class": type(model).__name__,
+            "is_net": isinstance(model, Net), "block_class": type(model.blocks[0]).__name__}
+
+
+def unshard_and_reshard(seed: int) -> dict:
+    """``unshard()`` then ``reshard()`` on one block, by each: the weight's local shape after each, and whether the
+    unsharded weight equals the whole one."""
+    torch.manual_seed(seed)
+    whole = Net()
+    results = {}
+    for name, function in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
+        model = shard(copy.deepcopy(whole), function, True)
+        block = model.blocks[1]
+        block.unshard()
+        unsharded = local(block.linear.weight)
+        equal = torch.equal(unsharded, whole.blocks[1].linear.weight)
+        shape = tuple(unsharded.shape)
+        block.reshard()
+        results[name] = {"unsharded": shape, "equal": equal, "resharded": tuple(local(block.linear.weight).shape)}
+    return results
+
+
+def deepcopies(seed: int) -> dict:
+    """``copy.deepcopy`` of a sharded model before its first forward and after a backward (when its whole
+    parameters' storage is freed), in minidp and in FSDP2: per library, what each raised."""
+    x = torch.randn(4, 13, generator=torch.Generator().manual_seed(seed + dist.get_rank()))
+    outcomes: dict[str, list[str]] = {}
+    for name, function in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
+        torch.manual_seed(seed)
+        model = shard(Net(), function, True)
+        outcomes[name] = []
+        for trained in (False, True):
+            if trained:
+                model(x).sum().backward()
+            try:
+                copy.deepcopy(model)
+                outcomes[name].append("copied")
+            except AssertionError as error:
+                outcomes[name].append(f"{type(error).__name__}: {error}")
+    return outcomes
 
 
 def already_wrapped(seed: int) -> dict:

@@ -55,6 +55,14 @@ TWO_PROCESSES = {
     **_against_fsdp2_plan(),
     "accumulate": (checks.against_fsdp2, {"micro_batches": 2, "optimizer": "adamw"}),
     "tied": (checks.against_fsdp2, {"model": "tied", "dtype": torch.float64}),
+    "unsynced-reshard": (checks.against_fsdp2, {"micro_batches": 3, "steps": 2, "unsynced": "all"}),
+    "unsynced-keep": (checks.against_fsdp2, {"micro_batches": 3, "steps": 2, "unsynced": "all",
+                                             "reshard_after_forward": False, "optimizer": "adamw"}),
+    "unsynced-root": (checks.against_fsdp2, {"micro_batches": 3, "steps": 2, "unsynced": "root"}),
+    "collectives_unsynced": (checks.collectives_when_unsynced, {"recurse": True}),
+    "collectives_unsynced_root": (checks.collectives_when_unsynced, {"recurse": False}),
+    "unshard_and_reshard": (checks.unshard_and_reshard, {}),
+    "deepcopies": (checks.deepcopies, {}),
     "already_wrapped": (checks.already_wrapped, {}),
     "shared_between_groups": (checks.shared_between_groups, {}),
     "mismatched_model": (checks.mismatched_model, {}),
@@ -65,6 +73,12 @@ TWO_PROCESSES = {
 THREE_PROCESSES = {
     **_against_fsdp2_plan(),
     "accumulate": (checks.against_fsdp2, {"micro_batches": 2, "reshard_after_forward": False}),
+    "unsynced-reshard": (checks.against_fsdp2, {"micro_batches": 3, "steps": 2, "unsynced": "all",
+                                                "dtype": torch.float64, "optimizer": "adamw"}),
+    "unsynced-keep": (checks.against_fsdp2, {"micro_batches": 3, "steps": 2, "unsynced": "all",
+                                             "reshard_after_forward": False}),
+    "unsynced-root": (checks.against_fsdp2, {"micro_batches": 3, "steps": 2, "unsynced": "root",
+                                             "reshard_after_forward": False}),
 }
 
 
@@ -89,6 +103,61 @@ def test_shards_gradients_and_optimizer_state_equal_fsdp2_three_processes(three,
 @pytest.mark.parametrize("world", ["two", "three"])
 def test_gradients_of_several_backwards_accumulate_in_the_shards_as_fsdp2(world, request):
     assert_same_as_fsdp2(request.getfixturevalue(world), "accumulate")
+
+
+# ---- set_requires_gradient_sync: gradient accumulation without the reduce-scatter --------------------
+# FSDP2: _fully_shard.py, FSDPModule.set_requires_gradient_sync (sets each group's reduce_grads);
+# _fsdp_param_group.py, post_backward (reduce_grads False: reshard, keep unsharded_param.grad, return).
+
+
+@pytest.mark.parametrize("world", ["two", "three"])
+@pytest.mark.parametrize("reshard", ["reshard", "keep"])
+def test_micro_batches_accumulated_unsynced_then_reduced_once_equal_fsdp2(world, reshard, request):
+    # 3 backwards per step, sync off for the first two and on for the last; 2 steps (2 ranks: float32, SGD
+    # and AdamW; 3 ranks: float64 AdamW and float32 SGD)
+    assert_same_as_fsdp2(request.getfixturevalue(world), f"unsynced-{reshard}")
+
+
+@pytest.mark.parametrize("world", ["two", "three"])
+def test_sync_switched_off_on_the_root_only_equals_fsdp2_doing_the_same(world, request):
+    # recurse=False: only the root's group (norm, head) accumulates unreduced; the blocks reduce every backward
+    assert_same_as_fsdp2(request.getfixturevalue(world), "unsynced-root")
+
+
+def test_no_reduce_scatter_runs_in_an_unsynchronised_backward(two):
+    for result in each_rank(two, "collectives_unsynced"):
+        assert result["switched_off"] == ["", "blocks.0", "blocks.1", "blocks.2"]  # the root's name is ""
+        assert [c["reduce-scatter"] for c in result["counts"]] == [0, 0, 4]
+        assert [c["all-gather"] for c in result["counts"]] == [8, 8, 8]  # gathered as ever: forward and backward
+
+
+def test_recurse_false_switches_off_sync_in_the_root_group_only(two):
+    for result in each_rank(two, "collectives_unsynced_root"):
+        assert result["switched_off"] == [""]  # the root's group: its own parameters (norm, head)
+        assert [c["reduce-scatter"] for c in result["counts"]] == [3, 3, 4]
+
+
+def test_the_sharded_module_is_an_instance_of_its_own_class_with_fsdp2s_methods(two):
+    # FSDP2 (_fsdp_init.py, _apply_to_module): the class becomes FSDP<cls>, a subclass of (FSDPModule, cls)
+    for result in each_rank(two, "collectives_unsynced"):
+        assert (result["class"], result["is_net"], result["block_class"]) == ("ShardedNet", True, "ShardedBlock")
+
+
+def test_unshard_leaves_the_whole_parameters_on_the_module_and_reshard_the_shards_as_fsdp2(two):
+    # FSDP2: _fully_shard.py, FSDPModule.unshard and FSDPModule.reshard (not recursive)
+    for rows, result in zip([15, 14], each_rank(two, "unshard_and_reshard")):  # torch.chunk of 29 rows over 2
+        assert result["minidp"] == result["fsdp2"]
+        assert result["minidp"] == {"unsharded": (29, 29), "equal": True, "resharded": (rows, 29)}
+
+
+def test_deepcopy_is_refused_before_and_after_training_as_fsdp2_refuses_it(two):
+    # FSDP2's classes define __deepcopy__ to raise (_fully_shard.py, _unimplemented_deepcopy): after a backward the
+    # whole parameters' storage is freed, and copying it would read freed memory (a crash, before minidp refused)
+    for result in each_rank(two, "deepcopies"):
+        assert result["fsdp2"] == ["AssertionError: FSDP does not support deepcopy. Please use state dict for "
+                                   "serialization."] * 2
+        assert len(result["minidp"]) == 2 and all(
+            outcome.startswith("AssertionError: fully_shard does not support deepcopy") for outcome in result["minidp"])
 
 
 def test_a_weight_tied_inside_one_group_is_gathered_once_and_reduced_once_as_fsdp2(two):

@@ -52,6 +52,11 @@ The steps, and where each lives:
 
 :func:`full_state_dict` gathers every parameter on every rank; ``module.load_state_dict`` takes
 full tensors back (each rank keeps its rows).
+
+The module keeps its own class's behaviour, but its class becomes a subclass of (:class:`ShardedModule`,
+its class), as FSDP2's becomes one of (``FSDPModule``, its class): that is where FSDP2's methods users
+call on the module live, ``set_requires_gradient_sync`` (gradient accumulation without the
+reduce-scatter), ``unshard`` and ``reshard``.
 """
 
 from __future__ import annotations
@@ -172,6 +177,9 @@ class ShardGroup:
         self.gathered = False
         self.pending: Optional[tuple[dist.Work, torch.Tensor]] = None  # an all-gather under way, and its buffer
         self.reduced_this_backward = False
+        # False: the backward keeps the whole gradients on the whole parameters, unreduced, and the next
+        # backward adds into them (ShardedModule.set_requires_gradient_sync; FSDP2's reduce_grads).
+        self.requires_gradient_sync = True
         self.dtype = params[0].padded.dtype if params else None
         # What the group's whole parameters hold while gathered: every rank's padded rows of each (the
         # storage unshard allocates, and reshard resizes to nothing).
@@ -251,7 +259,7 @@ class ShardGroup:
         group = self._process_group()
         if group is None:
             raise RuntimeError(
-                f"the process group that {type(self.module).__name__} was sharded over is destroyed "
+                f"the process group that {_class_name(self.module)} was sharded over is destroyed "
                 f"(torch.distributed.destroy_process_group()): shard the module again in a new group to use it"
             )
         return group
@@ -273,6 +281,13 @@ class ShardGroup:
         if self._backward_start is not None:
             self._record("backward", self._backward_start)
             self._backward_start = None
+        if not self.requires_gradient_sync:
+            # FSDP2 (_fsdp_param_group.py, post_backward with reduce_grads False): reshard and return; the
+            # whole gradient stays on the whole parameter, ``p.full`` (one nn.Parameter for every gather, its
+            # .grad in storage of its own, which resharding does not free), where autograd adds the next
+            # backward's into it; the next synchronised backward reduce-scatters the sum.
+            self.reshard()
+            return
         with_grad = [p for p in self.params if p.full is not None and p.full.grad is not None]
         grads = [p.full.grad for p in with_grad]
         for p in with_grad:
@@ -477,6 +492,64 @@ def _group_of(module: nn.Module) -> Optional[ShardGroup]:
     return module.__dict__.get(_GROUP)
 
 
+class ShardedModule:
+    """FSDP2's ``FSDPModule`` methods, on the modules ``fully_shard`` shards.
+
+    FSDP2 returns the module itself, its class swapped for a subclass of (``FSDPModule``, its class),
+    and users call the methods of ``FSDPModule`` on it (``model.set_requires_gradient_sync(False)``).
+    ``fully_shard`` does the same with this class: ``type(module)`` becomes ``Sharded<its class>``
+    (one per class, made once), so that the module keeps its attributes, its forward and
+    ``isinstance`` to its class, and gains these methods. The state stays in the module's group.
+    """
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Whether the backward reduce-scatters the gradients: ``False`` for gradient accumulation without
+        communication (FSDP1's ``no_sync``). Unsynchronised backwards keep each whole gradient on the whole
+        parameter, summed over the backwards by autograd; the next backward with ``True`` reduce-scatters
+        the sum into the shards' ``.grad``. ``recurse``: every sharded module under this one (this one
+        included), else this one's group only (FSDP2's ``FSDPModule.set_requires_gradient_sync``)."""
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        for module in modules:
+            group = _group_of(module)
+            if group is not None:
+                group.requires_gradient_sync = requires_gradient_sync
+
+    def __deepcopy__(self, memo: dict) -> None:
+        # As FSDP2's classes (_fully_shard.py, _unimplemented_deepcopy), with its exception type: after a backward
+        # the whole parameters' storage is freed, and a copy of them would read freed memory.
+        raise AssertionError(
+            f"fully_shard does not support deepcopy (FSDP2 refuses it too): copy the weights through a state dict "
+            f"instead, e.g. full_state_dict(module) into a new {_class_name(self)} (a copy to shard, if needed)")
+
+    def unshard(self) -> None:
+        """Gather this module's parameters now and leave them on it, whole (not recursive); its next
+        forward uses them without gathering (FSDP2's ``FSDPModule.unshard``, without ``async_op``)."""
+        _own_group(self).unshard()
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters and put the shards back on it (not recursive; FSDP2's
+        ``FSDPModule.reshard``)."""
+        _own_group(self).reshard()
+
+
+# One subclass of (ShardedModule, cls) per class, as FSDP2 caches its FSDP<cls> classes (_fsdp_init.py,
+# _apply_to_module).
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _own_group(module: nn.Module) -> ShardGroup:
+    group = _group_of(module)
+    if group is None:
+        raise RuntimeError(f"this {type(module).__name__} is not sharded itself: fully_shard was not applied to it")
+    return group
+
+
+def _class_name(module: nn.Module) -> str:
+    """The name of ``module``'s class before ``fully_shard`` swapped it ("Net", not "ShardedNet")."""
+    cls = type(module)
+    return cls.__mro__[2].__name__ if issubclass(cls, ShardedModule) else cls.__name__
+
+
 # Set on a parameter that a fully_shard call replaced by shards (its name there): a module that still
 # holds it shares it with a sharded module.
 _SHARDED_AS = "_minidp_sharded_as"
@@ -506,7 +579,7 @@ def _check_module(module: nn.Module) -> None:
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if _group_of(module) is not None:
         raise ValueError(
-            f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
+            f"fully_shard was already applied to this {_class_name(module)}; apply it once per module "
             f"(sub-modules first, then the root)")
     if isinstance(module, (FSDPModule, nn.parallel.DistributedDataParallel, DistributedDataParallel)):
         raise ValueError(
@@ -539,7 +612,9 @@ def fully_shard(
             in the backward (less memory); ``False`` keeps them until the backward is done.
 
     After this call, ``module``'s parameters are this rank's shards (rows of dim 0): build the
-    optimizer afterwards, on ``module.parameters()``.
+    optimizer afterwards, on ``module.parameters()``. ``module``'s class is then a subclass of
+    :class:`ShardedModule` and of its own class, with FSDP2's ``set_requires_gradient_sync``,
+    ``unshard`` and ``reshard``.
     """
     _check_module(module)
     if not dist.is_initialized():
@@ -595,6 +670,11 @@ def fully_shard(
     holders = {id(m): m for p in params for m, _ in [(p.module, p.name), *p.also_in]}
     for holder in holders.values():
         holder._register_load_state_dict_pre_hook(functools.partial(_keep_own_rows, shard_group, holder))
+    cls = type(module)
+    if not issubclass(cls, ShardedModule):  # (a Sequential sliced from a sharded one is a ShardedSequential)
+        if cls not in _SHARDED_CLASSES:  # Sharded<cls>: ShardedModule's methods first, then the class's own
+            _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+        module.__class__ = _SHARDED_CLASSES[cls]
     return module
 
 
