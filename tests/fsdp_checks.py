@@ -144,7 +144,8 @@ def collectives_when_unsynced(seed: int, recurse: bool) -> dict:
     and which groups had the switch off during the first two."""
     torch.manual_seed(seed)
     model = shard(Net(), md.fully_shard, True)
-    counts, switched_off = [], []
+    whole_bytes = sum(p.numel() * p.element_size() for p in Net().parameters())
+    counts, switched_off, gradient_bytes = [], [], []
     for micro in range(3):
         model.set_requires_gradient_sync(micro == 2, recurse=recurse)
         model(torch.randn(4, 13)).sum().backward()
@@ -152,8 +153,11 @@ def collectives_when_unsynced(seed: int, recurse: bool) -> dict:
             switched_off = [g.name for g in sharded_groups(model) if not g.requires_gradient_sync]
         timeline = md.sharded_timeline(model)
         counts.append({stage: sum(e["stage"] == stage for e in timeline) for stage in ("reduce-scatter", "all-gather")})
+        gradient_bytes.append(md.memory_ledger(model)["gradients"])
     return {"counts": counts, "switched_off": switched_off, "class": type(model).__name__,
-            "is_net": isinstance(model, Net), "block_class": type(model.blocks[0]).__name__}
+            "is_net": isinstance(model, Net), "block_class": type(model.blocks[0]).__name__,
+            "gradient_bytes": gradient_bytes, "whole_bytes": whole_bytes,
+            "shard_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
 def unshard_and_reshard(seed: int) -> dict:

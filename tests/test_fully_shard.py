@@ -131,6 +131,13 @@ def test_no_reduce_scatter_runs_in_an_unsynchronised_backward(two):
         assert [c["all-gather"] for c in result["counts"]] == [8, 8, 8]  # gathered as ever: forward and backward
 
 
+def test_the_ledger_counts_the_whole_gradients_an_unsynchronised_backward_keeps(two):
+    # between unsynchronised backwards each rank holds every whole gradient (FSDP2's unsharded .grad); after
+    # the synchronised one, its shard of the sum only
+    for result in each_rank(two, "collectives_unsynced"):
+        assert result["gradient_bytes"] == [result["whole_bytes"]] * 2 + [result["shard_bytes"]]
+
+
 def test_recurse_false_switches_off_sync_in_the_root_group_only(two):
     for result in each_rank(two, "collectives_unsynced_root"):
         assert result["switched_off"] == [""]  # the root's group: its own parameters (norm, head)

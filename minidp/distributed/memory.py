@@ -5,7 +5,8 @@ its parameters, their gradients, the optimizer's state (SGD's momentum: one more
 moments: two), and DDP's gradient buckets (one more copy of the gradients, unless
 ``gradient_as_bucket_view``). A rank of :func:`~minidp.distributed.fully_shard` holds 1/W of each
 (its padded shard), and for a while in each step the parameters of the groups it has gathered and
-the buffers of the reduce-scatters under way ("transient").
+the buffers of the reduce-scatters under way ("transient"); between backwards that do not synchronise
+(``set_requires_gradient_sync(False)``), every whole gradient.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def memory_ledger(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     params = list(model.parameters())
     ledger = {
         "parameters": sum(_bytes(padded.get(id(p), p)) for p in params),
-        "gradients": sum(_bytes(p.grad) for p in params),
+        # and the whole gradients unsynchronised backwards keep on the whole parameters, off the module once resharded
+        "gradients": sum(_bytes(p.grad) for p in params) + sum(
+            _bytes(p.full.grad) for g in groups if not g.gathered for p in g.params if p.full is not None),
         "optimizer_state": 0 if optimizer is None else optimizer_state_bytes(optimizer),
         "gathered": sum(g.gathered_bytes() for g in groups),
         "buckets": sum(_bytes(b.buffer) for b in model.reducer.buckets) if isinstance(model, DistributedDataParallel) else 0,
