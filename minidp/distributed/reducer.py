@@ -569,7 +569,8 @@ class Reducer:
             self._stamps["backward_comm_end"] = self._events[-1]["end"]
             self.last_stamps = self._stamps
             # Kept as they are; the statistics are computed from them only when sampled (runtime_facts).
-            self._last_backward = (len(self.buckets), list(self._unused), list(self._grad_ready_order))
+            reduced = sum(bucket.future is not None for bucket in self.buckets)  # skip_all_reduce_unused_params
+            self._last_backward = (reduced, list(self._unused), list(self._grad_ready_order))
 
     def runtime_facts(self) -> dict[str, Any]:
         """The last finished backward's facts for the runtime statistics (:mod:`.logging_data`)."""
