@@ -1223,16 +1223,18 @@ def test_post_localSGD_optimizer_step_reload() -> None:
 
 
 class NetWithBuffers(nn.Module):
-    """Two bias-free layers and a buffer the forward increments in place."""
+    """Two bias-free layers and a buffer the forward increments in place (unless ``increments=False``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, increments: bool = True) -> None:
         super().__init__()
         self.a = nn.Linear(10, 10, bias=False)
         self.b = nn.Linear(10, 1, bias=False)
         self.register_buffer("buffer", torch.randn(1, 2))
+        self.increments = increments
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.buffer.add_(1)
+        if self.increments:
+            self.buffer.add_(1)
         return self.b(self.a(x))
 
 
@@ -1254,17 +1256,7 @@ def test_ddp_broadcast_buffer() -> None:
     rank = dist.get_rank()
     torch.manual_seed(rank)
 
-    class NetWithBuffers(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(10, 10, bias=False)
-            self.b = nn.Linear(10, 1, bias=False)
-            self.register_buffer("buffer", torch.randn(1, 2))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.b(self.a(x))
-
-    model_ddp = DDP(NetWithBuffers())
+    model_ddp = DDP(NetWithBuffers(increments=False))
     inp = torch.randn(2, 10)
     for _ in range(2):
         if rank == 0:
