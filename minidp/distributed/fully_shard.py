@@ -546,8 +546,7 @@ def _own_group(module: nn.Module) -> ShardGroup:
 
 def _class_name(module: nn.Module) -> str:
     """The name of ``module``'s class before ``fully_shard`` swapped it ("Net", not "ShardedNet")."""
-    cls = type(module)
-    return cls.__mro__[2].__name__ if issubclass(cls, ShardedModule) else cls.__name__
+    return getattr(type(module), "unsharded_class", type(module)).__name__
 
 
 # Set on a parameter that a fully_shard call replaced by shards (its name there): a module that still
@@ -673,7 +672,7 @@ def fully_shard(
     cls = type(module)
     if not issubclass(cls, ShardedModule):  # (a Sequential sliced from a sharded one is a ShardedSequential)
         if cls not in _SHARDED_CLASSES:  # Sharded<cls>: ShardedModule's methods first, then the class's own
-            _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+            _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"unsharded_class": cls})
         module.__class__ = _SHARDED_CLASSES[cls]
     return module
 
