@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import minidp.distributed as md
-from minidp.distributed.fully_shard import sharded_groups
+from minidp.distributed.fully_shard import ShardedModule, sharded_groups
 
 
 class Block(nn.Module):
@@ -60,14 +61,93 @@ class Tied(nn.Module):
         return self.outer(torch.tanh(self.inner(x)))
 
 
-def shard(model: nn.Module, function: Callable[..., Any], reshard_after_forward: bool) -> nn.Module:
-    """Sub-modules first, the root last, as FSDP2 asks."""
-    for block in getattr(model, "blocks", ()):
-        function(block, reshard_after_forward=reshard_after_forward)
+class Embedded(nn.Module):
+    """An embedding, whose backward needs none of its weights' values (``set_unshard_in_backward(False)``),
+    looked up by indices made from the input, in front of a :class:`Net`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(17, 13)
+        self.body = Net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.embed((x.abs() * 5).long() % 17).mean(1))
+
+
+def shard(model: nn.Module, function: Callable[..., Any], reshard_after_forward: Optional[bool]) -> nn.Module:
+    """Sub-modules first (the blocks, an embedding), the root last, as FSDP2 asks."""
+    for part in [*getattr(model, "blocks", ()), *filter(None, [getattr(model, "embed", None)])]:
+        function(part, reshard_after_forward=reshard_after_forward)
     return function(model, reshard_after_forward=reshard_after_forward)
 
 
-MODELS = {"net": Net, "tied": Tied}
+MODELS = {"net": Net, "tied": Tied, "embedded": Embedded}
+
+
+def sharded_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules a fully_shard call was applied to, minidp's or FSDP2's."""
+    return [m for m in model.modules() if isinstance(m, (ShardedModule, FSDPModule))]
+
+
+# FSDPModule's setters, each applied alike to both models before every micro-batch's forward
+# (model, micro-batch, micro-batches per step); tests/test_fully_shard.py trains with each against FSDP2.
+def _forward_prefetch(model: nn.Module, micro: int, micro_batches: int) -> None:
+    chain = [model, *model.blocks]  # each module starts the next one's all-gather
+    for module, following in zip(chain, chain[1:]):
+        module.set_modules_to_forward_prefetch([following])
+
+
+def _backward_prefetch(model: nn.Module, micro: int, micro_batches: int) -> None:
+    model.set_modules_to_backward_prefetch([model.blocks[2], model.blocks[1]])  # two at once
+    model.blocks[1].set_modules_to_backward_prefetch([model.blocks[0]])
+
+
+def _keep_between_micro_batches(model: nn.Module, micro: int, micro_batches: int) -> None:
+    # gradient accumulation: no reduce-scatter, no reshard, no final wait but in the last micro-batch
+    last = micro == micro_batches - 1
+    model.set_requires_gradient_sync(last)
+    model.set_reshard_after_backward(last)
+    model.set_is_last_backward(last)
+
+
+def _kept_after_backward(model: nn.Module, micro: int, micro_batches: int) -> None:
+    model.set_reshard_after_backward(False)  # with every backward reduced: the next forward gathers nothing
+
+
+def _divide_by_three(model: nn.Module, micro: int, micro_batches: int) -> None:
+    for module in sharded_modules(model):
+        module.set_gradient_divide_factor(3.0)
+
+
+def _force_sum(model: nn.Module, micro: int, micro_batches: int) -> None:
+    for module in sharded_modules(model):
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def _unshard_by_hand(model: nn.Module, micro: int, micro_batches: int) -> None:
+    model.blocks[0].unshard(async_op=True)  # left for its forward to wait for
+    model.blocks[1].unshard(async_op=True).wait()
+
+
+def _reshard_the_root(model: nn.Module, micro: int, micro_batches: int) -> None:
+    model.set_reshard_after_forward(True, recurse=False)
+
+
+def _keep_the_embedding_in_backward(model: nn.Module, micro: int, micro_batches: int) -> None:
+    model.embed.set_unshard_in_backward(False)
+
+
+CONFIGURATIONS: dict[str, Callable[[nn.Module, int, int], None]] = {
+    "forward_prefetch": _forward_prefetch,
+    "backward_prefetch": _backward_prefetch,
+    "keep_between_micro_batches": _keep_between_micro_batches,
+    "kept_after_backward": _kept_after_backward,
+    "divide_by_three": _divide_by_three,
+    "force_sum": _force_sum,
+    "unshard_by_hand": _unshard_by_hand,
+    "reshard_the_root": _reshard_the_root,
+    "embedding_not_gathered_in_backward": _keep_the_embedding_in_backward,
+}
 
 
 OPTIMIZERS = {
@@ -96,14 +176,15 @@ def first_difference(ours: nn.Module, theirs: nn.Module, optimizers: tuple) -> O
 
 
 def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.float32, optimizer: str = "sgd",
-                  reshard_after_forward: bool = True, steps: int = 3, micro_batches: int = 1,
-                  unsynced: Optional[str] = None) -> dict:
+                  reshard_after_forward: Optional[bool] = True, steps: int = 3, micro_batches: int = 1,
+                  unsynced: Optional[str] = None, configure: Optional[str] = None) -> dict:
     """Train FSDP2 and minidp side by side from the same weights (seeded alike on every rank, as
     FSDP2 requires), each rank on its own batches; after every backward and every step, the first
     difference. ``micro_batches`` > 1: that many backwards per step, their sharded gradients summed.
     ``unsynced``: each step's backwards but the last run after ``set_requires_gradient_sync(False)`` on
     the root, the last after ``True``: ``"all"`` with ``recurse=True`` (no reduce-scatter until the last),
-    ``"root"`` with ``recurse=False`` (only the root's group accumulates unreduced)."""
+    ``"root"`` with ``recurse=False`` (only the root's group accumulates unreduced). ``configure``: one of
+    :data:`CONFIGURATIONS`, applied to both before every micro-batch."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
     theirs = MODELS[model]().to(dtype)
@@ -120,6 +201,8 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
             x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + 10 * micro + rank),
                             dtype=dtype)
             for sharded in (ours, theirs):
+                if configure is not None:
+                    CONFIGURATIONS[configure](sharded, micro, micro_batches)
                 if unsynced is not None:
                     sharded.set_requires_gradient_sync(micro == micro_batches - 1, recurse=unsynced == "all")
                 sharded(x).pow(2).mean().backward()
@@ -136,6 +219,126 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
     return {"differences": differences, "state_dict_equal": state_dict_equal,
             "reloaded": all(torch.equal(reloaded[k], full[k]) for k in full),
             "shard_shapes": [tuple(p.shape) for p in ours.parameters()]}
+
+
+# FSDPModule.reset_iter_state is newer than torch 2.11.
+FSDP2_RESETS = hasattr(FSDPModule, "reset_iter_state")
+
+
+def recovers_from_a_failure(seed: int, where: str) -> dict:
+    """Train minidp and FSDP2 side by side; in step 1 both raise midway (``where``: in block 1's forward, or in its
+    backward, after the root and block 2 have reduced theirs), each is reset with ``reset_iter_state`` on its root,
+    and training goes on: the first difference after every later step."""
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    theirs = Net()
+    ours = copy.deepcopy(theirs)
+    shard(theirs, torch_fully_shard, True)
+    shard(ours, md.fully_shard, True)
+    optimizers = (OPTIMIZERS["adamw"](ours.parameters()), OPTIMIZERS["adamw"](theirs.parameters()))
+    failing = {"step": 1}
+
+    def planted(*_: Any) -> None:
+        if failing["step"] == step:
+            raise RuntimeError("planted")
+
+    def plant_in_backward(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        output.register_hook(planted)
+
+    for sharded in (ours, theirs):
+        if where == "forward":
+            sharded.blocks[1].register_forward_pre_hook(planted)
+        else:
+            sharded.blocks[1].register_forward_hook(plant_in_backward)
+    differences, raised = [], []
+    for step in range(4):
+        for opt in optimizers:
+            opt.zero_grad()
+        x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + step + 10 * rank))
+        for sharded in (ours, theirs):
+            try:
+                sharded(x).pow(2).mean().backward()
+            except RuntimeError as error:
+                raised.append(str(error))
+                sharded.reset_iter_state()
+        if step != failing["step"]:
+            for opt in optimizers:
+                opt.step()
+            differences.append(first_difference(ours, theirs, optimizers))
+    return {"differences": differences, "raised": raised}
+
+
+def handles(seed: int) -> dict:
+    """What ``unshard(async_op=True)`` returns, in minidp and in FSDP2, and what setting a prefetch to a module
+    neither sharded raises."""
+    torch.manual_seed(seed)
+    results = {}
+    for name, function in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
+        model = shard(Net(), function, True)
+        handle = model.blocks[0].unshard(async_op=True)
+        handle.wait()
+        handle.wait()  # a second wait does nothing
+        whole = tuple(local(model.blocks[0].linear.weight).shape)
+        try:
+            model.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
+            refused = "no error"
+        except ValueError as error:
+            refused = str(error)
+        try:
+            model.set_reshard_after_forward(1)
+            not_bool = "no error"
+        except ValueError as error:
+            not_bool = str(error)
+        results[name] = {"is_handle": isinstance(handle, UnshardHandle), "whole": whole, "refused": refused,
+                         "not_bool": not_bool}
+    return results
+
+
+def collectives_with(seed: int, configure: Optional[str], model: str = "net",
+                     reshard_after_forward: Optional[bool] = True, micro_batches: int = 1) -> dict:
+    """Two steps of minidp's sharded model under ``configure``: the timeline of each micro-batch of the second."""
+    torch.manual_seed(seed)
+    sharded = shard(MODELS[model](), md.fully_shard, reshard_after_forward)
+    timelines = []
+    for step in range(2):
+        for micro in range(micro_batches):
+            if configure is not None:
+                CONFIGURATIONS[configure](sharded, micro, micro_batches)
+            sharded(torch.randn(4, 13)).sum().backward()
+            timelines.append(md.sharded_timeline(sharded))
+    return {"timelines": timelines[micro_batches:]}
+
+
+def premultiplied(seed: int) -> dict:
+    """float32 with a divide factor other than the world size, where FSDP2 reduces with ``PREMUL_SUM(1 / 3)``:
+    minidp's gradient shards against each rank's whole gradient times 1 / 3, summed over the ranks in float32 (a
+    reference computed here); and what FSDP2 does with that op on Gloo."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    plain = Net()
+    ours = shard(copy.deepcopy(plain), md.fully_shard, True)
+    _divide_by_three(ours, 0, 1)
+    x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + rank))
+    ours(x).pow(2).mean().backward()
+    plain(x).pow(2).mean().backward()
+    equal = True
+    for (name, shard_param), whole in zip(ours.named_parameters(), plain.parameters()):
+        every = [torch.empty_like(whole.grad) for _ in range(world)]
+        dist.all_gather(every, whole.grad)
+        expected = every[0] * (1 / 3.0)
+        for grad in every[1:]:
+            expected = expected + grad * (1 / 3.0)
+        rows = torch.chunk(expected, world)[rank] if rank < len(torch.chunk(expected, world)) else expected[:0]
+        equal = equal and torch.equal(shard_param.grad, rows)
+    torch.manual_seed(seed)
+    theirs = shard(Net(), torch_fully_shard, True)
+    _divide_by_three(theirs, 0, 1)
+    try:
+        theirs(x).pow(2).mean().backward()
+        fsdp2 = "ran"
+    except (RuntimeError, ValueError) as error:
+        fsdp2 = f"{type(error).__name__}: {error}".splitlines()[0]
+    return {"equal": equal, "fsdp2": fsdp2}
 
 
 def collectives_when_unsynced(seed: int, recurse: bool) -> dict:

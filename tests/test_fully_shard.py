@@ -21,6 +21,7 @@ import multiprocessing
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from . import fsdp_checks as checks
 from .helpers import each_rank, fresh_python, job_fixture, torchrun
@@ -51,6 +52,18 @@ def _against_fsdp2_plan() -> dict:
             for d, o, r in MATRIX}
 
 
+# FSDPModule's setters (fsdp_checks.CONFIGURATIONS), each trained against FSDP2 doing the same: what else each case sets.
+CONFIGURED = {
+    "forward_prefetch": {},
+    "backward_prefetch": {"optimizer": "adamw"},
+    "keep_between_micro_batches": {"micro_batches": 3, "steps": 2, "optimizer": "adamw"},
+    "divide_by_three": {"dtype": torch.float64},  # float32 would need PREMUL_SUM, which Gloo lacks (below)
+    "force_sum": {},
+    "unshard_by_hand": {},
+    "reshard_the_root": {"reshard_after_forward": None},
+    "embedding_not_gathered_in_backward": {"model": "embedded"},
+}
+
 TWO_PROCESSES = {
     **_against_fsdp2_plan(),
     "accumulate": (checks.against_fsdp2, {"micro_batches": 2, "optimizer": "adamw"}),
@@ -68,6 +81,21 @@ TWO_PROCESSES = {
     "mismatched_model": (checks.mismatched_model, {}),
     "freed_once_dropped": (checks.freed_once_dropped, {}),
     "timeline_and_memory": (checks.timeline_and_memory, {}),
+    **{f"configured-{name}": (checks.against_fsdp2, {"configure": name, **arguments})
+       for name, arguments in CONFIGURED.items()},
+    "root-kept": (checks.against_fsdp2, {"reshard_after_forward": None, "optimizer": "adamw"}),
+    **({f"recover-{where}": (checks.recovers_from_a_failure, {"where": where}) for where in ("forward", "backward")}
+       if checks.FSDP2_RESETS else {}),
+    "handles": (checks.handles, {}),
+    "premultiplied": (checks.premultiplied, {}),
+    "collectives-root-kept": (checks.collectives_with, {"configure": None, "reshard_after_forward": None}),
+    "collectives-kept-between": (checks.collectives_with, {"configure": "keep_between_micro_batches",
+                                                           "micro_batches": 3}),
+    "collectives-kept-after-backward": (checks.collectives_with, {"configure": "kept_after_backward"}),
+    "collectives-forward-prefetch": (checks.collectives_with, {"configure": "forward_prefetch"}),
+    "collectives-backward-prefetch": (checks.collectives_with, {"configure": "backward_prefetch"}),
+    "collectives-embedding": (checks.collectives_with, {"configure": "embedding_not_gathered_in_backward",
+                                                        "model": "embedded"}),
 }
 
 THREE_PROCESSES = {
@@ -79,6 +107,11 @@ THREE_PROCESSES = {
                                              "reshard_after_forward": False}),
     "unsynced-root": (checks.against_fsdp2, {"micro_batches": 3, "steps": 2, "unsynced": "root",
                                              "reshard_after_forward": False}),
+    "configured-keep_between_micro_batches": (checks.against_fsdp2, {"configure": "keep_between_micro_batches",
+                                                                     "micro_batches": 3, "steps": 2}),
+    # with 3 ranks a factor of 3 is the world size: float32 reduces with AVG, float64 divides by 2, then by 1.5
+    "configured-divide_by_three": (checks.against_fsdp2, {"configure": "divide_by_three", "dtype": torch.float64}),
+    "configured-divide_by_three-float32": (checks.against_fsdp2, {"configure": "divide_by_three"}),
 }
 
 
@@ -190,15 +223,122 @@ class _Group:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
 @pytest.mark.parametrize("world_size", range(1, 9))
-def test_gradients_are_divided_before_during_and_after_the_reduction_as_fsdp2_divides_them(dtype, world_size):
+@pytest.mark.parametrize("factor", [None, "world size", 3.0, 0.5])
+@pytest.mark.parametrize("force_sum", [False, True])
+def test_gradients_are_divided_before_during_and_after_the_reduction_as_fsdp2_divides_them(dtype, world_size, factor,
+                                                                                          force_sum):
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
-    before, after, reduce_op, _ = _get_gradient_divide_factors(_Group(world_size), None, dtype, "cpu")
-    no_division = (None, 1)  # FSDP2's _div_if_needed skips both
-    ours = division(dtype, world_size)
-    assert (ours[0] in no_division, ours[1], ours[2] in no_division) == (before in no_division, reduce_op,
-                                                                         after in no_division)
-    assert [f for f in (ours[0], ours[2]) if f not in no_division] == [f for f in (before, after) if f not in no_division]
+    factor = float(world_size) if factor == "world size" else factor
+    before, after, reduce_op, _ = _get_gradient_divide_factors(_Group(world_size), None, dtype, "cpu", factor, force_sum)
+    ours_before, ours_scale, ours_op, ours_after = division(dtype, world_size, factor, force_sum)
+    assert (ours_before, ours_after) == tuple(None if d in (None, 1) else d for d in (before, after))  # 1: skipped
+    if isinstance(reduce_op, type(dist.ReduceOp.SUM)):
+        assert (ours_scale, ours_op) == (None, reduce_op)
+    else:  # FSDP2's PREMUL_SUM(1 / factor): here the same product before a SUM
+        assert (ours_scale, ours_op) == (1 / factor, dist.ReduceOp.SUM)
+
+
+# ---- FSDPModule's setters: the same training as FSDP2 with the same setting, and what each changes ------------
+# FSDP2: _fully_shard.py, FSDPModule.set_* (each sets an attribute of the module's FSDPParamGroup or of the state
+# its root shares), read by _fsdp_param_group.py (pre_forward, pre_backward, post_backward, _prefetch_unshard,
+# unshard) and _fsdp_state.py (_pre_forward, _pre_backward, _root_post_backward_final_callback); and
+# _fsdp_collectives.py, _get_gradient_divide_factors, for the divide factor and the forced SUM.
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGURED))
+def test_training_with_each_fsdp2_setter_equals_fsdp2_with_the_same_setting(two, name):
+    assert_same_as_fsdp2(two, f"configured-{name}")
+
+
+@pytest.mark.parametrize("name", ["keep_between_micro_batches", "divide_by_three", "divide_by_three-float32"])
+def test_training_with_fsdp2_setters_equals_fsdp2_on_three_processes(three, name):
+    assert_same_as_fsdp2(three, f"configured-{name}")
+
+
+def _forward_gathers(timeline: list[dict]) -> list[str]:
+    """The groups gathered during the forward: all-gathers launched before the root's forward ended."""
+    end = _spans(timeline, "forward", "")[0]["end"]
+    return [e["group"] for e in timeline if e["stage"] == "all-gather" and e["start"] < end]
+
+
+def test_by_default_the_root_keeps_its_parameters_from_the_forward_to_the_backward_as_fsdp2(two):
+    # FSDP2 (_fsdp_state.py, _lazy_init): reshard_after_forward=None is True, but False on the root
+    assert_same_as_fsdp2(two, "root-kept")
+    for result in each_rank(two, "collectives-root-kept"):
+        timeline = result["timelines"][0]
+        assert len(_spans(timeline, "all-gather", "")) == 1
+        assert [len(_spans(timeline, "all-gather", f"blocks.{i}")) for i in range(3)] == [2, 2, 2]
+
+
+def test_parameters_kept_after_the_backward_are_not_gathered_again_by_the_next_forward(two):
+    # set_reshard_after_backward(False) in the first two micro-batches of three, sync and the final wait in the last
+    for result in each_rank(two, "collectives-kept-between"):
+        first, second, last = result["timelines"]
+        assert _forward_gathers(first) == ["", "blocks.0", "blocks.1", "blocks.2"]  # resharded by the last step
+        assert _forward_gathers(second) == _forward_gathers(last) == []
+        assert [len(_spans(t, "reduce-scatter", "")) for t in (first, second, last)] == [0, 0, 1]
+
+
+def test_parameters_kept_after_a_reduced_backward_are_what_the_next_forward_uses(two):
+    # FSDP2 alike: a forward after such a backward gathers nothing, so an optimizer step in between would not be
+    # seen; hence set it back to True before the backward that precedes a step (the micro-batches above)
+    for result in each_rank(two, "collectives-kept-after-backward"):
+        timeline = result["timelines"][0]
+        assert _forward_gathers(timeline) == []
+        assert len([e for e in timeline if e["stage"] == "reduce-scatter"]) == 4
+
+
+def test_a_forward_prefetch_starts_the_next_modules_all_gather_before_this_ones_forward(two):
+    for timeline in [r["timelines"][0] for r in each_rank(two, "collectives-forward-prefetch")]:
+        for current, following in [("", "blocks.0"), ("blocks.0", "blocks.1"), ("blocks.1", "blocks.2")]:
+            launched = _spans(timeline, "all-gather", following)[0]["start"]
+            assert launched < _spans(timeline, "forward", current)[0]["start"]
+
+
+def test_a_backward_prefetch_list_replaces_the_default_and_may_start_two_at_once(two):
+    # the root prefetches blocks 2 and 1: blocks 1's all-gather starts before blocks 2's backward, where by default
+    # blocks 2's backward starts it (test_in_the_backward_the_previous_groups_all_gather_is_launched_...)
+    for timeline in [r["timelines"][0] for r in each_rank(two, "collectives-backward-prefetch")]:
+        launched = _spans(timeline, "all-gather", "blocks.1")[1]["start"]  # [0] is the forward's
+        assert launched < _spans(timeline, "backward", "blocks.2")[0]["start"]
+
+
+def test_a_module_not_unsharded_in_backward_is_gathered_for_the_forward_only_and_still_reduced(two):
+    for timeline in [r["timelines"][0] for r in each_rank(two, "collectives-embedding")]:
+        assert len(_spans(timeline, "all-gather", "embed")) == 1
+        assert len(_spans(timeline, "reduce-scatter", "embed")) == 1
+        assert len(_spans(timeline, "all-gather", "")) == 2  # the root (here resharded after forward) as ever
+
+
+def test_unshard_async_op_returns_an_fsdp2_unshard_handle_whose_wait_puts_the_whole_parameters_on(two):
+    for result in each_rank(two, "handles"):
+        assert result["minidp"]["is_handle"] and result["fsdp2"]["is_handle"]
+        assert result["minidp"]["whole"] == result["fsdp2"]["whole"] == (29, 13)
+
+
+def test_setters_refuse_a_module_not_sharded_and_a_non_bool_as_fsdp2(two):
+    for result in each_rank(two, "handles"):
+        assert result["minidp"]["not_bool"] == result["fsdp2"]["not_bool"]
+        assert result["minidp"]["refused"].startswith("Expects a module fully_shard was applied to, got a Linear")
+        assert result["fsdp2"]["refused"].startswith("Expects FSDPModule but got")
+
+
+def test_a_divide_factor_fsdp2_would_premultiply_on_nccl_is_premultiplied_here_and_summed(two):
+    # float32, factor 3 on 2 ranks: FSDP2 asks for PREMUL_SUM(1/3), which Gloo refuses; minidp multiplies each
+    # rank's gradient by 1/3 and sums, compared with that sum computed from the ranks' whole gradients
+    for result in each_rank(two, "premultiplied"):
+        assert result["equal"]
+        assert result["fsdp2"] == "RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo"
+
+
+@pytest.mark.skipif(not checks.FSDP2_RESETS, reason="this torch's FSDP2 has no reset_iter_state to compare with")
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_after_a_failure_midway_reset_iter_state_lets_training_go_on_as_fsdp2(two, where):
+    # FSDP2: FSDPModule.reset_iter_state; the failed step is skipped by both, the next ones compared
+    for result in each_rank(two, f"recover-{where}"):
+        assert result["raised"] == ["planted", "planted"]
+        assert result["differences"] == [None] * 3
 
 
 # ---- the full state dict -------------------------------------------------------------------------

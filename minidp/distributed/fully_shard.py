@@ -55,8 +55,14 @@ full tensors back (each rank keeps its rows).
 
 The module keeps its own class's behaviour, but its class becomes a subclass of (:class:`ShardedModule`,
 its class), as FSDP2's becomes one of (``FSDPModule``, its class): that is where FSDP2's methods users
-call on the module live, ``set_requires_gradient_sync`` (gradient accumulation without the
-reduce-scatter), ``unshard`` and ``reshard``.
+call on the module live: ``set_requires_gradient_sync`` (gradient accumulation without the
+reduce-scatter), ``unshard`` (also asynchronous: a prefetch by hand) and ``reshard``,
+``set_reshard_after_forward`` and ``set_reshard_after_backward``, ``set_modules_to_forward_prefetch`` and
+``set_modules_to_backward_prefetch``, ``set_is_last_backward``, ``set_unshard_in_backward``,
+``set_gradient_divide_factor``, ``set_force_sum_reduction_for_comms`` and ``reset_iter_state``. Each changes
+when a collective runs, or how the gradients are divided, as FSDP2's does (tests/test_fully_shard.py trains
+with each against FSDP2). Not here: FSDP2's mixed precision and offload policies, HSDP (2-D meshes) and the
+hooks that replace its collectives.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, check_same_everywhere, first_difference
@@ -82,23 +88,37 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def division(dtype: torch.dtype, world_size: int) -> tuple[Optional[float], dist.ReduceOp, Optional[float]]:
-    """How FSDP2 averages gradients over ``world_size`` ranks in ``dtype``: (divide before, op, divide after).
+def division(dtype: torch.dtype, world_size: int, factor: Optional[float] = None, force_sum: bool = False
+             ) -> tuple[Optional[float], Optional[float], dist.ReduceOp, Optional[float]]:
+    """How FSDP2 averages gradients over ``world_size`` ranks in ``dtype``: (divide before, multiply before, op,
+    divide after), ``None`` where nothing is done.
 
     FSDP2 (``_fsdp_collectives.py``, ``_get_gradient_divide_factors``): float32 and bfloat16 reduce
     with ``ReduceOp.AVG`` (the backend divides the sum by W). Other dtypes (float64, float16), where
     FSDP2 guards against overflow, reduce with SUM between two divisions: by p before, where p
-    doubles from 1 while W % p == 0 and W / p > p, and by W / p after. W = 2: / 2 then / 1;
+    doubles from 1 while F % p == 0 and F / p > p, and by F / p after, F being W. W = 2: / 2 then / 1;
     W = 3: / 2 then / 1.5; W = 8: / 4 then / 2.
+
+    ``factor`` (``set_gradient_divide_factor``) replaces W as F. In float32 and bfloat16 a factor other than W
+    makes FSDP2 reduce with ``PREMUL_SUM(1 / F)``, each rank's gradient multiplied by 1 / F inside the
+    collective; only NCCL has that op, so here the input is multiplied by 1 / F before a SUM, the same product
+    in the same dtype. ``force_sum`` (``set_force_sum_reduction_for_comms``): SUM always, then a division by F
+    (float32, bfloat16) or the two divisions above.
     """
-    if world_size == 1:
-        return None, dist.ReduceOp.SUM, None
-    if dtype in (torch.float32, torch.bfloat16):
-        return None, dist.ReduceOp.AVG, None
+    overflow_risk = dtype not in (torch.float32, torch.bfloat16)
+    if not overflow_risk and not force_sum:
+        if factor is None:
+            return None, None, (dist.ReduceOp.SUM if world_size == 1 else dist.ReduceOp.AVG), None
+        if factor == world_size:
+            return None, None, dist.ReduceOp.AVG, None
+        return None, 1 / factor, dist.ReduceOp.SUM, None
+    if factor is None:
+        factor = float(world_size)
     before = 1
-    while world_size % before == 0 and world_size / before > before:
+    while overflow_risk and factor % before == 0 and factor / before > before:
         before *= 2
-    return float(before), dist.ReduceOp.SUM, world_size / before
+    divisors = [None if d == 1 else float(d) for d in (before, factor / before)]  # a division by 1 is skipped
+    return divisors[0], None, dist.ReduceOp.SUM, divisors[1]
 
 
 class ShardedParameter:
@@ -151,11 +171,22 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+class SharedContext:
+    """What every group under one root shares (FSDP2's ``FSDPStateContext``): each group starts with its own, and
+    the root's first forward gives them all the root's, so that a setting made on any of them then holds for all."""
+
+    def __init__(self) -> None:
+        # False (set_is_last_backward): the backward's end leaves reduce-scatters in flight and prefetched
+        # all-gathers pending, for the next micro-batch's backward to take up; on the CPU every collective is
+        # done when it is issued, so only the pending all-gathers remain. Set True before the last.
+        self.is_last_backward = True
+
+
 class ShardGroup:
     """The parameters of one ``fully_shard`` call: gathered together, freed together, reduced together."""
 
     def __init__(self, module: nn.Module, params: list[ShardedParameter], process_group: dist.ProcessGroup,
-                 reshard_after_forward: bool, device: torch.device) -> None:
+                 reshard_after_forward: Optional[bool], device: torch.device) -> None:
         self.module = module
         self.params = params
         # Held weakly: torch.distributed keeps the group until destroy_process_group(), which must then free it.
@@ -166,7 +197,20 @@ class ShardGroup:
         # torchrun: 2 runs of 12 with the group held here, 0 of 24 with it held weakly).
         self._process_group = weakref.ref(process_group)
         self.rank, self.world_size = process_group.rank(), process_group.size()
-        self.reshard_after_forward = reshard_after_forward
+        # None (FSDP2's default): True, except for the root, which its first forward sets to False (Iteration).
+        self.auto_reshard_after_forward = reshard_after_forward is None
+        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        # What ShardedModule's setters change (FSDP2's FSDPParamGroup attributes of the same names).
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.gradient_divide_factor: Optional[float] = None
+        self.force_sum_reduction_for_comms = False
+        # Explicit prefetching (set_modules_to_forward_prefetch, set_modules_to_backward_prefetch); empty: the
+        # defaults, no forward prefetch and the previous group in the forward's order in the backward.
+        self.forward_prefetch: list[ShardGroup] = []
+        self.backward_prefetch: list[ShardGroup] = []
+        # Shared by all the root's groups from its first forward on (FSDP2's FSDPStateContext).
+        self.context = SharedContext()
         self.device = device
         # Collectives overlap compute only off the CPU, where FSDP2's overlap (its CUDA streams) is
         # too; on the CPU each is waited for at once (the module docstring, step 5, says why).
@@ -286,13 +330,15 @@ class ShardGroup:
             # whole gradient stays on the whole parameter, ``p.full`` (one nn.Parameter for every gather, its
             # .grad in storage of its own, which resharding does not free), where autograd adds the next
             # backward's into it; the next synchronised backward reduce-scatters the sum.
-            self.reshard()
+            if self.reshard_after_backward:
+                self.reshard()
             return
         with_grad = [p for p in self.params if p.full is not None and p.full.grad is not None]
         grads = [p.full.grad for p in with_grad]
         for p in with_grad:
             p.full.grad = None
-        self.reshard()
+        if self.reshard_after_backward:  # else the whole parameters stay for the next forward (FSDP2 alike)
+            self.reshard()
         if not grads:
             return
         # One reduce-scatter in flight at a time, as FSDP2 (reduce_scatter_max_input_buffers=1): the
@@ -301,7 +347,8 @@ class ShardGroup:
         # the order in which they are launched, the same on every rank, is what matches them up.
         self.iteration.finish_reductions()
         start = time.time()
-        before, op, after = division(grads[0].dtype, self.world_size)
+        factor = self.gradient_divide_factor
+        before, scale, op, after = division(grads[0].dtype, self.world_size, factor, self.force_sum_reduction_for_comms)
         slot = sum(p.shard_numel for p in with_grad)
         flat = torch.empty(slot * self.world_size, dtype=grads[0].dtype, device=self.device)
         # Slot r holds rank r's rows of every gradient, each padded with zeros to chunk 0's size.
@@ -309,6 +356,13 @@ class ShardGroup:
         del grads
         if before is not None:
             flat.div_(before)
+        if self.world_size == 1:
+            # FSDP2 runs no collective for one rank: it copies the input divided by a custom factor (between the
+            # two divisions in float64, so that such a gradient is divided by the factor twice, as FSDP2 does).
+            if factor is not None:
+                flat.div_(factor)
+        elif scale is not None:
+            flat.mul_(scale)
         mine = torch.empty(slot, dtype=flat.dtype, device=self.device)
         self.iteration.poll()
         self.iteration.note_memory(extra=flat.untyped_storage().nbytes() + mine.untyped_storage().nbytes())
@@ -347,6 +401,8 @@ class ShardGroup:
         if iteration.forward_root is None:
             iteration.begin_forward(self)
         self.unshard()
+        for target in self.forward_prefetch:  # FSDP2: after this group's copy-out, in the order given
+            target.launch_all_gather()
         iteration.poll()
         if torch.is_grad_enabled():
             inputs = [t for _, t in tensors_in((args, kwargs)) if t.requires_grad]
@@ -404,7 +460,12 @@ class Iteration:
                     f"fully_shard: '{name}' already ran forward as the root of its own groups; run the forward "
                     f"of the outermost sharded module first")
             group.iteration, group.name, group.index = self, name, len(self.groups)
+            group.context = root.context
             self.groups.append(group)
+        # FSDP2 (_fsdp_state.py, _lazy_init): the root keeps its parameters after the forward unless told
+        # otherwise, as the backward would gather them again at once.
+        if root.auto_reshard_after_forward:
+            root.reshard_after_forward = False
         self.forward_root: Optional[ShardGroup] = None
         self.post_forward_order: list[ShardGroup] = []  # the backward prefetches in its reverse
         self.backward_started = False
@@ -455,27 +516,59 @@ class Iteration:
         if not self.backward_started:
             self.backward_started = True
             Variable._execution_engine.queue_callback(self.end_backward)
-        group.unshard()
+        if group.unshard_in_backward:
+            group.unshard()
         # Prefetch, as FSDP2's backward does: the group that finished its forward just before this one
-        # is the next to run backward; its all-gather runs while this group computes.
+        # is the next to run backward; its all-gather runs while this group computes. Modules named by
+        # set_modules_to_backward_prefetch replace that default.
         if group in self.post_forward_order:
             position = self.post_forward_order.index(group)
             self.post_forward_order.remove(group)
-            if position > 0:
-                self.post_forward_order[position - 1].launch_all_gather()
+            if position > 0 and not group.backward_prefetch:
+                self._prefetch_for_backward(self.post_forward_order[position - 1])
+        for target in group.backward_prefetch:
+            self._prefetch_for_backward(target)
+
+    @staticmethod
+    def _prefetch_for_backward(target: ShardGroup) -> None:
+        if target.unshard_in_backward:  # FSDP2's unshard() does nothing in the backward for such a group
+            target.launch_all_gather()
 
     def end_backward(self) -> None:
         """After the whole backward: reduce the groups whose inputs needed no gradient (the root first,
-        then in module order, as FSDP2's ``_root_post_backward_final_callback``), wait for every
-        reduce-scatter, free what is still gathered."""
+        then in module order, as FSDP2's ``_root_post_backward_final_callback``); on the last backward
+        (:class:`SharedContext`) wait for every reduce-scatter and drop unused prefetches; free what is still
+        gathered, except where ``reshard_after_backward`` is off."""
         for group in self.groups:
             if not group.reduced_this_backward and any(p.full is not None and p.full.grad is not None
                                                        for p in group.params):
                 group.reduce_gradients()
-        self.finish_reductions()
+        last = self.groups[0].context.is_last_backward
+        if last:
+            self.finish_reductions()
+        for group in self.groups:
+            if last:
+                group.drop_pending()
+            if group.reshard_after_backward:
+                group.reshard()
+        self._forget_backward()
+
+    def reset(self) -> None:
+        """After a forward or backward that raised (FSDP2's ``reset_iter_state``): wait for the collectives in
+        flight and discard their results (the failed step's gradient reductions are lost), put every group's
+        shards back, and forget the step, so that the next forward starts afresh."""
+        for _, work, *_ in self.reductions:
+            work.wait()
+        self.reductions = []
         for group in self.groups:
             group.drop_pending()
             group.reshard()
+        self.forward_root = None
+        self.open_collectives = []
+        self._forget_backward()
+
+    def _forget_backward(self) -> None:
+        for group in self.groups:
             group.reduced_this_backward = False
             group._backward_start = None
         self.backward_started = False
@@ -508,11 +601,57 @@ class ShardedModule:
         parameter, summed over the backwards by autograd; the next backward with ``True`` reduce-scatters
         the sum into the shards' ``.grad``. ``recurse``: every sharded module under this one (this one
         included), else this one's group only (FSDP2's ``FSDPModule.set_requires_gradient_sync``)."""
-        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
-        for module in modules:
-            group = _group_of(module)
-            if group is not None:
-                group.requires_gradient_sync = requires_gradient_sync
+        for group in _groups_under(self, recurse):
+            group.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether the forward frees the whole parameters (the backward gathers them again): ``fully_shard``'s
+        argument, changed at run time, e.g. ``False`` for evaluation. Setting it on the root overrides FSDP2's
+        default there (keep them). ``recurse`` as for :meth:`set_requires_gradient_sync`."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+        for group in _groups_under(self, recurse):
+            group.reshard_after_forward = reshard_after_forward
+            group.auto_reshard_after_forward = False
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether the backward frees the whole parameters. ``False`` keeps them for the next forward, which then
+        gathers nothing: for the micro-batches of gradient accumulation, more memory for less communication.
+        As in FSDP2, the next forward uses them as they are, so set it back to ``True`` before the backward
+        that precedes an optimizer step (else that forward reads the parameters of before the step)."""
+        for group in _groups_under(self, recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: this module's backward needs none of its parameters' values (an embedding's), so the
+        backward does not gather them; their gradients are reduced as ever (not recursive)."""
+        _own_group(self).unshard_in_backward = unshard_in_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Sharded modules whose all-gathers this module's forward starts, after gathering its own, in this
+        order (FSDP2 prefetches nothing in the forward unless told): more overlap, more memory held."""
+        _own_group(self).forward_prefetch = _groups_of_modules(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Sharded modules whose all-gathers this module's backward starts, in place of the default, the
+        module that ran just before it in the forward."""
+        _own_group(self).backward_prefetch = _groups_of_modules(modules)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step; ``False`` for the micro-batches
+        before it, whose end then leaves collectives in flight (:class:`SharedContext`). Shared by the root's
+        groups from its first forward on."""
+        _own_group(self).context.is_last_backward = is_last_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the number of ranks (:func:`division` says
+        how, as FSDP2 does it). Not recursive."""
+        _own_group(self).gradient_divide_factor = factor
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with ``SUM`` only, dividing before and after, never with ``AVG`` (:func:`division`). Not
+        recursive."""
+        _own_group(self).force_sum_reduction_for_comms = enable
 
     def __deepcopy__(self, memo: dict) -> None:
         # As FSDP2's classes (_fully_shard.py, _unimplemented_deepcopy), with its exception type: after a backward
@@ -521,15 +660,66 @@ class ShardedModule:
             f"fully_shard does not support deepcopy (FSDP2 refuses it too): copy the weights through a state dict "
             f"instead, e.g. full_state_dict(module) into a new {_class_name(self)} (a copy to shard, if needed)")
 
-    def unshard(self) -> None:
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this module's parameters now and leave them on it, whole (not recursive); its next
-        forward uses them without gathering (FSDP2's ``FSDPModule.unshard``, without ``async_op``)."""
-        _own_group(self).unshard()
+        forward uses them without gathering (FSDP2's ``FSDPModule.unshard``). ``async_op=True`` starts the
+        all-gather and returns a handle whose ``wait()`` finishes it; the module's forward waits for it
+        itself if no one did (a prefetch by hand)."""
+        group = _own_group(self)
+        if not async_op:
+            group.unshard()
+            return None
+        group.launch_all_gather()
+        return PendingUnshard(group)
 
     def reshard(self) -> None:
         """Free this module's gathered parameters and put the shards back on it (not recursive; FSDP2's
         ``FSDPModule.reshard``)."""
         _own_group(self).reshard()
+
+    def reset_iter_state(self) -> None:
+        """After an exception stopped a forward or backward midway: call it on the root, then train on
+        (FSDP2's ``FSDPModule.reset_iter_state``). The failed step's gradients are lost; a gradient
+        accumulation under way should start again."""
+        group = _own_group(self)
+        if group.iteration is None:
+            return  # no forward has run: nothing to reset
+        root = group.iteration.groups[0]
+        if root is not group:
+            raise RuntimeError(f"reset_iter_state must be called on the root sharded module (the "
+                               f"{_class_name(root.module)} whose forward runs first), not on this {_class_name(self)}")
+        group.iteration.reset()
+
+
+class PendingUnshard(UnshardHandle):
+    """What ``unshard(async_op=True)`` returns: ``wait()`` finishes that all-gather and puts the whole parameters
+    on the module; a second ``wait()``, or one after the module's forward has used them, does nothing (FSDP2's
+    ``UnshardHandle``, of which this is a subclass)."""
+
+    def __init__(self, group: ShardGroup) -> None:
+        self._group: Optional[ShardGroup] = group
+        self._launched = group.pending  # None: the parameters were already whole
+
+    def wait(self) -> None:
+        group, self._group = self._group, None
+        if group is not None and self._launched is not None and group.pending is self._launched:
+            group.unshard()
+
+
+def _groups_under(module: nn.Module, recurse: bool) -> list[ShardGroup]:
+    """The group of ``module`` and, with ``recurse``, of every sharded module under it."""
+    modules = module.modules() if recurse else [module]
+    return [group for group in map(_group_of, modules) if group is not None]
+
+
+def _groups_of_modules(modules: list[nn.Module]) -> list[ShardGroup]:
+    """The groups of ``modules``, every one of which must be sharded itself (FSDP2's error type)."""
+    groups = list(map(_group_of, modules))
+    for module, group in zip(modules, groups):
+        if group is None:
+            raise ValueError(f"Expects a module fully_shard was applied to, got a {type(module).__name__} it was not "
+                             f"applied to: {module}")
+    return groups
 
 
 # One subclass of (ShardedModule, cls) per class, as FSDP2 caches its FSDP<cls> classes (_fsdp_init.py,
@@ -594,7 +784,7 @@ def fully_shard(
     module: nn.Module,
     *,
     process_group: Optional[dist.ProcessGroup] = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: Optional[bool] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over the ranks of ``process_group``, FSDP2's way; returns ``module``.
 
@@ -608,14 +798,20 @@ def fully_shard(
         module: the module whose parameters become one group.
         process_group: the ranks to shard over (default: the default group).
         reshard_after_forward: free the gathered parameters after the forward and gather them again
-            in the backward (less memory); ``False`` keeps them until the backward is done.
+            in the backward (less memory); ``False`` keeps them until the backward is done. ``None``
+            (FSDP2's default): ``True``, except on the root (the module whose forward runs first), whose
+            parameters the backward would gather again at once.
 
     After this call, ``module``'s parameters are this rank's shards (rows of dim 0): build the
     optimizer afterwards, on ``module.parameters()``. ``module``'s class is then a subclass of
     :class:`ShardedModule` and of its own class, with FSDP2's ``set_requires_gradient_sync``,
-    ``unshard`` and ``reshard``.
+    ``unshard`` and ``reshard``, and the setters of ``FSDPModule`` (:class:`ShardedModule`).
     """
     _check_module(module)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"fully_shard: reshard_after_forward must be True, False or None, got {reshard_after_forward!r} (FSDP2's "
+            f"int, resharding to a smaller group after the forward, is not supported)")
     if not dist.is_initialized():
         raise RuntimeError(
             "fully_shard needs a process group: call torch.distributed.init_process_group() first "
