@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import FSDPModule, UnshardHandle
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import minidp.distributed as md
@@ -74,11 +74,25 @@ class Embedded(nn.Module):
         return self.body(self.embed((x.abs() * 5).long() % 17).mean(1))
 
 
-def shard(model: nn.Module, function: Callable[..., Any], reshard_after_forward: Optional[bool]) -> nn.Module:
-    """Sub-modules first (the blocks, an embedding), the root last, as FSDP2 asks."""
+def shard(model: nn.Module, function: Callable[..., Any], reshard_after_forward: Optional[bool],
+          policies: tuple[MixedPrecisionPolicy, MixedPrecisionPolicy] = (MixedPrecisionPolicy(),) * 2) -> nn.Module:
+    """Sub-modules first (the blocks, an embedding), the root last, as FSDP2 asks; ``policies``: the
+    sub-modules' mixed precision policy and the root's."""
     for part in [*getattr(model, "blocks", ()), *filter(None, [getattr(model, "embed", None)])]:
-        function(part, reshard_after_forward=reshard_after_forward)
-    return function(model, reshard_after_forward=reshard_after_forward)
+        function(part, reshard_after_forward=reshard_after_forward, mp_policy=policies[0])
+    return function(model, reshard_after_forward=reshard_after_forward, mp_policy=policies[1])
+
+
+# FSDP2's mixed precision policies (param_dtype: the all-gather, forward and backward; reduce_dtype: the
+# reduce-scatter; output_dtype: the forward's outputs), the sub-modules' and the root's, given alike to both.
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+POLICIES = {
+    "bf16": (BF16, BF16),
+    "bf16-reduce-fp32": (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),) * 2,
+    "fp16-reduce-fp32": (MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),) * 2,
+    "reduce-bf16": (MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),) * 2,
+    "root-out-fp32": (BF16, MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)),
+}
 
 
 MODELS = {"net": Net, "tied": Tied, "embedded": Embedded}
@@ -177,21 +191,23 @@ def first_difference(ours: nn.Module, theirs: nn.Module, optimizers: tuple) -> O
 
 def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.float32, optimizer: str = "sgd",
                   reshard_after_forward: Optional[bool] = True, steps: int = 3, micro_batches: int = 1,
-                  unsynced: Optional[str] = None, configure: Optional[str] = None) -> dict:
+                  unsynced: Optional[str] = None, configure: Optional[str] = None, policy: Optional[str] = None
+                  ) -> dict:
     """Train FSDP2 and minidp side by side from the same weights (seeded alike on every rank, as
     FSDP2 requires), each rank on its own batches; after every backward and every step, the first
     difference. ``micro_batches`` > 1: that many backwards per step, their sharded gradients summed.
     ``unsynced``: each step's backwards but the last run after ``set_requires_gradient_sync(False)`` on
     the root, the last after ``True``: ``"all"`` with ``recurse=True`` (no reduce-scatter until the last),
     ``"root"`` with ``recurse=False`` (only the root's group accumulates unreduced). ``configure``: one of
-    :data:`CONFIGURATIONS`, applied to both before every micro-batch."""
+    :data:`CONFIGURATIONS`, applied to both before every micro-batch. ``policy``: one of :data:`POLICIES`."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
     theirs = MODELS[model]().to(dtype)
     ours = copy.deepcopy(theirs)
     full = {k: v.clone() for k, v in theirs.state_dict().items()}
-    shard(theirs, torch_fully_shard, reshard_after_forward)
-    shard(ours, md.fully_shard, reshard_after_forward)
+    policies = (MixedPrecisionPolicy(),) * 2 if policy is None else POLICIES[policy]
+    shard(theirs, torch_fully_shard, reshard_after_forward, policies)
+    shard(ours, md.fully_shard, reshard_after_forward, policies)
     optimizers = (OPTIMIZERS[optimizer](ours.parameters()), OPTIMIZERS[optimizer](theirs.parameters()))
     differences = []
     for step in range(steps):

@@ -64,6 +64,8 @@ CONFIGURED = {
     "embedding_not_gathered_in_backward": {"model": "embedded"},
 }
 
+UNSYNCED = {"micro_batches": 3, "steps": 2, "unsynced": "all"}
+
 TWO_PROCESSES = {
     **_against_fsdp2_plan(),
     "accumulate": (checks.against_fsdp2, {"micro_batches": 2, "optimizer": "adamw"}),
@@ -84,6 +86,8 @@ TWO_PROCESSES = {
     **{f"configured-{name}": (checks.against_fsdp2, {"configure": name, **arguments})
        for name, arguments in CONFIGURED.items()},
     "root-kept": (checks.against_fsdp2, {"reshard_after_forward": None, "optimizer": "adamw"}),
+    **{f"policy-{name}": (checks.against_fsdp2, {"policy": name, "optimizer": "adamw"}) for name in checks.POLICIES},
+    **{f"policy-{name}-unsynced": (checks.against_fsdp2, {"policy": name, **UNSYNCED}) for name in checks.POLICIES},
     **({f"recover-{where}": (checks.recovers_from_a_failure, {"where": where}) for where in ("forward", "backward")}
        if checks.FSDP2_RESETS else {}),
     "handles": (checks.handles, {}),
@@ -112,6 +116,8 @@ THREE_PROCESSES = {
     # with 3 ranks a factor of 3 is the world size: float32 reduces with AVG, float64 divides by 2, then by 1.5
     "configured-divide_by_three": (checks.against_fsdp2, {"configure": "divide_by_three", "dtype": torch.float64}),
     "configured-divide_by_three-float32": (checks.against_fsdp2, {"configure": "divide_by_three"}),
+    "policy-bf16-reduce-fp32-unsynced": (checks.against_fsdp2, {"policy": "bf16-reduce-fp32", **UNSYNCED}),
+    "policy-reduce-bf16": (checks.against_fsdp2, {"policy": "reduce-bf16", "optimizer": "adamw"}),
 }
 
 
@@ -237,6 +243,26 @@ def test_gradients_are_divided_before_during_and_after_the_reduction_as_fsdp2_di
         assert (ours_scale, ours_op) == (None, reduce_op)
     else:  # FSDP2's PREMUL_SUM(1 / factor): here the same product before a SUM
         assert (ours_scale, ours_op) == (1 / factor, dist.ReduceOp.SUM)
+
+
+# ---- mixed precision: FSDP2's MixedPrecisionPolicy --------------------------------------------------
+# FSDP2: _fsdp_api.py (MixedPrecisionPolicy), _fsdp_param.py (init_dtype_attrs: a dtype that needs no cast is
+# None; the all-gather inputs cast to param_dtype; to_accumulated_grad_if_needed), _fsdp_collectives.py
+# (foreach_reduce: the reduce-scatter in reduce_dtype, then the shards' gradients in the original dtype),
+# _fsdp_state.py (_cast_forward_inputs, _cast_output_dtype).
+
+
+@pytest.mark.parametrize("policy", sorted(checks.POLICIES))
+@pytest.mark.parametrize("sync", ["", "-unsynced"])
+def test_training_with_a_mixed_precision_policy_equals_fsdp2_with_it(two, policy, sync):
+    # "-unsynced": 3 backwards a step, the first two without the reduce-scatter: with a reduce dtype other than
+    # the compute dtype, the whole gradients are summed in the reduce dtype, as FSDP2 sums them
+    assert_same_as_fsdp2(two, f"policy-{policy}{sync}")
+
+
+@pytest.mark.parametrize("name", ["bf16-reduce-fp32-unsynced", "reduce-bf16"])
+def test_training_with_a_mixed_precision_policy_equals_fsdp2_on_three_processes(three, name):
+    assert_same_as_fsdp2(three, f"policy-{name}")
 
 
 # ---- FSDPModule's setters: the same training as FSDP2 with the same setting, and what each changes ------------

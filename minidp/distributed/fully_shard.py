@@ -61,8 +61,8 @@ reduce-scatter), ``unshard`` (also asynchronous: a prefetch by hand) and ``resha
 ``set_modules_to_backward_prefetch``, ``set_is_last_backward``, ``set_unshard_in_backward``,
 ``set_gradient_divide_factor``, ``set_force_sum_reduction_for_comms`` and ``reset_iter_state``. Each changes
 when a collective runs, or how the gradients are divided, as FSDP2's does (tests/test_fully_shard.py trains
-with each against FSDP2). Not here: FSDP2's mixed precision and offload policies, HSDP (2-D meshes) and the
-hooks that replace its collectives.
+with each against FSDP2). Mixed precision is FSDP2's ``MixedPrecisionPolicy``, given to ``fully_shard``. Not
+here: FSDP2's offload policy, HSDP (2-D meshes) and the hooks that replace its collectives.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.fsdp import FSDPModule, UnshardHandle
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle
 
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, check_same_everywhere, first_difference
@@ -144,6 +144,23 @@ class ShardedParameter:
         self.shard = nn.Parameter(padded.narrow(0, 0, rows), requires_grad=param.requires_grad)
         self.gathered: Optional[torch.Tensor] = None  # allocated at the first all-gather
         self.full: Optional[nn.Parameter] = None
+        # With a reduce dtype other than the compute dtype: the whole gradient summed over unsynchronised
+        # backwards in the reduce dtype (FSDP2's unsharded_accumulated_grad), off the whole parameter.
+        self.accumulated: Optional[torch.Tensor] = None
+
+    def take_whole_gradient(self) -> Optional[torch.Tensor]:
+        """The whole gradient of the backwards since the last reduction, taken off the whole parameter: the sum
+        kept in the reduce dtype, with this backward's added (FSDP2's accumulate_unsharded_grad_if_needed),
+        else the whole parameter's own ``.grad``."""
+        grad = None if self.full is None else self.full.grad
+        if self.full is not None:
+            self.full.grad = None
+        if self.accumulated is None:
+            return grad
+        total, self.accumulated = self.accumulated, None
+        if grad is not None:
+            total += grad  # in the reduce dtype
+        return total
 
     @property
     def shard_numel(self) -> int:
@@ -186,7 +203,8 @@ class ShardGroup:
     """The parameters of one ``fully_shard`` call: gathered together, freed together, reduced together."""
 
     def __init__(self, module: nn.Module, params: list[ShardedParameter], process_group: dist.ProcessGroup,
-                 reshard_after_forward: Optional[bool], device: torch.device) -> None:
+                 reshard_after_forward: Optional[bool], device: torch.device,
+                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> None:
         self.module = module
         self.params = params
         # Held weakly: torch.distributed keeps the group until destroy_process_group(), which must then free it.
@@ -224,10 +242,20 @@ class ShardGroup:
         # False: the backward keeps the whole gradients on the whole parameters, unreduced, and the next
         # backward adds into them (ShardedModule.set_requires_gradient_sync; FSDP2's reduce_grads).
         self.requires_gradient_sync = True
-        self.dtype = params[0].padded.dtype if params else None
+        self.dtype = params[0].padded.dtype if params else None  # the shards' (FSDP2's orig_dtype)
+        # Mixed precision (FSDP2's _fsdp_param.py, init_dtype_attrs): the whole parameters, and so the forward,
+        # the backward and the all-gather, in ``compute_dtype``; the gradients reduced in ``reduce_dtype``, then
+        # handed to the shards in their own dtype. A dtype that needs no cast counts as none.
+        self.mp_policy = mp_policy
+        reduce_dtype = None if mp_policy.reduce_dtype == mp_policy.param_dtype else mp_policy.reduce_dtype
+        floating = self.dtype is not None and self.dtype.is_floating_point
+        param_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype != self.dtype else None
+        self.compute_dtype = param_dtype or self.dtype
+        self.reduce_dtype = reduce_dtype
         # What the group's whole parameters hold while gathered: every rank's padded rows of each (the
         # storage unshard allocates, and reshard resizes to nothing).
-        self._gathered_nbytes = sum(p.padded.nbytes for p in params) * self.world_size
+        itemsize = torch.empty(0, dtype=self.compute_dtype).element_size() if params else 0
+        self._gathered_nbytes = sum(p.shard_numel for p in params) * self.world_size * itemsize
         self._forward_start = 0.0
         self._backward_start: Optional[float] = None
 
@@ -244,8 +272,9 @@ class ShardGroup:
         start = time.time()
         sizes = [p.shard_numel for p in self.params]
         slot = sum(sizes)
-        flat = torch.empty(slot * self.world_size, dtype=self.dtype, device=self.device)
+        flat = torch.empty(slot * self.world_size, dtype=self.compute_dtype, device=self.device)
         mine = flat.narrow(0, slot * self.rank, slot)
+        # the copy-in casts to the compute dtype, as FSDP2's all-gather inputs are cast (to(param_dtype))
         torch._foreach_copy_(list(torch.split(mine, sizes)), [p.padded for p in self.params])
         work = _all_gather(flat, mine, group=self.process_group, async_op=True)
         self._record_when_done(work, "all-gather", start)
@@ -270,7 +299,7 @@ class ShardGroup:
         outs = []
         for p in self.params:
             if p.gathered is None:  # its own buffer, so that each full parameter starts a fresh allocation
-                p.gathered = torch.empty(p.shard_numel * self.world_size, dtype=self.dtype, device=self.device)
+                p.gathered = torch.empty(p.shard_numel * self.world_size, dtype=self.compute_dtype, device=self.device)
             else:
                 p.gathered.untyped_storage().resize_(p.shard_numel * self.world_size * p.gathered.element_size())
             outs.append(p.gathered.view(self.world_size, -1))
@@ -332,11 +361,16 @@ class ShardGroup:
             # backward's into it; the next synchronised backward reduce-scatters the sum.
             if self.reshard_after_backward:
                 self.reshard()
+            if self.reduce_dtype is not None:  # FSDP2 sums them in the reduce dtype (to_accumulated_grad_if_needed)
+                for p in self.params:
+                    if p.accumulated is not None or (p.full is not None and p.full.grad is not None):
+                        whole = p.take_whole_gradient()
+                        p.accumulated = whole if whole.dtype == self.reduce_dtype else whole.to(self.reduce_dtype)
             return
-        with_grad = [p for p in self.params if p.full is not None and p.full.grad is not None]
-        grads = [p.full.grad for p in with_grad]
-        for p in with_grad:
-            p.full.grad = None
+        taken = [(p, p.take_whole_gradient()) for p in self.params]
+        with_grad = [p for p, grad in taken if grad is not None]
+        grads = [grad for _, grad in taken if grad is not None]
+        del taken
         if self.reshard_after_backward:  # else the whole parameters stay for the next forward (FSDP2 alike)
             self.reshard()
         if not grads:
@@ -348,10 +382,12 @@ class ShardGroup:
         self.iteration.finish_reductions()
         start = time.time()
         factor = self.gradient_divide_factor
-        before, scale, op, after = division(grads[0].dtype, self.world_size, factor, self.force_sum_reduction_for_comms)
+        reduce_dtype = self.reduce_dtype or grads[0].dtype
+        before, scale, op, after = division(reduce_dtype, self.world_size, factor, self.force_sum_reduction_for_comms)
         slot = sum(p.shard_numel for p in with_grad)
-        flat = torch.empty(slot * self.world_size, dtype=grads[0].dtype, device=self.device)
-        # Slot r holds rank r's rows of every gradient, each padded with zeros to chunk 0's size.
+        flat = torch.empty(slot * self.world_size, dtype=reduce_dtype, device=self.device)
+        # Slot r holds rank r's rows of every gradient, each padded with zeros to chunk 0's size (and cast to
+        # the reduce dtype, as FSDP2's copy-in casts them).
         torch._chunk_cat(grads, 0, self.world_size, out=flat.view(self.world_size, -1))
         del grads
         if before is not None:
@@ -380,6 +416,8 @@ class ShardGroup:
         self.iteration.poll(waited=work)
         if after is not None:
             mine.div_(after)
+        if mine.dtype != self.dtype:  # FSDP2: the sum, divided, in the shards' dtype for the optimizer
+            mine = mine.to(self.dtype)
         offset = 0
         for p in with_grad:
             grad = mine[offset : offset + p.shard.numel()].view(p.shard.size())  # this rank's rows, not its padding
@@ -395,6 +433,9 @@ class ShardGroup:
         if self.iteration is None:
             Iteration(self)  # the first group to run forward is the root
         iteration = self.iteration
+        # FSDP2 (_fsdp_state.py, _cast_forward_inputs): floating-point inputs to the policy's param_dtype
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = map_tensors(functools.partial(_cast_floating, self.mp_policy.param_dtype), (args, kwargs))
         if iteration.backward_started:  # recomputation inside the backward (checkpointing)
             self.unshard()
             return args, kwargs
@@ -415,7 +456,7 @@ class ShardGroup:
     def after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         iteration = self.iteration
         if iteration.backward_started:
-            return output
+            return self._cast_output(output)
         self._record("forward", self._forward_start)
         if self.reshard_after_forward:
             self.reshard()
@@ -426,7 +467,14 @@ class ShardGroup:
                     tensor.register_hook(self._before_backward)
         if iteration.forward_root is self:
             iteration.end_forward()
-        return output
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
+        """Floating-point outputs to the policy's ``output_dtype`` (FSDP2's _cast_output_dtype), after the hooks
+        went on the outputs as the module made them."""
+        if self.mp_policy.output_dtype is None:
+            return output
+        return map_tensors(functools.partial(_cast_floating, self.mp_policy.output_dtype), output)
 
     def _before_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if self._backward_start is None:
@@ -444,6 +492,11 @@ class ShardGroup:
         """Record a collective from its launch to when this rank first sees it complete (:meth:`Iteration.poll`)."""
         if self.iteration is not None:
             self.iteration.open_collectives.append((self, work, stage, start))
+
+
+def _cast_floating(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in ``dtype`` if it is floating-point (FSDP2's _cast_fp_tensor), else as it is."""
+    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
 
 class Iteration:
@@ -540,8 +593,8 @@ class Iteration:
         (:class:`SharedContext`) wait for every reduce-scatter and drop unused prefetches; free what is still
         gathered, except where ``reshard_after_backward`` is off."""
         for group in self.groups:
-            if not group.reduced_this_backward and any(p.full is not None and p.full.grad is not None
-                                                       for p in group.params):
+            if not group.reduced_this_backward and any(p.accumulated is not None or (p.full is not None and p.full.grad
+                                                       is not None) for p in group.params):
                 group.reduce_gradients()
         last = self.groups[0].context.is_last_backward
         if last:
@@ -785,6 +838,7 @@ def fully_shard(
     *,
     process_group: Optional[dist.ProcessGroup] = None,
     reshard_after_forward: Optional[bool] = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
 ) -> nn.Module:
     """Shard ``module``'s parameters over the ranks of ``process_group``, FSDP2's way; returns ``module``.
 
@@ -801,6 +855,11 @@ def fully_shard(
             in the backward (less memory); ``False`` keeps them until the backward is done. ``None``
             (FSDP2's default): ``True``, except on the root (the module whose forward runs first), whose
             parameters the backward would gather again at once.
+        mp_policy: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for the whole parameters (the
+            all-gather, the forward and the backward; the optimizer still steps the shards in their own
+            dtype), ``reduce_dtype`` for the reduce-scatter (and for summing unsynchronised backwards),
+            ``output_dtype`` for the forward's floating-point outputs, ``cast_forward_inputs`` to cast the
+            floating-point inputs to ``param_dtype``.
 
     After this call, ``module``'s parameters are this rank's shards (rows of dim 0): build the
     optimizer afterwards, on ``module.parameters()``. ``module``'s class is then a subclass of
@@ -858,7 +917,7 @@ def fully_shard(
         setattr(param, _SHARDED_AS, f"parameter '{names.get(id(param), name)}' of the {type(module).__name__}")
         params.append(sharded)
     device = next(iter(devices)) if devices else torch.device("cpu")
-    shard_group = ShardGroup(module, params, group, reshard_after_forward, device)
+    shard_group = ShardGroup(module, params, group, reshard_after_forward, device, mp_policy)
     setattr(module, _GROUP, shard_group)
     module.register_forward_pre_hook(shard_group.before_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(shard_group.after_forward)

@@ -41,7 +41,8 @@ def memory_ledger(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
         "parameters": sum(_bytes(padded.get(id(p), p)) for p in params),
         # and the whole gradients unsynchronised backwards keep on the whole parameters, off the module once resharded
         "gradients": sum(_bytes(p.grad) for p in params) + sum(
-            _bytes(p.full.grad) for g in groups if not g.gathered for p in g.params if p.full is not None),
+            _bytes(p.full.grad) for g in groups if not g.gathered for p in g.params if p.full is not None) + sum(
+            _bytes(p.accumulated) for g in groups for p in g.params),
         "optimizer_state": 0 if optimizer is None else optimizer_state_bytes(optimizer),
         "gathered": sum(g.gathered_bytes() for g in groups),
         "buckets": sum(_bytes(b.buffer) for b in model.reducer.buckets) if isinstance(model, DistributedDataParallel) else 0,
