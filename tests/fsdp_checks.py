@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle, register_fsdp_forward_method
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import minidp.distributed as md
@@ -47,6 +47,10 @@ class Net(nn.Module):
             x = block(x)
         return self.head(x)
 
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        """Another entry point (a ``generate``) on the root's own parameters: register_fsdp_forward_method."""
+        return self.head(torch.tanh(self.norm(x)[:, :7]))
+
 
 class Tied(nn.Module):
     """One weight used by two modules (an embedding tied to its output layer), sharded as one group."""
@@ -75,12 +79,15 @@ class Embedded(nn.Module):
 
 
 def shard(model: nn.Module, function: Callable[..., Any], reshard_after_forward: Optional[bool],
-          policies: tuple[MixedPrecisionPolicy, MixedPrecisionPolicy] = (MixedPrecisionPolicy(),) * 2) -> nn.Module:
+          policies: tuple[MixedPrecisionPolicy, MixedPrecisionPolicy] = (MixedPrecisionPolicy(),) * 2,
+          ignored: tuple[str, ...] = ()) -> nn.Module:
     """Sub-modules first (the blocks, an embedding), the root last, as FSDP2 asks; ``policies``: the
-    sub-modules' mixed precision policy and the root's."""
+    sub-modules' mixed precision policy and the root's; ``ignored``: names of parameters the root's call ignores."""
     for part in [*getattr(model, "blocks", ()), *filter(None, [getattr(model, "embed", None)])]:
         function(part, reshard_after_forward=reshard_after_forward, mp_policy=policies[0])
-    return function(model, reshard_after_forward=reshard_after_forward, mp_policy=policies[1])
+    named = dict(model.named_parameters())
+    return function(model, reshard_after_forward=reshard_after_forward, mp_policy=policies[1],
+                    ignored_params={named[name] for name in ignored})
 
 
 # FSDP2's mixed precision policies (param_dtype: the all-gather, forward and backward; reduce_dtype: the
@@ -191,23 +198,24 @@ def first_difference(ours: nn.Module, theirs: nn.Module, optimizers: tuple) -> O
 
 def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.float32, optimizer: str = "sgd",
                   reshard_after_forward: Optional[bool] = True, steps: int = 3, micro_batches: int = 1,
-                  unsynced: Optional[str] = None, configure: Optional[str] = None, policy: Optional[str] = None
-                  ) -> dict:
+                  unsynced: Optional[str] = None, configure: Optional[str] = None, policy: Optional[str] = None,
+                  ignored: tuple[str, ...] = ()) -> dict:
     """Train FSDP2 and minidp side by side from the same weights (seeded alike on every rank, as
     FSDP2 requires), each rank on its own batches; after every backward and every step, the first
     difference. ``micro_batches`` > 1: that many backwards per step, their sharded gradients summed.
     ``unsynced``: each step's backwards but the last run after ``set_requires_gradient_sync(False)`` on
     the root, the last after ``True``: ``"all"`` with ``recurse=True`` (no reduce-scatter until the last),
     ``"root"`` with ``recurse=False`` (only the root's group accumulates unreduced). ``configure``: one of
-    :data:`CONFIGURATIONS`, applied to both before every micro-batch. ``policy``: one of :data:`POLICIES`."""
+    :data:`CONFIGURATIONS`, applied to both before every micro-batch. ``policy``: one of :data:`POLICIES`.
+    ``ignored``: parameters the root's ``fully_shard`` leaves alone (unsharded, unreduced)."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
     theirs = MODELS[model]().to(dtype)
     ours = copy.deepcopy(theirs)
     full = {k: v.clone() for k, v in theirs.state_dict().items()}
     policies = (MixedPrecisionPolicy(),) * 2 if policy is None else POLICIES[policy]
-    shard(theirs, torch_fully_shard, reshard_after_forward, policies)
-    shard(ours, md.fully_shard, reshard_after_forward, policies)
+    shard(theirs, torch_fully_shard, reshard_after_forward, policies, ignored)
+    shard(ours, md.fully_shard, reshard_after_forward, policies, ignored)
     optimizers = (OPTIMIZERS[optimizer](ours.parameters()), OPTIMIZERS[optimizer](theirs.parameters()))
     differences = []
     for step in range(steps):
@@ -235,6 +243,43 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
     return {"differences": differences, "state_dict_equal": state_dict_equal,
             "reloaded": all(torch.equal(reloaded[k], full[k]) for k in full),
             "shard_shapes": [tuple(p.shape) for p in ours.parameters()]}
+
+
+def forward_method(seed: int) -> dict:
+    """``score``, a method other than forward, registered with each library's ``register_fsdp_forward_method``:
+    three steps trained through it, the first difference from FSDP2 after each; what it returns without
+    the registration (minidp), and what registering a missing method raises."""
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    theirs = Net()
+    ours = shard(copy.deepcopy(theirs), md.fully_shard, True)
+    shard(theirs, torch_fully_shard, True)
+    x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + rank))
+    try:
+        ours.score(x)
+        unregistered = "ran"
+    except RuntimeError as error:
+        unregistered = f"{type(error).__name__}"
+    register_fsdp_forward_method(theirs, "score")
+    md.register_fsdp_forward_method(ours, "score")
+    optimizers = (OPTIMIZERS["sgd"](ours.parameters()), OPTIMIZERS["sgd"](theirs.parameters()))
+    differences = []
+    for step in range(3):
+        for opt in optimizers:
+            opt.zero_grad()
+        x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 10 * step + rank))
+        for sharded in (ours, theirs):
+            sharded.score(x).pow(2).mean().backward()
+        for opt in optimizers:
+            opt.step()
+        differences.append(first_difference(ours, theirs, optimizers))
+    try:
+        md.register_fsdp_forward_method(ours, "generate")
+        missing = "no error"
+    except ValueError as error:
+        missing = str(error)
+    md.register_fsdp_forward_method(Net(), "score")  # a module not sharded: nothing happens, as in FSDP2
+    return {"differences": differences, "unregistered": unregistered, "missing": missing}
 
 
 # FSDPModule.reset_iter_state is newer than torch 2.11.

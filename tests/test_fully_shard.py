@@ -91,6 +91,8 @@ TWO_PROCESSES = {
     **({f"recover-{where}": (checks.recovers_from_a_failure, {"where": where}) for where in ("forward", "backward")}
        if checks.FSDP2_RESETS else {}),
     "handles": (checks.handles, {}),
+    "forward_method": (checks.forward_method, {}),
+    "ignored-head": (checks.against_fsdp2, {"ignored": ("head.weight", "head.bias"), "optimizer": "adamw"}),
     "premultiplied": (checks.premultiplied, {}),
     "collectives-root-kept": (checks.collectives_with, {"configure": None, "reshard_after_forward": None}),
     "collectives-kept-between": (checks.collectives_with, {"configure": "keep_between_micro_batches",
@@ -118,6 +120,7 @@ THREE_PROCESSES = {
     "configured-divide_by_three-float32": (checks.against_fsdp2, {"configure": "divide_by_three"}),
     "policy-bf16-reduce-fp32-unsynced": (checks.against_fsdp2, {"policy": "bf16-reduce-fp32", **UNSYNCED}),
     "policy-reduce-bf16": (checks.against_fsdp2, {"policy": "reduce-bf16", "optimizer": "adamw"}),
+    "ignored-head": (checks.against_fsdp2, {"ignored": ("head.weight", "head.bias"), "dtype": torch.float64}),
 }
 
 
@@ -365,6 +368,26 @@ def test_after_a_failure_midway_reset_iter_state_lets_training_go_on_as_fsdp2(tw
     for result in each_rank(two, f"recover-{where}"):
         assert result["raised"] == ["planted", "planted"]
         assert result["differences"] == [None] * 3
+
+
+# ---- ignored parameters, and forward methods other than forward ---------------------------------------------
+# FSDP2: fully_shard's ignored_params (_fsdp_init.py, _get_managed_states); register_fsdp_forward_method
+# (_fully_shard.py: the method wrapped in the module's pre- and post-forward).
+
+
+@pytest.mark.parametrize("world", ["two", "three"])
+def test_ignored_parameters_stay_whole_and_unreduced_on_every_rank_as_fsdp2(world, request):
+    # the head's weight and bias: not sharded, each rank's own gradient, each rank's own optimizer step
+    assert_same_as_fsdp2(request.getfixturevalue(world), "ignored-head")
+    for result in each_rank(request.getfixturevalue(world), "ignored-head"):
+        assert result["shard_shapes"][-2:] == [(2, 7), (2,)]
+
+
+def test_a_registered_forward_method_gathers_the_parameters_and_trains_as_fsdp2(two):
+    for result in each_rank(two, "forward_method"):
+        assert result["unregistered"] == "RuntimeError"  # the shards: wrong shapes for the method's matrix product
+        assert result["differences"] == [None] * 3
+        assert result["missing"] == "Net does not have a method generate"
 
 
 # ---- the full state dict -------------------------------------------------------------------------

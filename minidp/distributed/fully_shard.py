@@ -839,6 +839,7 @@ def fully_shard(
     process_group: Optional[dist.ProcessGroup] = None,
     reshard_after_forward: Optional[bool] = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    ignored_params: Optional[set[nn.Parameter]] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over the ranks of ``process_group``, FSDP2's way; returns ``module``.
 
@@ -860,6 +861,8 @@ def fully_shard(
             dtype), ``reduce_dtype`` for the reduce-scatter (and for summing unsynchronised backwards),
             ``output_dtype`` for the forward's floating-point outputs, ``cast_forward_inputs`` to cast the
             floating-point inputs to ``param_dtype``.
+        ignored_params: parameters this call leaves alone (FSDP2's argument): not sharded, their gradients
+            not reduced, each rank keeping its own.
 
     After this call, ``module``'s parameters are this rank's shards (rows of dim 0): build the
     optimizer afterwards, on ``module.parameters()``. ``module``'s class is then a subclass of
@@ -880,9 +883,10 @@ def fully_shard(
     modules = _managed_modules(module)
     owners: dict[nn.Parameter, tuple[nn.Module, str]] = {}
     order: list[nn.Parameter] = []
+    ignored = ignored_params or set()
     for sub in modules:
         for name, param in sub.named_parameters(recurse=False):
-            if param not in owners:
+            if param not in owners and param not in ignored:
                 owners[param] = (sub, name)
                 order.append(param)
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
@@ -930,6 +934,25 @@ def fully_shard(
             _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"unsharded_class": cls})
         module.__class__ = _SHARDED_CLASSES[cls]
     return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>()`` gather and free the module's parameters as its forward does, so that a
+    method other than ``forward`` that uses them (a ``generate``) can be called on the sharded module (FSDP2's
+    ``register_fsdp_forward_method``; a module ``fully_shard`` was not applied to is left as it is, as there)."""
+    group = _group_of(module)
+    if group is None:
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{_class_name(module)} does not have a method {method_name}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def gathering(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = group.before_forward(module, args, kwargs)
+        return group.after_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, gathering)
 
 
 def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
