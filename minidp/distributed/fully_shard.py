@@ -148,6 +148,25 @@ class ShardedParameter:
         # backwards in the reduce dtype (FSDP2's unsharded_accumulated_grad), off the whole parameter.
         self.accumulated: Optional[torch.Tensor] = None
 
+    def follows_shard(self) -> bool:
+        """Whether ``shard`` is still a view of ``padded``: ``module.to(dtype or device)`` after ``fully_shard``
+        gives the shard new data, which the all-gather (reading ``padded``) would not see, nor the optimizer's
+        updates of it after that."""
+        shard, padded = self.shard, self.padded
+        return (shard.dtype == padded.dtype and shard.device == padded.device
+                and shard.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr())
+
+    def repad(self) -> None:
+        """Rebuild ``padded`` around the shard's new data, and make the shard (the same ``nn.Parameter``, which
+        the optimizer holds) a view of it again; the whole parameter is made anew at the next all-gather."""
+        rows = self.shard.size(0)
+        padded = self.shard.detach().new_zeros(self.padded_size)
+        if rows:
+            padded[:rows].copy_(self.shard.detach())
+        self.padded = padded.view(-1)
+        self.shard.data = padded.narrow(0, 0, rows)
+        self.gathered = self.full = None
+
     def take_whole_gradient(self) -> Optional[torch.Tensor]:
         """The whole gradient of the backwards since the last reduction, taken off the whole parameter: the sum
         kept in the reduce dtype, with this backward's added (FSDP2's accumulate_unsharded_grad_if_needed),
@@ -229,35 +248,49 @@ class ShardGroup:
         self.backward_prefetch: list[ShardGroup] = []
         # Shared by all the root's groups from its first forward on (FSDP2's FSDPStateContext).
         self.context = SharedContext()
+        self.mp_policy = mp_policy
         self.device = device
-        # Collectives overlap compute only off the CPU, where FSDP2's overlap (its CUDA streams) is
-        # too; on the CPU each is waited for at once (the module docstring, step 5, says why).
-        self.overlap = device.type != "cpu"
+        self._read_shards()
         self.name = ""  # the module's name under the root, set on the first forward
         self.index = 0  # position among the root's groups
         self.iteration: Optional[Iteration] = None  # set by the root's first forward
         self.gathered = False
         self.pending: Optional[tuple[dist.Work, torch.Tensor]] = None  # an all-gather under way, and its buffer
-        self.reduced_this_backward = False
         # False: the backward keeps the whole gradients on the whole parameters, unreduced, and the next
         # backward adds into them (ShardedModule.set_requires_gradient_sync; FSDP2's reduce_grads).
         self.requires_gradient_sync = True
-        self.dtype = params[0].padded.dtype if params else None  # the shards' (FSDP2's orig_dtype)
-        # Mixed precision (FSDP2's _fsdp_param.py, init_dtype_attrs): the whole parameters, and so the forward,
-        # the backward and the all-gather, in ``compute_dtype``; the gradients reduced in ``reduce_dtype``, then
-        # handed to the shards in their own dtype. A dtype that needs no cast counts as none.
-        self.mp_policy = mp_policy
-        reduce_dtype = None if mp_policy.reduce_dtype == mp_policy.param_dtype else mp_policy.reduce_dtype
-        floating = self.dtype is not None and self.dtype.is_floating_point
-        param_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype != self.dtype else None
-        self.compute_dtype = param_dtype or self.dtype
-        self.reduce_dtype = reduce_dtype
-        # What the group's whole parameters hold while gathered: every rank's padded rows of each (the
-        # storage unshard allocates, and reshard resizes to nothing).
-        itemsize = torch.empty(0, dtype=self.compute_dtype).element_size() if params else 0
-        self._gathered_nbytes = sum(p.shard_numel for p in params) * self.world_size * itemsize
         self._forward_start = 0.0
         self._backward_start: Optional[float] = None
+
+    def _read_shards(self) -> None:
+        """The device and dtypes, read from the shards (again after a ``module.to()`` changed them, as FSDP2 reads
+        them at its first forward). Mixed precision (FSDP2's _fsdp_param.py, init_dtype_attrs): the whole parameters, and so
+        the forward, the backward and the all-gather, in ``compute_dtype``; the gradients reduced in
+        ``reduce_dtype``, then handed to the shards in their own dtype. A dtype that needs no cast counts as none."""
+        if self.params:
+            self.device = self.params[0].padded.device
+        # Collectives overlap compute only off the CPU, where FSDP2's overlap (its CUDA streams) is
+        # too; on the CPU each is waited for at once (the module docstring, step 5, says why).
+        self.overlap = self.device.type != "cpu"
+        policy = self.mp_policy
+        self.dtype = self.params[0].padded.dtype if self.params else None  # the shards' (FSDP2's orig_dtype)
+        self.reduce_dtype = None if policy.reduce_dtype == policy.param_dtype else policy.reduce_dtype
+        floating = self.dtype is not None and self.dtype.is_floating_point
+        param_dtype = policy.param_dtype if floating and policy.param_dtype != self.dtype else None
+        self.compute_dtype = param_dtype or self.dtype
+        # What the group's whole parameters hold while gathered: every rank's padded rows of each (the
+        # storage unshard allocates, and reshard resizes to nothing).
+        itemsize = torch.empty(0, dtype=self.compute_dtype).element_size() if self.params else 0
+        self._gathered_nbytes = sum(p.shard_numel for p in self.params) * self.world_size * itemsize
+
+    def follow_moved_shards(self) -> None:
+        """Rebuild what gathers from the shards that ``module.to(...)`` gave new data (:meth:`ShardedParameter.
+        follows_shard`), and the group's device and dtypes from them."""
+        moved = [p for p in self.params if not p.follows_shard()]
+        for p in moved:
+            p.repad()
+        if moved:
+            self._read_shards()
 
     def gathered_bytes(self) -> int:
         """Bytes of the whole parameters held now: all of them while gathered, none once resharded."""
@@ -269,6 +302,7 @@ class ShardGroup:
         """Copy-in and start the all-gather (asynchronous); :meth:`unshard` finishes it."""
         if self.gathered or self.pending is not None or not self.params:
             return
+        self.follow_moved_shards()
         start = time.time()
         sizes = [p.shard_numel for p in self.params]
         slot = sum(sizes)
@@ -347,10 +381,12 @@ class ShardGroup:
     # ---- reduce-scatter ------------------------------------------------------------------------
 
     def reduce_gradients(self) -> None:
-        """Reduce-scatter the full gradients, divide them as FSDP2 does, hand rank r's rows to the shards."""
-        if self.reduced_this_backward:
-            return
-        self.reduced_this_backward = True
+        """Reduce-scatter the full gradients, divide them as FSDP2 does, hand rank r's rows to the shards.
+
+        Run after each forward's part of the backward (FSDP2's post_backward, run as often): with two forwards
+        before one backward, the first run may come before autograd has summed both forwards' gradients into the
+        whole parameters (it does so once, when both are in); that run finds none, frees the parameters, and
+        the next forward's part of the backward gathers them again and reduces the sum."""
         if self._backward_start is not None:
             self._record("backward", self._backward_start)
             self._backward_start = None
@@ -561,8 +597,6 @@ class Iteration:
 
     def end_forward(self) -> None:
         self.forward_root = None
-        for group in self.groups:
-            group.reduced_this_backward = False
 
     def before_backward(self, group: ShardGroup) -> None:
         self.poll()
@@ -593,8 +627,7 @@ class Iteration:
         (:class:`SharedContext`) wait for every reduce-scatter and drop unused prefetches; free what is still
         gathered, except where ``reshard_after_backward`` is off."""
         for group in self.groups:
-            if not group.reduced_this_backward and any(p.accumulated is not None or (p.full is not None and p.full.grad
-                                                       is not None) for p in group.params):
+            if any(p.accumulated is not None or (p.full is not None and p.full.grad is not None) for p in group.params):
                 group.reduce_gradients()
         last = self.groups[0].context.is_last_backward
         if last:
@@ -622,7 +655,6 @@ class Iteration:
 
     def _forget_backward(self) -> None:
         for group in self.groups:
-            group.reduced_this_backward = False
             group._backward_start = None
         self.backward_started = False
         self.post_forward_order = []
@@ -996,6 +1028,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     shards: dict[int, tuple[ShardGroup, ShardedParameter]] = {}
     for group in sharded_groups(module):
         group.reshard()
+        group.follow_moved_shards()
         shards.update({id(p.shard): (group, p) for p in group.params})
     full = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
