@@ -1,0 +1,154 @@
+"""PyTorch's own FSDP2 tests (``test/distributed/_composable/fsdp/`` of the PyTorch repository, as of torch 2.13), run
+against ``minidp.distributed.fully_shard`` on the CPU, in one job of 2 Gloo processes on 127.0.0.1 (the ``ranks``
+fixture, every process ended by the harness within ``JOB_TIMEOUT``).
+
+Ported (bodies in ``tests/upstream_fsdp_checks.py``, each under its upstream name), :data:`PORTED`, from
+``test_fully_shard_training.py`` (training parity with a DDP reference, one and several groups, explicit prefetching,
+gradient accumulation and 1F1B micro-batching, activation checkpointing, shared parameters, which parameters are
+registered after forward and backward), ``test_fully_shard_mixed_precision.py`` (compute and reduce dtypes, their
+casts, accumulation in the reduce dtype) and ``test_fully_shard_ignore_params.py``. Upstream gates most of them on
+GPUs only to have a device per rank, and runs them on 2 to 8 ranks; here the CPU and 2 ranks. What the port adapts
+(DTensor parameters read as plain shards, collectives seen through a dispatch mode, fewer iterations, no
+``reshard_after_forward=2``) is in that module's docstring and in each case's. Examined but not ported, with the
+reason: :data:`NOT_PORTED`.
+
+Adapted from PyTorch (BSD 3-clause), copyright the PyTorch contributors.
+
+The port is checked against the original: ``MINIDP_UPSTREAM_FSDP=torch python -m pytest -q
+tests/test_upstream_fully_shard.py`` runs every case on torch's own ``torch.distributed.fsdp.fully_shard``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.torch_version import TorchVersion
+
+from . import upstream_fsdp_checks as checks
+from .helpers import UPSTREAM_GROUP_TIMEOUT, assert_passed_on_every_rank, run_job, run_upstream
+
+
+@pytest.fixture(autouse=True)
+def dataparallel_configuration():
+    """The checks run in processes of their own, which start with DataParallel's defaults: the two
+    configurations of tests/conftest.py would run them twice alike, so they run once."""
+
+
+JOB_TIMEOUT = 180.0  # seconds for the whole job
+
+PORTED = {
+    "test_fully_shard_training.py": [
+        "test_root_move_forward_input_to_device",
+        "test_root_no_forward_inputs",
+        "test_param_registration_after_forward",
+        "test_param_registration_after_backward",
+        "test_to_float64_after_init",
+        "test_train_parity_single_group_shard_dim0",
+        "test_train_parity_multi_group",
+        "test_non_root_forward_backward",
+        "test_multi_forward_module",
+        "test_explicit_prefetching",
+        "test_train_parity_with_activation_checkpointing",
+        "test_train_parity_with_shared_params",
+        "test_layer_by_layer_shard_no_false_positive",
+        "test_gradient_accumulation",
+        "test_1f1b_microbatching",
+        "test_double_forward_with_nested_fsdp_and_checkpoint",
+        "test_register_fsdp_forward_method",
+    ],
+    "test_fully_shard_mixed_precision.py": [
+        "test_compute_dtype",
+        "test_reduce_dtype",
+        "test_grad_acc_with_reduce_dtype",
+        "test_structured_input_output",
+        "test_float16_on_one_submodule",
+        "test_submodules_with_external_inputs",
+        "test_norm_modules_bf16",
+        "test_clamp_reduce_dtype",
+    ],
+    "test_fully_shard_ignore_params.py": [
+        "test_ddp_A_fsdp_B_ddp_C",
+    ],
+}
+CASES = [name for names in PORTED.values() for name in names]
+
+# With MINIDP_UPSTREAM_FSDP=torch, cases that an older torch's own FSDP2 fails (checked on torch 2.11): out of the job,
+# skipped with the reason. minidp runs them under any torch.
+OLD_TORCH_FSDP2_FAILS = {
+    "test_structured_input_output": "torch's FSDP2 before 2.13 fails on dataclass activations between sharded "
+                                    "modules (a parameter's storage freed when the backward needs it)",
+}
+TORCH_BEFORE_2_13 = TorchVersion(torch.__version__) < "2.13"
+
+
+def _skipped_here(name: str) -> bool:
+    return checks.ON_TORCH and TORCH_BEFORE_2_13 and name in OLD_TORCH_FSDP2_FAILS
+
+
+IN_THE_JOB = [name for name in CASES if not _skipped_here(name)]
+
+_LIST = "calls fully_shard([a, b]) (one group over several modules), which minidp does not take"
+_MESH = "needs a device mesh of 2 or 3 dimensions (HSDP, TP, EP, PP) on 4 to 8 ranks"
+NOT_PORTED = {
+    # test_fully_shard_training.py
+    "test_modules_to_run_forward_empty_for_single_module": "reads FSDP2's private state (_modules_to_run_forward)",
+    "test_train_parity_single_group_shard_largest_dim": "shard_placement_fn (Shard(1)): minidp shards dim 0 only",
+    "test_train_parity_multi_group_cpu_offload_eager": "CPUOffloadPolicy: minidp has no offload",
+    "test_train_parity_multi_group_unshard_async_op": "FSDP2's private _set_unshard_async_op, which minidp lacks",
+    "test_post_optim_event": "set_post_optim_event takes a CUDA event (stream ordering; nothing to order on the CPU)",
+    "test_partial_group_forward_then_standalone": _LIST,
+    "test_grouped_module_cast_forward_inputs": _LIST,
+    "test_partial_group_forward_grad_accum_chunked": _LIST,
+    "test_partial_group_reshard_toggle": _LIST + "; also reads the private _fsdp_param_group",
+    "test_reset_iter_state_after_exception": _LIST,
+    "test_double_partial_forward_then_backward": _LIST,
+    "test_train_shared_params_uneven_shard": _LIST,
+    "test_shared_params_separate_fsdp_groups_error": "checks FSDP2's message at the first forward ('already managed "
+                                                     "by another'); minidp refuses at the second fully_shard call, "
+                                                     "with its own message (tests/test_fully_shard.py covers it)",
+    "test_train_parity_shard_placement_fn_shard_largest_dim": "shard_placement_fn: minidp shards dim 0 only",
+    "test_shard_placement_fn_contiguous_params_grads": "shard_placement_fn: minidp shards dim 0 only",
+    "test_2d_mlp_with_nd_mesh": _MESH,
+    "test_shard_placement_fn_tp_ep": _MESH,
+    "test_3d_mlp_with_nd_mesh": _MESH,
+    "test_train_parity_hsdp": _MESH,
+    "test_share_comm_context": "share_comm_ctx and FSDP2's CUDA streams (private _comm_ctx)",
+    "test_train_parity_single_worldsize1": "one rank: the job has 2 (and it counts FSDP2's collectives with "
+                                           "CommDebugMode on a mesh of 1)",
+    "test_two_layer_fully_shard_cudagraph": "CUDA graphs",
+    # test_fully_shard_mixed_precision.py
+    "test_no_warmup_jvp_reshard_after_forward_false": "meta-device init with to_empty() after fully_shard, and "
+                                                      "forward-mode AD (torch.func.jvp) through the gathered "
+                                                      "parameters: a mesh argument and torch's meta-init path",
+    "test_reduce_dtype_after_frozen_first_forward": "fails on torch 2.13's own FSDP2 on the CPU (a bfloat16 "
+                                                     "gradient assigned to the float32 shard: the reduce dtype it "
+                                                     "checks is fixed after 2.13), so the port cannot be validated",
+    "test_checkpoint_recompute_casts_forward_inputs": "not ported for time: checkpoint recomputation casts are also "
+                                                      "exercised by test_train_parity_with_activation_checkpointing",
+    "test_checkpoint_recompute_casts_outputs": "not ported for time (as test_checkpoint_recompute_casts_forward_inputs)",
+    "test_norm_modules_fp16": "not ported for time: the same body as test_norm_modules_bf16, in float16",
+}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    """Every case of IN_THE_JOB, run once in one job of 2 ranks; each rank's results."""
+    return run_job(run_upstream, 2, (checks.__name__, [(name, {}) for name in IN_THE_JOB]), JOB_TIMEOUT,
+                   UPSTREAM_GROUP_TIMEOUT)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_upstream_fully_shard_case(ranks, name):
+    if _skipped_here(name):
+        pytest.skip(f"{name} on torch {torch.__version__}'s own FSDP2: {OLD_TORCH_FSDP2_FAILS[name]}")
+    assert_passed_on_every_rank(ranks, name)
+
+
+def test_every_case_is_in_the_checks_module():
+    assert CASES == [name for name in vars(checks) if name.startswith("test_")]
+    assert not set(CASES) & set(NOT_PORTED)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_PORTED))
+def test_not_ported(name):
+    pytest.skip(f"{name}: {NOT_PORTED[name]}")
