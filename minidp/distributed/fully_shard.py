@@ -136,12 +136,8 @@ class ShardedParameter:
         self.full_size = param.size()
         chunks = list(torch.chunk(param.detach(), world_size, dim=0))  # fewer than W when dim 0 < W
         self.padded_size = chunks[0].size()
-        rows = chunks[rank].size(0) if rank < len(chunks) else 0
-        padded = param.detach().new_zeros(self.padded_size)
-        if rows:
-            padded[:rows].copy_(chunks[rank])
-        self.padded = padded.view(-1)  # what this rank contributes to the all-gather
-        self.shard = nn.Parameter(padded.narrow(0, 0, rows), requires_grad=param.requires_grad)
+        self.shard = nn.Parameter(param.detach().new_empty(0), requires_grad=param.requires_grad)
+        self._pad(chunks[rank] if rank < len(chunks) else param.detach()[:0])
         self.gathered: Optional[torch.Tensor] = None  # allocated at the first all-gather
         self.full: Optional[nn.Parameter] = None
         # With a reduce dtype other than the compute dtype: the whole gradient summed over unsynchronised
@@ -156,16 +152,23 @@ class ShardedParameter:
         return (shard.dtype == padded.dtype and shard.device == padded.device
                 and shard.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr())
 
-    def repad(self) -> None:
-        """Rebuild ``padded`` around the shard's new data, and make the shard (the same ``nn.Parameter``, which
-        the optimizer holds) a view of it again; the whole parameter is made anew at the next all-gather."""
-        rows = self.shard.size(0)
-        padded = self.shard.detach().new_zeros(self.padded_size)
-        if rows:
-            padded[:rows].copy_(self.shard.detach())
+    def _pad(self, rows: torch.Tensor) -> None:
+        """``padded`` (what this rank contributes to the all-gather): ``rows``, then zero rows up to chunk 0's
+        size; ``shard`` (always the same ``nn.Parameter``: the optimizer holds it) a view of its real rows."""
+        padded = rows.new_zeros(self.padded_size)
+        padded[: rows.size(0)].copy_(rows)
         self.padded = padded.view(-1)
-        self.shard.data = padded.narrow(0, 0, rows)
+        self.shard.data = padded.narrow(0, 0, rows.size(0))
+
+    def repad(self) -> None:
+        """Rebuild ``padded`` around the shard's new data (:meth:`follows_shard`); the whole parameter is made
+        anew at the next all-gather."""
+        self._pad(self.shard.detach())
         self.gathered = self.full = None
+
+    def has_whole_gradient(self) -> bool:
+        """Whether a gradient of the whole parameter waits to be reduced (on it, or summed in the reduce dtype)."""
+        return self.accumulated is not None or (self.full is not None and self.full.grad is not None)
 
     def take_whole_gradient(self) -> Optional[torch.Tensor]:
         """The whole gradient of the backwards since the last reduction, taken off the whole parameter: the sum
@@ -264,9 +267,10 @@ class ShardGroup:
 
     def _read_shards(self) -> None:
         """The device and dtypes, read from the shards (again after a ``module.to()`` changed them, as FSDP2 reads
-        them at its first forward). Mixed precision (FSDP2's _fsdp_param.py, init_dtype_attrs): the whole parameters, and so
-        the forward, the backward and the all-gather, in ``compute_dtype``; the gradients reduced in
-        ``reduce_dtype``, then handed to the shards in their own dtype. A dtype that needs no cast counts as none."""
+        them at its first forward). Mixed precision (FSDP2's _fsdp_param.py, init_dtype_attrs): the whole
+        parameters, and so the forward, the backward and the all-gather, in ``compute_dtype``; the gradients
+        reduced in ``reduce_dtype``, then handed to the shards in their own dtype. A dtype that needs no cast
+        counts as none."""
         if self.params:
             self.device = self.params[0].padded.device
         # Collectives overlap compute only off the CPU, where FSDP2's overlap (its CUDA streams) is
@@ -398,10 +402,9 @@ class ShardGroup:
             if self.reshard_after_backward:
                 self.reshard()
             if self.reduce_dtype is not None:  # FSDP2 sums them in the reduce dtype (to_accumulated_grad_if_needed)
-                for p in self.params:
-                    if p.accumulated is not None or (p.full is not None and p.full.grad is not None):
-                        whole = p.take_whole_gradient()
-                        p.accumulated = whole if whole.dtype == self.reduce_dtype else whole.to(self.reduce_dtype)
+                for p in filter(ShardedParameter.has_whole_gradient, self.params):
+                    whole = p.take_whole_gradient()
+                    p.accumulated = whole if whole.dtype == self.reduce_dtype else whole.to(self.reduce_dtype)
             return
         taken = [(p, p.take_whole_gradient()) for p in self.params]
         with_grad = [p for p, grad in taken if grad is not None]
@@ -627,7 +630,7 @@ class Iteration:
         (:class:`SharedContext`) wait for every reduce-scatter and drop unused prefetches; free what is still
         gathered, except where ``reshard_after_backward`` is off."""
         for group in self.groups:
-            if any(p.accumulated is not None or (p.full is not None and p.full.grad is not None) for p in group.params):
+            if any(map(ShardedParameter.has_whole_gradient, group.params)):
                 group.reduce_gradients()
         last = self.groups[0].context.is_last_backward
         if last:
