@@ -509,6 +509,17 @@ def freed_once_dropped(seed: int) -> dict:
     return alive
 
 
+def mixed_dtypes(seed: int) -> str:
+    """A frozen float64 parameter beside float32 ones in one call: minidp's error."""
+    model = Net()
+    model.register_parameter("scale", nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False))
+    try:
+        md.fully_shard(model)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def mismatched_model(seed: int) -> str:
     """Rank 1 builds a wider hidden layer: the error on each rank."""
     model = Net(hidden=29 if dist.get_rank() == 0 else 30)

@@ -81,6 +81,7 @@ TWO_PROCESSES = {
     "already_wrapped": (checks.already_wrapped, {}),
     "shared_between_groups": (checks.shared_between_groups, {}),
     "mismatched_model": (checks.mismatched_model, {}),
+    "mixed_dtypes": (checks.mixed_dtypes, {}),
     "freed_once_dropped": (checks.freed_once_dropped, {}),
     "timeline_and_memory": (checks.timeline_and_memory, {}),
     **{f"configured-{name}": (checks.against_fsdp2, {"configure": name, **arguments})
@@ -485,6 +486,13 @@ def test_a_parameter_shared_between_two_groups_is_refused_where_fsdp2_refuses_it
             assert "is shared with a parameter already managed by another FSDP group" in errors["fsdp2"]
         else:
             assert "fsdp2" not in errors
+
+
+def test_parameters_of_two_dtypes_in_one_call_are_refused_with_the_way_out(two):
+    # one all-gather buffer carries a group's parameters: a frozen float64 one would be cast to float32 in it
+    for message in each_rank(two, "mixed_dtypes"):
+        assert "must share one dtype, found ['torch.float32', 'torch.float64']" in message
+        assert "ignored_params" in message
 
 
 def test_ranks_with_different_models_raise_the_same_error_naming_the_parameter(two):

@@ -940,9 +940,11 @@ def fully_shard(
     devices = {p.device for p in order}
     if len(devices) > 1:
         raise ValueError(f"fully_shard: the parameters of one call must be on one device, found {sorted(map(str, devices))}")
-    dtypes = {p.dtype for p in order if p.requires_grad}
+    dtypes = {p.dtype for p in order}  # frozen ones too: one all-gather buffer carries them all
     if len(dtypes) > 1:
-        raise ValueError(f"fully_shard: the parameters of one call must share one dtype, found {sorted(map(str, dtypes))}")
+        raise ValueError(
+            f"fully_shard: the parameters of one call must share one dtype, found {sorted(map(str, dtypes))}: cast "
+            f"the module to one dtype first (mp_policy computes in another), or leave the others out (ignored_params)")
     _check_same_parameters([(names.get(id(p), owners[p][1]), p) for p in order], group)
     params = []
     for param in order:
