@@ -78,6 +78,20 @@ class Embedded(nn.Module):
         return self.body(self.embed((x.abs() * 5).long() % 17).mean(1))
 
 
+class Branchy(nn.Module):
+    """A block, then one of two heads of the root's group, chosen by the rank: each rank leaves a different
+    parameter without gradient (``set_reduce_scatter_unused_params``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(13, 13)])
+        self.left, self.right = nn.Linear(13, 2), nn.Linear(13, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.left if dist.get_rank() % 2 == 0 else self.right
+        return head(self.blocks[0](x))
+
+
 def shard(model: nn.Module, function: Callable[..., Any], reshard_after_forward: Optional[bool],
           policies: tuple[MixedPrecisionPolicy, MixedPrecisionPolicy] = (MixedPrecisionPolicy(),) * 2,
           ignored: tuple[str, ...] = ()) -> nn.Module:
@@ -102,7 +116,7 @@ POLICIES = {
 }
 
 
-MODELS = {"net": Net, "tied": Tied, "embedded": Embedded}
+MODELS = {"net": Net, "tied": Tied, "embedded": Embedded, "branchy": Branchy}
 
 
 def sharded_modules(model: nn.Module) -> list[nn.Module]:
@@ -135,6 +149,10 @@ def _kept_after_backward(model: nn.Module, micro: int, micro_batches: int) -> No
     model.set_reshard_after_backward(False)  # with every backward reduced: the next forward gathers nothing
 
 
+def _reduce_unused(model: nn.Module, micro: int, micro_batches: int) -> None:
+    model.set_reduce_scatter_unused_params(True)
+
+
 def _divide_by_three(model: nn.Module, micro: int, micro_batches: int) -> None:
     for module in sharded_modules(model):
         module.set_gradient_divide_factor(3.0)
@@ -163,6 +181,7 @@ CONFIGURATIONS: dict[str, Callable[[nn.Module, int, int], None]] = {
     "backward_prefetch": _backward_prefetch,
     "keep_between_micro_batches": _keep_between_micro_batches,
     "kept_after_backward": _kept_after_backward,
+    "reduce_unused": _reduce_unused,
     "divide_by_three": _divide_by_three,
     "force_sum": _force_sum,
     "unshard_by_hand": _unshard_by_hand,
@@ -282,8 +301,9 @@ def forward_method(seed: int) -> dict:
     return {"differences": differences, "unregistered": unregistered, "missing": missing}
 
 
-# FSDPModule.reset_iter_state is newer than torch 2.11.
+# FSDPModule.reset_iter_state and set_reduce_scatter_unused_params are newer than torch 2.11.
 FSDP2_RESETS = hasattr(FSDPModule, "reset_iter_state")
+FSDP2_REDUCES_UNUSED = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
 
 
 def recovers_from_a_failure(seed: int, where: str) -> dict:

@@ -93,6 +93,8 @@ TWO_PROCESSES = {
        if checks.FSDP2_RESETS else {}),
     "handles": (checks.handles, {}),
     "forward_method": (checks.forward_method, {}),
+    **({"unused-params": (checks.against_fsdp2, {"model": "branchy", "configure": "reduce_unused",
+                                                 "optimizer": "adamw"})} if checks.FSDP2_REDUCES_UNUSED else {}),
     "ignored-head": (checks.against_fsdp2, {"ignored": ("head.weight", "head.bias"), "optimizer": "adamw"}),
     "premultiplied": (checks.premultiplied, {}),
     "collectives-root-kept": (checks.collectives_with, {"configure": None, "reshard_after_forward": None}),
@@ -360,6 +362,14 @@ def test_a_divide_factor_fsdp2_would_premultiply_on_nccl_is_premultiplied_here_a
     for result in each_rank(two, "premultiplied"):
         assert result["equal"]
         assert result["fsdp2"] == "RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo"
+
+
+@pytest.mark.skipif(not checks.FSDP2_REDUCES_UNUSED,
+                    reason="this torch's FSDP2 has no set_reduce_scatter_unused_params to compare with")
+def test_parameters_one_rank_did_not_use_are_reduced_as_zeros_as_fsdp2(two):
+    # FSDP2: FSDPModule.set_reduce_scatter_unused_params; _fsdp_param_group.py, post_backward (unsharded_zero_grad_data).
+    # Rank 0 uses the left head, rank 1 the right one: every rank reduce-scatters both, zeros for the one it left.
+    assert_same_as_fsdp2(two, "unused-params")
 
 
 @pytest.mark.skipif(not checks.FSDP2_RESETS, reason="this torch's FSDP2 has no reset_iter_state to compare with")

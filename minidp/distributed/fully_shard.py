@@ -245,6 +245,10 @@ class ShardGroup:
         self.unshard_in_backward = True
         self.gradient_divide_factor: Optional[float] = None
         self.force_sum_reduction_for_comms = False
+        self.reduce_scatter_unused_params = False
+        # Whether reduce_gradients ran since this group's backward last began (FSDP2's POST_BACKWARD state): the
+        # end of the backward runs it for the groups where it did not (inputs without gradient, unused modules).
+        self.post_backward_ran = False
         # Explicit prefetching (set_modules_to_forward_prefetch, set_modules_to_backward_prefetch); empty: the
         # defaults, no forward prefetch and the previous group in the forward's order in the backward.
         self.forward_prefetch: list[ShardGroup] = []
@@ -391,6 +395,7 @@ class ShardGroup:
         before one backward, the first run may come before autograd has summed both forwards' gradients into the
         whole parameters (it does so once, when both are in); that run finds none, frees the parameters, and
         the next forward's part of the backward gathers them again and reduces the sum."""
+        self.post_backward_ran = True
         if self._backward_start is not None:
             self._record("backward", self._backward_start)
             self._backward_start = None
@@ -407,6 +412,9 @@ class ShardGroup:
                     p.accumulated = whole if whole.dtype == self.reduce_dtype else whole.to(self.reduce_dtype)
             return
         taken = [(p, p.take_whole_gradient()) for p in self.params]
+        if self.reduce_scatter_unused_params:  # zeros for those this rank did not use, so every rank sends alike
+            taken = [(p, torch.zeros_like(p.full) if grad is None and p.full is not None and p.shard.requires_grad
+                      else grad) for p, grad in taken]
         with_grad = [p for p, grad in taken if grad is not None]
         grads = [grad for _, grad in taken if grad is not None]
         del taken
@@ -606,6 +614,7 @@ class Iteration:
         if not self.backward_started:
             self.backward_started = True
             Variable._execution_engine.queue_callback(self.end_backward)
+        group.post_backward_ran = False
         if group.unshard_in_backward:
             group.unshard()
         # Prefetch, as FSDP2's backward does: the group that finished its forward just before this one
@@ -625,12 +634,13 @@ class Iteration:
             target.launch_all_gather()
 
     def end_backward(self) -> None:
-        """After the whole backward: reduce the groups whose inputs needed no gradient (the root first,
-        then in module order, as FSDP2's ``_root_post_backward_final_callback``); on the last backward
+        """After the whole backward: reduce the groups whose reduction did not run (inputs that needed no gradient,
+        a module this rank did not use), the root first, then in module order, as FSDP2's
+        ``_root_post_backward_final_callback``; on the last backward
         (:class:`SharedContext`) wait for every reduce-scatter and drop unused prefetches; free what is still
         gathered, except where ``reshard_after_backward`` is off."""
         for group in self.groups:
-            if any(map(ShardedParameter.has_whole_gradient, group.params)):
+            if not group.post_backward_ran:
                 group.reduce_gradients()
         last = self.groups[0].context.is_last_backward
         if last:
@@ -659,6 +669,7 @@ class Iteration:
     def _forget_backward(self) -> None:
         for group in self.groups:
             group._backward_start = None
+            group.post_backward_ran = False
         self.backward_started = False
         self.post_forward_order = []
 
@@ -724,6 +735,13 @@ class ShardedModule:
         """Sharded modules whose all-gathers this module's backward starts, in place of the default, the
         module that ran just before it in the forward."""
         _own_group(self).backward_prefetch = _groups_of_modules(modules)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Reduce-scatter zeros for the parameters this rank's backward gave no gradient: needed where ranks use
+        different parameters of a group (conditional branches, mixtures of experts), else the ranks would send
+        different gradients to one reduce-scatter (DDP's ``find_unused_parameters`` for sharding)."""
+        for group in _groups_under(self, recurse):
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step; ``False`` for the micro-batches
