@@ -59,6 +59,7 @@ call on the module live: ``set_requires_gradient_sync`` (gradient accumulation w
 reduce-scatter), ``unshard`` (also asynchronous: a prefetch by hand) and ``reshard``,
 ``set_reshard_after_forward`` and ``set_reshard_after_backward``, ``set_modules_to_forward_prefetch`` and
 ``set_modules_to_backward_prefetch``, ``set_is_last_backward``, ``set_unshard_in_backward``,
+``set_reduce_scatter_unused_params``,
 ``set_gradient_divide_factor``, ``set_force_sum_reduction_for_comms`` and ``reset_iter_state``. Each changes
 when a collective runs, or how the gradients are divided, as FSDP2's does (tests/test_fully_shard.py trains
 with each against FSDP2). Mixed precision is FSDP2's ``MixedPrecisionPolicy``, given to ``fully_shard``. Not
