@@ -933,6 +933,30 @@ def _assert_reduce_scatters_in(log: CollectiveLog, dtype: torch.dtype) -> None:
     assert log.dtypes(REDUCE_SCATTER) == {dtype}, f"reduce-scatter in {log.dtypes(REDUCE_SCATTER)}, expected {dtype}"
 
 
+def _sharded_step(model: nn.Module, optim: torch.optim.Optimizer, inp: torch.Tensor, iter_idx: int,
+                  reduce_dtype: torch.dtype) -> torch.Tensor:
+    """One step of the sharded model, its gradients set to None every other step as upstream does; checks that the
+    backward's reduce-scatters ran in ``reduce_dtype``. Returns the loss."""
+    optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+    loss = model(inp).sum()
+    with CollectiveLog() as log:
+        loss.backward()
+    _assert_reduce_scatters_in(log, reduce_dtype)
+    optim.step()
+    return loss
+
+
+def _step_reference(ref_model: nn.Module, ref_model_low: nn.Module, ref_optim: torch.optim.Optimizer) -> None:
+    """The reference's step: the low-precision copy's gradients, in the float32 model's dtype, stepped there; the
+    updated parameters copied back into the low-precision copy."""
+    for param_fp32, param_low in zip(ref_model.parameters(), ref_model_low.parameters()):
+        param_fp32.grad = param_low.grad.to(param_fp32.dtype)
+        param_low.grad = None
+    ref_optim.step()
+    for param_fp32, param_low in zip(ref_model.parameters(), ref_model_low.parameters()):
+        param_low.detach().copy_(param_fp32)
+
+
 def test_compute_dtype():
     """TestFullyShardMixedPrecisionTraining: ``param_dtype`` bfloat16 and float16 (the reduce-scatter in it too):
     each step's loss equals a low-precision reference's whose gradients are reduced as FSDP2 reduces them
@@ -947,12 +971,7 @@ def test_compute_dtype():
         torch.manual_seed(42 + dist.get_rank() + 1)
         inp = torch.randn((4, 16), dtype=param_dtype)
         for iter_idx in range(5):
-            optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
-            fsdp_loss = model(inp).sum()
-            with CollectiveLog() as log:
-                fsdp_loss.backward()
-            _assert_reduce_scatters_in(log, param_dtype)
-            optim.step()
+            fsdp_loss = _sharded_step(model, optim, inp, iter_idx, param_dtype)
 
             ref_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
             ref_loss = ref_model_low(inp.to(param_dtype)).sum()
@@ -964,12 +983,7 @@ def test_compute_dtype():
                 _all_gather(param.grad, output)
                 if postdivide is not None and postdivide > 1:
                     param.grad.div_(postdivide)
-            for param_fp32, param_low in zip(ref_model.parameters(), ref_model_low.parameters()):
-                param_fp32.grad = param_low.grad.to(param_fp32.dtype)
-                param_low.grad = None
-            ref_optim.step()
-            for param_fp32, param_low in zip(ref_model.parameters(), ref_model_low.parameters()):
-                param_low.detach().copy_(param_fp32)
+            _step_reference(ref_model, ref_model_low, ref_optim)
             assert_close(fsdp_loss, ref_loss)
             check_sharded_parity(ref_model, model)
 
@@ -987,12 +1001,7 @@ def test_reduce_dtype():
         torch.manual_seed(42 + dist.get_rank() + 1)
         inp = torch.randn((4, 16), dtype=param_dtype)
         for iter_idx in range(5):
-            optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
-            fsdp_loss = model(inp).sum()
-            with CollectiveLog() as log:
-                fsdp_loss.backward()
-            _assert_reduce_scatters_in(log, reduce_dtype)
-            optim.step()
+            fsdp_loss = _sharded_step(model, optim, inp, iter_idx, reduce_dtype)
 
             ref_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
             ref_loss = ref_model_bf16(inp.to(param_dtype)).sum()
@@ -1001,12 +1010,7 @@ def test_reduce_dtype():
                 param.grad.data = param.grad.to(torch.float32)
                 dist.all_reduce(param.grad)
                 param.grad.div_(world)
-            for param_fp32, param_bf16 in zip(ref_model.parameters(), ref_model_bf16.parameters()):
-                param_fp32.grad = param_bf16.grad
-                param_bf16.grad = None
-            ref_optim.step()
-            for param_fp32, param_bf16 in zip(ref_model.parameters(), ref_model_bf16.parameters()):
-                param_bf16.detach().copy_(param_fp32)
+            _step_reference(ref_model, ref_model_bf16, ref_optim)
             assert_close(fsdp_loss, ref_loss)
             check_sharded_parity(ref_model, model)
 
@@ -1016,12 +1020,7 @@ def test_reduce_dtype():
         torch.manual_seed(42 + dist.get_rank() + 1)
         inp = torch.randn((4, 16), dtype=param_dtype)
         for iter_idx in range(5):
-            optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
-            fsdp_loss = model(inp).sum()
-            with CollectiveLog() as log:
-                fsdp_loss.backward()
-            _assert_reduce_scatters_in(log, reduce_dtype)
-            optim.step()
+            fsdp_loss = _sharded_step(model, optim, inp, iter_idx, reduce_dtype)
 
             ref_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
             ref_loss = ref_model(inp).sum()
