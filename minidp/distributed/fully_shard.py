@@ -483,7 +483,7 @@ class ShardGroup:
         iteration = self.iteration
         # FSDP2 (_fsdp_state.py, _cast_forward_inputs): floating-point inputs to the policy's param_dtype
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = map_tensors(functools.partial(_cast_floating, self.mp_policy.param_dtype), (args, kwargs))
+            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         if iteration.backward_started:  # recomputation inside the backward (checkpointing)
             self.unshard()
             return args, kwargs
@@ -522,7 +522,7 @@ class ShardGroup:
         went on the outputs as the module made them."""
         if self.mp_policy.output_dtype is None:
             return output
-        return map_tensors(functools.partial(_cast_floating, self.mp_policy.output_dtype), output)
+        return _cast_floating(output, self.mp_policy.output_dtype)
 
     def _before_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if self._backward_start is None:
@@ -542,9 +542,10 @@ class ShardGroup:
             self.iteration.open_collectives.append((self, work, stage, start))
 
 
-def _cast_floating(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` in ``dtype`` if it is floating-point (FSDP2's _cast_fp_tensor), else as it is."""
-    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` (tensors nested in tuples, lists, dicts, ...) with its floating-point tensors in ``dtype``, the others
+    as they are (FSDP2's _cast_fp_tensor, applied to every tensor)."""
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj)
 
 
 class Iteration:
