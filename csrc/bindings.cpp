@@ -6,8 +6,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <sstream>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef __linux__
@@ -29,15 +30,37 @@ namespace {
 
 using TensorList = std::vector<at::Tensor>;
 
+// Error messages are joined as plain strings (numbers through std::to_string) and raised as Python's
+// ValueError, TypeError or RuntimeError; never through TORCH_CHECK or any other std::ostream. A compiler
+// that links its own copy of the C++ library into the extension (g++ -static-libstdc++, as the wrapper
+// some CUDA images set as CXX does) gets streams that look up torch's shared locale facets by the wrong
+// index: numbers written to them vanish from the message, or the process crashes (seen on such a
+// machine: SIGSEGV inside std::ostream's number formatting, from the first check that failed).
+std::string piece(const std::string& text) { return text; }
+std::string piece(const char* text) { return text; }
+template <typename Number, typename = std::enable_if_t<std::is_integral_v<Number>>>
+std::string piece(Number number) {
+  return std::to_string(number);
+}
+template <typename... Pieces>
+std::string message(const Pieces&... pieces) {
+  return (std::string() + ... + piece(pieces));
+}
+
+// Raises `error` (py::value_error, py::type_error or std::runtime_error) with the joined message when
+// `condition` is false; the message is only built then.
+#define MINIDP_REQUIRE(condition, error, ...)               \
+  do {                                                    \
+    if (!(condition)) throw error(message(__VA_ARGS__)); \
+  } while (false)
+
 // "(4, 5)", "(7,)", "()": shapes written the way Python prints them.
 std::string shape_str(at::IntArrayRef shape) {
-  std::ostringstream out;
-  out << "(";
+  std::string out = "(";
   for (size_t d = 0; d < shape.size(); ++d) {
-    out << (d ? ", " : "") << shape[d];
+    out += (d ? ", " : "") + std::to_string(shape[d]);
   }
-  out << (shape.size() == 1 ? ",)" : ")");
-  return out.str();
+  return out + (shape.size() == 1 ? ",)" : ")");
 }
 
 // "torch.float32": the dtype's Python name (needs the GIL).
@@ -58,27 +81,27 @@ bool to_dtype(at::ScalarType dtype, DType* out) {
 // Every replica holds the same number of tensors, and tensor i has one shape and one supported
 // dtype in all replicas. Errors name the tensor and the replica.
 void check_inputs(const std::vector<TensorList>& inputs) {
-  TORCH_CHECK_VALUE(!inputs.empty(), "reduce_add needs at least one replica, got none");
+  MINIDP_REQUIRE(!inputs.empty(), py::value_error, "reduce_add needs at least one replica, got none");
   const TensorList& first = inputs[0];
   for (size_t k = 1; k < inputs.size(); ++k) {
-    TORCH_CHECK_VALUE(inputs[k].size() == first.size(), "replica ", k, " has ", inputs[k].size(),
-                      " tensors but replica 0 has ", first.size());
+    MINIDP_REQUIRE(inputs[k].size() == first.size(), py::value_error, "replica ", k, " has ",
+                   inputs[k].size(), " tensors but replica 0 has ", first.size());
   }
   for (size_t i = 0; i < first.size(); ++i) {
     DType unused;
-    TORCH_CHECK_TYPE(to_dtype(first[i].scalar_type(), &unused), "tensor ", i,
-                     " of replica 0 has dtype ", dtype_str(first[i].scalar_type()),
-                     "; supported are torch.float32, torch.float64, torch.float16 and torch.bfloat16");
+    MINIDP_REQUIRE(to_dtype(first[i].scalar_type(), &unused), py::type_error, "tensor ", i,
+                   " of replica 0 has dtype ", dtype_str(first[i].scalar_type()),
+                   "; supported are torch.float32, torch.float64, torch.float16 and torch.bfloat16");
     for (size_t k = 0; k < inputs.size(); ++k) {
       const at::Tensor& t = inputs[k][i];
-      TORCH_CHECK_VALUE(t.layout() == at::kStrided, "tensor ", i, " of replica ", k,
-                        " is not dense (layout ", t.layout(), ")");
-      TORCH_CHECK_TYPE(t.scalar_type() == first[i].scalar_type(), "tensor ", i, " of replica ", k,
-                       " has dtype ", dtype_str(t.scalar_type()), " but replica 0's has ",
-                       dtype_str(first[i].scalar_type()));
-      TORCH_CHECK_VALUE(t.sizes() == first[i].sizes(), "tensor ", i, " of replica ", k,
-                        " has shape ", shape_str(t.sizes()), " but replica 0's has ",
-                        shape_str(first[i].sizes()));
+      MINIDP_REQUIRE(t.layout() == at::kStrided, py::value_error, "tensor ", i, " of replica ", k,
+                     " is not dense (its layout is not torch.strided)");
+      MINIDP_REQUIRE(t.scalar_type() == first[i].scalar_type(), py::type_error, "tensor ", i,
+                     " of replica ", k, " has dtype ", dtype_str(t.scalar_type()),
+                     " but replica 0's has ", dtype_str(first[i].scalar_type()));
+      MINIDP_REQUIRE(t.sizes() == first[i].sizes(), py::value_error, "tensor ", i, " of replica ", k,
+                     " has shape ", shape_str(t.sizes()), " but replica 0's has ",
+                     shape_str(first[i].sizes()));
     }
   }
 }
@@ -194,7 +217,7 @@ void reduce_add_on_gpu(const std::vector<TensorList>& inputs, const TensorList& 
 
   const char* error = reduce_add_cuda(host.view(base), base + chunk_table_start, num_chunks,
                                       stream.stream());
-  TORCH_CHECK(error == nullptr, "reduce_add: CUDA kernel launch failed: ", error);
+  MINIDP_REQUIRE(error == nullptr, std::runtime_error, "reduce_add: CUDA kernel launch failed: ", error);
 }
 #endif
 
@@ -222,25 +245,25 @@ void reduce_add_checked(const std::vector<TensorList>& inputs, const TensorList&
     return;
   }
 #endif
-  TORCH_CHECK_VALUE(false, "reduce_add: this build cannot reduce onto ", destination);
+  throw py::value_error(message("reduce_add: this build cannot reduce onto ", destination.str()));
 }
 
 // outputs[i] = sum over replicas k of inputs[k][i], written into existing tensors.
 void reduce_add_into(const std::vector<TensorList>& inputs, const TensorList& outputs) {
   check_inputs(inputs);
-  TORCH_CHECK_VALUE(outputs.size() == inputs[0].size(), "got ", outputs.size(),
-                    " outputs for ", inputs[0].size(), " tensors per replica");
+  MINIDP_REQUIRE(outputs.size() == inputs[0].size(), py::value_error, "got ", outputs.size(),
+                 " outputs for ", inputs[0].size(), " tensors per replica");
   for (size_t i = 0; i < outputs.size(); ++i) {
     const at::Tensor& out = outputs[i];
     const at::Tensor& like = inputs[0][i];
-    TORCH_CHECK_VALUE(out.device() == outputs[0].device(), "output ", i, " is on ", out.device(),
-                      " but output 0 is on ", outputs[0].device());
-    TORCH_CHECK_TYPE(out.scalar_type() == like.scalar_type(), "output ", i, " has dtype ",
-                     dtype_str(out.scalar_type()), " but tensor ", i, " has ",
-                     dtype_str(like.scalar_type()));
-    TORCH_CHECK_VALUE(out.sizes() == like.sizes(), "output ", i, " has shape ",
-                      shape_str(out.sizes()), " but tensor ", i, " has ", shape_str(like.sizes()));
-    TORCH_CHECK_VALUE(out.is_contiguous(), "output ", i, " is not contiguous");
+    MINIDP_REQUIRE(out.device() == outputs[0].device(), py::value_error, "output ", i, " is on ",
+                   out.device().str(), " but output 0 is on ", outputs[0].device().str());
+    MINIDP_REQUIRE(out.scalar_type() == like.scalar_type(), py::type_error, "output ", i,
+                   " has dtype ", dtype_str(out.scalar_type()), " but tensor ", i, " has ",
+                   dtype_str(like.scalar_type()));
+    MINIDP_REQUIRE(out.sizes() == like.sizes(), py::value_error, "output ", i, " has shape ",
+                   shape_str(out.sizes()), " but tensor ", i, " has ", shape_str(like.sizes()));
+    MINIDP_REQUIRE(out.is_contiguous(), py::value_error, "output ", i, " is not contiguous");
   }
   py::gil_scoped_release no_gil;
   reduce_add_checked(inputs, outputs);
@@ -280,7 +303,7 @@ void prefer_huge_pages(void* data, size_t nbytes) {
 class OutputPool {
  public:
   explicit OutputPool(int64_t max_blocks) : max_blocks_(max_blocks) {
-    TORCH_CHECK_VALUE(max_blocks >= 1, "OutputPool needs max_blocks >= 1, got ", max_blocks);
+    MINIDP_REQUIRE(max_blocks >= 1, py::value_error, "OutputPool needs max_blocks >= 1, got ", max_blocks);
   }
 
   // Fresh tensors on `destination` holding the sums, one per position, shaped like replica 0's.

@@ -6,6 +6,7 @@ core's "torch" backend: add replica by replica, half types accumulated in float3
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import warnings
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from ._ext_helpers import assert_bitwise_equal, random_replicas, torch_reduce
+from .helpers import fresh_python
 from minidp import ext
 
 CPU = torch.device("cpu")
@@ -200,6 +202,37 @@ def test_unsupported_dtype_is_rejected(extension):
 def test_no_replicas_is_rejected(extension):
     with pytest.raises(ValueError, match="at least one replica"):
         ext.reduce_add_coalesced([], CPU)
+
+
+MISMATCHES = """
+import torch
+from minidp import ext
+cpu = torch.device("cpu")
+for inputs in ([[torch.ones(3)], []], [[torch.ones(3)], [torch.ones(4)]], [[torch.ones(2)], [torch.ones(2).double()]]):
+    try:
+        ext.reduce_add_coalesced(inputs, cpu)
+    except (TypeError, ValueError) as error:
+        print(type(error).__name__, error)
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_errors_keep_their_numbers_when_the_compiler_links_the_cpp_runtime_statically(tmp_path):
+    """A CUDA image's compiler wrapper (its CXX) linked the C++ runtime into the extension, as
+    ``g++ -static-libstdc++`` does: messages formatted by std::ostream then lost their numbers here and
+    crashed the process on a GPU machine. The extension is built that way, in a fresh process, as
+    ``ext.load()`` builds it, and its errors must come out whole."""
+    wrapper = tmp_path / "g++-static-runtime"
+    wrapper.write_text('#!/bin/sh\nexec g++ "$@" -static-libstdc++\n')
+    wrapper.chmod(0o755)
+    environment = {"CXX": str(wrapper), "TORCH_EXTENSIONS_DIR": str(tmp_path / "build"), "MINIDP_EXT": "1"}
+    result = fresh_python("-c", MISMATCHES, env=environment, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "ValueError replica 1 has 0 tensors but replica 0 has 1",
+        "ValueError tensor 0 of replica 1 has shape (4,) but replica 0's has (3,)",
+        "TypeError tensor 0 of replica 1 has dtype torch.float64 but replica 0's has torch.float32",
+    ]
 
 
 # --- building and switching it off --------------------------------------------------------
