@@ -149,4 +149,30 @@ def test_matches_the_reference_and_real_stock_on_cuda(name, device_ids, against,
     else:
         expected = stock_forward_backward(case, device_ids, emulate=False)
     actual = minidp_forward_backward(case, device_ids)
+    if against == "stock":  # the one difference, pinned by the test below
+        for shared in buffers_stock_shares_between_replicas(case.fresh_model(), device_ids):
+            del actual.buffers[shared], expected.buffers[shared]
     assert_same_results(actual, expected, compare_non_tensors=against == "reference")
+
+
+def buffers_stock_shares_between_replicas(model: nn.Module, device_ids: list) -> set[str]:
+    """The buffers that every replica of stock's ``replicate(model, device_ids)`` holds as the original tensor."""
+    originals = {name: buffer.data_ptr() for name, buffer in model.named_buffers()}
+    replicas = nn.parallel.replicate(model, device_ids)
+    return {name for name, buffer in replicas[-1].named_buffers() if buffer.data_ptr() == originals[name]}
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_on_a_repeated_gpu_id_stock_shares_a_buffer_alone_in_its_dtype_and_minidp_does_not(generator):
+    """docs/stock-behaviour.md B21: on ids ``[0, 0]`` stock's replica 1 holds the original of a buffer that is the
+    only one of its dtype (the checkpointed block's ``num_batches_tracked``), so both replicas count their batches
+    on it; minidp gives every replica but the first a copy of its own, as it does on distinct GPUs."""
+    case = make_case("checkpoint", 10, generator, device="cuda:0")
+    assert buffers_stock_shares_between_replicas(case.fresh_model(), [0, 0]) == {"block.0.num_batches_tracked"}
+    model = case.fresh_model()
+    copies = minidp.replicate(model, ["cuda:0", "cuda:0"])
+    assert copies[1].block[0].num_batches_tracked.data_ptr() != model.block[0].num_batches_tracked.data_ptr()
+    stock = stock_forward_backward(case, [0, 0], emulate=False).buffers["block.0.num_batches_tracked"]
+    ours = minidp_forward_backward(case, [0, 0]).buffers["block.0.num_batches_tracked"]
+    assert (stock.item(), ours.item()) == (4, 2)  # a forward and its recomputation, by each replica or by the first
