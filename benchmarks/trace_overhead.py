@@ -191,6 +191,9 @@ class PassingListener:
     def on_replica(self, replica: int, device: torch.device, module: object, call: Callable[[], object]) -> object:
         return call()
 
+    def on_module(self, device: torch.device, module: object, call: Callable[[], object]) -> object:
+        return call()
+
     def on_replica_backward(self, replica: int, device: torch.device, module: object, call: Callable[[], object]) -> object:
         return call()
 

@@ -12,7 +12,7 @@ Something listens when
 * ``torch.profiler`` is recording: every stage then shows in its trace as ``minidp::<stage>``, and,
   once CUDA is in use, as an NVTX range of the same name for Nsight Systems.
 
-A listener is any object with the four methods of :class:`Listener`. It receives the primitive's own
+A listener is any object with the five methods of :class:`Listener`. It receives the primitive's own
 arguments as Python binds them (``inspect.Signature.bind``), runs the call itself (so it can time it)
 and returns its result unchanged.
 """
@@ -36,6 +36,10 @@ class Listener(Protocol):
 
     def on_replica(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         """Run ``call()``, replica ``replica``'s forward on ``device``, and return its result."""
+
+    def on_module(self, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
+        """Run ``call()``, ``module`` itself running on ``device`` as the only replica (nothing was replicated),
+        and return its result."""
 
     def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         """Run ``call()``, the backward of replica ``replica`` (``module``) as one call, and return its result."""
@@ -149,6 +153,12 @@ def observe_replica(replica: int, device: torch.device, module: Any, call: Calla
     return _observe_replica("forward", replica, device, module, call)
 
 
+def observe_module(device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
+    """``call()``, ``module`` itself running on ``device``, its only device (with one device id nothing is replicated,
+    docs/stock-behaviour.md B9), seen as replica 0's ``forward`` stage."""
+    return _observe_replica("module", 0, device, module, call)
+
+
 def observe_replica_backward(replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
     """``call()``, the whole backward of replica ``replica`` (``module``) on ``device``, seen as the ``backward``
     stage: where one call runs it (:mod:`minidp.parallel_backward`); elsewhere autograd runs a replica's backward
@@ -172,8 +182,10 @@ def _observe_replica(stage: str, replica: int, device: torch.device, module: Any
     listener = _listener
     if listener is None and not _profiler._is_profiler_enabled:
         return call()
-    with _ranges(stage):
+    with _ranges("forward" if stage == "module" else stage):
         if listener is None:
             return call()
+        if stage == "module":
+            return listener.on_module(device, module, call)
         on_stage = listener.on_replica if stage == "forward" else listener.on_replica_backward
         return on_stage(replica, device, module, call)

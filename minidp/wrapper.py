@@ -21,7 +21,7 @@ from torch import nn
 
 from . import comm
 from .device_ids import DeviceLike, as_device, as_devices, check_device_list, parse_device, visible_gpus
-from .hooks import profiled
+from .hooks import observe_module, profiled
 from .replica_cache import ReplicaCache, ReplicaCacheInfo
 from .step1_scatter import scatter_kwargs
 from .step2_replicate import check_is_module, check_module_device, check_not_compiled, replicate
@@ -182,7 +182,7 @@ class DataParallel(nn.Module):
                 # One device: the module itself is the only replica, and its output is returned as it
                 # is (as stock), unless it must move to another output_device (stock leaves it).
                 check_module_device(self.module, self.source_device, replicated=False)
-                output = self.module(*inputs[0], **kwargs[0])
+                output = observe_module(self.source_device, self.module, lambda: self.module(*inputs[0], **kwargs[0]))
                 if not self.gather_output:
                     return [output]
                 return output if self.output_device == self.source_device else self.gather([output], self.output_device)
@@ -262,7 +262,7 @@ def data_parallel(
         chunk_inputs, chunk_kwargs = ((),), ({},)
     used = devices[: len(chunk_inputs)]
     if len(devices) == 1:
-        outputs = [module(*chunk_inputs[0], **chunk_kwargs[0])]
+        outputs = [observe_module(devices[0], module, lambda: module(*chunk_inputs[0], **chunk_kwargs[0]))]
     else:
         detach = not torch.is_grad_enabled()
         replicas = replica_cache.replicate(module, used, detach) if replica_cache else replicate(module, used, detach)

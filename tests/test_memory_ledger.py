@@ -223,6 +223,23 @@ def test_the_ledger_table_names_every_category_and_the_replicas(generator):
     assert "cpu replica 0" in table and "cpu replica 1" in table
 
 
+def test_on_one_device_the_module_running_itself_is_the_model(generator):
+    """With one device id the module itself runs (docs/stock-behaviour.md B9): nothing is replicated or gathered,
+    and its parameters, what its forward keeps (the ReLU's output, and the output the loss keeps) and its gradients
+    are still named, as replica 0's where a replica made them."""
+    module = mlp()
+    model = minidp.DataParallel(module, ["cpu"])
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    with minidp.trace(ledger=True) as traced:
+        model(x).pow(2).sum().backward()
+    P = parameter_bytes(module)
+    device, replica = row(traced.ledger()), row(traced.ledger(), replica=0)
+    assert (device.held["parameters"], device.held["gradients"]) == (P, P)
+    assert device.held["inputs"] == 8 * D * BYTES
+    assert device.held["activations"] == replica.held["activations"] == 8 * H * BYTES + 8 * O * BYTES
+    assert device.held["gathered outputs"] == 0
+
+
 @requires_cuda
 def test_on_a_gpu_the_allocators_peak_is_shown_beside_the_ledger(generator):
     module = mlp().cuda()
@@ -232,5 +249,5 @@ def test_on_a_gpu_the_allocators_peak_is_shown_beside_the_ledger(generator):
         model(x).pow(2).sum().backward()
     gpu = row(traced.ledger(), "cuda:0")
     assert gpu.allocator_peak is not None and gpu.allocator_peak > 0
-    assert gpu.held["activations"] == 8 * H * BYTES
+    assert gpu.held["activations"] == 8 * H * BYTES + 8 * O * BYTES  # as on the CPU, one device (the test above)
     assert gpu.held["gradients"] >= parameter_bytes(module)

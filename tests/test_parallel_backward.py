@@ -276,6 +276,9 @@ class _HearsOutputs:
     def on_replica(self, replica, device, module, call):
         return call()
 
+    def on_module(self, device, module, call):
+        return call()
+
     def on_replica_backward(self, replica, device, module, call):
         return call()
 

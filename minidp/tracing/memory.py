@@ -294,7 +294,8 @@ class AllocationLedger:
         self._device_names: dict[torch.device, str] = {}
         self._finalizers: list[weakref.finalize] = []
         self._thread = threading.local()  # .phases: a stack of (phase, replica); .watched: this thread is
-        self._replica_modules: set[int] = set()  # ids of the modules replicate made: their forward is the model's
+        self._models: set[int] = set()  # ids of the modules whose forward is the model's: replicate's replicas, or
+        # the module itself where it runs alone (one device)
         self._parameters: list[torch.Tensor] = []  # whose .grad are gradients when the step ends
         self._hooks: list[Any] = []
         self._mode: Optional[_Watch] = None
@@ -352,6 +353,16 @@ class AllocationLedger:
         parameters = list(parameters)
         self.mark(parameters, "parameters")
         self._parameters.extend(parameters)
+
+    def watch_module(self, module: torch.nn.Module) -> None:
+        """``module`` runs itself as the only replica (one device, nothing replicated): its parameters and buffers
+        are parameters, their ``.grad`` gradients, and what its forward keeps for the backward activations."""
+        self._watch_network(module)
+        self._models.add(id(module))
+
+    def _watch_network(self, network: torch.nn.Module) -> None:
+        self.watch_parameters(network.parameters())
+        self.mark(network.buffers(), "parameters")
 
     def mark(self, tensors: Iterable[Any], category: str, replica: Optional[int] = None,
              made_now: bool = False) -> None:
@@ -439,8 +450,7 @@ class AllocationLedger:
         if stage == "scatter":
             self.mark(_tensors(arguments["inputs"]), "inputs")
         elif stage == "replicate":
-            self.watch_parameters(arguments["network"].parameters())
-            self.mark(arguments["network"].buffers(), "parameters")
+            self._watch_network(arguments["network"])
         elif stage == "reduce":
             for replica, gradients in enumerate(arguments["inputs"]):
                 self.mark(gradients, "gradients", replica)
@@ -452,7 +462,7 @@ class AllocationLedger:
                 self.mark(_tensors(piece), "inputs", replica, made_now=True)
         elif stage == "replicate":
             for replica, module in enumerate(result):
-                self._replica_modules.add(id(module))
+                self._models.add(id(module))
                 _, parameters, buffers = _replica_tensors(arguments["network"], module)
                 self.mark(parameters + buffers, "parameters", replica, made_now=True)
         elif stage == "gather":
@@ -463,8 +473,9 @@ class AllocationLedger:
 
     def run_replica(self, replica: int, module: Any, call: Callable[[], Any]) -> Any:
         """Run replica ``replica``'s ``call()`` in its thread: the model's forward if ``module`` is a replica
-        that replicate made, else the loss on the replica (:func:`minidp.parallel_criterion`'s terms)."""
-        name = "forward" if id(module) in self._replica_modules else "loss"
+        that replicate made (or the module running alone, :meth:`watch_module`), else the loss on the replica
+        (:func:`minidp.parallel_criterion`'s terms)."""
+        name = "forward" if id(module) in self._models else "loss"
         with self.watching(), self.phase(name, replica):
             return call()
 

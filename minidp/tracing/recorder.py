@@ -209,6 +209,11 @@ class Trace:
         finally:
             self._close(span, "forward", lambda: iter([(replica, device, 0, "")]))
 
+    def on_module(self, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
+        if self._allocations is not None:
+            self._allocations.watch_module(module)
+        return self.on_replica(0, device, module, call)
+
     def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
         if one_call_each:
             return  # each replica's call marks its backward's start and end (on_replica_backward)
