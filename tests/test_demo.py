@@ -144,6 +144,24 @@ def test_balanced_trains_exactly_as_the_gathered_run_and_prints_both_ledgers(cap
 
 
 @pytest.mark.fresh_interpreter
+@pytest.mark.parametrize("gpus,processes,device", [(0, 2, "cpu"), (1, 2, "cpu"), (2, 2, "cuda"), (4, 2, "cuda")])
+def test_processes_use_nccl_only_where_every_process_has_a_gpu_of_its_own(monkeypatch, gpus, processes, device):
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected", seen on a one-GPU machine), so ``--device auto``
+    trains on the CPU with Gloo unless there is a GPU per process."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert demo.distributed_device("auto", processes) == device
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_processes_on_cuda_without_a_gpu_per_process_are_refused_saying_what_works(monkeypatch, gpus):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(SystemExit, match="--device cpu") as refused:
+        demo.distributed_device("cuda", 2)
+    assert (f"this machine has {gpus}" in str(refused.value)) == (gpus > 0)
+
+
 def test_processes_trains_with_minidp_distributed(capfd):
     assert main(["demo", "--processes", "2", "--samples", "200", "--epochs", "1", "--batch-size", "40"]) == 0
     out = capfd.readouterr().out  # printed by rank 0, a process of its own

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--processes", type=positive_int, default=1,
         help="train with minidp.distributed in this many processes (Gloo on the loopback address, or NCCL "
-        "with --device cuda), --replicas replicas in each; --batch-size is the total per step (default: 1)",
+        "with a GPU per process), --replicas replicas in each; --batch-size is the total per step (default: 1)",
     )
     parser.add_argument(
         "--shard", action="store_true",
@@ -231,6 +231,21 @@ def _last_batch_note(samples: int, batch_size: int, replicas: int) -> str:
     return f" (last batch {last} -> {chunk_sizes_for(last, replicas)})" if last else ""
 
 
+def distributed_device(requested: str, processes: int) -> str:
+    """Where ``processes`` ranks train: NCCL wants a GPU of its own per process (it refuses two ranks on one GPU), so
+    ``auto`` is ``cuda`` only where there are that many, and ``cuda`` with fewer is refused before any process starts."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "auto":
+        return "cuda" if gpus >= processes else "cpu"
+    if requested == "cuda" and gpus < processes:
+        raise SystemExit(
+            f"--device cuda with --processes {processes}: NCCL needs one GPU per process and this machine has {gpus}; "
+            f"use --processes {gpus} or fewer, or --device cpu (Gloo, CPU tensors)" if gpus else
+            f"--device cuda: this machine has no GPU; use --device cpu (Gloo, CPU tensors)"
+        )
+    return requested
+
+
 def run(args: argparse.Namespace) -> int:
     if args.processes > 1:
         from ..distributed import run_demo  # torch.distributed only when asked for
@@ -239,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("--balanced and --processes: choose one (the distributed demo gathers in each process)")
         if args.shard and args.replicas:
             raise SystemExit("--shard and --replicas: choose one (a sharded process runs its model once)")
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        device = distributed_device(args.device, args.processes)
         run_demo(args.processes, backend="nccl" if device == "cuda" else "gloo", epochs=args.epochs,
                  batch_size=args.batch_size, replicas=args.replicas or 1, lr=args.lr, seed=args.seed,
                  samples=args.samples, trace=args.trace, shard=args.shard)
