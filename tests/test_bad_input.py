@@ -300,7 +300,7 @@ BAD_DEVICE_CALLS = [
     (lambda m, x, d: comm.reduce_add([x, x], d), "destination"),
     (lambda m, x, d: comm.reduce_add_coalesced([[x], [x]], d), "destination"),
     (lambda m, x, d: minidp.DataParallel(m, cpu_ids(2), output_device=d)(x), "output_device"),
-    (lambda m, x, d: minidp.DataParallel(m, [0, 1], output_device=d)(x), "output_device"),
+    (lambda m, x, d: minidp.DataParallel(m, [0, 0], output_device=d)(x), "output_device"),
     (lambda m, x, d: minidp.DataParallel(m, ["cpu", d])(x), "device_ids[1]"),
     (lambda m, x, d: minidp.DataParallel(m, [d, 0])(x), "device_ids[0]"),
     (lambda m, x, d: minidp.data_parallel(m, x, cpu_ids(2), output_device=d), "output_device"),
@@ -313,7 +313,7 @@ BAD_DEVICE_CALLS = [
 def test_a_misspelled_device_is_an_error_naming_the_argument_and_what_works(model, call, argument, device, generator):
     """Stock passes the spelling to torch (``RuntimeError: Expected one of cpu, cuda, ... device type``,
     ``Device index must not be negative``), which names neither the argument nor the spellings that
-    work. Integer ids on a machine without a GPU (``[0, 1]``) are a direct call (B1), but ``-2`` and
+    work. Integer ids on a machine without a GPU (``[0, 0]``) are a direct call (B1), but ``-2`` and
     ``output_device='gpu'`` are checked there too."""
     before = snapshot(model)
     with pytest.raises(ValueError, match=rf"{re.escape(argument)}: {re.escape(repr(device) if isinstance(device, str) else str(device))} "
