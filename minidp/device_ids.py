@@ -57,10 +57,15 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def default_device_ids(replicas_on_cpu: int) -> list[DeviceLike]:
-    """Every visible GPU, else ``replicas_on_cpu`` CPU replicas."""
+def default_device_ids(replicas: int) -> list[DeviceLike]:
+    """Every visible GPU where there are several; else ``replicas`` replicas on the one GPU, or on the CPU.
+
+    (With the one GPU alone there would be one replica, and nothing data-parallel to see or check.)
+    """
     count = visible_gpus()
-    return list(range(count)) if count else ["cpu"] * replicas_on_cpu
+    if count > 1:
+        return list(range(count))
+    return [0] * replicas if count else ["cpu"] * replicas
 
 
 def as_device(device: DeviceLike, argument: str = "device") -> torch.device:

@@ -187,20 +187,23 @@ def verify(
     Args:
         module: the model; left untouched (every run uses a deep copy).
         inputs: the positional arguments of one batch (a tuple; anything else is one argument).
-        device_ids: where the replicas run; default every visible GPU, else ``["cpu"] * 2``.
+        device_ids: where the replicas run; default every visible GPU where there are several, else two
+            replicas on the one GPU (``[0, 0]``) or on the CPU (``["cpu"] * 2``).
         kwargs: keyword arguments of the batch (scattered like ``inputs``).
         dim: the batch dimension.
         loss: output -> scalar for the backward; default :func:`default_loss`.
         wrapper: the data-parallel class to check, called as ``wrapper(module, device_ids=..., dim=...)``.
         dtype: floating-point parameters, buffers and inputs are converted to it (``None``: kept).
         rtol: largest accepted relative error; default 1e-10 in float64, else 1e-4.
-        stock: also run ``torch.nn.DataParallel``; default: when every device is a CUDA GPU.
+        stock: also run ``torch.nn.DataParallel``; default: when every device is a different CUDA GPU (on a
+            repeated GPU id stock hands every replica the original of a buffer alone in its dtype,
+            docs/stock-behaviour.md B21, so its buffers would differ from minidp's and from the reference's).
         batch_dependent: your own layer types that compute batch statistics as BatchNorm does, e.g.
             ``(MyNorm,)``: differences from the full batch are put down to them (module docstring).
     """
     check_is_module(module, "module")
     check_dim(dim, "dim")
-    devices = as_devices(device_ids if device_ids is not None else default_device_ids(replicas_on_cpu=2), "device_ids")
+    devices = as_devices(device_ids if device_ids is not None else default_device_ids(replicas=2), "device_ids")
     if not devices:
         raise ValueError("device_ids is empty: give at least one device, e.g. ['cpu'] * 2")
     for argument, function in (("loss", loss), ("wrapper", wrapper)):
@@ -250,14 +253,14 @@ def verify(
     runs[FULL_BATCH] = one_device(fresh(), full_batch)
 
     if stock is None:
-        stock = torch.cuda.is_available() and all(d.type == "cuda" for d in devices)
+        stock = torch.cuda.is_available() and all(d.type == "cuda" for d in devices) and len(set(devices)) == len(devices)
     if stock:
         stock_model = fresh()
         stock_output = nn.DataParallel(stock_model, [d.index for d in devices], home.index, dim)(*inputs, **kwargs)
         loss(stock_output).backward()
         runs[STOCK] = (stock_model, stock_output)
     else:
-        report.notes.append("stock torch.nn.DataParallel not run: it needs CUDA device ids")
+        report.notes.append("stock torch.nn.DataParallel not run: it needs CUDA device ids, each a different GPU")
 
     for against in (REFERENCE, STOCK):
         if against in runs:

@@ -52,7 +52,12 @@ class SmallCNN(nn.Module):
 
 
 class VGGSplit(nn.Module):
-    """The tutorial's pattern: the model itself is not wrapped; its ``forward`` parallelises its parts."""
+    """The tutorial's pattern: the model itself is not wrapped; its ``forward`` parallelises its parts.
+
+    ``device_ids``: where the parts run, given to every ``data_parallel`` call. ``None``: on the device the parts'
+    parameters are on, as one call there; not ``data_parallel``'s ``None`` (every GPU), which would send a copy of
+    the model on the CPU, or a replica of it on another GPU, chunks it cannot take.
+    """
 
     def __init__(self, device_ids: Optional[Sequence[DeviceLike]] = None, classes: int = 10) -> None:
         super().__init__()
@@ -63,8 +68,9 @@ class VGGSplit(nn.Module):
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(8 * 14 * 14, 32), nn.ReLU(), nn.Linear(32, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = data_parallel(self.features, x, self.device_ids)
-        return data_parallel(self.classifier, x, self.device_ids)
+        device_ids = self.device_ids if self.device_ids is not None else [self.features[0].weight.device]
+        x = data_parallel(self.features, x, device_ids)
+        return data_parallel(self.classifier, x, device_ids)
 
 
 class ResNetBlockBN(nn.Module):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import minidp
-from minidp.zoo import ZOO, MLP, VGGSplit
+from minidp.zoo import ZOO, MLP
 
 from .helpers import CountsCalls, cpu_ids, requires_cuda
 
@@ -42,10 +42,7 @@ class PrivateBuffersEverywhere(minidp.DataParallel):
 def test_verify_passes_on_every_zoo_model(name, generator):
     entry = ZOO[name]
     inputs, kwargs = entry.batch(7, generator)  # 7 rows on 3 replicas: uneven chunks 3, 3, 1
-    model = entry.build()
-    if isinstance(model, VGGSplit):  # its parts on the CPU, where the replicas run (its default, None, is every GPU)
-        model.device_ids = ["cpu"]
-    report = minidp.verify(model, inputs, cpu_ids(3), kwargs, dim=entry.dim, loss=entry.loss)
+    report = minidp.verify(entry.build(), inputs, cpu_ids(3), kwargs, dim=entry.dim, loss=entry.loss)
     assert report.ok, str(report)
     assert {c.kind for c in report.checks} >= {"output", "gradient", "state"}
 
@@ -105,12 +102,30 @@ def test_verify_defaults_to_two_cpu_replicas_without_a_gpu(generator):
     assert any("stock torch.nn.DataParallel not run" in note for note in report.notes)
 
 
+@pytest.mark.parametrize("gpus,expected", [(0, ["cpu", "cpu"]), (1, [0, 0]), (3, [0, 1, 2])])
+def test_the_default_devices_are_several_replicas_wherever_there_is_one_gpu_or_none(monkeypatch, gpus, expected):
+    """One GPU alone would give one replica, a direct call (docs/stock-behaviour.md B9): nothing data-parallel to check."""
+    monkeypatch.setattr(minidp.device_ids, "visible_gpus", lambda: gpus)
+    assert minidp.device_ids.default_device_ids(replicas=2) == expected
+
+
 @pytest.mark.cuda
 @requires_cuda
-def test_verify_compares_with_stock_dataparallel_on_gpus(generator):
-    report = minidp.verify(MLP(), torch.randn(6, 16, generator=generator), [0, 0])
+def test_verify_compares_with_stock_dataparallel_on_gpus_when_asked(generator):
+    report = minidp.verify(MLP(), torch.randn(6, 16, generator=generator), [0, 0], stock=True)
     assert report.ok, str(report)
     assert any(c.against == "stock DataParallel" for c in report.checks)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_verify_leaves_stock_out_by_default_on_a_repeated_gpu_id(generator):
+    """docs/stock-behaviour.md B21: there stock's replicas count a lone BatchNorm's batches on the original buffer."""
+    entry = ZOO["checkpoint"]
+    inputs, _ = entry.batch(6, generator)
+    report = minidp.verify(entry.build(), inputs, [0, 0], loss=entry.loss)
+    assert report.ok, str(report)
+    assert any("stock torch.nn.DataParallel not run" in note for note in report.notes)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ _PARALLEL_BACKWARD = {"auto": "auto", "on": True, "off": False}  # --parallel-ba
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=list(ZOO), default="cnn", help="zoo model to train (default cnn)")
     parser.add_argument("--devices", type=parse_device_ids, default=None,
-                        help="device ids, e.g. 0,1 or cpu*4 (default: every GPU, else cpu*4)")
+                        help="device ids, e.g. 0,1 or cpu*4 (default: every GPU if several, else 4 replicas on the GPU or the CPU)")
     parser.add_argument("--batch", type=positive_int, default=256, help="batch size (default 256)")
     parser.add_argument("--warmup", type=non_negative_int, default=2, help="untraced steps before the traced one (default 2)")
     parser.add_argument("--seed", type=seed, default=0, help="seed of the random batch and weights")
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    device_ids = args.devices or default_device_ids(replicas_on_cpu=4)
+    device_ids = args.devices or default_device_ids(replicas=4)
     torch.manual_seed(args.seed)
     entry = ZOO[args.model]
     model = DataParallel(entry.build().to(_first_device(device_ids)), device_ids, dim=entry.dim)

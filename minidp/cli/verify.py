@@ -18,7 +18,7 @@ from .args import parse_device_ids, positive_int, seed
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=parse_device_ids, default=None,
-                        help="device ids, e.g. 0,1 or cpu*4 (default: every GPU, else cpu*2)")
+                        help="device ids, e.g. 0,1 or cpu*4 (default: every GPU if several, else 2 replicas on the GPU or the CPU)")
     parser.add_argument("--models", nargs="+", choices=list(ZOO), default=list(ZOO), metavar="MODEL",
                         help=f"zoo models to check (default: all of {', '.join(ZOO)})")
     parser.add_argument("--batch", type=positive_int, default=7, help="batch size (default 7: uneven chunks)")
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    device_ids = args.devices or default_device_ids(replicas_on_cpu=2)
+    device_ids = args.devices or default_device_ids(replicas=2)
     names = [str(d) for d in as_devices(device_ids, "--devices")]
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
