@@ -128,7 +128,9 @@ def torchrun(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node=2 ARGS`` in a fresh session; the whole session is
     killed if it runs past ``timeout`` (then the test fails)."""
     paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    # CPU jobs on Gloo wherever they run: on a machine with a GPU, frameworks would put each rank on one (ignite's
+    # idist sets the device of its local rank, which a one-GPU machine lacks for rank 1).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), CUDA_VISIBLE_DEVICES="")
     if loopback_interface():
         env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # Gloo's connections stay on this machine
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]

@@ -99,6 +99,7 @@ def test_replicas_on_one_device_share_its_speed_and_memory():
     assert weights == pytest.approx([0.25, 0.25, 0.5])
 
 
+@pytest.mark.cuda
 @requires_cuda
 def test_on_a_gpu_free_memory_is_read_and_the_contract_holds(generator):
     net = nn.Linear(4, 2).cuda()

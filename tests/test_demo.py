@@ -163,6 +163,6 @@ def test_processes_on_cuda_without_a_gpu_per_process_are_refused_saying_what_wor
 
 
 def test_processes_trains_with_minidp_distributed(capfd):
-    assert main(["demo", "--processes", "2", "--samples", "200", "--epochs", "1", "--batch-size", "40"]) == 0
+    assert main(["demo", "--processes", "2", "--device", "cpu", "--samples", "200", "--epochs", "1", "--batch-size", "40"]) == 0
     out = capfd.readouterr().out  # printed by rank 0, a process of its own
     assert "2 processes (gloo, cpu)" in out and "epoch 1/1: train loss" in out

@@ -531,7 +531,7 @@ def test_a_rank_that_raises_mid_step_under_torchrun_ends_the_job_with_its_error(
 
 
 def test_demo_shard_trains_and_prints_the_steps_and_both_ledgers(tmp_path, capfd):
-    argv = ["demo", "--processes", "2", "--shard", "--samples", "200", "--epochs", "1", "--batch-size", "40",
+    argv = ["demo", "--processes", "2", "--device", "cpu", "--shard", "--samples", "200", "--epochs", "1", "--batch-size", "40",
             "--trace", str(tmp_path)]
     assert main(argv) == 0
     out = capfd.readouterr().out  # printed by rank 0, a process of its own

@@ -240,6 +240,7 @@ def test_on_one_device_the_module_running_itself_is_the_model(generator):
     assert device.held["gathered outputs"] == 0
 
 
+@pytest.mark.cuda
 @requires_cuda
 def test_on_a_gpu_the_allocators_peak_is_shown_beside_the_ledger(generator):
     module = mlp().cuda()

@@ -105,6 +105,7 @@ def test_k_replicas_equal_batchnorm_on_the_full_batch(generator, replicas, rows,
     assert parallel.replica_cache_info().hits == (1 if cache_replicas else 0)  # step 2 re-bound step 1's replicas
 
 
+@pytest.mark.cuda
 @requires_cuda
 def test_replicas_sharing_one_gpu_on_side_streams_equal_batchnorm_on_the_full_batch(generator):
     """Replicas 1.. run on side streams: each reads the others' statistics only once they are written."""
