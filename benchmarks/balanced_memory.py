@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
-    ids = ["cpu"] * args.replicas if device.type == "cpu" else list(range(args.replicas))
+    ids = ["cpu"] * args.replicas if device.type == "cpu" else [device.index or 0] * args.replicas  # on the one GPU
     torch.manual_seed(0)
     model = SmallCNN().to(device)
     x = torch.randn(args.batch, 1, 28, 28, device=device)

@@ -22,8 +22,10 @@ from .models import STEP_MODELS, batch
 def wrap(variant: str, module: nn.Module, device: str) -> nn.Module:
     if variant == "single":
         return module
-    if variant == "stock":  # CPU: no device ids exist, a direct call; CUDA: 2 replicas on GPU 0
-        return nn.DataParallel(module) if device == "cpu" else nn.DataParallel(module, device_ids(device, 2))
+    if variant == "stock":  # CPU: no CPU ids exist, a direct call (the module itself where a GPU would be taken)
+        if device == "cpu":                                           # CUDA: 2 replicas on GPU 0
+            return module if torch.cuda.is_available() else nn.DataParallel(module)
+        return nn.DataParallel(module, device_ids(device, 2))
     return minidp.DataParallel(module, device_ids(device, int(variant.removeprefix("minidp-x"))))
 
 

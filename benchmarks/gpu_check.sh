@@ -54,8 +54,11 @@ step fsdp 25 "$py" benchmarks/bench_fsdp.py --backend nccl --rounds 20  # fully_
 step cpu 70 bash -c "$py benchmarks/bench_cpu_replicas.py --rounds 3 --threads 8 && $py benchmarks/bench_cpu_replicas.py --rounds 3"
 step memory 30 "$py" -m benchmarks.steady_memory --device cuda --steps 1000
 # The whole suite on a host that has a GPU (defaults that differ there: device_ids, the demo, the extension),
-# in 8 workers; FAILED lines appear in suite.log as they happen.
-step suite 400 "$py" -m pytest tests/ -q -rf -n 8 -p no:cacheprovider --timeout 120
+# in 8 workers of 2 threads each where pytest-xdist and pytest-timeout are installed; FAILED lines appear in
+# suite.log as they happen.
+workers=()
+"$py" -c "import xdist, pytest_timeout" 2>/dev/null && workers=(-n 8 --timeout 120)
+step suite 400 env OMP_NUM_THREADS=2 "$py" -m pytest tests/ -v -rf -p no:cacheprovider "${workers[@]}"
 step groups 60 env MINIDP_BENCH_QUICK=1 "$py" -m pytest benchmarks/ -m cuda -q -p no:cacheprovider --benchmark-columns=median,min,rounds --benchmark-sort=name
 
 # gpu_check.json: each step's exit status and seconds, and the benchmark rows when there are any.
@@ -82,7 +85,7 @@ step groups 60 env MINIDP_BENCH_QUICK=1 "$py" -m pytest benchmarks/ -m cuda -q -
   echo "-- minidp.distributed vs torch DDP on NCCL"; tail -n 6 "$out/nccl.log" 2>/dev/null
   echo "-- fully_shard vs FSDP2 on NCCL"; tail -n 6 "$out/fsdp.log" 2>/dev/null
   echo "-- CPU replicas vs one device and torch DDP (--threads 8, then all threads)"; grep -E '^(SmallCNN|variant|minidp|one|torch)' "$out/cpu.log" 2>/dev/null
-  echo "-- the whole suite"; tail -n 15 "$out/suite.log" 2>/dev/null
+  echo "-- the whole suite"; grep -E " (FAILED|ERROR) " "$out/suite.log" 2>/dev/null | head -40; tail -n 3 "$out/suite.log" 2>/dev/null
   echo "-- failing steps"
   for i in "${!names[@]}"; do
     [ "${codes[$i]}" != 0 ] && [ "${codes[$i]}" != skip ] && { echo "   ${names[$i]}:"; tail -n 8 "$out/${names[$i]}.log" | sed 's/^/     /'; }

@@ -53,8 +53,9 @@ def side_by_side(variants: dict[str, Callable[[], object]], rounds: int, number:
     """Median seconds per call of each variant; the variants take turns, ``number`` calls per block."""
     for run in variants.values():  # warm-up: first-call costs (allocations, caches) are not steps
         run()
-    # GPU work is asynchronous: a block ends when its kernels do.
-    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    # GPU work is asynchronous: a block ends when its kernels do. Only where the variants used a GPU: a synchronize
+    # would otherwise initialise CUDA, and minidp's hooks then open NVTX ranges in a CPU run, which stock never pays.
+    synchronize = torch.cuda.synchronize if torch.cuda.is_initialized() else lambda: None
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, run in variants.items():
@@ -110,8 +111,10 @@ def step_variants(case: StepCase, device: torch.device, replicas: tuple[int, ...
     variants = {"single": training_step(copy.deepcopy(model), x, y)}
     if device.type == "cuda":
         variants["stock"] = training_step(nn.DataParallel(copy.deepcopy(model), ids(max(replicas))), x, y)
-    else:  # stock DataParallel without a GPU: a direct call of the module
-        variants["stock"] = training_step(nn.DataParallel(copy.deepcopy(model)), x, y)
+    else:  # stock DataParallel on the CPU: a direct call of the module, as it makes one without a GPU (with one, it
+        # would take every GPU: there is no way to give it CPU ids)
+        stock = copy.deepcopy(model)
+        variants["stock"] = training_step(stock if torch.cuda.is_available() else nn.DataParallel(stock), x, y)
     for k in replicas:
         variants[f"minidp x{k}"] = training_step(DataParallel(copy.deepcopy(model), ids(k)), x, y)
     return variants
