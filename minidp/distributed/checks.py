@@ -15,7 +15,8 @@ one rank) would leave the others waiting in their next collective for a rank tha
 from __future__ import annotations
 
 import builtins
-from typing import Any, Callable, NamedTuple, Optional
+import contextlib
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,17 @@ def first_difference(specs: list[list[TensorSpec]]) -> Optional[str]:
                     f"rank {shorter} lacks {kind} {min(len(ours), len(theirs))} ('{first_extra.name}')"
                 )
     return None
+
+
+def collectives_on(tensors: Iterable[torch.Tensor]) -> contextlib.AbstractContextManager:
+    """While inside, the current GPU is that of the first of ``tensors`` (nothing changes for CPU tensors or none).
+
+    The checks and votes here send Python objects and one number, which NCCL puts on ``torch.cuda.current_device()``.
+    torch's DDP needs no ``torch.cuda.set_device`` before it (its own checks send tensors of the parameters' device);
+    without this, two ranks that never set it would both send from GPU 0, which NCCL refuses ("Duplicate GPU
+    detected")."""
+    first = next(iter(tensors), None)
+    return torch.cuda.device(first.device) if first is not None and first.is_cuda else contextlib.nullcontext()
 
 
 def check_same_everywhere(

@@ -40,7 +40,8 @@ from .batchnorm import attach_exchange, check_torch_sync_batchnorm
 from .broadcast import broadcast_from, broadcast_from_rank0
 from .buckets import BucketCaps
 from .checks import (
-    IGNORED_ATTRIBUTE, check_same_model, ignored_names, reducer_parameters, sparse_gradient_flags, synced_tensors,
+    IGNORED_ATTRIBUTE, check_same_model, collectives_on, ignored_names, reducer_parameters, sparse_gradient_flags,
+    synced_tensors,
 )
 from .comm_hooks import CommHook, builtin_hook, check_comm_hook, optimizer_in_backward_hook
 from .join import DDPJoinHook, common_rank, sync_backward_vote
@@ -150,7 +151,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._bucket_caps = caps
         self._attach_replicas()  # before the parameters are listed: DataParallel may move a module to its one device
         if init_sync:
-            check_same_model(module, self.process_group, init_sync_buffers, self.parameters_to_ignore)
+            with collectives_on(module.parameters()):
+                check_same_model(module, self.process_group, init_sync_buffers, self.parameters_to_ignore)
             broadcast_from_rank0(synced_tensors(module, self.parameters_to_ignore, init_sync_buffers), self.process_group)
         self._attach_reducer()
         self.require_backward_grad_sync = True  # False inside no_sync()

@@ -77,7 +77,10 @@ def train(
     held_out = SyntheticDigits(max(1, samples // 4), seed=seed + 1)
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=seed)
     loader = DataLoader(train_set, batch_size=batch_size // world, sampler=sampler)
-    device_ids = ["cpu"] * replicas if replicas and replicas > 1 and device.type == "cpu" and not shard else None
+    if replicas and replicas > 1 and device.type != "cpu":
+        raise ValueError(f"replicas={replicas} runs CPU replicas in each process, but this process trains on {device} "
+                         f"(NCCL): a process's GPU is its one replica; train with replicas=1, or on the CPU (Gloo)")
+    device_ids = ["cpu"] * replicas if replicas and replicas > 1 and not shard else None
     say = print if rank == 0 else (lambda *_: None)
     say(f"minidp.distributed demo: SmallCNN on {len(train_set)} synthetic digits, {world} processes "
         f"({dist.get_backend()}, {device.type}), {len(held_out)} held out")

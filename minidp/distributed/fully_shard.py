@@ -80,7 +80,7 @@ from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle
 
 from ..nested import map_tensors, tensors_in
-from .checks import TensorSpec, check_same_everywhere, first_difference
+from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference
 from .ddp import DistributedDataParallel
 
 
@@ -965,7 +965,8 @@ def fully_shard(
         raise ValueError(
             f"fully_shard: the parameters of one call must share one dtype, found {sorted(map(str, dtypes))}: cast "
             f"the module to one dtype first (mp_policy computes in another), or leave the others out (ignored_params)")
-    _check_same_parameters([(names.get(id(p), owners[p][1]), p) for p in order], group)
+    with collectives_on(order):
+        _check_same_parameters([(names.get(id(p), owners[p][1]), p) for p in order], group)
     params = []
     for param in order:
         owner, name = owners[param]

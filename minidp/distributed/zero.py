@@ -42,7 +42,9 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.optim import Optimizer
 
 from ..nested import map_tensors, tensors_in
-from .checks import TensorSpec, check_same_everywhere, first_difference, raise_on_every_rank, start_failure_vote
+from .checks import (
+    TensorSpec, check_same_everywhere, collectives_on, first_difference, raise_on_every_rank, start_failure_vote,
+)
 from .join import ZeroJoinHook
 
 Shares = list[list[list[torch.Tensor]]]  # shares[rank][group]: the parameters of that group the rank updates
@@ -126,8 +128,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             _copy_settings(self.optim.param_groups, self.param_groups)  # the optimizer's own defaults, shown here
         except Exception as exc:
             error = exc
-        raise_on_every_rank(error, self.process_group, "ZeroRedundancyOptimizer's construction")
-        self._check_same_parameters()
+        built = getattr(self, "param_groups", ())  # none where the construction failed on this rank
+        with collectives_on(p for group in built for p in group["params"]):
+            raise_on_every_rank(error, self.process_group, "ZeroRedundancyOptimizer's construction")
+            self._check_same_parameters()
         self._build_buckets()
         self._constructed = True
 
@@ -149,7 +153,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
         except Exception as exc:  # kept until every rank knows: the others would wait for this one's share
             error = exc
-        vote = start_failure_vote(error, self.process_group)  # in flight beside the broadcasts
+        meeting_place = self.param_groups[0]["params"]  # the vote and any error sent from the parameters' GPU (NCCL)
+        with collectives_on(meeting_place):
+            vote = start_failure_vote(error, self.process_group)  # in flight beside the broadcasts
         _copy_settings(self.optim.param_groups, self.param_groups)
         # every share sent from its owner, in place: each parameter (or each bucket), all broadcasts in
         # flight at once, so that the backend can run them side by side, then waited for
@@ -160,11 +166,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             handles += [dist.broadcast(t.detach(), src=source, group=self.process_group, async_op=True) for t in tensors]
         for handle in handles:
             handle.wait()
-        raise_on_every_rank(
-            error, self.process_group, "ZeroRedundancyOptimizer.step (the local step)", vote=vote,
-            advice="every share was still broadcast, so the ranks hold the same parameters, but the failing rank's "
-                   "share took this step partly or not at all: load the last checkpoint on every rank to train on",
-        )
+        with collectives_on(meeting_place):
+            raise_on_every_rank(
+                error, self.process_group, "ZeroRedundancyOptimizer.step (the local step)", vote=vote,
+                advice="every share was still broadcast, so the ranks hold the same parameters, but the failing rank's "
+                       "share took this step partly or not at all: load the last checkpoint on every rank to train on",
+            )
         return loss
 
     # ---- uneven inputs: torch.distributed.algorithms.Join ----------------------------------------
