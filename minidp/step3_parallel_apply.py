@@ -311,10 +311,17 @@ def parallel_apply(
     devices = as_devices(devices, "devices")
     occurrences = [devices[:i].count(d) for i, d in enumerate(devices)]
     streams = [_replica_stream(d, k) for d, k in zip(devices, occurrences)]
-    for device, stream in zip(devices, streams):
+    for i, (device, stream) in enumerate(zip(devices, streams)):
         if stream is not None and stream != torch.cuda.current_stream(device):
             # The replica's inputs were produced on the current stream: wait for them.
             stream.wait_stream(torch.cuda.current_stream(device))
+            # And what it reads that the current stream allocated (its chunk, its private buffer copies) goes back to
+            # the allocator only once the side stream is done with it: the caching allocator reuses a freed block
+            # for the stream that allocated it at once, while kernels queued on this one may still read it.
+            buffers = modules[i].buffers() if isinstance(modules[i], nn.Module) else ()
+            for tensor in chain((t for _, t in tensors_in((inputs[i], kwargs_tup[i]))), buffers):
+                if tensor.device == device:
+                    tensor.record_stream(stream)
     caller = _CallerState(sum(d.type == "cpu" for d in devices))
     group = ReplicaGroup(n, modules)  # what the replicas meet in (minidp.replica_group)
     # The devices on which replicas share a random number generator (a meta device has none). Their states are read
