@@ -63,8 +63,8 @@ def _run_rank(
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)  # Gloo's connections stay on this machine
     if threads is not None:
         torch.set_num_threads(threads)
-    if backend == "nccl":  # a GPU of its own per process, as a torchrun script sets it (NCCL refuses to share one)
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if backend == "nccl" and torch.cuda.device_count():  # a GPU of its own per process, as a torchrun script sets it
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # (NCCL refuses two ranks on one; none: NCCL says)
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
