@@ -17,7 +17,8 @@ import argparse
 import os
 
 # Step 1: which GPUs this process may see. It must be set before torch first touches CUDA. Under "0,4"
-# the process sees two GPUs, which it calls 0 and 1: ids [0, 1] are the machine's GPUs 0 and 4.
+# the process sees two GPUs, which it calls 0 and 1: ids [0, 1] are the machine's GPUs 0 and 4. On a machine
+# without a GPU 4 (fewer than five), CUDA stops reading the list there and the process sees GPU 0 alone.
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0,4")
 
 import torch  # noqa: E402  (after CUDA_VISIBLE_DEVICES, on purpose)
