@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import traceback
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 import minidp
-from .helpers import cpu_ids
+from .helpers import cpu_ids, requires_cuda
 from .stock_emulation import emulated_stock
 
 
@@ -181,3 +182,24 @@ def test_replicas_that_share_no_draws_from_a_generator_get_no_warning(replicas, 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         minidp.parallel_apply([drops] * replicas, [torch.randn(2, 4)] * replicas, devices=cpu_ids(replicas))
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_replicas_on_side_streams_train_alike_from_a_cpu_batch_and_from_one_on_the_gpu(generator):
+    """On a repeated GPU id, replicas 1.. run on side streams of their own. A batch that starts on the CPU is copied
+    chunk by chunk on the current stream, so those chunks (and the replicas' private buffer copies) must stay out
+    of the allocator's reach until the side streams are done with them; a batch already on the GPU is cut into views
+    of memory the caller holds. Over steps that free and allocate a lot, both train to the same bits."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 8)).double().cuda()
+    twins = [copy.deepcopy(model) for _ in range(2)]
+    wrappers = [minidp.DataParallel(twin, [0, 0, 0]) for twin in twins]
+    optimizers = [torch.optim.SGD(twin.parameters(), lr=0.05) for twin in twins]
+    for _ in range(20):
+        batch = torch.randn(96, 64, generator=generator, dtype=torch.float64)
+        for wrapper, optimizer, inputs in zip(wrappers, optimizers, (batch, batch.cuda())):
+            optimizer.zero_grad()
+            wrapper(inputs).pow(2).mean().backward()
+            optimizer.step()
+    for (name, ours), theirs in zip(twins[0].state_dict().items(), twins[1].state_dict().values()):
+        assert torch.equal(ours, theirs), name
