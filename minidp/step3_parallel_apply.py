@@ -320,7 +320,7 @@ def parallel_apply(
             # for the stream that allocated it at once, while kernels queued on this one may still read it.
             buffers = modules[i].buffers() if isinstance(modules[i], nn.Module) else ()
             for tensor in chain((t for _, t in tensors_in((inputs[i], kwargs_tup[i]))), buffers):
-                if tensor.device == device:
+                if tensor.device == device and tensor.layout == torch.strided:
                     tensor.record_stream(stream)
     caller = _CallerState(sum(d.type == "cpu" for d in devices))
     group = ReplicaGroup(n, modules)  # what the replicas meet in (minidp.replica_group)
