@@ -173,6 +173,16 @@ class PeakResidentMemory:
         return max(end - self.start_bytes, 0)
 
 
+def gpus_in_use() -> list[int]:
+    """The GPUs this process holds memory on (its caching allocator's reserve, read without touching the GPU).
+
+    The trace synchronizes and measures these only: a ``torch.cuda.synchronize`` on any other would create a CUDA
+    context there, hundreds of MB on a GPU the job never uses (another user's, where the machine is shared)."""
+    if not torch.cuda.is_initialized():
+        return []
+    return [index for index in range(torch.cuda.device_count()) if torch.cuda.memory_reserved(index) > 0]
+
+
 class DeviceMemory:
     """Start and peak of every device's memory around a ``with minidp.trace()`` block."""
 
@@ -181,11 +191,12 @@ class DeviceMemory:
         self.gpu_start: dict[int, int] = {}
 
     def start(self) -> None:
-        if torch.cuda.is_initialized():
-            for index in range(torch.cuda.device_count()):
-                torch.cuda.synchronize(index)
-                torch.cuda.reset_peak_memory_stats(index)
-                self.gpu_start[index] = torch.cuda.memory_allocated(index)
+        in_use = gpus_in_use()
+        for index in in_use:
+            torch.cuda.synchronize(index)
+        for index in range(torch.cuda.device_count()) if torch.cuda.is_initialized() else ():  # counters, no GPU touched
+            torch.cuda.reset_peak_memory_stats(index)
+        self.gpu_start = {index: torch.cuda.memory_allocated(index) for index in in_use}
         self.resident.start()
 
     def peaks(self) -> list[MemoryPeak]:
@@ -197,7 +208,8 @@ class DeviceMemory:
                 "process resident memory (RSS): the kernel's high-water mark, reset when the trace began, above "
                 "the RSS at that moment; one number for all CPU replicas, which share the process",
             ))
-        for index, start in self.gpu_start.items():
+        # A GPU first used inside the trace held nothing at its start (its peak counter was reset all the same).
+        for index, start in {**dict.fromkeys(gpus_in_use(), 0), **self.gpu_start}.items():
             found.append(MemoryPeak(
                 f"cuda:{index}", torch.cuda.max_memory_allocated(index) - start,
                 "CUDA caching allocator: peak allocated bytes above the start (torch.cuda.max_memory_allocated)",

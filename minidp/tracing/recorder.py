@@ -56,7 +56,7 @@ import torch
 from .. import hooks
 from ..parallel_backward import is_entry
 from . import describers, views
-from .memory import AllocationLedger, DeviceMemory, LedgerRow, MemoryPeak
+from .memory import AllocationLedger, DeviceMemory, LedgerRow, MemoryPeak, gpus_in_use
 
 
 @dataclass
@@ -165,9 +165,8 @@ class Trace:
         hooks.set_listener(None)
         if self._allocations is not None:
             self._allocations.stop()
-        if torch.cuda.is_initialized():
-            for index in range(torch.cuda.device_count()):
-                torch.cuda.synchronize(index)
+        for index in gpus_in_use():
+            torch.cuda.synchronize(index)
         self.duration = time.perf_counter() - self._origin
         self._backward_of.clear()
         self._finish_backward()
