@@ -94,9 +94,13 @@ class Branchy(nn.Module):
 
 def shard(model: nn.Module, function: Callable[..., Any], reshard_after_forward: Optional[bool],
           policies: tuple[MixedPrecisionPolicy, MixedPrecisionPolicy] = (MixedPrecisionPolicy(),) * 2,
-          ignored: tuple[str, ...] = ()) -> nn.Module:
+          ignored: tuple[str, ...] = (), grouped: tuple[str, ...] = ()) -> nn.Module:
     """Sub-modules first (the blocks, an embedding), the root last, as FSDP2 asks; ``policies``: the
-    sub-modules' mixed precision policy and the root's; ``ignored``: names of parameters the root's call ignores."""
+    sub-modules' mixed precision policy and the root's; ``ignored``: names of parameters the root's call ignores;
+    ``grouped``: names of the root's children sharded together by one call, first (``fully_shard([norm, head])``)."""
+    if grouped:
+        function([getattr(model, name) for name in grouped], reshard_after_forward=reshard_after_forward,
+                 mp_policy=policies[0])
     for part in [*getattr(model, "blocks", ()), *filter(None, [getattr(model, "embed", None)])]:
         function(part, reshard_after_forward=reshard_after_forward, mp_policy=policies[0])
     named = dict(model.named_parameters())
@@ -218,7 +222,7 @@ def first_difference(ours: nn.Module, theirs: nn.Module, optimizers: tuple) -> O
 def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.float32, optimizer: str = "sgd",
                   reshard_after_forward: Optional[bool] = True, steps: int = 3, micro_batches: int = 1,
                   unsynced: Optional[str] = None, configure: Optional[str] = None, policy: Optional[str] = None,
-                  ignored: tuple[str, ...] = ()) -> dict:
+                  ignored: tuple[str, ...] = (), grouped: tuple[str, ...] = ()) -> dict:
     """Train FSDP2 and minidp side by side from the same weights (seeded alike on every rank, as
     FSDP2 requires), each rank on its own batches; after every backward and every step, the first
     difference. ``micro_batches`` > 1: that many backwards per step, their sharded gradients summed.
@@ -226,15 +230,16 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
     the root, the last after ``True``: ``"all"`` with ``recurse=True`` (no reduce-scatter until the last),
     ``"root"`` with ``recurse=False`` (only the root's group accumulates unreduced). ``configure``: one of
     :data:`CONFIGURATIONS`, applied to both before every micro-batch. ``policy``: one of :data:`POLICIES`.
-    ``ignored``: parameters the root's ``fully_shard`` leaves alone (unsharded, unreduced)."""
+    ``ignored``: parameters the root's ``fully_shard`` leaves alone (unsharded, unreduced). ``grouped``: children
+    of the root sharded as one group by one call (``fully_shard([norm, head])``) before the rest."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
     theirs = MODELS[model]().to(dtype)
     ours = copy.deepcopy(theirs)
     full = {k: v.clone() for k, v in theirs.state_dict().items()}
     policies = (MixedPrecisionPolicy(),) * 2 if policy is None else POLICIES[policy]
-    shard(theirs, torch_fully_shard, reshard_after_forward, policies, ignored)
-    shard(ours, md.fully_shard, reshard_after_forward, policies, ignored)
+    shard(theirs, torch_fully_shard, reshard_after_forward, policies, ignored, grouped)
+    shard(ours, md.fully_shard, reshard_after_forward, policies, ignored, grouped)
     optimizers = (OPTIMIZERS[optimizer](ours.parameters()), OPTIMIZERS[optimizer](theirs.parameters()))
     differences = []
     for step in range(steps):
@@ -538,6 +543,41 @@ def mixed_dtypes(seed: int) -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+class SkipsHead(Net):
+    """The chunked-loss pattern: a forward that can stop before the head (called later, chunk by chunk)."""
+
+    def forward(self, x: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        x = self.norm(x)
+        for block in self.blocks:
+            x = block(x)
+        return x if skip_head else self.head(x)
+
+
+def partial_group(seed: int) -> dict:
+    """``fully_shard([norm, head])``, then a forward that runs the norm but not the head: minidp's error, then a
+    whole step with both, which trains as FSDP2's (the refused pass left nothing gathered behind)."""
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    theirs = SkipsHead()
+    ours = copy.deepcopy(theirs)
+    for model, function in ((ours, md.fully_shard), (theirs, torch_fully_shard)):
+        shard(model, function, True, grouped=("norm", "head"))
+    x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + rank))
+    try:
+        ours(x, skip_head=True)
+        refused = "no error"
+    except NotImplementedError as error:
+        refused = str(error)
+    gathered_after = [tuple(p.shape) for p in ours.parameters()] != [tuple(local(p).shape) for p in theirs.parameters()]
+    optimizers = (OPTIMIZERS["sgd"](ours.parameters()), OPTIMIZERS["sgd"](theirs.parameters()))
+    for model in (ours, theirs):
+        model(x).pow(2).mean().backward()
+    for opt in optimizers:
+        opt.step()
+    return {"refused": refused, "gathered_after": gathered_after,
+            "difference": first_difference(ours, theirs, optimizers)}
 
 
 def mismatched_model(seed: int) -> str:

@@ -71,7 +71,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -267,6 +267,10 @@ class ShardGroup:
         # False: the backward keeps the whole gradients on the whole parameters, unreduced, and the next
         # backward adds into them (ShardedModule.set_requires_gradient_sync; FSDP2's reduce_grads).
         self.requires_gradient_sync = True
+        # Where one call sharded several modules (``fully_shard([norm, head])``): those still to run forward in this
+        # pass, FSDP2's _modules_to_run_forward. The first one's forward gathers, the last one's reshards.
+        self.modules_to_run: set[int] = set()
+        self.members: list[nn.Module] = [module]  # the modules of that call
         self._forward_start = 0.0
         self._backward_start: Optional[float] = None
 
@@ -609,7 +613,22 @@ class Iteration:
         self.post_forward_order.append(group)
 
     def end_forward(self) -> None:
+        """The root's forward is over. A group of several modules (``fully_shard([norm, head])``) some of which did not
+        run is refused, its parameters freed: FSDP2 itself changed what it does then (torch 2.13 completes the
+        group at the root's post-forward, where 2.11 kept it gathered and reduced wrong gradients), and minidp
+        matches FSDP2 bit for bit only where every module of such a group runs in each forward."""
         self.forward_root = None
+        for group in self.groups:
+            if group.modules_to_run:
+                skipped = [_class_name(m) for m in group.members if id(m) in group.modules_to_run]
+                ran = [_class_name(m) for m in group.members if id(m) not in group.modules_to_run]
+                group.modules_to_run.clear()
+                group.reshard()
+                raise NotImplementedError(
+                    f"fully_shard([{', '.join(_class_name(m) for m in group.members)}]): this forward ran "
+                    f"{', '.join(ran)} but not {', '.join(skipped)}; a group of several modules needs all of them in "
+                    f"every forward here. Shard them one by one instead (fully_shard on each), or call the skipped "
+                    f"ones in the forward")
 
     def before_backward(self, group: ShardGroup) -> None:
         self.poll()
@@ -664,6 +683,7 @@ class Iteration:
         for group in self.groups:
             group.drop_pending()
             group.reshard()
+            group.modules_to_run.clear()
         self.forward_root = None
         self.open_collectives = []
         self._forget_backward()
@@ -672,6 +692,7 @@ class Iteration:
         for group in self.groups:
             group._backward_start = None
             group.post_backward_ran = False
+            group.modules_to_run.clear()  # a recomputation in the backward (checkpointing) may have run a part
         self.backward_started = False
         self.post_forward_order = []
 
@@ -889,7 +910,7 @@ def _check_module(module: nn.Module) -> None:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: Union[nn.Module, list[nn.Module]],
     *,
     process_group: Optional[dist.ProcessGroup] = None,
     reshard_after_forward: Optional[bool] = None,
@@ -905,7 +926,9 @@ def fully_shard(
     seed every rank alike, or load a state dict on every rank); checked here on every rank.
 
     Args:
-        module: the module whose parameters become one group.
+        module: the module whose parameters become one group; or a list of modules whose parameters become one
+            group together (FSDP2's ``fully_shard([norm, head])``): gathered before the first of them runs forward,
+            freed after the last one did. The list is returned.
         process_group: the ranks to shard over (default: the default group).
         reshard_after_forward: free the gathered parameters after the forward and gather them again
             in the backward (less memory); ``False`` keeps them until the backward is done. ``None``
@@ -924,7 +947,13 @@ def fully_shard(
     :class:`ShardedModule` and of its own class, with FSDP2's ``set_requires_gradient_sync``,
     ``unshard`` and ``reshard``, and the setters of ``FSDPModule`` (:class:`ShardedModule`).
     """
-    _check_module(module)
+    roots = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not roots:
+        raise ValueError("fully_shard got an empty list of modules; give a module, or a list of at least one")
+    for root in roots:
+        _check_module(root)
+    if len({id(root) for root in roots}) != len(roots):
+        raise ValueError("fully_shard got the same module twice in its list; give each module once")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError(
             f"fully_shard: reshard_after_forward must be True, False or None, got {reshard_after_forward!r} (FSDP2's "
@@ -935,7 +964,7 @@ def fully_shard(
             "(torchrun sets the environment it reads), or start the processes with minidp.distributed.launch()")
     group = process_group if process_group is not None else dist.group.WORLD
     rank, world_size = group.rank(), group.size()
-    modules = _managed_modules(module)
+    modules = list({id(sub): sub for root in roots for sub in _managed_modules(root)}.values())
     owners: dict[nn.Parameter, tuple[nn.Module, str]] = {}
     order: list[nn.Parameter] = []
     ignored = ignored_params or set()
@@ -944,12 +973,13 @@ def fully_shard(
             if param not in owners and param not in ignored:
                 owners[param] = (sub, name)
                 order.append(param)
-    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    names = {id(p): n for root in roots for n, p in root.named_parameters(remove_duplicate=False)}
+    called = type(roots[0]).__name__ if len(roots) == 1 else "[" + ", ".join(type(root).__name__ for root in roots) + "]"
     for param in order:
         name = names.get(id(param), owners[param][1])
         if hasattr(param, _SHARDED_AS):
             raise ValueError(
-                f"fully_shard({type(module).__name__}): parameter '{name}' is also {getattr(param, _SHARDED_AS)}, "
+                f"fully_shard({called}): parameter '{name}' is also {getattr(param, _SHARDED_AS)}, "
                 f"which an earlier fully_shard call sharded; a parameter can belong to one group only: call "
                 f"fully_shard on a module that holds every user of it (their common parent), not on each user")
         if param.dim() == 0:
@@ -976,22 +1006,53 @@ def fully_shard(
                 if other is param and (sub, other_name) != (owner, name):
                     sharded.also_in.append((sub, other_name))
         sharded.set_on_modules(sharded.shard)
-        setattr(param, _SHARDED_AS, f"parameter '{names.get(id(param), name)}' of the {type(module).__name__}")
+        setattr(param, _SHARDED_AS, f"parameter '{names.get(id(param), name)}' of the {called}")
         params.append(sharded)
     device = next(iter(devices)) if devices else torch.device("cpu")
-    shard_group = ShardGroup(module, params, group, reshard_after_forward, device, mp_policy)
-    setattr(module, _GROUP, shard_group)
-    module.register_forward_pre_hook(shard_group.before_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(shard_group.after_forward)
+    shard_group = ShardGroup(roots[0], params, group, reshard_after_forward, device, mp_policy)
+    shard_group.members = roots
+    for root in roots:
+        setattr(root, _GROUP, shard_group)
+        if len(roots) == 1:
+            root.register_forward_pre_hook(shard_group.before_forward, prepend=True, with_kwargs=True)
+            root.register_forward_hook(shard_group.after_forward)
+        else:
+            root.register_forward_pre_hook(functools.partial(_group_pre_forward, shard_group, roots), prepend=True,
+                                           with_kwargs=True)
+            root.register_forward_hook(functools.partial(_group_post_forward, shard_group), always_call=True)
     holders = {id(m): m for p in params for m, _ in [(p.module, p.name), *p.also_in]}
     for holder in holders.values():
         holder._register_load_state_dict_pre_hook(functools.partial(_keep_own_rows, shard_group, holder))
-    cls = type(module)
-    if not issubclass(cls, ShardedModule):  # (a Sequential sliced from a sharded one is a ShardedSequential)
-        if cls not in _SHARDED_CLASSES:  # Sharded<cls>: ShardedModule's methods first, then the class's own
-            _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"unsharded_class": cls})
-        module.__class__ = _SHARDED_CLASSES[cls]
+    for root in roots:
+        cls = type(root)
+        if not issubclass(cls, ShardedModule):  # (a Sequential sliced from a sharded one is a ShardedSequential)
+            if cls not in _SHARDED_CLASSES:  # Sharded<cls>: ShardedModule's methods first, then the class's own
+                _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"unsharded_class": cls})
+            root.__class__ = _SHARDED_CLASSES[cls]
     return module
+
+
+def _group_pre_forward(group: ShardGroup, modules: list[nn.Module], module: nn.Module, args: tuple,
+                       kwargs: dict) -> tuple[tuple, dict]:
+    """Before the forward of one of the modules of a ``fully_shard([...])`` group (FSDP2's
+    _register_group_forward_hooks): the first of them to run in a pass gathers the group and opens the pass; the
+    others find it gathered, and only cast their inputs under a mixed precision policy that asks for it."""
+    if not group.modules_to_run:
+        group.modules_to_run.update(map(id, modules))
+        return group.before_forward(module, args, kwargs)
+    if group.mp_policy.cast_forward_inputs and group.mp_policy.param_dtype is not None:
+        args, kwargs = _cast_floating((args, kwargs), group.mp_policy.param_dtype)
+    return args, kwargs
+
+
+def _group_post_forward(group: ShardGroup, module: nn.Module, args: Any, output: Any) -> Any:
+    """After the forward of one of them: the last of the pass reshards and closes it (``after_forward``); the
+    others only cast their outputs to the policy's ``output_dtype``."""
+    if id(module) in group.modules_to_run:
+        group.modules_to_run.discard(id(module))
+        if not group.modules_to_run:
+            return group.after_forward(module, args, output)
+    return group._cast_output(output)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
