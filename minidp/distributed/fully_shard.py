@@ -1017,9 +1017,9 @@ def fully_shard(
             root.register_forward_pre_hook(shard_group.before_forward, prepend=True, with_kwargs=True)
             root.register_forward_hook(shard_group.after_forward)
         else:
-            root.register_forward_pre_hook(functools.partial(_group_pre_forward, shard_group, roots), prepend=True,
+            root.register_forward_pre_hook(functools.partial(_group_pre_forward, shard_group), prepend=True,
                                            with_kwargs=True)
-            root.register_forward_hook(functools.partial(_group_post_forward, shard_group), always_call=True)
+            root.register_forward_hook(functools.partial(_group_post_forward, shard_group))
     holders = {id(m): m for p in params for m, _ in [(p.module, p.name), *p.also_in]}
     for holder in holders.values():
         holder._register_load_state_dict_pre_hook(functools.partial(_keep_own_rows, shard_group, holder))
@@ -1032,13 +1032,12 @@ def fully_shard(
     return module
 
 
-def _group_pre_forward(group: ShardGroup, modules: list[nn.Module], module: nn.Module, args: tuple,
-                       kwargs: dict) -> tuple[tuple, dict]:
+def _group_pre_forward(group: ShardGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Before the forward of one of the modules of a ``fully_shard([...])`` group (FSDP2's
     _register_group_forward_hooks): the first of them to run in a pass gathers the group and opens the pass; the
     others find it gathered, and only cast their inputs under a mixed precision policy that asks for it."""
     if not group.modules_to_run:
-        group.modules_to_run.update(map(id, modules))
+        group.modules_to_run.update(map(id, group.members))
         return group.before_forward(module, args, kwargs)
     if group.mp_policy.cast_forward_inputs and group.mp_policy.param_dtype is not None:
         args, kwargs = _cast_floating((args, kwargs), group.mp_policy.param_dtype)
