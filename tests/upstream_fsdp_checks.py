@@ -46,7 +46,7 @@ import itertools
 import os
 import sys
 from collections import Counter
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -489,6 +489,19 @@ def test_train_parity_single_group_shard_dim0():
         _train_in_lockstep((ref_model, model), (ref_optim, optim), [inp] * 10)
 
 
+def _shard_blocks_then_root(model: nn.Module, reshard_after_forward: bool, checkpointed: bool = False) -> None:
+    """Upstream's usual sharding of its ``Transformer``: each ``TransformerBlock`` a group (under ``checkpoint`` first
+    if ``checkpointed``), then the root."""
+    from torch.distributed._composable import checkpoint
+
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            if checkpointed:
+                checkpoint(module)
+            fully_shard(module, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+
+
 def test_train_parity_multi_group():
     """TestFullyShard1DTrainingCore: a 3-layer transformer, one group per block plus the root, trains as DDP does,
     with ``reshard_after_forward`` True and False. Adapted: upstream's delay subtests (CUDA sleeps before the
@@ -499,10 +512,7 @@ def test_train_parity_multi_group():
         model = Transformer(ModelArgs(n_layers=3, n_heads=4, vocab_size=vocab_size, max_seq_len=64, dropout_p=0))
         ref_model = replicate(copy.deepcopy(model))
         ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-        for module in model.modules():
-            if isinstance(module, TransformerBlock):
-                fully_shard(module, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        _shard_blocks_then_root(model, reshard_after_forward)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         torch.manual_seed(42 + dist.get_rank() + 1)
         inputs = [(torch.randint(0, vocab_size, (3, 64)),) for _ in range(5)]
@@ -655,20 +665,13 @@ def test_train_parity_with_shared_params():
     """TestFullyShardSharedParams: a transformer whose output layer shares the token embedding's weight (both in
     the root's group), with and without composable activation checkpointing per block, trains as DDP does.
     Upstream: 4 ranks, 10 iterations; here 2 ranks, 5 iterations."""
-    from torch.distributed._composable import checkpoint
-
     for reshard_after_forward, use_activation_checkpointing in itertools.product((False, True), (False, True)):
         torch.manual_seed(42)
         model_args = ModelArgs(n_layers=3, dropout_p=0.0, weight_tying=True)
         model = Transformer(model_args)
         ref_model = replicate(copy.deepcopy(model))
         ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-        for module in model.modules():
-            if isinstance(module, TransformerBlock):
-                if use_activation_checkpointing:
-                    checkpoint(module)
-                fully_shard(module, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        _shard_blocks_then_root(model, reshard_after_forward, checkpointed=use_activation_checkpointing)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         torch.manual_seed(42 + dist.get_rank() + 1)
         inputs = [(torch.randint(0, model_args.vocab_size, (2, 16)),) for _ in range(5)]
@@ -796,10 +799,7 @@ def test_1f1b_microbatching():
         model = Transformer(model_args)
         ref_model = copy.deepcopy(model)
         ref_optim = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
-        for module in model.modules():
-            if isinstance(module, TransformerBlock):
-                fully_shard(module, reshard_after_forward=False)
-        fully_shard(model, reshard_after_forward=False)
+        _shard_blocks_then_root(model, reshard_after_forward=False)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         num_microbatches = 3
         torch.manual_seed(42 + dist.get_rank() + 1)
@@ -957,6 +957,27 @@ def _step_reference(ref_model: nn.Module, ref_model_low: nn.Module, ref_optim: t
         param_low.detach().copy_(param_fp32)
 
 
+def _train_beside_reference(model: nn.Module, optim: torch.optim.Optimizer, reduce_dtype: torch.dtype,
+                            ref_model: nn.Module, ref_compute: nn.Module, ref_optim: torch.optim.Optimizer,
+                            inp: torch.Tensor, reduce: Callable[[nn.Parameter], None]) -> None:
+    """Five steps of the sharded model (its reduce-scatters in ``reduce_dtype``) beside the reference's: the loss on
+    ``ref_compute`` (``ref_model`` itself, or its low-precision copy), ``reduce(param)`` on each of its gradients (the
+    collectives FSDP2 runs), then ``ref_optim``'s step on ``ref_model``; after each, the losses and the shards equal."""
+    for iter_idx in range(5):
+        fsdp_loss = _sharded_step(model, optim, inp, iter_idx, reduce_dtype)
+        ref_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+        ref_loss = ref_compute(inp).sum()
+        ref_loss.backward()
+        for param in ref_compute.parameters():
+            reduce(param)
+        if ref_compute is ref_model:
+            ref_optim.step()
+        else:
+            _step_reference(ref_model, ref_compute, ref_optim)
+        assert_close(fsdp_loss, ref_loss)
+        check_sharded_parity(ref_model, model)
+
+
 def test_compute_dtype():
     """TestFullyShardMixedPrecisionTraining: ``param_dtype`` bfloat16 and float16 (the reduce-scatter in it too):
     each step's loss equals a low-precision reference's whose gradients are reduced as FSDP2 reduces them
@@ -970,22 +991,15 @@ def test_compute_dtype():
         predivide, postdivide = _divide_factors(param_dtype, world)
         torch.manual_seed(42 + dist.get_rank() + 1)
         inp = torch.randn((4, 16), dtype=param_dtype)
-        for iter_idx in range(5):
-            fsdp_loss = _sharded_step(model, optim, inp, iter_idx, param_dtype)
+        def reduce(param: nn.Parameter) -> None:
+            param.grad.div_(predivide if predivide is not None else world)
+            output = torch.zeros_like(torch.chunk(param.grad, world)[0])
+            _reduce_scatter(output, param.grad)
+            _all_gather(param.grad, output)
+            if postdivide is not None and postdivide > 1:
+                param.grad.div_(postdivide)
 
-            ref_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
-            ref_loss = ref_model_low(inp.to(param_dtype)).sum()
-            ref_loss.backward()
-            for param in ref_model_low.parameters():
-                param.grad.div_(predivide if predivide is not None else world)
-                output = torch.zeros_like(torch.chunk(param.grad, world)[0])
-                _reduce_scatter(output, param.grad)
-                _all_gather(param.grad, output)
-                if postdivide is not None and postdivide > 1:
-                    param.grad.div_(postdivide)
-            _step_reference(ref_model, ref_model_low, ref_optim)
-            assert_close(fsdp_loss, ref_loss)
-            check_sharded_parity(ref_model, model)
+        _train_beside_reference(model, optim, param_dtype, ref_model, ref_model_low, ref_optim, inp, reduce)
 
 
 def test_reduce_dtype():
@@ -1000,41 +1014,29 @@ def test_reduce_dtype():
         ref_model_bf16 = copy.deepcopy(ref_model).to(param_dtype)
         torch.manual_seed(42 + dist.get_rank() + 1)
         inp = torch.randn((4, 16), dtype=param_dtype)
-        for iter_idx in range(5):
-            fsdp_loss = _sharded_step(model, optim, inp, iter_idx, reduce_dtype)
 
-            ref_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
-            ref_loss = ref_model_bf16(inp.to(param_dtype)).sum()
-            ref_loss.backward()
-            for param in ref_model_bf16.parameters():
-                param.grad.data = param.grad.to(torch.float32)
-                dist.all_reduce(param.grad)
-                param.grad.div_(world)
-            _step_reference(ref_model, ref_model_bf16, ref_optim)
-            assert_close(fsdp_loss, ref_loss)
-            check_sharded_parity(ref_model, model)
+        def reduce_in_float32(param: nn.Parameter) -> None:
+            param.grad.data = param.grad.to(torch.float32)
+            dist.all_reduce(param.grad)
+            param.grad.div_(world)
+
+        _train_beside_reference(model, optim, reduce_dtype, ref_model, ref_model_bf16, ref_optim, inp, reduce_in_float32)
 
     for reshard_after_forward in (False, True):  # bfloat16 reduction of float32 gradients
         param_dtype, reduce_dtype = torch.float32, torch.bfloat16
         ref_model, ref_optim, model, optim = _init_models_and_optims(reshard_after_forward, param_dtype, reduce_dtype)
         torch.manual_seed(42 + dist.get_rank() + 1)
         inp = torch.randn((4, 16), dtype=param_dtype)
-        for iter_idx in range(5):
-            fsdp_loss = _sharded_step(model, optim, inp, iter_idx, reduce_dtype)
 
-            ref_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
-            ref_loss = ref_model(inp).sum()
-            ref_loss.backward()
-            for param in ref_model.parameters():
-                low = param.grad.to(reduce_dtype)
-                sharded = low.new_empty(torch.chunk(low, world)[0].shape)
-                _reduce_scatter(sharded, low, op=dist.ReduceOp.AVG)
-                gathered = low.new_empty(low.shape)
-                _all_gather(gathered, sharded)
-                param.grad = gathered.to(param.dtype)
-            ref_optim.step()
-            assert_close(fsdp_loss, ref_loss)
-            check_sharded_parity(ref_model, model)
+        def reduce_in_bfloat16(param: nn.Parameter) -> None:
+            low = param.grad.to(reduce_dtype)
+            sharded = low.new_empty(torch.chunk(low, world)[0].shape)
+            _reduce_scatter(sharded, low, op=dist.ReduceOp.AVG)
+            gathered = low.new_empty(low.shape)
+            _all_gather(gathered, sharded)
+            param.grad = gathered.to(param.dtype)
+
+        _train_beside_reference(model, optim, reduce_dtype, ref_model, ref_model, ref_optim, inp, reduce_in_bfloat16)
 
 
 def test_grad_acc_with_reduce_dtype():
