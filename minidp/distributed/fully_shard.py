@@ -225,10 +225,11 @@ class SharedContext:
 class ShardGroup:
     """The parameters of one ``fully_shard`` call: gathered together, freed together, reduced together."""
 
-    def __init__(self, module: nn.Module, params: list[ShardedParameter], process_group: dist.ProcessGroup,
+    def __init__(self, members: list[nn.Module], params: list[ShardedParameter], process_group: dist.ProcessGroup,
                  reshard_after_forward: Optional[bool], device: torch.device,
                  mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> None:
-        self.module = module
+        self.members = members  # the modules of the call: one, or several (``fully_shard([norm, head])``)
+        self.module = members[0]
         self.params = params
         # Held weakly: torch.distributed keeps the group until destroy_process_group(), which must then free it.
         # Held here, it would outlive that call (a sharded model lives until the garbage collector finds its
@@ -270,7 +271,6 @@ class ShardGroup:
         # Where one call sharded several modules (``fully_shard([norm, head])``): those still to run forward in this
         # pass, FSDP2's _modules_to_run_forward. The first one's forward gathers, the last one's reshards.
         self.modules_to_run: set[int] = set()
-        self.members: list[nn.Module] = [module]  # the modules of that call
         self._forward_start = 0.0
         self._backward_start: Optional[float] = None
 
@@ -485,9 +485,7 @@ class ShardGroup:
         if self.iteration is None:
             Iteration(self)  # the first group to run forward is the root
         iteration = self.iteration
-        # FSDP2 (_fsdp_state.py, _cast_forward_inputs): floating-point inputs to the policy's param_dtype
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        args, kwargs = self.cast_inputs(args, kwargs)
         if iteration.backward_started:  # recomputation inside the backward (checkpointing)
             self.unshard()
             return args, kwargs
@@ -503,6 +501,12 @@ class ShardGroup:
                 outputs = iter(_PostBackward.apply(self, *inputs))
                 args, kwargs = map_tensors(lambda t: next(outputs) if t.requires_grad else t, (args, kwargs))
         self._forward_start = time.time()
+        return args, kwargs
+
+    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Floating-point inputs to the policy's ``param_dtype`` where it asks for it (FSDP2's _cast_forward_inputs)."""
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            return _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
 
     def after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -1009,8 +1013,7 @@ def fully_shard(
         setattr(param, _SHARDED_AS, f"parameter '{names.get(id(param), name)}' of the {called}")
         params.append(sharded)
     device = next(iter(devices)) if devices else torch.device("cpu")
-    shard_group = ShardGroup(roots[0], params, group, reshard_after_forward, device, mp_policy)
-    shard_group.members = roots
+    shard_group = ShardGroup(roots, params, group, reshard_after_forward, device, mp_policy)
     for root in roots:
         setattr(root, _GROUP, shard_group)
         if len(roots) == 1:
@@ -1039,9 +1042,7 @@ def _group_pre_forward(group: ShardGroup, module: nn.Module, args: tuple, kwargs
     if not group.modules_to_run:
         group.modules_to_run.update(map(id, group.members))
         return group.before_forward(module, args, kwargs)
-    if group.mp_policy.cast_forward_inputs and group.mp_policy.param_dtype is not None:
-        args, kwargs = _cast_floating((args, kwargs), group.mp_policy.param_dtype)
-    return args, kwargs
+    return group.cast_inputs(args, kwargs)
 
 
 def _group_post_forward(group: ShardGroup, module: nn.Module, args: Any, output: Any) -> Any:
