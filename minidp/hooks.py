@@ -156,7 +156,11 @@ def observe_replica(replica: int, device: torch.device, module: Any, call: Calla
 def observe_module(device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
     """``call()``, ``module`` itself running on ``device``, its only device (with one device id nothing is replicated,
     docs/stock-behaviour.md B9), seen as replica 0's ``forward`` stage."""
-    return _observe_replica("module", 0, device, module, call)
+    listener = _listener
+    if listener is None and not _profiler._is_profiler_enabled:
+        return call()
+    with _ranges("forward"):
+        return call() if listener is None else listener.on_module(device, module, call)
 
 
 def observe_replica_backward(replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
@@ -182,10 +186,8 @@ def _observe_replica(stage: str, replica: int, device: torch.device, module: Any
     listener = _listener
     if listener is None and not _profiler._is_profiler_enabled:
         return call()
-    with _ranges("forward" if stage == "module" else stage):
+    with _ranges(stage):
         if listener is None:
             return call()
-        if stage == "module":
-            return listener.on_module(device, module, call)
         on_stage = listener.on_replica if stage == "forward" else listener.on_replica_backward
         return on_stage(replica, device, module, call)
