@@ -15,7 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle, register_fsdp_forward_method
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, UnshardHandle, register_fsdp_forward_method,
+)
+from torch.distributed.tensor import Shard
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import minidp.distributed as md
@@ -94,18 +98,40 @@ class Branchy(nn.Module):
 
 def shard(model: nn.Module, function: Callable[..., Any], reshard_after_forward: Optional[bool],
           policies: tuple[MixedPrecisionPolicy, MixedPrecisionPolicy] = (MixedPrecisionPolicy(),) * 2,
-          ignored: tuple[str, ...] = (), grouped: tuple[str, ...] = ()) -> nn.Module:
+          ignored: tuple[str, ...] = (), grouped: tuple[str, ...] = (), **every_call: Any) -> nn.Module:
     """Sub-modules first (the blocks, an embedding), the root last, as FSDP2 asks; ``policies``: the
     sub-modules' mixed precision policy and the root's; ``ignored``: names of parameters the root's call ignores;
-    ``grouped``: names of the root's children sharded together by one call, first (``fully_shard([norm, head])``)."""
+    ``grouped``: names of the root's children sharded together by one call, first (``fully_shard([norm, head])``);
+    ``every_call``: more arguments, given to every call (``mesh``, ``shard_placement_fn``, ``offload_policy``)."""
     if grouped:
         function([getattr(model, name) for name in grouped], reshard_after_forward=reshard_after_forward,
-                 mp_policy=policies[0])
+                 mp_policy=policies[0], **every_call)
     for part in [*getattr(model, "blocks", ()), *filter(None, [getattr(model, "embed", None)])]:
-        function(part, reshard_after_forward=reshard_after_forward, mp_policy=policies[0])
+        function(part, reshard_after_forward=reshard_after_forward, mp_policy=policies[0], **every_call)
     named = dict(model.named_parameters())
     return function(model, reshard_after_forward=reshard_after_forward, mp_policy=policies[1],
-                    ignored_params={named[name] for name in ignored})
+                    ignored_params={named[name] for name in ignored}, **every_call)
+
+
+def _along_columns_where_even(param: nn.Parameter) -> Optional[Shard]:
+    """A ``shard_placement_fn``: a matrix whose columns the ranks divide is cut along them (as ``Shard(-1)``, which
+    means dim 1), any other parameter along its rows (``None``)."""
+    return Shard(-1) if param.dim() == 2 and param.size(1) % dist.get_world_size() == 0 else None
+
+
+def sharding_arguments(mesh: Optional[tuple[int, ...]] = None, placement: bool = False,
+                       offload: bool = False) -> dict[str, Any]:
+    """FSDP2's other arguments of ``fully_shard``, given alike to both: a CPU ``mesh`` of that shape (2-D: HSDP,
+    replicated over dimension 0), a ``shard_placement_fn`` (:func:`_along_columns_where_even`), CPU offload."""
+    arguments: dict[str, Any] = {}
+    if mesh is not None:
+        names = ("replicate", "shard") if len(mesh) == 2 else None  # FSDP2 asks HSDP's mesh for its names
+        arguments["mesh"] = init_device_mesh("cpu", mesh, mesh_dim_names=names)
+    if placement:
+        arguments["shard_placement_fn"] = _along_columns_where_even
+    if offload:
+        arguments["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    return arguments
 
 
 # FSDP2's mixed precision policies (param_dtype: the all-gather, forward and backward; reduce_dtype: the
@@ -120,7 +146,8 @@ POLICIES = {
 }
 
 
-MODELS = {"net": Net, "tied": Tied, "embedded": Embedded, "branchy": Branchy}
+MODELS = {"net": Net, "tied": Tied, "embedded": Embedded, "branchy": Branchy,
+          "wide": lambda: Net(hidden=30)}  # (30, 30) and (7, 30) weights: columns that 2 and 3 ranks divide
 
 
 def sharded_modules(model: nn.Module) -> list[nn.Module]:
@@ -180,6 +207,11 @@ def _keep_the_embedding_in_backward(model: nn.Module, micro: int, micro_batches:
     model.embed.set_unshard_in_backward(False)
 
 
+def _all_reduce_the_last(model: nn.Module, micro: int, micro_batches: int) -> None:
+    # HSDP's gradient accumulation: every micro-batch reduce-scattered, only the last one's sum all-reduced
+    model.set_requires_all_reduce(micro == micro_batches - 1)
+
+
 CONFIGURATIONS: dict[str, Callable[[nn.Module, int, int], None]] = {
     "forward_prefetch": _forward_prefetch,
     "backward_prefetch": _backward_prefetch,
@@ -191,6 +223,7 @@ CONFIGURATIONS: dict[str, Callable[[nn.Module, int, int], None]] = {
     "unshard_by_hand": _unshard_by_hand,
     "reshard_the_root": _reshard_the_root,
     "embedding_not_gathered_in_backward": _keep_the_embedding_in_backward,
+    "all_reduce_the_last": _all_reduce_the_last,
 }
 
 
@@ -222,7 +255,8 @@ def first_difference(ours: nn.Module, theirs: nn.Module, optimizers: tuple) -> O
 def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.float32, optimizer: str = "sgd",
                   reshard_after_forward: Optional[bool] = True, steps: int = 3, micro_batches: int = 1,
                   unsynced: Optional[str] = None, configure: Optional[str] = None, policy: Optional[str] = None,
-                  ignored: tuple[str, ...] = (), grouped: tuple[str, ...] = ()) -> dict:
+                  ignored: tuple[str, ...] = (), grouped: tuple[str, ...] = (),
+                  mesh: Optional[tuple[int, ...]] = None, placement: bool = False, offload: bool = False) -> dict:
     """Train FSDP2 and minidp side by side from the same weights (seeded alike on every rank, as
     FSDP2 requires), each rank on its own batches; after every backward and every step, the first
     difference. ``micro_batches`` > 1: that many backwards per step, their sharded gradients summed.
@@ -231,15 +265,17 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
     ``"root"`` with ``recurse=False`` (only the root's group accumulates unreduced). ``configure``: one of
     :data:`CONFIGURATIONS`, applied to both before every micro-batch. ``policy``: one of :data:`POLICIES`.
     ``ignored``: parameters the root's ``fully_shard`` leaves alone (unsharded, unreduced). ``grouped``: children
-    of the root sharded as one group by one call (``fully_shard([norm, head])``) before the rest."""
+    of the root sharded as one group by one call (``fully_shard([norm, head])``) before the rest. ``mesh``,
+    ``placement``, ``offload``: :func:`sharding_arguments`."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
     theirs = MODELS[model]().to(dtype)
     ours = copy.deepcopy(theirs)
     full = {k: v.clone() for k, v in theirs.state_dict().items()}
     policies = (MixedPrecisionPolicy(),) * 2 if policy is None else POLICIES[policy]
-    shard(theirs, torch_fully_shard, reshard_after_forward, policies, ignored, grouped)
-    shard(ours, md.fully_shard, reshard_after_forward, policies, ignored, grouped)
+    arguments = sharding_arguments(mesh, placement, offload)
+    shard(theirs, torch_fully_shard, reshard_after_forward, policies, ignored, grouped, **arguments)
+    shard(ours, md.fully_shard, reshard_after_forward, policies, ignored, grouped, **arguments)
     optimizers = (OPTIMIZERS[optimizer](ours.parameters()), OPTIMIZERS[optimizer](theirs.parameters()))
     differences = []
     for step in range(steps):
@@ -543,6 +579,32 @@ def mixed_dtypes(seed: int) -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def refusals(seed: int) -> dict[str, Any]:
+    """Arguments of FSDP2's that minidp refuses, each given to fully_shard on a fresh model: the error's type and
+    message, and whether the model was left as it was (no shard on it, its class its own)."""
+    cases: dict[str, Callable[[nn.Module], Any]] = {
+        "uneven_columns": lambda model: md.fully_shard(  # the first block's weight has 13 columns
+            model, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None),
+        "a_dimension_too_far": lambda model: md.fully_shard(model, shard_placement_fn=lambda p: Shard(2)),
+        "not_a_shard": lambda model: md.fully_shard(model, shard_placement_fn=lambda p: "Replicate()"),
+        "three_dimensions": lambda model: md.fully_shard(model, mesh=init_device_mesh("cpu", (1, 1, 2))),
+        "mesh_and_group": lambda model: md.fully_shard(model, mesh=init_device_mesh("cpu", (2,)),
+                                                       process_group=dist.group.WORLD),
+        "pinned_offload": lambda model: md.fully_shard(model, offload_policy=CPUOffloadPolicy()),
+    }
+    results = {}
+    for name, call in cases.items():
+        model = Net()
+        before = [p.shape for p in model.parameters()]
+        try:
+            call(model)
+            results[name] = {"error": "no error"}
+        except Exception as error:  # noqa: BLE001 - the type is part of what is compared
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+        results[name]["untouched"] = (type(model) is Net and [p.shape for p in model.parameters()] == before)
+    return results
 
 
 class SkipsHead(Net):

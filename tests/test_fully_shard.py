@@ -103,6 +103,14 @@ TWO_PROCESSES = {
                                                   "unsynced": "all"}),
     "partial-group": (checks.partial_group, {}),
     "premultiplied": (checks.premultiplied, {}),
+    "mesh-1d": (checks.against_fsdp2, {"mesh": (2,), "optimizer": "adamw"}),
+    "hsdp-1x2": (checks.against_fsdp2, {"mesh": (1, 2)}),
+    "hsdp-2x1": (checks.against_fsdp2, {"mesh": (2, 1), "dtype": torch.float64, "optimizer": "adamw"}),
+    "placement": (checks.against_fsdp2, {"model": "wide", "placement": True, "optimizer": "adamw"}),
+    "placement-unsynced-keep": (checks.against_fsdp2, {"model": "wide", "placement": True, "reshard_after_forward": False,
+                                                       **UNSYNCED}),
+    "offload": (checks.against_fsdp2, {"offload": True, "optimizer": "adamw"}),
+    "refusals": (checks.refusals, {}),
     "collectives-root-kept": (checks.collectives_with, {"configure": None, "reshard_after_forward": None}),
     "collectives-kept-between": (checks.collectives_with, {"configure": "keep_between_micro_batches",
                                                            "micro_batches": 3}),
@@ -131,11 +139,33 @@ THREE_PROCESSES = {
     "policy-reduce-bf16": (checks.against_fsdp2, {"policy": "reduce-bf16", "optimizer": "adamw"}),
     "ignored-head": (checks.against_fsdp2, {"ignored": ("head.weight", "head.bias"), "dtype": torch.float64}),
     "grouped-reshard": (checks.against_fsdp2, {"grouped": ("norm", "head"), "dtype": torch.float64}),
+    "placement": (checks.against_fsdp2, {"model": "wide", "placement": True, "dtype": torch.float64}),
+}
+
+# HSDP: a 2 x 2 mesh, each shard held by 2 ranks (the mesh's dimension 0) and cut among 2 (dimension 1).
+FOUR_PROCESSES = {
+    "hsdp": (checks.against_fsdp2, {"mesh": (2, 2)}),
+    "hsdp-float64": (checks.against_fsdp2, {"mesh": (2, 2), "dtype": torch.float64, "optimizer": "adamw"}),
+    "hsdp-keep": (checks.against_fsdp2, {"mesh": (2, 2), "reshard_after_forward": False, "optimizer": "adamw"}),
+    "hsdp-all_reduce_the_last": (checks.against_fsdp2, {"mesh": (2, 2), "configure": "all_reduce_the_last",
+                                                        "micro_batches": 3, "steps": 2}),
+    "hsdp-unsynced": (checks.against_fsdp2, {"mesh": (2, 2), "policy": "bf16-reduce-fp32", **UNSYNCED}),
+    "hsdp-divide_by_three": (checks.against_fsdp2, {"mesh": (2, 2), "configure": "divide_by_three",
+                                                    "dtype": torch.float64}),
+    "hsdp-placement": (checks.against_fsdp2, {"model": "wide", "mesh": (2, 2), "placement": True}),
 }
 
 
 two = job_fixture("two", checks.run_checks, 2, TWO_PROCESSES, JOB_TIMEOUT)
 three = job_fixture("three", checks.run_checks, 3, THREE_PROCESSES, JOB_TIMEOUT)
+four = job_fixture("four", checks.run_checks, 4, FOUR_PROCESSES, JOB_TIMEOUT)
+
+
+def assert_trains_as_fsdp2(results: list[dict], check: str) -> None:
+    """Bitwise FSDP2's after every backward and step, its full state dict FSDP2's, and that loaded back."""
+    assert_same_as_fsdp2(results, check)
+    for rank, result in enumerate(each_rank(results, check)):
+        assert result["state_dict_equal"] and result["reloaded"], f"rank {rank}"
 
 
 # ---- bitwise equal to FSDP2 after every backward and every step ----------------------------------
@@ -244,14 +274,20 @@ class _Group:
 @pytest.mark.parametrize("world_size", range(1, 9))
 @pytest.mark.parametrize("factor", [None, "world size", 3.0, 0.5])
 @pytest.mark.parametrize("force_sum", [False, True])
+@pytest.mark.parametrize("replicas", [1, 2, 3])
 def test_gradients_are_divided_before_during_and_after_the_reduction_as_fsdp2_divides_them(dtype, world_size, factor,
-                                                                                          force_sum):
+                                                                                          force_sum, replicas):
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
     factor = float(world_size) if factor == "world size" else factor
-    before, after, reduce_op, _ = _get_gradient_divide_factors(_Group(world_size), None, dtype, "cpu", factor, force_sum)
-    ours_before, ours_scale, ours_op, ours_after = division(dtype, world_size, factor, force_sum)
+    hsdp = None if replicas == 1 else _Group(replicas)
+    before, after, reduce_op, all_reduce_op = _get_gradient_divide_factors(
+        _Group(world_size), hsdp, dtype, "cpu", factor, force_sum)
+    ours_before, ours_scale, ours_op, ours_all_reduce_op, ours_after = division(
+        dtype, world_size, factor, force_sum, replicas)
     assert (ours_before, ours_after) == tuple(None if d in (None, 1) else d for d in (before, after))  # 1: skipped
+    if hsdp is not None:
+        assert ours_all_reduce_op == all_reduce_op
     if isinstance(reduce_op, type(dist.ReduceOp.SUM)):
         assert (ours_scale, ours_op) == (None, reduce_op)
     else:  # FSDP2's PREMUL_SUM(1 / factor): here the same product before a SUM
@@ -427,6 +463,69 @@ def test_a_registered_forward_method_gathers_the_parameters_and_trains_as_fsdp2(
         assert result["unregistered"] == "RuntimeError"  # the shards: wrong shapes for the method's matrix product
         assert result["differences"] == [None] * 3
         assert result["missing"] == "Net does not have a method generate"
+
+
+# ---- FSDP2's mesh (1-D and HSDP's 2-D), shard_placement_fn and offload policy ---------------------------
+# FSDP2: _fully_shard.py (fully_shard's mesh, shard_placement_fn, offload_policy); _fsdp_init.py (_get_mesh_info:
+# 1-D shards, 2-D replicates over dimension 0 and shards over dimension 1); _fsdp_collectives.py (foreach_reduce:
+# the reduce-scatter over the shard group, then the all-reduce over the replicate group, or its sum kept while
+# all_reduce_grads is False; a Shard(dim > 0) gradient's chunks concatenated along dim 0 first).
+
+
+def test_a_one_dimensional_mesh_shards_over_its_ranks_as_fsdp2(two):
+    assert_trains_as_fsdp2(two, "mesh-1d")
+
+
+@pytest.mark.parametrize("check", sorted(set(FOUR_PROCESSES) - {"hsdp-all_reduce_the_last"}))
+def test_hsdp_on_a_two_by_two_mesh_trains_as_fsdp2s_hsdp(four, check):
+    # float32: AVG in the reduce-scatter and in the all-reduce; float64: / 2 before both sums, / 2 after
+    assert_trains_as_fsdp2(four, check)
+
+
+@pytest.mark.parametrize("shape", ["1x2", "2x1"])
+def test_hsdp_with_one_replica_or_one_shard_trains_as_fsdp2(two, shape):
+    # 1 x 2: the all-reduce over one rank; 2 x 1: no reduce-scatter, each rank holding every parameter whole
+    assert_trains_as_fsdp2(two, f"hsdp-{shape}")
+
+
+def test_hsdp_without_the_all_reduce_sums_the_reduced_shards_then_all_reduces_them_once_as_fsdp2(four):
+    # set_requires_all_reduce(False) for 2 of 3 micro-batches: each reduce-scattered, their sum all-reduced in the last
+    assert_trains_as_fsdp2(four, "hsdp-all_reduce_the_last")
+
+
+@pytest.mark.parametrize("world", ["two", "three"])
+def test_a_shard_placement_fn_cuts_matrices_along_their_columns_as_fsdp2(world, request):
+    results = request.getfixturevalue(world)
+    assert_trains_as_fsdp2(results, "placement")
+    columns = 30 // {"two": 2, "three": 3}[world]
+    for result in each_rank(results, "placement"):
+        assert {(30, columns), (7, columns)} <= set(result["shard_shapes"])  # the head's 7 columns: cut by rows
+
+
+def test_column_shards_kept_whole_between_unsynchronised_backwards_train_as_fsdp2(two):
+    assert_trains_as_fsdp2(two, "placement-unsynced-keep")
+
+
+def test_cpu_offload_of_a_module_on_the_cpu_trains_as_fsdp2_with_it(two):
+    assert_trains_as_fsdp2(two, "offload")
+
+
+@pytest.mark.parametrize("case,error", [
+    ("uneven_columns", "NotImplementedError: fully_shard: parameter 'blocks.0.linear.weight' (29, 13) cannot be cut "
+                       "evenly along dim 1 among 2 ranks"),
+    ("a_dimension_too_far", "ValueError: fully_shard: shard_placement_fn returned Shard(dim=2) for parameter "
+                            "'norm.weight', which has 1 dimensions"),
+    ("not_a_shard", "NotImplementedError: fully_shard: shard_placement_fn returned 'Replicate()' for parameter"),
+    ("three_dimensions", "ValueError: fully_shard expects a 1D or 2D DeviceMesh"),
+    ("mesh_and_group", "ValueError: fully_shard got both mesh and process_group"),
+    ("pinned_offload", "RuntimeError: fully_shard: CPUOffloadPolicy(pin_memory=True)"),
+])
+def test_arguments_beyond_what_is_supported_are_refused_before_anything_is_sharded(two, case, error):
+    if case == "pinned_offload" and torch.accelerator.is_available():
+        pytest.skip("pinned memory is there to be had on a machine with an accelerator")
+    for result in each_rank(two, "refusals"):
+        assert result[case]["error"].startswith(error), result[case]["error"]
+        assert result[case]["untouched"]
 
 
 # ---- the full state dict -------------------------------------------------------------------------

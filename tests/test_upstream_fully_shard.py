@@ -5,7 +5,7 @@ fixture, every process ended by the harness within ``JOB_TIMEOUT``).
 Ported (bodies in ``tests/upstream_fsdp_checks.py``, each under its upstream name), :data:`PORTED`, from
 ``test_fully_shard_training.py`` (training parity with a DDP reference, one and several groups, explicit prefetching,
 gradient accumulation and 1F1B micro-batching, activation checkpointing, shared parameters, which parameters are
-registered after forward and backward), ``test_fully_shard_mixed_precision.py`` (compute and reduce dtypes, their
+registered after forward and backward, shards along another dimension, HSDP, CPU offload), ``test_fully_shard_mixed_precision.py`` (compute and reduce dtypes, their
 casts, accumulation in the reduce dtype) and ``test_fully_shard_ignore_params.py``. Upstream gates most of them on
 GPUs only to have a device per rank, and runs them on 2 to 8 ranks; here the CPU and 2 ranks. What the port adapts
 (DTensor parameters read as plain shards, collectives seen through a dispatch mode, fewer iterations, no
@@ -44,16 +44,21 @@ PORTED = {
         "test_param_registration_after_backward",
         "test_to_float64_after_init",
         "test_train_parity_single_group_shard_dim0",
+        "test_train_parity_single_group_shard_largest_dim",
         "test_train_parity_multi_group",
+        "test_train_parity_multi_group_cpu_offload_eager",
         "test_non_root_forward_backward",
         "test_multi_forward_module",
         "test_explicit_prefetching",
         "test_train_parity_with_activation_checkpointing",
+        "test_train_parity_shard_placement_fn_shard_largest_dim",
+        "test_shard_placement_fn_contiguous_params_grads",
         "test_train_parity_with_shared_params",
         "test_layer_by_layer_shard_no_false_positive",
         "test_gradient_accumulation",
         "test_1f1b_microbatching",
         "test_double_forward_with_nested_fsdp_and_checkpoint",
+        "test_train_parity_hsdp",
         "test_register_fsdp_forward_method",
     ],
     "test_fully_shard_mixed_precision.py": [
@@ -90,12 +95,10 @@ IN_THE_JOB = [name for name in CASES if not _skipped_here(name)]
 _LIST = ("calls fully_shard([a, b]) (one group over several modules); minidp takes such a group where all its modules "
          "run in every forward (bitwise against FSDP2: tests/test_fully_shard.py -k grouped) and refuses a forward that "
          "runs part of one; these cases are not ported yet")
-_MESH = "needs a device mesh of 2 or 3 dimensions (HSDP, TP, EP, PP) on 4 to 8 ranks"
+_MESH = "needs a device mesh of 3 dimensions or more (TP, EP, PP) on 4 to 8 ranks"
 NOT_PORTED = {
     # test_fully_shard_training.py
     "test_modules_to_run_forward_empty_for_single_module": "reads FSDP2's private state (_modules_to_run_forward)",
-    "test_train_parity_single_group_shard_largest_dim": "shard_placement_fn (Shard(1)): minidp shards dim 0 only",
-    "test_train_parity_multi_group_cpu_offload_eager": "CPUOffloadPolicy: minidp has no offload",
     "test_train_parity_multi_group_unshard_async_op": "FSDP2's private _set_unshard_async_op, which minidp lacks",
     "test_post_optim_event": "set_post_optim_event takes a CUDA event (stream ordering; nothing to order on the CPU)",
     "test_partial_group_forward_then_standalone": _LIST,
@@ -108,12 +111,9 @@ NOT_PORTED = {
     "test_shared_params_separate_fsdp_groups_error": "checks FSDP2's message at the first forward ('already managed "
                                                      "by another'); minidp refuses at the second fully_shard call, "
                                                      "with its own message (tests/test_fully_shard.py covers it)",
-    "test_train_parity_shard_placement_fn_shard_largest_dim": "shard_placement_fn: minidp shards dim 0 only",
-    "test_shard_placement_fn_contiguous_params_grads": "shard_placement_fn: minidp shards dim 0 only",
     "test_2d_mlp_with_nd_mesh": _MESH,
     "test_shard_placement_fn_tp_ep": _MESH,
     "test_3d_mlp_with_nd_mesh": _MESH,
-    "test_train_parity_hsdp": _MESH,
     "test_share_comm_context": "share_comm_ctx and FSDP2's CUDA streams (private _comm_ctx)",
     "test_train_parity_single_worldsize1": "one rank: the job has 2 (and it counts FSDP2's collectives with "
                                            "CommDebugMode on a mesh of 1)",

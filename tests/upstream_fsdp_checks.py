@@ -16,8 +16,8 @@ plain loop over the same values. Upstream runs most of these on one GPU per rank
 ``allow_cpu=True``) and on 4 or 8 ranks; here every case runs on the CPU in 2 processes (``tests.helpers.run_upstream``
 seeds both alike before each case). Upstream's ``assertEqual`` on tensors is ``torch.testing.assert_close`` (the
 same default tolerances). Upstream's ``replicate`` reference is torch's ``DistributedDataParallel`` on the CPU
-(:func:`replicate`). What stays out everywhere: ``reshard_after_forward=2`` (an int: minidp takes only bools),
-``shard_placement_fn``, meshes, CPU offload, ``fully_shard([a, b])`` and the GPU sleeps that only shift CUDA streams.
+(:func:`replicate`). What stays out everywhere: ``reshard_after_forward=2`` (an int: minidp takes only bools), meshes of more
+than 2 dimensions (TP, EP, PP), ``fully_shard([a, b])`` and the GPU sleeps that only shift CUDA streams.
 
 What differs in the assertions, because minidp's parameters are plain tensors where FSDP2's are DTensors:
 
@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -104,33 +105,47 @@ def is_sharded_param(model: nn.Module, param: torch.Tensor) -> bool:
     return any(param is p.shard for group in groups for p in group.params)
 
 
-def shard_of(full: torch.Tensor) -> torch.Tensor:
-    """Rank r's rows of ``full``: ``torch.chunk(full, W, dim=0)[r]``, empty past the last chunk (FSDP2's Shard(0))."""
-    chunks = torch.chunk(full, dist.get_world_size(), dim=0)
-    rank = dist.get_rank()
-    return chunks[rank] if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
+def shard_of(full: torch.Tensor, dim: int = 0, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Rank r's slice of ``full`` among the ranks of ``group`` (default: all): ``torch.chunk(full, W, dim)[r]``, empty
+    past the last chunk (FSDP2's ``Shard(dim)``; upstream's ``distribute_tensor``)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = torch.chunk(full, world, dim=dim)
+    return chunks[rank] if rank < len(chunks) else full.narrow(dim, 0, 0)
 
 
-def full_tensor(param: torch.Tensor, full_shape: torch.Size) -> torch.Tensor:
-    """Upstream's ``param.full_tensor()`` (a collective when sharded): the whole parameter on every rank."""
+def shard_dim(model: nn.Module, param: torch.Tensor) -> int:
+    """The dimension ``param`` is cut along: its ``Shard`` placement (FSDP2), its group's record of it (minidp)."""
+    if ON_TORCH:
+        return param.placements[-1].dim
+    groups = sys.modules["minidp.distributed.fully_shard"].sharded_groups(model)
+    return next(p.dim for group in groups for p in group.params if param is p.shard)
+
+
+def full_tensor(param: torch.Tensor, full_shape: torch.Size, dim: int = 0) -> torch.Tensor:
+    """Upstream's ``param.full_tensor()`` (a collective when sharded): the whole parameter on every rank, from the
+    slices cut along ``dim``."""
     if _is_dtensor(param):
         return param.full_tensor()
     if param.shape == full_shape:
         return param.detach()
     world = dist.get_world_size()
-    rows = -(-full_shape[0] // world)  # chunk 0's rows: every rank's padded shard
-    padded = param.detach().new_zeros((rows, *full_shape[1:]))
-    padded[: param.shape[0]] = param.detach()
-    gathered = padded.new_empty((world * rows, *full_shape[1:]))
-    _all_gather(gathered, padded)
-    # rank r's rows are chunk r of torch.chunk, whose sizes are rows, rows, ..., then what is left
-    sizes = [c.shape[0] for c in torch.chunk(torch.empty(full_shape[0]), world)] + [0] * world
-    return torch.cat([gathered[r * rows: r * rows + sizes[r]] for r in range(world)])
+    padded_shape = list(full_shape)
+    padded_shape[dim] = -(-full_shape[dim] // world)  # chunk 0's size: every rank's padded slice
+    padded = param.detach().new_zeros(padded_shape)
+    padded.narrow(dim, 0, param.shape[dim]).copy_(param.detach())
+    gathered = padded.new_empty(world * padded.numel())
+    _all_gather(gathered, padded.view(-1))
+    gathered = gathered.view(world, *padded_shape)
+    # rank r's slice is chunk r of torch.chunk, whose sizes are chunk 0's, ..., then what is left
+    sizes = [c.shape[0] for c in torch.chunk(torch.empty(full_shape[dim]), world)] + [0] * world
+    return torch.cat([gathered[r].narrow(dim, 0, sizes[r]) for r in range(world)], dim=dim)
 
 
-def check_sharded_parity(ref_module: nn.Module, sharded_module: nn.Module, prefixes_to_ignore: tuple = ()) -> None:
-    """``common_fsdp.check_sharded_parity``: the same names; each parameter's local rows, and its gradient's, are
-    rank r's chunk of the reference's (a reference gradient of None: None here too)."""
+def check_sharded_parity(ref_module: nn.Module, sharded_module: nn.Module, prefixes_to_ignore: tuple = (),
+                         group: Optional[dist.ProcessGroup] = None) -> None:
+    """``common_fsdp.check_sharded_parity``: the same names; each parameter's local slice, and its gradient's, are
+    this rank's chunk of the reference's among the ranks of ``group`` (those that shard: all by default), along the
+    dimension the parameter is cut (a reference gradient of None: None here too)."""
     if isinstance(ref_module, DDP):
         ref_module = ref_module.module
     for (ref_name, ref), (name, param) in zip(ref_module.named_parameters(), sharded_module.named_parameters(),
@@ -139,12 +154,24 @@ def check_sharded_parity(ref_module: nn.Module, sharded_module: nn.Module, prefi
             name = name.replace(prefix, "")
         assert ref_name == name, (ref_name, name)
         assert is_sharded_param(sharded_module, param), f"{name} is not sharded"
-        assert_close(local(param), shard_of(ref), msg=lambda m: f"{name}: {m}")
+        dim = shard_dim(sharded_module, param)
+        assert_close(local(param), shard_of(ref, dim, group), msg=lambda m: f"{name}: {m}")
         if ref.grad is None:
             assert param.grad is None, f"{name}: the reference has no gradient, but this has one"
             continue
         assert param.grad is not None, f"{name}: no gradient"
-        assert_close(local(param.grad), shard_of(ref.grad), msg=lambda m: f"{name}.grad: {m}")
+        assert_close(local(param.grad), shard_of(ref.grad, dim, group), msg=lambda m: f"{name}.grad: {m}")
+
+
+def _backward_beside_reference(ref_model: nn.Module, model: nn.Module, inp: torch.Tensor) -> None:
+    """Upstream's pair of passes: the losses (``sum()``) equal, both backward, then the reference's gradients
+    averaged by hand (the sharded model's are reduced by its backward)."""
+    ref_loss = ref_model(inp).sum()
+    loss = model(inp).sum()
+    assert_close(ref_loss, loss)
+    ref_loss.backward()
+    loss.backward()
+    average_gradients(ref_model)
 
 
 def replicate(module: nn.Module) -> DDP:
@@ -478,41 +505,72 @@ def test_train_parity_single_group_shard_dim0():
     """TestFullyShard1DTrainingCore: one group (the whole model) trains as DDP does, 10 Adam steps, for three pairs
     of linear shapes (even and uneven dim 0). Upstream: 8 ranks; here 2."""
     for lin_shapes in ([(16, 15), (15, 8)], [(7, 15), (15, 3)], [(16, 17), (17, 8)]):
-        torch.manual_seed(42)
-        model = nn.Sequential(nn.Linear(*lin_shapes[0]), nn.ReLU(), nn.Linear(*lin_shapes[1]))
-        ref_model = replicate(copy.deepcopy(model))
-        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-        fully_shard(model)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        torch.manual_seed(42 + dist.get_rank() + 1)
-        inp = (torch.randn((4, lin_shapes[0][0])),)
-        _train_in_lockstep((ref_model, model), (ref_optim, optim), [inp] * 10)
+        _train_parity_single_group(lin_shapes, use_shard_placement_fn=False)
 
 
-def _shard_blocks_then_root(model: nn.Module, reshard_after_forward: bool, checkpointed: bool = False) -> None:
+def test_train_parity_single_group_shard_largest_dim():
+    """TestFullyShard1DTrainingCore: the same with each parameter cut along its largest dimension (the second
+    layer's (8, 16) weight along dim 1), which the ranks divide evenly. Upstream: 8 ranks; here 2."""
+    _train_parity_single_group([(32, 16), (16, 8)], use_shard_placement_fn=True)
+
+
+def _largest_dim(param: nn.Parameter) -> Shard:
+    """Upstream's ``_shard_placement_fn``: ``Shard`` on the parameter's largest dimension (the first, on a tie)."""
+    return Shard(param.shape.index(max(param.shape)))
+
+
+def _train_parity_single_group(lin_shapes: list[tuple[int, int]], use_shard_placement_fn: bool) -> None:
+    torch.manual_seed(42)
+    model = nn.Sequential(nn.Linear(*lin_shapes[0]), nn.ReLU(), nn.Linear(*lin_shapes[1]))
+    ref_model = replicate(copy.deepcopy(model))
+    ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    fully_shard(model, shard_placement_fn=_largest_dim if use_shard_placement_fn else None)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(42 + dist.get_rank() + 1)
+    inp = (torch.randn((4, lin_shapes[0][0])),)
+    _train_in_lockstep((ref_model, model), (ref_optim, optim), [inp] * 10)
+
+
+def _shard_blocks_then_root(model: nn.Module, reshard_after_forward: bool, checkpointed: bool = False,
+                            **every_call: Any) -> None:
     """Upstream's usual sharding of its ``Transformer``: each ``TransformerBlock`` a group (under ``checkpoint`` first
-    if ``checkpointed``), then the root."""
+    if ``checkpointed``), then the root; ``every_call``: more arguments of ``fully_shard`` (``mesh``...)."""
     from torch.distributed._composable import checkpoint
 
     for module in model.modules():
         if isinstance(module, TransformerBlock):
             if checkpointed:
                 checkpoint(module)
-            fully_shard(module, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+            fully_shard(module, reshard_after_forward=reshard_after_forward, **every_call)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **every_call)
 
 
 def test_train_parity_multi_group():
     """TestFullyShard1DTrainingCore: a 3-layer transformer, one group per block plus the root, trains as DDP does,
     with ``reshard_after_forward`` True and False. Adapted: upstream's delay subtests (CUDA sleeps before the
     collectives, to shift streams) and the int 2 are out; 5 iterations instead of 10."""
-    for reshard_after_forward in (True, False):
+    _train_parity_multi_group((True, False))
+
+
+def test_train_parity_multi_group_cpu_offload_eager():
+    """TestFullyShard1DTrainingCore: the same, sharded on a 1-D mesh with ``CPUOffloadPolicy(pin_memory=False)``
+    (upstream skips its ``pin_memory=True`` subtest on the CPU, as here), ``reshard_after_forward=True``. Adapted as
+    test_train_parity_multi_group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    _train_parity_multi_group((True,), mesh=init_device_mesh("cpu", (dist.get_world_size(),)),
+                              offload_policy=CPUOffloadPolicy(pin_memory=False))
+
+
+def _train_parity_multi_group(reshard_after_forward_values: tuple[bool, ...], **every_call: Any) -> None:
+    for reshard_after_forward in reshard_after_forward_values:
         torch.manual_seed(42)
         vocab_size = 1024
         model = Transformer(ModelArgs(n_layers=3, n_heads=4, vocab_size=vocab_size, max_seq_len=64, dropout_p=0))
         ref_model = replicate(copy.deepcopy(model))
         ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-        _shard_blocks_then_root(model, reshard_after_forward)
+        _shard_blocks_then_root(model, reshard_after_forward, **every_call)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         torch.manual_seed(42 + dist.get_rank() + 1)
         inputs = [(torch.randint(0, vocab_size, (3, 64)),) for _ in range(5)]
@@ -661,6 +719,64 @@ def test_train_parity_with_activation_checkpointing():
             check_sharded_parity(ref_model, model, prefixes_to_ignore)
 
 
+def test_train_parity_shard_placement_fn_shard_largest_dim():
+    """TestFullyShardShardPlacementFnMultiProcess: a 3-layer transformer, each block a group and the root, every
+    parameter cut along its largest dimension: the whole parameters equal the reference's before and after 5 AdamW
+    steps, and every loss equals the reference's (whose gradients are averaged by hand). Upstream: 8 ranks; here 2."""
+    torch.manual_seed(42)
+    model_args = ModelArgs(n_layers=3, dropout_p=0.0)
+    model = Transformer(model_args)
+    ref_model = copy.deepcopy(model)
+    ref_optim = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    for layer in model.layers:
+        fully_shard(layer, shard_placement_fn=_largest_dim)
+    fully_shard(model, shard_placement_fn=_largest_dim)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def assert_whole_parameters_equal() -> None:
+        for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+            assert_close(full_tensor(param, ref_param.shape, shard_dim(model, param)), ref_param)
+
+    assert_whole_parameters_equal()
+    torch.manual_seed(42 + dist.get_rank())
+    inp = torch.randint(0, model_args.vocab_size, (2, 16))
+    for _ in range(5):
+        _backward_beside_reference(ref_model, model, inp)
+        ref_optim.step()
+        optim.step()
+        ref_optim.zero_grad()
+        optim.zero_grad()
+    assert_whole_parameters_equal()
+
+
+def test_shard_placement_fn_contiguous_params_grads():
+    """TestFullyShardShardPlacementFnMultiThread: matrices cut along dim 1, vectors along dim 0: the shards, the whole
+    parameters each forward sees and the gradients are all contiguous. Upstream: 4 threads as ranks; here 2
+    processes (MLP(4)'s 16 and 4 columns divide among 2 as among 4)."""
+    dim = 4
+    model = MLP(dim=dim)
+
+    def shard_placement_fn(param: nn.Parameter) -> Optional[Shard]:
+        return Shard(1) if param.ndim > 1 else Shard(0)
+
+    fully_shard(model.in_proj, shard_placement_fn=shard_placement_fn)
+    fully_shard(model.out_proj, shard_placement_fn=shard_placement_fn)
+    fully_shard(model, shard_placement_fn=shard_placement_fn)
+
+    def assert_contiguous_params(module: nn.Module, args: Any) -> None:
+        for param in module.parameters():
+            assert param.is_contiguous()
+
+    model.in_proj.register_forward_pre_hook(assert_contiguous_params)
+    model.out_proj.register_forward_pre_hook(assert_contiguous_params)
+    for param in model.parameters():
+        assert param.is_contiguous() and local(param).is_contiguous()
+    model(torch.randn((2, dim))).sum().backward()
+    for param in model.parameters():
+        assert param.is_contiguous() and local(param).is_contiguous()
+        assert param.grad.is_contiguous() and local(param.grad).is_contiguous()
+
+
 def test_train_parity_with_shared_params():
     """TestFullyShardSharedParams: a transformer whose output layer shares the token embedding's weight (both in
     the root's group), with and without composable activation checkpointing per block, trains as DDP does.
@@ -718,8 +834,12 @@ def test_gradient_accumulation():
     and the resharding after backward (``set_reshard_after_backward``) turned off but on the last, for every module
     ("all"), the root only ("root_only", ``recurse=False``) or 2 of the 3 MLPs ("some_mlps"): the losses equal a
     reference's, the sharded gradients its averaged ones, and the number of all-gathers and reduce-scatters is
-    upstream's formula. Adapted: the FSDP mesh only (its HSDP mesh and ``reduce_scatter_only`` need 4 ranks and
-    meshes), no CPU offload, no int 2; upstream's CommDebugMode is :class:`CollectiveLog`; 2 iterations, not 5."""
+    upstream's formula. Adapted: the 1-D mesh only, as upstream below 4 ranks (its HSDP mesh and
+    ``reduce_scatter_only`` need 4); no CPU offload (upstream's ``CPUOffloadPolicy()`` pins memory: skipped on the
+    CPU there too), no int 2; upstream's CommDebugMode is :class:`CollectiveLog`; 2 iterations, not 5."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for reshard_after_forward, mode, reshard_after_backward in itertools.product(
             (True, False), ("all", "root_only", "some_mlps"), (False, True)):
         if not reshard_after_backward and (reshard_after_forward is not False or mode == "some_mlps"):
@@ -730,8 +850,8 @@ def test_gradient_accumulation():
         model = nn.Sequential(nn.Linear(lin_dim, lin_dim), *[MLP(lin_dim) for _ in range(num_mlps)])
         ref_model = copy.deepcopy(model)
         for mlp in model[1:]:
-            fully_shard(mlp, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)  # the root gets the first linear
+            fully_shard(mlp, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)  # the root gets the first linear
         ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
 
@@ -856,6 +976,57 @@ def test_double_forward_with_nested_fsdp_and_checkpoint():
                 assert param.grad is not None, f"{name} has no gradient"
 
 
+def test_train_parity_hsdp():
+    """TestFullyShardHSDPTraining: HSDP on a 2-D mesh (``dp_replicate``, ``dp_shard``) with
+    ``CPUOffloadPolicy(pin_memory=False)`` (upstream skips its ``pin_memory=True`` subtest on the CPU, as here): a
+    LayerNorm and three MLPs, each a group (under ``checkpoint`` in half the subtests), then the root; 3 micro-batches
+    a step, synchronised at the last one or at each; every loss, and the shards after every step, equal DDP's.
+    Upstream's mesh is (world / 2, 2) above 2 ranks and (2, 1) on 2, as here: every rank holds whole parameters, and
+    the reduced gradients are all-reduced over the 2 replicas (tests/test_fully_shard.py trains a 2 x 2 mesh bitwise
+    against FSDP2's HSDP)."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    world = dist.get_world_size()
+    shard_size = 2 if world > 2 else 1
+    mesh = init_device_mesh("cpu", (world // shard_size, shard_size), mesh_dim_names=("dp_replicate", "dp_shard"))
+    shards = mesh.get_group("dp_shard")
+    for reshard_after_forward, use_activation_checkpointing, mlp_dim, sync_gradients_at_last_batch in itertools.product(
+            (False, True), (False, True), (3, 16, 17), (True, False)):
+        torch.manual_seed(42)
+        model = nn.Sequential(nn.LayerNorm(mlp_dim, bias=False), MLP(mlp_dim, dim_multiplier=3), MLP(mlp_dim),
+                              MLP(mlp_dim, dim_multiplier=3))
+        ref_model = replicate(copy.deepcopy(model))
+        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+        every_call = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+                      "offload_policy": CPUOffloadPolicy(pin_memory=False)}
+        for mlp in model:
+            if use_activation_checkpointing:
+                checkpoint(mlp)
+            fully_shard(mlp, **every_call)
+        fully_shard(model, **every_call)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        check_sharded_parity(ref_model, model, group=shards)
+        torch.manual_seed(42 + dist.get_rank() + 1)
+        num_microbatches = 3
+        for iter_idx in range(5):
+            for microbatch_idx in range(num_microbatches):
+                if sync_gradients_at_last_batch:
+                    model.set_requires_gradient_sync(microbatch_idx == num_microbatches - 1)
+                inp = torch.randn((8, mlp_dim))
+                losses = []
+                for _model in (ref_model, model):
+                    losses.append(_model(inp).sum())
+                    losses[-1].backward()
+                assert_close(losses[0], losses[1])
+            check_sharded_parity(ref_model, model, group=shards)
+            for _optim in (ref_optim, optim):
+                _optim.step()
+                _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+            check_sharded_parity(ref_model, model, group=shards)
+
+
 def test_register_fsdp_forward_method():
     """TestFullyShardCustomForwardMethod: a sharded sub-module called through another method than ``forward``
     (``vit.forward_features``), made to gather its parameters with ``register_fsdp_forward_method``: the loss and
@@ -889,12 +1060,7 @@ def test_register_fsdp_forward_method():
     register_fsdp_forward_method(model.vit, "forward_features")
     torch.manual_seed(42 + dist.get_rank() + 1)
     inp = torch.randn(2, 3, 56, 56)
-    ref_loss = ref_model(inp).sum()
-    loss = model(inp).sum()
-    assert_close(ref_loss, loss)
-    ref_loss.backward()
-    loss.backward()
-    average_gradients(ref_model)
+    _backward_beside_reference(ref_model, model, inp)
     check_sharded_parity(ref_model, model)
 
 

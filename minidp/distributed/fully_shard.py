@@ -62,8 +62,16 @@ reduce-scatter), ``unshard`` (also asynchronous: a prefetch by hand) and ``resha
 ``set_reduce_scatter_unused_params``,
 ``set_gradient_divide_factor``, ``set_force_sum_reduction_for_comms`` and ``reset_iter_state``. Each changes
 when a collective runs, or how the gradients are divided, as FSDP2's does (tests/test_fully_shard.py trains
-with each against FSDP2). Mixed precision is FSDP2's ``MixedPrecisionPolicy``, given to ``fully_shard``. Not
-here: FSDP2's offload policy, HSDP (2-D meshes) and the hooks that replace its collectives.
+with each against FSDP2). Mixed precision is FSDP2's ``MixedPrecisionPolicy``, given to ``fully_shard``.
+
+FSDP2's ``mesh`` is taken: 1-D, the ranks that shard; 2-D, HSDP, where dimension 1 shards and dimension 0
+replicates: each group's shards, once reduce-scattered among the ranks that shard, are all-reduced among the
+ranks that hold the same shard (``set_requires_all_reduce(False)`` leaves that out and sums them, FSDP2 alike), and
+:func:`division` spreads the average over both collectives as FSDP2 does. ``shard_placement_fn``'s ``Shard(dim)`` cuts
+a parameter along another dimension (evenly, as FSDP2 requires): the gathered slices are joined along it, the
+gradient's slices stacked along dim 0 for the reduce-scatter, as FSDP2 lays them out. ``CPUOffloadPolicy`` is
+taken where it changes nothing, a module on the CPU. Not here: offloading a GPU module, a mesh of its own
+for one parameter (``ShardPlacementResult``) and the hooks that replace FSDP2's collectives.
 """
 
 from __future__ import annotations
@@ -71,13 +79,15 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
+from torch.distributed.tensor import Shard
 
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference
@@ -89,37 +99,52 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def division(dtype: torch.dtype, world_size: int, factor: Optional[float] = None, force_sum: bool = False
-             ) -> tuple[Optional[float], Optional[float], dist.ReduceOp, Optional[float]]:
-    """How FSDP2 averages gradients over ``world_size`` ranks in ``dtype``: (divide before, multiply before, op,
-    divide after), ``None`` where nothing is done.
+class Division(NamedTuple):
+    """How the gradients are averaged around the collectives (:func:`division`); ``None`` where nothing is done."""
 
-    FSDP2 (``_fsdp_collectives.py``, ``_get_gradient_divide_factors``): float32 and bfloat16 reduce
-    with ``ReduceOp.AVG`` (the backend divides the sum by W). Other dtypes (float64, float16), where
-    FSDP2 guards against overflow, reduce with SUM between two divisions: by p before, where p
-    doubles from 1 while F % p == 0 and F / p > p, and by F / p after, F being W. W = 2: / 2 then / 1;
-    W = 3: / 2 then / 1.5; W = 8: / 4 then / 2.
+    before: Optional[float]  # divide the reduce-scatter's input
+    scale: Optional[float]  # multiply the reduce-scatter's input (FSDP2's PREMUL_SUM, which Gloo lacks)
+    reduce_scatter_op: dist.ReduceOp
+    all_reduce_op: dist.ReduceOp  # across the replicas of HSDP's 2-D mesh
+    after: Optional[float]  # divide the reduced shard
 
-    ``factor`` (``set_gradient_divide_factor``) replaces W as F. In float32 and bfloat16 a factor other than W
-    makes FSDP2 reduce with ``PREMUL_SUM(1 / F)``, each rank's gradient multiplied by 1 / F inside the
-    collective; only NCCL has that op, so here the input is multiplied by 1 / F before a SUM, the same product
-    in the same dtype. ``force_sum`` (``set_force_sum_reduction_for_comms``): SUM always, then a division by F
-    (float32, bfloat16) or the two divisions above.
+
+def division(dtype: torch.dtype, world_size: int, factor: Optional[float] = None, force_sum: bool = False,
+             replicas: int = 1) -> Division:
+    """How FSDP2 averages gradients over ``world_size`` ranks that shard, times ``replicas`` copies of that shard
+    (HSDP: a 2-D mesh; 1 otherwise), in ``dtype``.
+
+    FSDP2 (``_fsdp_collectives.py``, ``_get_gradient_divide_factors``), with F = ``world_size * replicas``: float32
+    and bfloat16 reduce with ``ReduceOp.AVG`` (the backend divides the sum by the group's size), the reduce-scatter
+    over the ranks that shard and then, with HSDP, the all-reduce over the replicas. Other dtypes (float64, float16),
+    where FSDP2 guards against overflow, reduce with SUM between two divisions: by p before, where p doubles from 1
+    while F % p == 0 and F / p > p, and by F / p after. F = 2: / 2 then / 1; F = 3: / 2 then / 1.5; F = 8: / 4 then
+    / 2.
+
+    ``factor`` (``set_gradient_divide_factor``) replaces F. In float32 and bfloat16 a factor other than the ranks
+    that shard makes FSDP2 reduce-scatter with ``PREMUL_SUM(1 / factor)``, each rank's gradient multiplied by
+    1 / factor inside the collective; only NCCL has that op, so here the input is multiplied by 1 / factor before
+    a SUM, the same product in the same dtype; the all-reduce then sums. ``force_sum``
+    (``set_force_sum_reduction_for_comms``): SUM always, then a division by F (float32, bfloat16) or the two
+    divisions above.
     """
+    sum_op = dist.ReduceOp.SUM
+    data_parallel_size = world_size * replicas
     overflow_risk = dtype not in (torch.float32, torch.bfloat16)
     if not overflow_risk and not force_sum:
         if factor is None:
-            return None, None, (dist.ReduceOp.SUM if world_size == 1 else dist.ReduceOp.AVG), None
+            op = sum_op if data_parallel_size == 1 else dist.ReduceOp.AVG
+            return Division(None, None, op, op, None)
         if factor == world_size:
-            return None, None, dist.ReduceOp.AVG, None
-        return None, 1 / factor, dist.ReduceOp.SUM, None
+            return Division(None, None, dist.ReduceOp.AVG, sum_op, None)
+        return Division(None, 1 / factor, sum_op, sum_op, None)
     if factor is None:
-        factor = float(world_size)
+        factor = float(data_parallel_size)
     before = 1
     while overflow_risk and factor % before == 0 and factor / before > before:
         before *= 2
     divisors = [None if d == 1 else float(d) for d in (before, factor / before)]  # a division by 1 is skipped
-    return divisors[0], None, dist.ReduceOp.SUM, divisors[1]
+    return Division(divisors[0], None, sum_op, sum_op, divisors[1])
 
 
 class ShardedParameter:
@@ -129,16 +154,23 @@ class ShardedParameter:
     ``shard``: the ``nn.Parameter`` of this rank's rows only, a view at the start of ``padded``;
     ``gathered``: W * padded numel elements, every rank's padded rows in rank order (storage freed
     when resharded); ``full``: the ``nn.Parameter`` of the first ``full_size`` elements of ``gathered``.
+
+    ``dim`` (FSDP2's ``Shard(dim)``, from ``shard_placement_fn``): the dimension cut; "rows" above are
+    then slices along it. Only dim 0 may be cut unevenly (as in FSDP2); on another dimension the
+    all-gather's slots are joined along it, and the gradient's slices stacked along dim 0 before the
+    reduce-scatter (:meth:`whole_from_slots`, :meth:`slots_from_whole`).
     """
 
-    def __init__(self, module: nn.Module, name: str, param: nn.Parameter, rank: int, world_size: int) -> None:
+    def __init__(self, module: nn.Module, name: str, param: nn.Parameter, rank: int, world_size: int,
+                 dim: int = 0) -> None:
         self.module, self.name = module, name
         self.also_in: list[tuple[nn.Module, str]] = []  # the same parameter registered elsewhere in the group
         self.full_size = param.size()
-        chunks = list(torch.chunk(param.detach(), world_size, dim=0))  # fewer than W when dim 0 < W
+        self.dim, self.world_size = dim, world_size
+        chunks = list(torch.chunk(param.detach(), world_size, dim=dim))  # fewer than W when dim 0 < W
         self.padded_size = chunks[0].size()
         self.shard = nn.Parameter(param.detach().new_empty(0), requires_grad=param.requires_grad)
-        self._pad(chunks[rank] if rank < len(chunks) else param.detach()[:0])
+        self._pad(chunks[rank] if rank < len(chunks) else param.detach().narrow(dim, 0, 0))
         self.gathered: Optional[torch.Tensor] = None  # allocated at the first all-gather
         self.full: Optional[nn.Parameter] = None
         # With a reduce dtype other than the compute dtype: the whole gradient summed over unsynchronised
@@ -157,9 +189,9 @@ class ShardedParameter:
         """``padded`` (what this rank contributes to the all-gather): ``rows``, then zero rows up to chunk 0's
         size; ``shard`` (always the same ``nn.Parameter``: the optimizer holds it) a view of its real rows."""
         padded = rows.new_zeros(self.padded_size)
-        padded[: rows.size(0)].copy_(rows)
+        padded.narrow(self.dim, 0, rows.size(self.dim)).copy_(rows)
         self.padded = padded.view(-1)
-        self.shard.data = padded.narrow(0, 0, rows.size(0))
+        self.shard.data = padded.narrow(self.dim, 0, rows.size(self.dim))
 
     def repad(self) -> None:
         """Rebuild ``padded`` around the shard's new data (:meth:`follows_shard`); the whole parameter is made
@@ -188,6 +220,25 @@ class ShardedParameter:
     @property
     def shard_numel(self) -> int:
         return self.padded.numel()
+
+    def whole_from_slots(self, slots: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The whole parameter (padding included) from ``slots``, every rank's padded slice in rank order (W rows of
+        ``padded``'s numel): a view for dim 0; on another dimension the slices joined along it, into ``out``
+        (FSDP2's copy-out: ``torch.cat`` of the chunks, ``foreach_all_gather_copy_out``)."""
+        stacked = slots.view(self.world_size * self.padded_size[0], *self.padded_size[1:])
+        if self.dim == 0:
+            return stacked
+        joined = list(self.padded_size)
+        joined[self.dim] *= self.world_size
+        return torch.cat(torch.chunk(stacked, self.world_size, dim=0), dim=self.dim,
+                         out=None if out is None else out.view(joined))
+
+    def slots_from_whole(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` laid out for the reduce-scatter, whose slot r is rank r's rows: itself for dim 0, else its slices
+        along ``dim`` stacked along dim 0 (FSDP2's ``foreach_reduce``: ``torch.cat(torch.chunk(grad, W, dim), 0)``)."""
+        if self.dim == 0 or self.world_size == 1:
+            return grad
+        return torch.cat(torch.chunk(grad, self.world_size, dim=self.dim), dim=0)
 
     def set_on_modules(self, tensor: nn.Parameter) -> None:
         """Register ``tensor`` as this parameter on its module(s), past ``nn.Module.__setattr__``'s checks."""
@@ -227,7 +278,8 @@ class ShardGroup:
 
     def __init__(self, members: list[nn.Module], params: list[ShardedParameter], process_group: dist.ProcessGroup,
                  reshard_after_forward: Optional[bool], device: torch.device,
-                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> None:
+                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                 replicate_group: Optional[dist.ProcessGroup] = None) -> None:
         self.members = members  # the modules of the call: one, or several (``fully_shard([norm, head])``)
         self.module = members[0]
         self.params = params
@@ -239,6 +291,13 @@ class ShardGroup:
         # torchrun: 2 runs of 12 with the group held here, 0 of 24 with it held weakly).
         self._process_group = weakref.ref(process_group)
         self.rank, self.world_size = process_group.rank(), process_group.size()
+        # HSDP (a 2-D mesh): the ranks that hold the same shard, among which each reduced shard is all-reduced.
+        self._replicate_group = None if replicate_group is None else weakref.ref(replicate_group)
+        self.replicas = 1 if replicate_group is None else replicate_group.size()
+        # False: the reduced shards are summed here, not yet all-reduced (set_requires_all_reduce; FSDP2's
+        # all_reduce_grads and _partial_reduce_output, in the reduce dtype, before the division after).
+        self.requires_all_reduce = True
+        self.partial_reduction: Optional[torch.Tensor] = None
         # None (FSDP2's default): True, except for the root, which its first forward sets to False (Iteration).
         self.auto_reshard_after_forward = reshard_after_forward is None
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
@@ -343,16 +402,22 @@ class ShardGroup:
         if self.iteration is not None:
             self.iteration.poll(waited=work)
         sizes = [p.shard_numel for p in self.params]
-        outs = []
+        outs, joined = [], []
         for p in self.params:
             if p.gathered is None:  # its own buffer, so that each full parameter starts a fresh allocation
                 p.gathered = torch.empty(p.shard_numel * self.world_size, dtype=self.compute_dtype, device=self.device)
             else:
                 p.gathered.untyped_storage().resize_(p.shard_numel * self.world_size * p.gathered.element_size())
-            outs.append(p.gathered.view(self.world_size, -1))
+            slots = p.gathered.view(self.world_size, -1)
+            if p.dim != 0:  # the slots land beside it first, then are joined along the dimension cut
+                slots = torch.empty_like(slots)
+                joined.append((p, slots))
+            outs.append(slots)
         # Refilling the storage autograd saved is no in-place change of those values: keep their versions.
-        with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+        with torch.autograd._unsafe_preserve_version_counter(tuple(p.gathered for p in self.params)):
             torch.split_with_sizes_copy(flat.view(self.world_size, -1), sizes, dim=1, out=outs)
+            for p, slots in joined:
+                p.whole_from_slots(slots, out=p.gathered)
         for p in self.params:
             if p.full is None:
                 view = p.gathered[: p.full_size.numel()].view(p.full_size)  # the padding rows left out
@@ -376,7 +441,15 @@ class ShardGroup:
     def process_group(self) -> dist.ProcessGroup:
         """The group the parameters are sharded over (torch.distributed's collectives take registered groups only,
         and torch.distributed holds those until they are destroyed)."""
-        group = self._process_group()
+        return self._live(self._process_group)
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup:
+        """HSDP's other group: the ranks that hold the same shards as this one."""
+        return self._live(self._replicate_group)
+
+    def _live(self, reference: weakref.ref) -> dist.ProcessGroup:
+        group = reference()
         if group is None:
             raise RuntimeError(
                 f"the process group that {_class_name(self.module)} was sharded over is destroyed "
@@ -421,7 +494,7 @@ class ShardGroup:
             taken = [(p, torch.zeros_like(p.full) if grad is None and p.full is not None and p.shard.requires_grad
                       else grad) for p, grad in taken]
         with_grad = [p for p, grad in taken if grad is not None]
-        grads = [grad for _, grad in taken if grad is not None]
+        grads = [p.slots_from_whole(grad) for p, grad in taken if grad is not None]
         del taken
         if self.reshard_after_backward:  # else the whole parameters stay for the next forward (FSDP2 alike)
             self.reshard()
@@ -435,7 +508,8 @@ class ShardGroup:
         start = time.time()
         factor = self.gradient_divide_factor
         reduce_dtype = self.reduce_dtype or grads[0].dtype
-        before, scale, op, after = division(reduce_dtype, self.world_size, factor, self.force_sum_reduction_for_comms)
+        before, scale, op, all_reduce_op, after = division(
+            reduce_dtype, self.world_size, factor, self.force_sum_reduction_for_comms, self.replicas)
         slot = sum(p.shard_numel for p in with_grad)
         flat = torch.empty(slot * self.world_size, dtype=reduce_dtype, device=self.device)
         # Slot r holds rank r's rows of every gradient, each padded with zeros to chunk 0's size (and cast to
@@ -456,16 +530,25 @@ class ShardGroup:
         self.iteration.note_memory(extra=flat.untyped_storage().nbytes() + mine.untyped_storage().nbytes())
         work = _reduce_scatter(mine, flat, op=op, group=self.process_group, async_op=True)
         self._record_when_done(work, "reduce-scatter", start)
-        self.iteration.reductions.append((self, work, mine, flat, with_grad, after))
+        self.iteration.reductions.append((self, work, mine, flat, with_grad, all_reduce_op, after))
         if not self.overlap:  # FSDP2 on the CPU: wait at once, and ``flat`` is freed before the next backward
             self.iteration.finish_reductions()
 
     def finish_reduction(self, work: dist.Work, mine: torch.Tensor, flat: torch.Tensor,
-                         with_grad: list[ShardedParameter], after: Optional[float]) -> None:
+                         with_grad: list[ShardedParameter], all_reduce_op: dist.ReduceOp, after: Optional[float]) -> None:
         # ``flat``, the reduce-scatter's input, stayed referenced (in Iteration.reductions) until this
         # wait: the collective reads it in the background.
         work.wait()
         self.iteration.poll(waited=work)
+        if self._replicate_group is not None:  # HSDP: the shards reduced, then summed over their replicas
+            if self.partial_reduction is not None:
+                mine += self.partial_reduction
+            self.partial_reduction = None if self.requires_all_reduce else mine
+            if not self.requires_all_reduce:
+                return
+            start = time.time()
+            dist.all_reduce(mine, op=all_reduce_op, group=self.replicate_group)
+            self._record("all-reduce", start)
         if after is not None:
             mine.div_(after)
         if mine.dtype != self.dtype:  # FSDP2: the sum, divided, in the shards' dtype for the optimizer
@@ -477,6 +560,10 @@ class ShardGroup:
                 p.shard.grad = grad
             else:
                 p.shard.grad += grad
+            # The shard's gradient is final: its post-accumulate-grad hooks run now, as FSDP2 runs them (an
+            # optimizer step inside the backward registers one); autograd never accumulates into the shard itself.
+            for hook in (p.shard._post_accumulate_grad_hooks or {}).values():
+                hook(p.shard)
             offset += p.shard_numel
 
     # ---- the hooks -----------------------------------------------------------------------------
@@ -688,6 +775,7 @@ class Iteration:
             group.drop_pending()
             group.reshard()
             group.modules_to_run.clear()
+            group.partial_reduction = None
         self.forward_root = None
         self.open_collectives = []
         self._forget_backward()
@@ -729,6 +817,14 @@ class ShardedModule:
         included), else this one's group only (FSDP2's ``FSDPModule.set_requires_gradient_sync``)."""
         for group in _groups_under(self, recurse):
             group.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP (a 2-D mesh): whether the backward all-reduces the reduced shards over their replicas. ``False``
+        sums them here instead (gradient accumulation with the reduce-scatter only); the next backward with
+        ``True`` adds them to its own and all-reduces the sum (FSDP2's ``FSDPModule.set_requires_all_reduce``).
+        Without a replicate dimension there is no all-reduce, and it changes nothing."""
+        for group in _groups_under(self, recurse):
+            group.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether the forward frees the whole parameters (the backward gathers them again): ``fully_shard``'s
@@ -916,12 +1012,15 @@ def _check_module(module: nn.Module) -> None:
 def fully_shard(
     module: Union[nn.Module, list[nn.Module]],
     *,
-    process_group: Optional[dist.ProcessGroup] = None,
+    mesh: Optional[DeviceMesh] = None,
     reshard_after_forward: Optional[bool] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
+    process_group: Optional[dist.ProcessGroup] = None,
 ) -> nn.Module:
-    """Shard ``module``'s parameters over the ranks of ``process_group``, FSDP2's way; returns ``module``.
+    """Shard ``module``'s parameters over the ranks of ``mesh``, FSDP2's way; returns ``module``.
 
     Call it on the sub-modules first, then on the root: each call takes the parameters of ``module``
     not already taken by an earlier call, and gathers them together before ``module``'s forward
@@ -933,7 +1032,9 @@ def fully_shard(
         module: the module whose parameters become one group; or a list of modules whose parameters become one
             group together (FSDP2's ``fully_shard([norm, head])``): gathered before the first of them runs forward,
             freed after the last one did. The list is returned.
-        process_group: the ranks to shard over (default: the default group).
+        mesh: FSDP2's ``DeviceMesh`` (``init_device_mesh``). 1-D: the ranks to shard over. 2-D: HSDP, each
+            parameter sharded over the ranks of the mesh's dimension 1 and replicated over those of its dimension 0
+            (the reduced shards all-reduced over them). Default: every rank (or ``process_group``).
         reshard_after_forward: free the gathered parameters after the forward and gather them again
             in the backward (less memory); ``False`` keeps them until the backward is done. ``None``
             (FSDP2's default): ``True``, except on the root (the module whose forward runs first), whose
@@ -943,8 +1044,15 @@ def fully_shard(
             dtype), ``reduce_dtype`` for the reduce-scatter (and for summing unsynchronised backwards),
             ``output_dtype`` for the forward's floating-point outputs, ``cast_forward_inputs`` to cast the
             floating-point inputs to ``param_dtype``.
+        shard_placement_fn: FSDP2's: called on each parameter, returns ``Shard(dim)`` to cut it along ``dim``
+            rather than dim 0, or ``None`` for dim 0. A dimension other than 0 must divide evenly among the ranks,
+            as FSDP2 requires.
+        offload_policy: FSDP2's ``OffloadPolicy()`` (nothing offloaded), or ``CPUOffloadPolicy`` for a module on
+            the CPU, where the shards, gradients and optimizer state are already (FSDP2 gives the same numbers with
+            it there); to offload a GPU module's shards, use FSDP2.
         ignored_params: parameters this call leaves alone (FSDP2's argument): not sharded, their gradients
             not reduced, each rank keeping its own.
+        process_group: a 1-D alternative to ``mesh``: the ranks to shard over (minidp's; give one or the other).
 
     After this call, ``module``'s parameters are this rank's shards (rows of dim 0): build the
     optimizer afterwards, on ``module.parameters()``. ``module``'s class is then a subclass of
@@ -966,7 +1074,7 @@ def fully_shard(
         raise RuntimeError(
             "fully_shard needs a process group: call torch.distributed.init_process_group() first "
             "(torchrun sets the environment it reads), or start the processes with minidp.distributed.launch()")
-    group = process_group if process_group is not None else dist.group.WORLD
+    group, replicate_group = _groups_of(mesh, process_group)
     rank, world_size = group.rank(), group.size()
     modules = list({id(sub): sub for root in roots for sub in _managed_modules(root)}.values())
     owners: dict[nn.Parameter, tuple[nn.Module, str]] = {}
@@ -991,20 +1099,25 @@ def fully_shard(
                              f"(make it a tensor of shape (1,))")
         if not param.is_contiguous():
             raise ValueError(f"fully_shard: parameter '{name}' is not contiguous; make it contiguous first")
+    dims = {param: _shard_dim(param, names.get(id(param), owners[param][1]), shard_placement_fn, world_size)
+            for param in order}
     devices = {p.device for p in order}
     if len(devices) > 1:
         raise ValueError(f"fully_shard: the parameters of one call must be on one device, found {sorted(map(str, devices))}")
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    _check_placement(device, mesh, offload_policy)
     dtypes = {p.dtype for p in order}  # frozen ones too: one all-gather buffer carries them all
     if len(dtypes) > 1:
         raise ValueError(
             f"fully_shard: the parameters of one call must share one dtype, found {sorted(map(str, dtypes))}: cast "
             f"the module to one dtype first (mp_policy computes in another), or leave the others out (ignored_params)")
     with collectives_on(order):
-        _check_same_parameters([(names.get(id(p), owners[p][1]), p) for p in order], group)
+        for ranks in filter(None, (group, replicate_group)):
+            _check_same_parameters([(names.get(id(p), owners[p][1]), p) for p in order], ranks)
     params = []
     for param in order:
         owner, name = owners[param]
-        sharded = ShardedParameter(owner, name, param, rank, world_size)
+        sharded = ShardedParameter(owner, name, param, rank, world_size, dims[param])
         for sub in modules:  # the same parameter registered under another module or name of this group
             for other_name, other in sub.named_parameters(recurse=False, remove_duplicate=False):
                 if other is param and (sub, other_name) != (owner, name):
@@ -1012,8 +1125,7 @@ def fully_shard(
         sharded.set_on_modules(sharded.shard)
         setattr(param, _SHARDED_AS, f"parameter '{names.get(id(param), name)}' of the {called}")
         params.append(sharded)
-    device = next(iter(devices)) if devices else torch.device("cpu")
-    shard_group = ShardGroup(roots, params, group, reshard_after_forward, device, mp_policy)
+    shard_group = ShardGroup(roots, params, group, reshard_after_forward, device, mp_policy, replicate_group)
     for root in roots:
         setattr(root, _GROUP, shard_group)
         if len(roots) == 1:
@@ -1033,6 +1145,66 @@ def fully_shard(
                 _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"unsharded_class": cls})
             root.__class__ = _SHARDED_CLASSES[cls]
     return module
+
+
+def _groups_of(mesh: Optional[DeviceMesh], process_group: Optional[dist.ProcessGroup]
+               ) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
+    """The ranks that shard, and (HSDP) those that hold the same shard, from ``fully_shard``'s ``mesh`` (FSDP2's
+    ``_get_mesh_info``: 1-D, every rank shards; 2-D, dimension 1 shards and dimension 0 replicates)."""
+    if mesh is None:
+        return (process_group if process_group is not None else dist.group.WORLD), None
+    if process_group is not None:
+        raise ValueError("fully_shard got both mesh and process_group; give one (a 1-D mesh is its process group)")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh (torch.distributed.device_mesh.init_device_mesh), "
+                        f"got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0)
+    raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: 1-D shards over its ranks, 2-D "
+                     f"(HSDP) replicates over dimension 0 and shards over dimension 1")
+
+
+def _shard_dim(param: nn.Parameter, name: str, shard_placement_fn: Optional[Callable], world_size: int) -> int:
+    """The dimension ``param`` is cut along: what ``shard_placement_fn`` says (``Shard(dim)``; ``None``: 0), checked
+    as FSDP2 checks it (``_fsdp_param.py``, ``_init_sharded_param``)."""
+    placement = None if shard_placement_fn is None else shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{name}'; minidp takes Shard(dim) "
+            f"or None (FSDP2's ShardPlacementResult, a mesh of its own for a parameter, is not supported)")
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.dim():
+        raise ValueError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{name}', which has "
+                         f"{param.dim()} dimensions {tuple(param.shape)}")
+    if dim > 0 and param.size(dim) % world_size != 0:
+        raise NotImplementedError(
+            f"fully_shard: parameter '{name}' {tuple(param.shape)} cannot be cut evenly along dim {dim} among "
+            f"{world_size} ranks; as in FSDP2, only dim 0 may be cut unevenly: return Shard(0) or None for it")
+    return dim
+
+
+def _check_placement(device: torch.device, mesh: Optional[DeviceMesh], offload_policy: OffloadPolicy) -> None:
+    """The parameters are on the mesh's kind of device, and an offload policy asks for nothing minidp does not do."""
+    if mesh is not None and mesh.device_type != device.type:
+        raise ValueError(
+            f"fully_shard: the parameters are on {device} but the mesh is a {mesh.device_type!r} mesh; move the "
+            f"module to the mesh's device first (module.to('{mesh.device_type}')), or build the mesh on {device.type}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy (torch.distributed.fsdp), got "
+                        f"{type(offload_policy).__name__}")
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        if device.type != "cpu":
+            raise NotImplementedError(
+                f"fully_shard: CPUOffloadPolicy on parameters on {device} is not supported (minidp keeps the shards "
+                f"where the parameters are); leave offload_policy unset, or use torch's fully_shard to offload")
+        if offload_policy.pin_memory and not torch.accelerator.is_available():
+            raise RuntimeError(
+                "fully_shard: CPUOffloadPolicy(pin_memory=True) pins the shards in memory for transfers to an "
+                "accelerator, and this machine has none (FSDP2 fails here too); pass CPUOffloadPolicy(pin_memory=False)")
 
 
 def _group_pre_forward(group: ShardGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -1082,7 +1254,7 @@ def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefi
         for module, name in [(p.module, p.name), *p.also_in]:
             key = prefix + name
             if module is holder and key in state_dict and state_dict[key].shape == p.full_size:
-                chunks = torch.chunk(state_dict[key], group.world_size, dim=0)
+                chunks = torch.chunk(state_dict[key], group.world_size, dim=p.dim)
                 state_dict[key] = chunks[group.rank] if group.rank < len(chunks) else p.shard.detach()[:0]
 
 
@@ -1126,8 +1298,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         gathered = torch.empty(p.shard_numel * group.world_size, dtype=p.padded.dtype, device=p.padded.device)
         _all_gather(gathered, p.padded, group=group.process_group)
         # rank r's padded rows sit in slot r; the real rows are the first full_size[0] of them all
-        rows = gathered.view(group.world_size * p.padded_size[0], *p.padded_size[1:])
-        full[key] = rows[: p.full_size[0]].clone()
+        full[key] = p.whole_from_slots(gathered)[: p.full_size[0]].clone()
     return full
 
 
