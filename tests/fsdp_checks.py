@@ -581,6 +581,38 @@ def mixed_dtypes(seed: int) -> str:
     return "no error"
 
 
+def optimizer_in_backward(seed: int, steps: int = 3) -> dict[str, Any]:
+    """The optimizer step inside the backward (PyTorch's tutorial "How to save memory by fusing the optimizer step into
+    the backward pass"): a post-accumulate-grad hook on each shard steps its own optimizer and drops the gradient.
+    FSDP2 runs those hooks once a shard's gradient is reduced; after each step, the first parameter that differs from
+    FSDP2's (None: none), and how often minidp ran the hooks."""
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    theirs = Net()
+    ours = copy.deepcopy(theirs)
+    calls = [0]
+    for model, function in ((ours, md.fully_shard), (theirs, torch_fully_shard)):
+        shard(model, function, True)
+        optimizers = {p: torch.optim.SGD([p], lr=0.05, momentum=0.9) for p in model.parameters()}
+
+        def step(param: nn.Parameter, optimizers: dict = optimizers, counted: bool = model is ours) -> None:
+            optimizers[param].step()
+            optimizers[param].zero_grad()
+            calls[0] += counted
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step)
+    differences = []
+    for step_index in range(steps):
+        x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step_index + rank))
+        for model in (ours, theirs):
+            model(x).pow(2).mean().backward()
+        differences.append(next((name for (name, a), b in zip(ours.named_parameters(), theirs.parameters())
+                                 if not torch.equal(a, local(b))), None))
+    return {"differences": differences, "calls": calls[0], "parameters": len(list(ours.parameters())),
+            "gradients_left": sum(p.grad is not None for p in ours.parameters())}
+
+
 def refusals(seed: int) -> dict[str, Any]:
     """Arguments of FSDP2's that minidp refuses, each given to fully_shard on a fresh model: the error's type and
     message, and whether the model was left as it was (no shard on it, its class its own)."""

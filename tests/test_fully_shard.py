@@ -28,7 +28,7 @@ from .helpers import each_rank, fresh_python, job_fixture, torchrun
 from .helpers import assert_no_differences as assert_same_as_fsdp2
 from minidp.cli import main
 from minidp.distributed import RankFailed, chrome_trace, fully_shard, launch
-from minidp.distributed.fully_shard import ShardedModule, division
+from minidp.distributed.fully_shard import ShardedModule, _resharding, division
 
 
 @pytest.fixture(autouse=True)
@@ -111,6 +111,7 @@ TWO_PROCESSES = {
                                                        **UNSYNCED}),
     "offload": (checks.against_fsdp2, {"offload": True, "optimizer": "adamw"}),
     "refusals": (checks.refusals, {}),
+    "optimizer_in_backward": (checks.optimizer_in_backward, {}),
     "collectives-root-kept": (checks.collectives_with, {"configure": None, "reshard_after_forward": None}),
     "collectives-kept-between": (checks.collectives_with, {"configure": "keep_between_micro_batches",
                                                            "micro_batches": 3}),
@@ -528,6 +529,15 @@ def test_arguments_beyond_what_is_supported_are_refused_before_anything_is_shard
         assert result[case]["untouched"]
 
 
+def test_an_optimizer_step_in_a_shards_post_accumulate_grad_hook_trains_as_fsdp2(two):
+    # FSDP2 (_fsdp_collectives.py, foreach_reduce) runs each shard's post-accumulate-grad hooks once its reduced
+    # gradient is set: the pattern that fuses the optimizer step into the backward
+    for result in each_rank(two, "optimizer_in_backward"):
+        assert result["differences"] == [None] * 3
+        assert result["calls"] == 3 * result["parameters"]
+        assert result["gradients_left"] == 0
+
+
 # ---- the full state dict -------------------------------------------------------------------------
 
 
@@ -623,6 +633,20 @@ def test_a_parameter_shared_between_two_groups_is_refused_where_fsdp2_refuses_it
             assert "is shared with a parameter already managed by another FSDP group" in errors["fsdp2"]
         else:
             assert "fsdp2" not in errors
+
+
+def test_an_int_reshard_after_forward_is_read_as_fsdp2_reads_it():
+    # FSDP2 (_fsdp_init.py, _get_post_forward_mesh_info): a factor of the ranks that shard; all of them is True, 1 is
+    # False with a warning; a group in between (FSDP2 reshards to it) is refused here, and nothing else is an int
+    assert _resharding(4, 4) is True and _resharding(None, 4) is None and _resharding(False, 4) is False
+    with pytest.warns(UserWarning, match="reshard_after_forward=1 \\(int\\) means resharding parameters to world size 1"):
+        assert _resharding(1, 4) is False
+    with pytest.raises(ValueError, match="it should be a factor of 4, not 3"):
+        _resharding(3, 4)
+    with pytest.raises(NotImplementedError, match="reshard_after_forward=2, resharding to groups of 2 of the 4 ranks"):
+        _resharding(2, 4)
+    with pytest.raises(ValueError, match="should be a bool or an int"):
+        _resharding(2.0, 4)
 
 
 def test_a_list_of_modules_that_is_empty_or_names_one_twice_is_refused_before_anything_is_sharded():

@@ -8,9 +8,9 @@ gradient accumulation and 1F1B micro-batching, activation checkpointing, shared 
 registered after forward and backward, shards along another dimension, HSDP, CPU offload), ``test_fully_shard_mixed_precision.py`` (compute and reduce dtypes, their
 casts, accumulation in the reduce dtype) and ``test_fully_shard_ignore_params.py``. Upstream gates most of them on
 GPUs only to have a device per rank, and runs them on 2 to 8 ranks; here the CPU and 2 ranks. What the port adapts
-(DTensor parameters read as plain shards, collectives seen through a dispatch mode, fewer iterations, no
-``reshard_after_forward=2``) is in that module's docstring and in each case's. Examined but not ported, with the
-reason: :data:`NOT_PORTED`.
+(DTensor parameters read as plain shards, collectives seen through a dispatch mode, fewer iterations, the int
+``reshard_after_forward=2`` of 2 ranks as True) is in that module's docstring and in each case's. Examined but not
+ported, with the reason: :data:`NOT_PORTED`.
 
 Adapted from PyTorch (BSD 3-clause), copyright the PyTorch contributors.
 

@@ -16,8 +16,9 @@ plain loop over the same values. Upstream runs most of these on one GPU per rank
 ``allow_cpu=True``) and on 4 or 8 ranks; here every case runs on the CPU in 2 processes (``tests.helpers.run_upstream``
 seeds both alike before each case). Upstream's ``assertEqual`` on tensors is ``torch.testing.assert_close`` (the
 same default tolerances). Upstream's ``replicate`` reference is torch's ``DistributedDataParallel`` on the CPU
-(:func:`replicate`). What stays out everywhere: ``reshard_after_forward=2`` (an int: minidp takes only bools), meshes of more
-than 2 dimensions (TP, EP, PP), ``fully_shard([a, b])`` and the GPU sleeps that only shift CUDA streams.
+(:func:`replicate`). Upstream's ``reshard_after_forward=2`` is every rank on 2, ``True``: kept where it is cheap.
+What stays out everywhere: meshes of more than 2 dimensions (TP, EP, PP), ``fully_shard([a, b])`` and the GPU
+sleeps that only shift CUDA streams.
 
 What differs in the assertions, because minidp's parameters are plain tensors where FSDP2's are DTensors:
 
@@ -399,8 +400,8 @@ def test_param_registration_after_forward():
     """TestFullyShardRegisteredParams: after the forward the module holds whole parameters unless it resharded
     (``reshard_after_forward=None``: the root keeps them; True: sharded again), the values equal the unsharded
     model's, and ``reshard()`` registers the shards again; for one group and for three. Upstream runs it on 4 ranks
-    (threads), here 2; the int value 2 is out (minidp takes only bools)."""
-    for reshard_after_forward in (True, False, None):
+    (threads), here 2, where its int 2 (resharding to groups of 2 ranks) is every rank that shards: ``True``."""
+    for reshard_after_forward in (True, False, 2, None):
         torch.manual_seed(42)
         model = MLP(3)
         for param in model.parameters():
@@ -417,7 +418,7 @@ def test_param_registration_after_forward():
         _assert_registered(model, model.parameters(), sharded=True)
         _assert_same_params(model.parameters(), ref_model.parameters())
 
-    for reshard_after_forward in (True, False, None):
+    for reshard_after_forward in (True, False, 2, None):
         torch.manual_seed(42)
         model = nn.Sequential(MLP(3), MLP(3))
         for param in model.parameters():
@@ -435,8 +436,8 @@ def test_param_registration_after_forward():
             _assert_registered(model, non_root, sharded=True)
             _assert_registered(model, root, sharded=False)
         else:
-            _assert_registered(model, non_root, sharded=reshard_after_forward)
-            _assert_registered(model, root, sharded=reshard_after_forward)
+            _assert_registered(model, non_root, sharded=bool(reshard_after_forward))
+            _assert_registered(model, root, sharded=bool(reshard_after_forward))
         _assert_same_params(model.parameters(), ref_model.parameters())
         for module in model.modules():
             if is_sharded_module(module):
@@ -447,15 +448,15 @@ def test_param_registration_after_forward():
 
 def test_param_registration_after_backward():
     """TestFullyShardRegisteredParams: after the backward every registered parameter is the shard again, for one
-    group and for three, whatever ``reshard_after_forward`` (True, False; not the int 2)."""
-    for reshard_after_forward in (True, False):
+    group and for three, whatever ``reshard_after_forward`` (True, False, 2: every rank here, as True)."""
+    for reshard_after_forward in (True, False, 2):
         model = MLP(8)
         fully_shard(model, reshard_after_forward=reshard_after_forward)
         inp = torch.randn((2, 8))
         _assert_registered(model, model.parameters(), sharded=True)
         model(inp).sum().backward()
         _assert_registered(model, model.parameters(), sharded=True)
-    for reshard_after_forward in (True, False):
+    for reshard_after_forward in (True, False, 2):
         model = MLP(8)
         fully_shard(model.in_proj, reshard_after_forward=reshard_after_forward)
         fully_shard(model.out_proj, reshard_after_forward=reshard_after_forward)
@@ -619,7 +620,7 @@ def test_non_root_forward_backward():
 def test_multi_forward_module():
     """TestFullyShard1DTrainingCore: a sharded module called twice in one forward trains as DDP does. Adapted:
     upstream's subtests over ``reshard_after_forward`` never pass the value to ``fully_shard``; here it is passed
-    (True, False)."""
+    (True, False, and upstream's int 2: every rank here, as True)."""
 
     class MultiForwardModule(nn.Module):
         def __init__(self) -> None:
@@ -629,7 +630,7 @@ def test_multi_forward_module():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.outer(self.inner(x) + self.inner(x))
 
-    for reshard_after_forward in (True, False):
+    for reshard_after_forward in (True, False, 2):
         torch.manual_seed(42)
         model = MultiForwardModule()
         ref_model = replicate(copy.deepcopy(model))

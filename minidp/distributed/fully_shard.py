@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 import weakref
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -1038,7 +1039,8 @@ def fully_shard(
         reshard_after_forward: free the gathered parameters after the forward and gather them again
             in the backward (less memory); ``False`` keeps them until the backward is done. ``None``
             (FSDP2's default): ``True``, except on the root (the module whose forward runs first), whose
-            parameters the backward would gather again at once.
+            parameters the backward would gather again at once. FSDP2's int: the number of ranks that
+            shard is ``True``, 1 is ``False``; a number between them is refused.
         mp_policy: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for the whole parameters (the
             all-gather, the forward and the backward; the optimizer still steps the shards in their own
             dtype), ``reduce_dtype`` for the reduce-scatter (and for summing unsynchronised backwards),
@@ -1066,16 +1068,13 @@ def fully_shard(
         _check_module(root)
     if len({id(root) for root in roots}) != len(roots):
         raise ValueError("fully_shard got the same module twice in its list; give each module once")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ValueError(
-            f"fully_shard: reshard_after_forward must be True, False or None, got {reshard_after_forward!r} (FSDP2's "
-            f"int, resharding to a smaller group after the forward, is not supported)")
     if not dist.is_initialized():
         raise RuntimeError(
             "fully_shard needs a process group: call torch.distributed.init_process_group() first "
             "(torchrun sets the environment it reads), or start the processes with minidp.distributed.launch()")
     group, replicate_group = _groups_of(mesh, process_group)
     rank, world_size = group.rank(), group.size()
+    reshard_after_forward = _resharding(reshard_after_forward, world_size)
     modules = list({id(sub): sub for root in roots for sub in _managed_modules(root)}.values())
     owners: dict[nn.Parameter, tuple[nn.Module, str]] = {}
     order: list[nn.Parameter] = []
@@ -1164,6 +1163,31 @@ def _groups_of(mesh: Optional[DeviceMesh], process_group: Optional[dist.ProcessG
         return mesh.get_group(1), mesh.get_group(0)
     raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: 1-D shards over its ranks, 2-D "
                      f"(HSDP) replicates over dimension 0 and shards over dimension 1")
+
+
+def _resharding(reshard_after_forward: Union[bool, int, None], world_size: int) -> Optional[bool]:
+    """``reshard_after_forward`` as a bool (or None, FSDP2's default), checked as FSDP2 checks it
+    (``_fsdp_init.py``, ``_get_post_forward_mesh_info``). FSDP2's int N reshards to groups of N ranks after the
+    forward: N = the ranks that shard is ``True``, N = 1 is ``False`` (FSDP2 warns, as here); an N between them, the
+    smaller group, is not supported."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward
+    if not isinstance(reshard_after_forward, int):
+        raise ValueError(f"reshard_after_forward should be a bool or an int representing the group size to reshard "
+                         f"to, not {reshard_after_forward}")
+    if not 1 <= reshard_after_forward <= world_size or world_size % reshard_after_forward:
+        raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {world_size}, "
+                         f"not {reshard_after_forward}")
+    if reshard_after_forward == world_size:
+        return True
+    if reshard_after_forward == 1:
+        warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world size 1, instead of "
+                      "reshard_after_forward=True (bool)", stacklevel=3)
+        return False
+    raise NotImplementedError(
+        f"fully_shard: reshard_after_forward={reshard_after_forward}, resharding to groups of {reshard_after_forward} "
+        f"of the {world_size} ranks after the forward, is not supported; pass True (reshard over all of them) or "
+        f"False (keep the whole parameters until the backward)")
 
 
 def _shard_dim(param: nn.Parameter, name: str, shard_placement_fn: Optional[Callable], world_size: int) -> int:
