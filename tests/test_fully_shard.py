@@ -101,7 +101,8 @@ TWO_PROCESSES = {
        for name, r in (("reshard", True), ("keep", False), ("default", None))},
     "grouped-accumulate": (checks.against_fsdp2, {"grouped": ("norm", "head"), "micro_batches": 3, "steps": 2,
                                                   "unsynced": "all"}),
-    "partial-group": (checks.partial_group, {}),
+    **({f"chunked-loss-{name}": (checks.chunked_loss, {"reshard_after_forward": r})
+        for name, r in (("reshard", True), ("keep", False))} if checks.FSDP2_COMPLETES_PARTIAL_GROUPS else {}),
     "premultiplied": (checks.premultiplied, {}),
     "mesh-1d": (checks.against_fsdp2, {"mesh": (2,), "optimizer": "adamw"}),
     "hsdp-1x2": (checks.against_fsdp2, {"mesh": (1, 2)}),
@@ -445,14 +446,14 @@ def test_modules_sharded_as_one_group_by_one_call_train_as_fsdp2(two, case):
     assert_same_as_fsdp2(two, case)
 
 
-def test_a_forward_that_skips_a_module_of_a_group_is_refused_and_leaves_nothing_gathered(two):
-    """FSDP2 changed what it does then (torch 2.13's _force_complete_incomplete_states; 2.11 reduced wrong gradients,
-    its release notes say): refused here, with the way out, and the next step trains as FSDP2's."""
-    for result in each_rank(two, "partial-group"):
-        assert "this forward ran LayerNorm but not Linear" in result["refused"]
-        assert "Shard them one by one" in result["refused"]
-        assert not result["gathered_after"]
-        assert result["difference"] is None
+@pytest.mark.skipif(not checks.FSDP2_COMPLETES_PARTIAL_GROUPS,
+                    reason="FSDP2 before torch 2.13 reduced wrong gradients here: no reference to train beside")
+@pytest.mark.parametrize("reshard", ["reshard", "keep"])
+def test_a_forward_that_skips_the_head_of_a_group_then_chunks_through_it_trains_as_fsdp2(two, reshard):
+    """The chunked loss (FSDP2 in torch 2.13, _fsdp_state.py: _force_complete_incomplete_states completes the group
+    at the root's post-forward; each standalone call of the head gathers it again and registers its own
+    post-backward, so its gradients are reduced once per chunk and summed in the shards)."""
+    assert_same_as_fsdp2(two, f"chunked-loss-{reshard}")
 
 
 def test_modules_sharded_as_one_group_train_as_fsdp2_on_three_processes(three):

@@ -54,10 +54,17 @@ PORTED = {
         "test_train_parity_shard_placement_fn_shard_largest_dim",
         "test_shard_placement_fn_contiguous_params_grads",
         "test_train_parity_with_shared_params",
+        "test_train_shared_params_uneven_shard",
         "test_layer_by_layer_shard_no_false_positive",
         "test_gradient_accumulation",
         "test_1f1b_microbatching",
+        "test_partial_group_forward_then_standalone",
+        "test_grouped_module_cast_forward_inputs",
+        "test_partial_group_forward_grad_accum_chunked",
+        "test_partial_group_reshard_toggle",
+        "test_reset_iter_state_after_exception",
         "test_double_forward_with_nested_fsdp_and_checkpoint",
+        "test_double_partial_forward_then_backward",
         "test_train_parity_hsdp",
         "test_register_fsdp_forward_method",
     ],
@@ -82,6 +89,14 @@ CASES = [name for names in PORTED.values() for name in names]
 OLD_TORCH_FSDP2_FAILS = {
     "test_structured_input_output": "torch's FSDP2 before 2.13 fails on dataclass activations between sharded "
                                     "modules (a parameter's storage freed when the backward needs it)",
+    **dict.fromkeys(
+        ["test_partial_group_forward_then_standalone", "test_partial_group_forward_grad_accum_chunked",
+         "test_partial_group_reshard_toggle", "test_reset_iter_state_after_exception",
+         "test_double_partial_forward_then_backward"],
+        "torch's FSDP2 before 2.13 leaves a fully_shard([a, b]) group that a forward ran in part gathered, and "
+        "reduces wrong gradients (2.13 completes it at the root's post-forward, as minidp does)"),
+    "test_grouped_module_cast_forward_inputs": "torch's FSDP2 before 2.13 casts the inputs of the first module of a "
+                                               "fully_shard([a, b]) group only",
 }
 TORCH_BEFORE_2_13 = TorchVersion(torch.__version__) < "2.13"
 
@@ -92,22 +107,12 @@ def _skipped_here(name: str) -> bool:
 
 IN_THE_JOB = [name for name in CASES if not _skipped_here(name)]
 
-_LIST = ("calls fully_shard([a, b]) (one group over several modules); minidp takes such a group where all its modules "
-         "run in every forward (bitwise against FSDP2: tests/test_fully_shard.py -k grouped) and refuses a forward that "
-         "runs part of one; these cases are not ported yet")
 _MESH = "needs a device mesh of 3 dimensions or more (TP, EP, PP) on 4 to 8 ranks"
 NOT_PORTED = {
     # test_fully_shard_training.py
     "test_modules_to_run_forward_empty_for_single_module": "reads FSDP2's private state (_modules_to_run_forward)",
     "test_train_parity_multi_group_unshard_async_op": "FSDP2's private _set_unshard_async_op, which minidp lacks",
     "test_post_optim_event": "set_post_optim_event takes a CUDA event (stream ordering; nothing to order on the CPU)",
-    "test_partial_group_forward_then_standalone": _LIST,
-    "test_grouped_module_cast_forward_inputs": _LIST,
-    "test_partial_group_forward_grad_accum_chunked": _LIST,
-    "test_partial_group_reshard_toggle": _LIST + "; also reads the private _fsdp_param_group",
-    "test_reset_iter_state_after_exception": _LIST,
-    "test_double_partial_forward_then_backward": _LIST,
-    "test_train_shared_params_uneven_shard": _LIST,
     "test_shared_params_separate_fsdp_groups_error": "checks FSDP2's message at the first forward ('already managed "
                                                      "by another'); minidp refuses at the second fully_shard call, "
                                                      "with its own message (tests/test_fully_shard.py covers it)",

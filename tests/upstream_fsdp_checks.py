@@ -795,6 +795,46 @@ def test_train_parity_with_shared_params():
         _train_in_lockstep((ref_model, model), (ref_optim, optim), inputs)
 
 
+def test_train_shared_params_uneven_shard():
+    """TestFullyShardSharedParams: an embedding tied to the output layer, both in one ``fully_shard([a, b])``
+    group, with a vocabulary the ranks do not divide (the last rank's shard padded): after 10 AdamW steps every row
+    of the weight has changed, the padded rank's included. Upstream: 4 ranks; here 2 (a vocabulary of 2 * 4 + 1)."""
+    for reshard_after_forward in (True, False):
+        hidden_size = 16
+        vocab_size = dist.get_world_size() * 4 + 1
+
+        class TiedModel(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.tok_embeddings = nn.Embedding(vocab_size, hidden_size)
+                self.output = nn.Linear(hidden_size, vocab_size, bias=False)
+                self.output.weight = self.tok_embeddings.weight
+
+            def forward(self, ids: torch.Tensor) -> torch.Tensor:
+                return self.output(self.tok_embeddings(ids))
+
+        torch.manual_seed(42)
+        model = TiedModel()
+        fully_shard([model.tok_embeddings, model.output], reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        model.tok_embeddings.unshard()
+        initial_weight = model.tok_embeddings.weight.detach().clone()
+        model.tok_embeddings.reshard()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(42 + dist.get_rank())
+        for _ in range(10):
+            ids = torch.randint(0, vocab_size, (2, 8))
+            logits = model(ids)
+            F.cross_entropy(logits.view(-1, vocab_size).float(), ids.view(-1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.tok_embeddings.unshard()
+        final_weight = model.tok_embeddings.weight
+        for row in range(vocab_size):
+            assert not torch.equal(initial_weight[row], final_weight[row]), f"Row {row} was not updated after training"
+        model.tok_embeddings.reshard()
+
+
 def test_layer_by_layer_shard_no_false_positive():
     """TestFullyShardSharedParams: sharding blocks one at a time as they are built (garbage collected between) does
     not make a later call mistake a new parameter for an already sharded one; forward and backward run."""
@@ -948,6 +988,299 @@ def test_1f1b_microbatching():
         check_sharded_parity(ref_model, model)
 
 
+class ChunkedHeadModel(nn.Module):
+    """Upstream's ``ChunkedHeadModel`` (test_fully_shard_training.py): an embedding, a body, an RMSNorm and a head
+    whose forward can stop before the head (``skip_head``), the head's weight tied to the embedding's or not."""
+
+    def __init__(self, dim: int, vocab_size: int, tie: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.body = nn.Linear(dim, dim, bias=False)
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, *, skip_head: bool = False) -> torch.Tensor:
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)
+
+
+def _chunked_head_model(dim: int, vocab_size: int, tie: bool, ac: bool = False) -> ChunkedHeadModel:
+    """Upstream's ``_new_model``/``_setup``: seeded, rank 0's weights on every rank, the body checkpointed if ``ac``."""
+    torch.manual_seed(42)
+    model = ChunkedHeadModel(dim, vocab_size, tie)
+    with torch.no_grad():
+        for param in model.parameters():
+            dist.broadcast(param, src=0)
+    if ac:
+        from torch.distributed._composable import checkpoint
+
+        checkpoint(model.body)
+    return model
+
+
+def _whole_grad(model: nn.Module, param: torch.Tensor, full_shape: torch.Size) -> torch.Tensor:
+    """Upstream's ``_snapshot_grad``: a copy of ``param``'s whole gradient (gathered where the model is sharded)."""
+    if any(is_sharded_module(module) for module in model.modules()):
+        return full_tensor(param.grad, full_shape, shard_dim(model, param)).clone()
+    return param.grad.clone()
+
+
+def _chunk_through_head(model: ChunkedHeadModel, tokens: torch.Tensor, n_chunks: int,
+                        h_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Upstream's ``_run_chunked``: the forward without the head, then the head chunk by chunk on the detached output
+    (in float32), each chunk's ``sum()`` backward at once, then the output's backward with the chunks' gradients;
+    the summed loss, and the head's whole gradient after each chunk. ``h_dtype``: the dtype the output and every
+    chunk's head output must have."""
+    h = model(tokens, skip_head=True)
+    if h_dtype is not None:
+        assert h.dtype == h_dtype, (h.dtype, h_dtype)
+    h_grads, head_grads = [], []
+    total_loss = torch.tensor(0.0)
+    for chunk in torch.chunk(h.detach().to(torch.float32), n_chunks, dim=1):
+        chunk = chunk.contiguous().detach().requires_grad_(True)
+        out = model.head(chunk)
+        if h_dtype is not None:
+            assert out.dtype == h_dtype, (out.dtype, h_dtype)
+        loss = out.sum()
+        total_loss += loss.detach()
+        loss.backward()
+        h_grads.append(chunk.grad.detach())
+        head_grads.append(_whole_grad(model, model.head.weight, torch.Size((model.head.out_features,
+                                                                             model.head.in_features))))
+    h.backward(torch.cat(h_grads, dim=1).to(h.dtype))
+    return total_loss, head_grads
+
+
+def test_partial_group_forward_then_standalone():
+    """TestFullyShard1DTrainingCompose: the chunked loss with ``fully_shard([norm, head])`` (or ``[embed, norm,
+    head]`` with the head tied to the embedding): the model's forward skips the head, which then runs chunk by chunk
+    on its own. Every chunk adds to the head's gradient; the grouped model trains as one sharded module by module
+    (its gradients and parameters equal), and as an unsharded reference (losses, the head's gradient, every shard);
+    the outputs have the policy's ``output_dtype`` (bfloat16 everywhere, or in the group only), ``reshard_after_forward``
+    True, False, and upstream's int 1 (False, with FSDP2's warning); once with the body checkpointed. Adapted: 5
+    iterations instead of 10; torch 2.13's FSDP2 behaviour (before it, FSDP2 reduced wrong gradients here)."""
+    dim, vocab_size, n_chunks = 32, 128, 4
+    subtests = [(r, tie, mode, False) for r, tie, mode in itertools.product(
+        (True, False), (False, True), ("none", "bf16_everywhere", "bf16_inner_only"))]
+    subtests += [(True, False, "none", True), (1, False, "none", False)]
+    for reshard_after_forward, weight_tying, mp_policy_mode, ac in subtests:
+        bf16_out = {"param_dtype": torch.float32, "output_dtype": torch.bfloat16}
+        if mp_policy_mode == "bf16_everywhere":
+            inner_mp = root_mp = MixedPrecisionPolicy(**bf16_out)
+            expected_h_dtype = torch.bfloat16
+        elif mp_policy_mode == "bf16_inner_only":
+            inner_mp = MixedPrecisionPolicy(**bf16_out)
+            root_mp = MixedPrecisionPolicy(param_dtype=torch.float32)
+            expected_h_dtype = torch.bfloat16
+        else:
+            inner_mp = root_mp = MixedPrecisionPolicy()
+            expected_h_dtype = torch.float32
+        do_parity, do_grouping_parity = mp_policy_mode == "none", not weight_tying
+
+        def _shard(m: nn.Module, grouped: bool) -> torch.optim.Optimizer:
+            if grouped and weight_tying:
+                fully_shard(m.body, mp_policy=root_mp, reshard_after_forward=reshard_after_forward)
+                fully_shard([m.embed, m.norm, m.head], mp_policy=inner_mp, reshard_after_forward=reshard_after_forward)
+            else:
+                fully_shard(m.embed, mp_policy=root_mp, reshard_after_forward=reshard_after_forward)
+                fully_shard(m.body, mp_policy=root_mp, reshard_after_forward=reshard_after_forward)
+                if grouped:
+                    fully_shard([m.norm, m.head], mp_policy=inner_mp, reshard_after_forward=reshard_after_forward)
+                else:
+                    fully_shard(m.norm, mp_policy=inner_mp, reshard_after_forward=reshard_after_forward)
+                    fully_shard(m.head, mp_policy=inner_mp, reshard_after_forward=reshard_after_forward)
+            fully_shard(m, mp_policy=root_mp, reshard_after_forward=reshard_after_forward)
+            return torch.optim.Adam(m.parameters(), lr=1e-2)
+
+        torch.manual_seed(42)
+        tokens = torch.randint(0, vocab_size, (2, 16))
+        ref_model = _chunked_head_model(dim, vocab_size, weight_tying, ac)
+        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+        model = _chunked_head_model(dim, vocab_size, weight_tying, ac)
+        optim = _shard(model, grouped=True)
+        if do_grouping_parity:
+            ungrouped_model = _chunked_head_model(dim, vocab_size, weight_tying, ac)
+            ungrouped_optim = _shard(ungrouped_model, grouped=False)
+        for iter_idx in range(5):
+            fsdp_loss, fsdp_head_grads = _chunk_through_head(model, tokens, n_chunks, expected_h_dtype)
+            for i in range(1, len(fsdp_head_grads)):  # every chunk adds to the head's gradient
+                assert (fsdp_head_grads[i] - fsdp_head_grads[i - 1]).norm().item() > 0, f"chunk {i} added nothing"
+            if do_grouping_parity:
+                ug_loss, ug_head_grads = _chunk_through_head(ungrouped_model, tokens, n_chunks, expected_h_dtype)
+                assert_close(ug_loss, fsdp_loss)
+                assert_close(ug_head_grads[-1], fsdp_head_grads[-1])
+                for (name, ug_p), (_, fsdp_p) in zip(ungrouped_model.named_parameters(), model.named_parameters()):
+                    assert_close(local(ug_p.grad), local(fsdp_p.grad), msg=lambda m: f"{name}.grad: {m}")
+            if do_parity:
+                ref_loss, ref_head_grads = _chunk_through_head(ref_model, tokens, n_chunks)
+                average_gradients(ref_model)
+                ref_head_grad = ref_head_grads[-1]
+                dist.all_reduce(ref_head_grad)
+                ref_head_grad.div_(dist.get_world_size())
+                assert_close(fsdp_head_grads[-1], ref_head_grad)
+                assert_close(ref_loss, fsdp_loss)
+                check_sharded_parity(ref_model, model)
+                ref_optim.step()
+                ref_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+            optim.step()
+            optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+            if do_grouping_parity:
+                ungrouped_optim.step()
+                ungrouped_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+                for (name, ug_p), (_, fsdp_p) in zip(ungrouped_model.named_parameters(), model.named_parameters()):
+                    assert_close(local(ug_p), local(fsdp_p), msg=lambda m: f"{name}: {m}")
+
+
+def test_grouped_module_cast_forward_inputs():
+    """TestFullyShard1DTrainingCompose: ``cast_forward_inputs`` casts the inputs of every module of a
+    ``fully_shard([a, b])`` group (``b`` gets a float32 input from ``a``'s output: bfloat16 weights would refuse it
+    uncast); every parameter gets a gradient."""
+    dim = 32
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(dim, dim, bias=False)
+            self.b = nn.Linear(dim, dim, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x).float())
+
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=True)
+    torch.manual_seed(42)
+    model = Model()
+    with torch.no_grad():
+        for param in model.parameters():
+            dist.broadcast(param, src=0)
+    fully_shard([model.a, model.b], mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    out = model(torch.randn(2, dim, dtype=torch.float32))
+    assert out.dtype == torch.bfloat16
+    out.sum().backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, f"grad None for {name}"
+
+
+def test_partial_group_forward_grad_accum_chunked():
+    """TestFullyShard1DTrainingCompose: the chunked loss over 3 micro-batches of gradient accumulation
+    (``set_requires_gradient_sync`` and ``set_is_last_backward`` on the last only): ``fully_shard([norm, head])``
+    accumulates the gradients that sharding the two one by one does, ``reshard_after_forward`` True and False."""
+    dim, vocab_size, n_chunks, n_microbatches = 32, 128, 2, 3
+    for reshard_after_forward in (True, False):
+        def _setup(grouped: bool) -> nn.Module:
+            m = _chunked_head_model(dim, vocab_size, tie=False)
+            fully_shard(m.embed, reshard_after_forward=reshard_after_forward)
+            fully_shard(m.body, reshard_after_forward=reshard_after_forward)
+            if grouped:
+                fully_shard([m.norm, m.head], reshard_after_forward=reshard_after_forward)
+            else:
+                fully_shard(m.norm, reshard_after_forward=reshard_after_forward)
+                fully_shard(m.head, reshard_after_forward=reshard_after_forward)
+            fully_shard(m, reshard_after_forward=reshard_after_forward)
+            return m
+
+        ref_model, model = _setup(grouped=False), _setup(grouped=True)
+        tokens_list = [torch.randint(0, vocab_size, (2, 16)) for _ in range(n_microbatches)]
+        for m in (ref_model, model):
+            for i, tokens in enumerate(tokens_list):
+                is_last = i == n_microbatches - 1
+                m.set_requires_gradient_sync(is_last)
+                m.set_is_last_backward(is_last)
+                h = m(tokens, skip_head=True)
+                h_grads = []
+                for chunk in torch.chunk(h.detach(), n_chunks, dim=1):
+                    chunk = chunk.contiguous().detach().requires_grad_(True)
+                    m.head(chunk).sum().backward()
+                    h_grads.append(chunk.grad.detach())
+                h.backward(torch.cat(h_grads, dim=1))
+        for (name, ref_p), (_, fsdp_p) in zip(ref_model.named_parameters(), model.named_parameters()):
+            assert_close(local(ref_p.grad), local(fsdp_p.grad), msg=lambda m: f"{name}.grad: {m}")
+
+
+def _is_unsharded(module: nn.Module) -> bool:
+    """Upstream's ``module._get_fsdp_state()._fsdp_param_group.is_unsharded``: the group's parameters are gathered."""
+    if ON_TORCH:
+        return module._get_fsdp_state()._fsdp_param_group.is_unsharded
+    return sys.modules["minidp.distributed.fully_shard"]._own_group(module).gathered
+
+
+def test_partial_group_reshard_toggle():
+    """TestFullyShard1DTrainingCompose: torchtitan's ``ChunkedCELoss`` toggle: resharding after forward and backward
+    turned off on the head for the chunk loop (the group stays gathered through it), then on again and
+    ``head.reshard()`` by hand (gathered no more), then the output's backward: every parameter gets a gradient;
+    with and without the head tied to the embedding, the group kept or freed after the model's forward. Upstream
+    reads FSDP2's private parameter group; here :func:`_is_unsharded`."""
+    dim, vocab_size, n_chunks = 32, 128, 4
+    for weight_tying, initial_reshard in itertools.product((False, True), (False, True)):
+        model = _chunked_head_model(dim, vocab_size, weight_tying)
+        if weight_tying:
+            fully_shard(model.body)
+            fully_shard([model.embed, model.norm, model.head], reshard_after_forward=initial_reshard)
+        else:
+            fully_shard(model.embed)
+            fully_shard(model.body)
+            fully_shard([model.norm, model.head], reshard_after_forward=initial_reshard)
+        fully_shard(model)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        tokens = torch.randint(0, vocab_size, (2, 16))
+        for iter_idx in range(5):
+            h = model(tokens, skip_head=True)
+            model.head.set_reshard_after_forward(False)
+            model.head.set_reshard_after_backward(False)
+            h_grads = []
+            for chunk in torch.chunk(h.detach(), n_chunks, dim=1):
+                chunk = chunk.contiguous().detach().requires_grad_(True)
+                model.head(chunk).sum().backward()
+                h_grads.append(chunk.grad.detach())
+                assert _is_unsharded(model.head), f"head group resharded mid-chunk at iter {iter_idx}"
+            model.head.set_reshard_after_forward(True)
+            model.head.set_reshard_after_backward(True)
+            model.head.reshard()
+            assert not _is_unsharded(model.head), f"head.reshard() did not reshard at iter {iter_idx}"
+            h.backward(torch.cat(h_grads, dim=1).to(h.dtype))
+            for name, param in model.named_parameters():
+                assert param.grad is not None, f"grad None for {name}"
+            optim.step()
+            optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+
+
+def test_reset_iter_state_after_exception():
+    """TestFullyShard1DTrainingCompose: ``reset_iter_state`` after a forward that raised midway through a partial
+    pass (``fully_shard([norm, head])``, the model's forward skipping the head): the next forward and backward run
+    and give every parameter a gradient."""
+    dim, vocab_size = 32, 128
+
+    class _Raiser(nn.Module):
+        def __init__(self, wrapped: nn.Module) -> None:
+            super().__init__()
+            self.wrapped = wrapped
+            self.armed = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.armed:
+                raise RuntimeError("boom")
+            return self.wrapped(x)
+
+    model = _chunked_head_model(dim, vocab_size, tie=False)
+    model.body = _Raiser(model.body)
+    fully_shard([model.norm, model.head])
+    fully_shard(model)
+    tokens = torch.randint(0, vocab_size, (2, 16))
+    model.body.armed = True
+    try:
+        model(tokens, skip_head=True)
+        raise AssertionError("the armed body did not raise")
+    except RuntimeError as error:
+        assert str(error) == "boom", error
+    model.body.armed = False
+    model.reset_iter_state()
+    model(tokens).sum().backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, f"grad None for {name} after reset"
+
+
 def test_double_forward_with_nested_fsdp_and_checkpoint():
     """TestFullyShard1DTrainingCompose: two forwards before one backward (a DPO loss), with groups nested three deep
     (attention, feed-forward, block, root) and activation checkpointing (composable, or torch.utils.checkpoint in
@@ -975,6 +1308,25 @@ def test_double_forward_with_nested_fsdp_and_checkpoint():
         for name, param in model.named_parameters():
             if param.requires_grad:
                 assert param.grad is not None, f"{name} has no gradient"
+
+
+def test_double_partial_forward_then_backward():
+    """TestFullyShard1DTrainingCompose: two forwards that skip the head of ``fully_shard([norm, head])`` before one
+    backward: each registers the group's reduction again (no hang), the embedding and the norm get finite
+    gradients, the unused head none."""
+    dim, vocab_size = 32, 128
+    model = _chunked_head_model(dim, vocab_size, tie=False)
+    fully_shard([model.norm, model.head])
+    fully_shard(model)
+    tokens1, tokens2 = torch.randint(0, vocab_size, (2, 16)), torch.randint(0, vocab_size, (2, 16))
+    h1 = model(tokens1, skip_head=True)
+    h2 = model(tokens2, skip_head=True)
+    (h1.sum() + h2.sum()).backward()
+    for name in ("embed.weight", "norm.weight"):
+        param = dict(model.named_parameters())[name]
+        assert param.grad is not None, f"grad is None for {name}"
+        assert torch.isfinite(local(param.grad)).all().item(), f"non-finite grad for {name}"
+    assert model.head.weight.grad is None, "head.weight.grad should be None (head unused in partial forward)"
 
 
 def test_train_parity_hsdp():

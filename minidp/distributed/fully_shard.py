@@ -331,6 +331,10 @@ class ShardGroup:
         # Where one call sharded several modules (``fully_shard([norm, head])``): those still to run forward in this
         # pass, FSDP2's _modules_to_run_forward. The first one's forward gathers, the last one's reshards.
         self.modules_to_run: set[int] = set()
+        # Between the forward that gathered and the end of that pass (FSDP2's group state FORWARD): a module of the
+        # group that runs then finds its parameters in place; one that runs after (a head called chunk by chunk
+        # after the model's forward skipped it) gathers them again and has its own backward reduce them.
+        self.forward_open = False
         self._forward_start = 0.0
         self._backward_start: Optional[float] = None
 
@@ -475,6 +479,7 @@ class ShardGroup:
         whole parameters (it does so once, when both are in); that run finds none, frees the parameters, and
         the next forward's part of the backward gathers them again and reduces the sum."""
         self.post_backward_ran = True
+        self.forward_open = False
         if self._backward_start is not None:
             self._record("backward", self._backward_start)
             self._backward_start = None
@@ -579,6 +584,7 @@ class ShardGroup:
             return args, kwargs
         if iteration.forward_root is None:
             iteration.begin_forward(self)
+        self.forward_open = True
         self.unshard()
         for target in self.forward_prefetch:  # FSDP2: after this group's copy-out, in the order given
             target.launch_all_gather()
@@ -601,17 +607,23 @@ class ShardGroup:
         iteration = self.iteration
         if iteration.backward_started:
             return self._cast_output(output)
+        self.finish_forward(output)
+        if iteration.forward_root is self:
+            output = iteration.end_forward(output)
+        return self._cast_output(output)
+
+    def finish_forward(self, output: Any) -> None:
+        """The group's forward pass is over (FSDP2's ``post_forward``): free the parameters (``reshard_after_forward``),
+        note its place in the forward's order, and have ``output``'s gradients gather them for the backward."""
         self._record("forward", self._forward_start)
+        self.forward_open = False
         if self.reshard_after_forward:
             self.reshard()
-        iteration.left_forward(self)
+        self.iteration.left_forward(self)
         if torch.is_grad_enabled():
             for _, tensor in tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._before_backward)
-        if iteration.forward_root is self:
-            iteration.end_forward()
-        return self._cast_output(output)
 
     def _cast_output(self, output: Any) -> Any:
         """Floating-point outputs to the policy's ``output_dtype`` (FSDP2's _cast_output_dtype), after the hooks
@@ -704,26 +716,24 @@ class Iteration:
     def left_forward(self, group: ShardGroup) -> None:
         self.post_forward_order.append(group)
 
-    def end_forward(self) -> None:
-        """The root's forward is over. A group of several modules (``fully_shard([norm, head])``) some of which did not
-        run is refused, its parameters freed: FSDP2 itself changed what it does then (torch 2.13 completes the
-        group at the root's post-forward, where 2.11 kept it gathered and reduced wrong gradients), and minidp
-        matches FSDP2 bit for bit only where every module of such a group runs in each forward."""
+    def end_forward(self, output: Any) -> Any:
+        """The root's forward is over: a group of several modules (``fully_shard([norm, head])``) some of which did not
+        run (the chunked-loss pattern: the model's forward stops before the head) is completed here, as torch 2.13's
+        FSDP2 completes it (``_force_complete_incomplete_states``; its 2.11 kept it gathered and reduced wrong
+        gradients): freed, and gathered again by the gradients of the root's ``output``. A module of it called after
+        that (the head, chunk by chunk) gathers the group anew at each call, and each call's backward reduces its
+        gradients into the shards. Returns ``output``, cast to each completed group's ``output_dtype``."""
         self.forward_root = None
-        for group in self.groups:
+        for group in reversed(self.groups):
             if group.modules_to_run:
-                skipped = [_class_name(m) for m in group.members if id(m) in group.modules_to_run]
-                ran = [_class_name(m) for m in group.members if id(m) not in group.modules_to_run]
                 group.modules_to_run.clear()
-                group.reshard()
-                raise NotImplementedError(
-                    f"fully_shard([{', '.join(_class_name(m) for m in group.members)}]): this forward ran "
-                    f"{', '.join(ran)} but not {', '.join(skipped)}; a group of several modules needs all of them in "
-                    f"every forward here. Shard them one by one instead (fully_shard on each), or call the skipped "
-                    f"ones in the forward")
+                group.finish_forward(output)
+                output = group._cast_output(output)
+        return output
 
     def before_backward(self, group: ShardGroup) -> None:
         self.poll()
+        group.forward_open = False
         if not self.backward_started:
             self.backward_started = True
             Variable._execution_engine.queue_callback(self.end_backward)
@@ -775,17 +785,19 @@ class Iteration:
         for group in self.groups:
             group.drop_pending()
             group.reshard()
-            group.modules_to_run.clear()
             group.partial_reduction = None
-        self.forward_root = None
         self.open_collectives = []
         self._forget_backward()
 
     def _forget_backward(self) -> None:
+        # FSDP2's _root_post_backward_final_callback: a module of a group called on its own after the root's forward
+        # (the head, chunk by chunk) opened a pass that no forward of the whole group closed; it ends here.
         for group in self.groups:
             group._backward_start = None
             group.post_backward_ran = False
-            group.modules_to_run.clear()  # a recomputation in the backward (checkpointing) may have run a part
+            group.forward_open = False
+            group.modules_to_run.clear()
+        self.forward_root = None
         self.backward_started = False
         self.post_forward_order = []
 
@@ -1032,7 +1044,8 @@ def fully_shard(
     Args:
         module: the module whose parameters become one group; or a list of modules whose parameters become one
             group together (FSDP2's ``fully_shard([norm, head])``): gathered before the first of them runs forward,
-            freed after the last one did. The list is returned.
+            freed after the last one did, or at the end of the root's forward if it ran only some of them (torch
+            2.13's FSDP2 alike: :meth:`Iteration.end_forward`). The list is returned.
         mesh: FSDP2's ``DeviceMesh`` (``init_device_mesh``). 1-D: the ranks to shard over. 2-D: HSDP, each
             parameter sharded over the ranks of the mesh's dimension 1 and replicated over those of its dimension 0
             (the reduced shards all-reduced over them). Default: every rank (or ``process_group``).
@@ -1233,11 +1246,15 @@ def _check_placement(device: torch.device, mesh: Optional[DeviceMesh], offload_p
 
 def _group_pre_forward(group: ShardGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Before the forward of one of the modules of a ``fully_shard([...])`` group (FSDP2's
-    _register_group_forward_hooks): the first of them to run in a pass gathers the group and opens the pass; the
-    others find it gathered, and only cast their inputs under a mixed precision policy that asks for it."""
+    _register_group_forward_hooks and FSDPParamGroup.pre_forward): the first of them to run in a pass gathers the
+    group and opens the pass; the others find it open and gathered, and only cast their inputs under a mixed
+    precision policy that asks for it. A pass left open by a module called on its own (a chunk of the head) is
+    entered again once that call's backward closed it."""
     if not group.modules_to_run:
         group.modules_to_run.update(map(id, group.members))
+    if not group.forward_open:
         return group.before_forward(module, args, kwargs)
+    group.unshard()  # in place, unless reshard() was called in between
     return group.cast_inputs(args, kwargs)
 
 
