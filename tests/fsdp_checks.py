@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import gc
 import sys
+import warnings
 import weakref
 from typing import Any, Callable, Optional
 
@@ -207,6 +208,16 @@ def _keep_the_embedding_in_backward(model: nn.Module, micro: int, micro_batches:
     model.embed.set_unshard_in_backward(False)
 
 
+def _halve_in_a_hook(model: nn.Module, micro: int, micro_batches: int) -> None:
+    # set_all_reduce_hook: each group's reduced rows halved in place, before FSDP2's division after the collectives
+    for module in sharded_modules(model):
+        module.set_all_reduce_hook(_halve)
+
+
+def _halve(reduced: torch.Tensor) -> None:
+    reduced.mul_(0.5)
+
+
 def _all_reduce_the_last(model: nn.Module, micro: int, micro_batches: int) -> None:
     # HSDP's gradient accumulation: every micro-batch reduce-scattered, only the last one's sum all-reduced
     model.set_requires_all_reduce(micro == micro_batches - 1)
@@ -224,6 +235,7 @@ CONFIGURATIONS: dict[str, Callable[[nn.Module, int, int], None]] = {
     "reshard_the_root": _reshard_the_root,
     "embedding_not_gathered_in_backward": _keep_the_embedding_in_backward,
     "all_reduce_the_last": _all_reduce_the_last,
+    "all_reduce_hook": _halve_in_a_hook,
 }
 
 
@@ -611,6 +623,22 @@ def optimizer_in_backward(seed: int, steps: int = 3) -> dict[str, Any]:
                                  if not torch.equal(a, local(b))), None))
     return {"differences": differences, "calls": calls[0], "parameters": len(list(ours.parameters())),
             "gradients_left": sum(p.grad is not None for p in ours.parameters())}
+
+
+def divide_factor_by_its_old_name(seed: int) -> dict[str, Any]:
+    """``set_reduce_scatter_divide_factor``, FSDP2's deprecated name: the warning, and the factor it set; then
+    ``set_all_reduce_hook`` with a stream: the error."""
+    model = md.fully_shard(Net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.set_reduce_scatter_divide_factor(3.0)
+    try:
+        model.set_all_reduce_hook(_halve, stream=object())
+        stream_error = "no error"
+    except NotImplementedError as error:
+        stream_error = str(error)
+    return {"warnings": [(w.category.__name__, str(w.message)) for w in caught],
+            "factor": sharded_groups(model)[0].gradient_divide_factor, "stream_error": stream_error}
 
 
 def refusals(seed: int) -> dict[str, Any]:

@@ -62,6 +62,7 @@ CONFIGURED = {
     "unshard_by_hand": {},
     "reshard_the_root": {"reshard_after_forward": None},
     "embedding_not_gathered_in_backward": {"model": "embedded"},
+    "all_reduce_hook": {"dtype": torch.float64},  # float64: a division after the hook too
 }
 
 UNSYNCED = {"micro_batches": 3, "steps": 2, "unsynced": "all"}
@@ -113,6 +114,7 @@ TWO_PROCESSES = {
     "offload": (checks.against_fsdp2, {"offload": True, "optimizer": "adamw"}),
     "refusals": (checks.refusals, {}),
     "optimizer_in_backward": (checks.optimizer_in_backward, {}),
+    "divide_factor_by_its_old_name": (checks.divide_factor_by_its_old_name, {}),
     "collectives-root-kept": (checks.collectives_with, {"configure": None, "reshard_after_forward": None}),
     "collectives-kept-between": (checks.collectives_with, {"configure": "keep_between_micro_batches",
                                                            "micro_batches": 3}),
@@ -155,6 +157,8 @@ FOUR_PROCESSES = {
     "hsdp-divide_by_three": (checks.against_fsdp2, {"mesh": (2, 2), "configure": "divide_by_three",
                                                     "dtype": torch.float64}),
     "hsdp-placement": (checks.against_fsdp2, {"model": "wide", "mesh": (2, 2), "placement": True}),
+    "hsdp-all_reduce_hook": (checks.against_fsdp2, {"mesh": (2, 2), "configure": "all_reduce_hook",
+                                                    "dtype": torch.float64}),
 }
 
 
@@ -528,6 +532,18 @@ def test_arguments_beyond_what_is_supported_are_refused_before_anything_is_shard
     for result in each_rank(two, "refusals"):
         assert result[case]["error"].startswith(error), result[case]["error"]
         assert result[case]["untouched"]
+
+
+def test_the_deprecated_name_of_the_divide_factor_setter_warns_and_sets_it_as_fsdp2s(two):
+    # FSDP2: _fully_shard.py, set_reduce_scatter_divide_factor (@deprecated: "Use `set_gradient_divide_factor` instead")
+    for result in each_rank(two, "divide_factor_by_its_old_name"):
+        assert result["warnings"] == [("DeprecationWarning", "Use `set_gradient_divide_factor` instead")]
+        assert result["factor"] == 3.0
+
+
+def test_an_all_reduce_hook_on_another_stream_is_refused_with_the_way_out(two):
+    for result in each_rank(two, "divide_factor_by_its_old_name"):
+        assert "minidp runs the hook on the current stream; leave stream unset" in result["stream_error"]
 
 
 def test_an_optimizer_step_in_a_shards_post_accumulate_grad_hook_trains_as_fsdp2(two):

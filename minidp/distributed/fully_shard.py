@@ -60,7 +60,8 @@ reduce-scatter), ``unshard`` (also asynchronous: a prefetch by hand) and ``resha
 ``set_reshard_after_forward`` and ``set_reshard_after_backward``, ``set_modules_to_forward_prefetch`` and
 ``set_modules_to_backward_prefetch``, ``set_is_last_backward``, ``set_unshard_in_backward``,
 ``set_reduce_scatter_unused_params``,
-``set_gradient_divide_factor``, ``set_force_sum_reduction_for_comms`` and ``reset_iter_state``. Each changes
+``set_gradient_divide_factor`` (and its deprecated name), ``set_force_sum_reduction_for_comms``,
+``set_all_reduce_hook``, ``set_requires_all_reduce`` and ``reset_iter_state``. Each changes
 when a collective runs, or how the gradients are divided, as FSDP2's does (tests/test_fully_shard.py trains
 with each against FSDP2). Mixed precision is FSDP2's ``MixedPrecisionPolicy``, given to ``fully_shard``.
 
@@ -299,6 +300,9 @@ class ShardGroup:
         # all_reduce_grads and _partial_reduce_output, in the reduce dtype, before the division after).
         self.requires_all_reduce = True
         self.partial_reduction: Optional[torch.Tensor] = None
+        # Called on this rank's reduced rows, after the all-reduce with HSDP, before the division after
+        # (ShardedModule.set_all_reduce_hook; FSDP2's _all_reduce_hook).
+        self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
         # None (FSDP2's default): True, except for the root, which its first forward sets to False (Iteration).
         self.auto_reshard_after_forward = reshard_after_forward is None
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
@@ -555,6 +559,8 @@ class ShardGroup:
             start = time.time()
             dist.all_reduce(mine, op=all_reduce_op, group=self.replicate_group)
             self._record("all-reduce", start)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(mine)
         if after is not None:
             mine.div_(after)
         if mine.dtype != self.dtype:  # FSDP2: the sum, divided, in the shards' dtype for the optimizer
@@ -889,6 +895,25 @@ class ShardedModule:
         """Divide the summed gradients by ``factor`` instead of the number of ranks (:func:`division` says
         how, as FSDP2 does it). Not recursive."""
         _own_group(self).gradient_divide_factor = factor
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of :meth:`set_gradient_divide_factor`, deprecated there as here."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Optional[Any] = None) -> None:
+        """Call ``hook(reduced)`` on this rank's flat reduced gradient rows of this module's group, in place, at each
+        reduction: after the reduce-scatter, or after HSDP's all-reduce, and before FSDP2's division after the
+        collectives (FSDP2's ``FSDPModule.set_all_reduce_hook``; an all-reduce of one's own over another group, say).
+        Not recursive. ``stream``: FSDP2 runs the hook on it; minidp runs collectives and hook on the current stream,
+        so it takes none (and, as FSDP2, never one with HSDP)."""
+        group = _own_group(self)
+        if stream is not None:
+            if group._replicate_group is not None:
+                raise ValueError("stream cannot be set when using native HSDP")
+            raise NotImplementedError("set_all_reduce_hook: minidp runs the hook on the current stream; leave stream "
+                                      "unset")
+        group.all_reduce_hook = hook
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with ``SUM`` only, dividing before and after, never with ``AVG`` (:func:`division`). Not
