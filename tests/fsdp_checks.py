@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, UnshardHandle, register_fsdp_forward_method,
@@ -268,7 +269,8 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
                   reshard_after_forward: Optional[bool] = True, steps: int = 3, micro_batches: int = 1,
                   unsynced: Optional[str] = None, configure: Optional[str] = None, policy: Optional[str] = None,
                   ignored: tuple[str, ...] = (), grouped: tuple[str, ...] = (),
-                  mesh: Optional[tuple[int, ...]] = None, placement: bool = False, offload: bool = False) -> dict:
+                  mesh: Optional[tuple[int, ...]] = None, placement: bool = False, offload: bool = False,
+                  meta: bool = False) -> dict:
     """Train FSDP2 and minidp side by side from the same weights (seeded alike on every rank, as
     FSDP2 requires), each rank on its own batches; after every backward and every step, the first
     difference. ``micro_batches`` > 1: that many backwards per step, their sharded gradients summed.
@@ -278,16 +280,27 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
     :data:`CONFIGURATIONS`, applied to both before every micro-batch. ``policy``: one of :data:`POLICIES`.
     ``ignored``: parameters the root's ``fully_shard`` leaves alone (unsharded, unreduced). ``grouped``: children
     of the root sharded as one group by one call (``fully_shard([norm, head])``) before the rest. ``mesh``,
-    ``placement``, ``offload``: :func:`sharding_arguments`."""
+    ``placement``, ``offload``: :func:`sharding_arguments`. ``meta``: both built on the meta device, sharded there,
+    then materialised with ``to_empty`` and given the weights by loading a full state dict (FSDP2's through
+    ``set_model_state_dict``), the way large models are built."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
     theirs = MODELS[model]().to(dtype)
-    ours = copy.deepcopy(theirs)
     full = {k: v.clone() for k, v in theirs.state_dict().items()}
+    if meta:
+        with torch.device("meta"):
+            theirs = MODELS[model]().to(dtype)
+    ours = copy.deepcopy(theirs)
     policies = (MixedPrecisionPolicy(),) * 2 if policy is None else POLICIES[policy]
     arguments = sharding_arguments(mesh, placement, offload)
     shard(theirs, torch_fully_shard, reshard_after_forward, policies, ignored, grouped, **arguments)
     shard(ours, md.fully_shard, reshard_after_forward, policies, ignored, grouped, **arguments)
+    if meta:
+        for sharded in (ours, theirs):
+            sharded.to_empty(device="cpu")
+        ours.load_state_dict(full)
+        set_model_state_dict(theirs, {k: v.clone() for k, v in full.items()},  # (it turns the values into DTensors)
+                             options=StateDictOptions(full_state_dict=True))
     optimizers = (OPTIMIZERS[optimizer](ours.parameters()), OPTIMIZERS[optimizer](theirs.parameters()))
     differences = []
     for step in range(steps):

@@ -114,6 +114,8 @@ TWO_PROCESSES = {
     "offload": (checks.against_fsdp2, {"offload": True, "optimizer": "adamw"}),
     "refusals": (checks.refusals, {}),
     "optimizer_in_backward": (checks.optimizer_in_backward, {}),
+    "meta": (checks.against_fsdp2, {"meta": True, "optimizer": "adamw"}),
+    "meta-tied-grouped": (checks.against_fsdp2, {"meta": True, "model": "tied", "dtype": torch.float64}),
     "divide_factor_by_its_old_name": (checks.divide_factor_by_its_old_name, {}),
     "collectives-root-kept": (checks.collectives_with, {"configure": None, "reshard_after_forward": None}),
     "collectives-kept-between": (checks.collectives_with, {"configure": "keep_between_micro_batches",
@@ -532,6 +534,13 @@ def test_arguments_beyond_what_is_supported_are_refused_before_anything_is_shard
     for result in each_rank(two, "refusals"):
         assert result[case]["error"].startswith(error), result[case]["error"]
         assert result[case]["untouched"]
+
+
+@pytest.mark.parametrize("case", ["meta", "meta-tied-grouped"])
+def test_a_model_built_on_the_meta_device_sharded_materialised_and_loaded_trains_as_fsdp2(two, case):
+    # the way large models are built (FSDP2: FSDPModule._apply, FSDPParam.reset_sharded_param): fully_shard on the
+    # meta device, to_empty(device="cpu") registers new parameters, a full state dict gives them their weights
+    assert_trains_as_fsdp2(two, case)
 
 
 def test_the_deprecated_name_of_the_divide_factor_setter_warns_and_sets_it_as_fsdp2s(two):

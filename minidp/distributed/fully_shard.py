@@ -180,11 +180,13 @@ class ShardedParameter:
         self.accumulated: Optional[torch.Tensor] = None
 
     def follows_shard(self) -> bool:
-        """Whether ``shard`` is still a view of ``padded``: ``module.to(dtype or device)`` after ``fully_shard``
-        gives the shard new data, which the all-gather (reading ``padded``) would not see, nor the optimizer's
-        updates of it after that."""
+        """Whether ``shard`` is still the registered parameter and a view of ``padded``: ``module.to(dtype or
+        device)`` after ``fully_shard`` gives the shard new data, which the all-gather (reading ``padded``) would
+        not see, nor the optimizer's updates of it after that; ``module.to_empty()`` from the meta device, or
+        ``load_state_dict(assign=True)``, registers a new parameter in its place."""
         shard, padded = self.shard, self.padded
-        return (shard.dtype == padded.dtype and shard.device == padded.device
+        return (self.module._parameters.get(self.name) is shard
+                and shard.dtype == padded.dtype and shard.device == padded.device
                 and shard.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr())
 
     def _pad(self, rows: torch.Tensor) -> None:
@@ -196,8 +198,13 @@ class ShardedParameter:
         self.shard.data = padded.narrow(self.dim, 0, rows.size(self.dim))
 
     def repad(self) -> None:
-        """Rebuild ``padded`` around the shard's new data (:meth:`follows_shard`); the whole parameter is made
-        anew at the next all-gather."""
+        """Rebuild ``padded`` around the shard's new data (:meth:`follows_shard`), taking as the shard the parameter
+        registered in its place if there is a new one (on every module that holds it, so that a tied weight stays
+        tied); the whole parameter is made anew at the next all-gather."""
+        registered = self.module._parameters.get(self.name)
+        if isinstance(registered, nn.Parameter) and registered is not self.shard:
+            self.shard = registered
+            self.set_on_modules(registered)
         self._pad(self.shard.detach())
         self.gathered = self.full = None
 
@@ -919,6 +926,12 @@ class ShardedModule:
         """Reduce with ``SUM`` only, dividing before and after, never with ``AVG`` (:func:`division`). Not
         recursive."""
         _own_group(self).force_sum_reduction_for_comms = enable
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ``.to()``, ``.double()``, ``.to_empty()`` convert the shards, never the gathered copies (FSDP2's _apply):
+        # free those first. The next all-gather reads what the conversion left (ShardedParameter.follows_shard).
+        _own_group(self).reshard()
+        return super()._apply(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> None:
         # As FSDP2's classes (_fully_shard.py, _unimplemented_deepcopy), with its exception type: after a backward
