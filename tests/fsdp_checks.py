@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, UnshardHandle, register_fsdp_forward_method,
 )
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import minidp.distributed as md
@@ -319,15 +319,66 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
         for opt in optimizers:
             opt.step()
         differences.append(first_difference(ours, theirs, optimizers))
+    state_dicts_alike = _state_dict_difference(ours.state_dict(), theirs.state_dict())
     ours_full = md.full_state_dict(ours)
     theirs_full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in theirs.state_dict().items()}
     state_dict_equal = list(ours_full) == list(theirs_full) and all(
         torch.equal(ours_full[k], theirs_full[k]) for k in ours_full)
     ours.load_state_dict(full)  # the initial weights back, whole, on every rank
     reloaded = md.full_state_dict(ours)
-    return {"differences": differences, "state_dict_equal": state_dict_equal,
+    return {"differences": differences, "state_dict_equal": state_dict_equal, "state_dicts_alike": state_dicts_alike,
             "reloaded": all(torch.equal(reloaded[k], full[k]) for k in full),
             "shard_shapes": [tuple(p.shape) for p in ours.parameters()]}
+
+
+def _state_dict_difference(ours: dict, theirs: dict) -> Optional[str]:
+    """The first entry where ``ours`` and ``theirs`` (a ``state_dict()``) differ: in keys, in being a DTensor, in its
+    mesh's shape and placements, in its whole shape, or in this rank's values (None: none)."""
+    if list(ours) != list(theirs):
+        return f"keys {list(ours)} here, {list(theirs)} in FSDP2"
+    for key, a in ours.items():
+        b = theirs[key]
+        if isinstance(a, DTensor) != isinstance(b, DTensor):
+            return f"{key}: a DTensor in {'FSDP2' if isinstance(b, DTensor) else 'minidp'} only"
+        if isinstance(a, DTensor) and (a.placements != b.placements or a.device_mesh.shape != b.device_mesh.shape):
+            return f"{key}: placed {a.placements} on {a.device_mesh.shape} here, {b.placements} on {b.device_mesh.shape}"
+        if a.shape != b.shape or not torch.equal(local(a), local(b)):
+            return f"{key}: {tuple(a.shape)} here, {tuple(b.shape)} in FSDP2, or different values"
+    return None
+
+
+def checkpoint_round_trip(seed: int, mesh: Optional[tuple[int, ...]] = None) -> dict[str, Any]:
+    """``torch.distributed.checkpoint`` on a sharded model: saved from ``state_dict()`` (each rank its rows), loaded
+    into a model sharded alike but initialised otherwise (``dcp.load`` into its ``state_dict()``, then
+    ``load_state_dict``); whether its whole parameters are then the saved ones, and whether
+    ``get_model_state_dict(full_state_dict=True)`` gives what ``full_state_dict`` gives."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    directory = [tempfile.mkdtemp(prefix="minidp-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory, src=0)
+    arguments = sharding_arguments(mesh)
+    torch.manual_seed(seed)
+    saved = shard(Net(), md.fully_shard, True, **arguments)
+    saved(torch.randn(5, 13)).sum().backward()  # gathered and freed once: the state dict holds the shards again
+    whole = md.full_state_dict(saved)
+    gathered_by_dcp = get_model_state_dict(saved, options=StateDictOptions(full_state_dict=True))
+    dcp.save(saved.state_dict(), checkpoint_id=directory[0])
+    torch.manual_seed(seed + 1)
+    loaded = shard(Net(), md.fully_shard, True, **arguments)
+    state = loaded.state_dict()
+    dcp.load(state, checkpoint_id=directory[0])
+    loaded.load_state_dict(state)
+    reloaded = md.full_state_dict(loaded)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(directory[0])
+    return {"reloaded": all(torch.equal(reloaded[k], whole[k]) for k in whole) and list(reloaded) == list(whole),
+            "gathered_by_dcp": all(torch.equal(gathered_by_dcp[k], whole[k]) for k in whole)}
 
 
 def forward_method(seed: int) -> dict:

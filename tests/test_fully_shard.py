@@ -114,6 +114,7 @@ TWO_PROCESSES = {
     "offload": (checks.against_fsdp2, {"offload": True, "optimizer": "adamw"}),
     "refusals": (checks.refusals, {}),
     "optimizer_in_backward": (checks.optimizer_in_backward, {}),
+    "checkpoint": (checks.checkpoint_round_trip, {}),
     "meta": (checks.against_fsdp2, {"meta": True, "optimizer": "adamw"}),
     "meta-tied-grouped": (checks.against_fsdp2, {"meta": True, "model": "tied", "dtype": torch.float64}),
     "divide_factor_by_its_old_name": (checks.divide_factor_by_its_old_name, {}),
@@ -161,6 +162,7 @@ FOUR_PROCESSES = {
     "hsdp-placement": (checks.against_fsdp2, {"model": "wide", "mesh": (2, 2), "placement": True}),
     "hsdp-all_reduce_hook": (checks.against_fsdp2, {"mesh": (2, 2), "configure": "all_reduce_hook",
                                                     "dtype": torch.float64}),
+    "checkpoint": (checks.checkpoint_round_trip, {"mesh": (2, 2)}),
 }
 
 
@@ -484,7 +486,7 @@ def test_a_one_dimensional_mesh_shards_over_its_ranks_as_fsdp2(two):
     assert_trains_as_fsdp2(two, "mesh-1d")
 
 
-@pytest.mark.parametrize("check", sorted(set(FOUR_PROCESSES) - {"hsdp-all_reduce_the_last"}))
+@pytest.mark.parametrize("check", sorted(set(FOUR_PROCESSES) - {"hsdp-all_reduce_the_last", "checkpoint"}))
 def test_hsdp_on_a_two_by_two_mesh_trains_as_fsdp2s_hsdp(four, check):
     # float32: AVG in the reduce-scatter and in the all-reduce; float64: / 2 before both sums, / 2 after
     assert_trains_as_fsdp2(four, check)
@@ -571,6 +573,26 @@ def test_an_optimizer_step_in_a_shards_post_accumulate_grad_hook_trains_as_fsdp2
 def test_full_state_dict_equals_fsdp2_full_tensors_on_every_rank(world, request):
     for name, _ in _against_fsdp2_plan().items():
         assert all(r["state_dict_equal"] for r in each_rank(request.getfixturevalue(world), name)), name
+
+
+@pytest.mark.parametrize("world", ["two", "three", "four"])
+def test_the_state_dict_holds_each_ranks_rows_as_dtensors_laid_out_as_fsdp2s(world, request):
+    # FSDP2 registers DTensor parameters, so its state_dict() holds DTensors; minidp's holds its plain rows as such
+    results = request.getfixturevalue(world)
+    names = [name for name, (check, _) in {"two": TWO_PROCESSES, "three": THREE_PROCESSES, "four": FOUR_PROCESSES}[
+        world].items() if check is checks.against_fsdp2]
+    for name in names:
+        for rank, result in enumerate(each_rank(results, name)):
+            assert result["state_dicts_alike"] is None, f"{name}, rank {rank}: {result['state_dicts_alike']}"
+
+
+@pytest.mark.parametrize("world", ["two", "four"])
+def test_a_checkpoint_of_the_state_dict_saved_and_loaded_by_torch_distributed_checkpoint_keeps_every_row(world,
+                                                                                                        request):
+    # torch.distributed.checkpoint saves each rank's part of a DTensor (plain rows would pass for replicated
+    # tensors there: rank 0's alone would be kept); "four": HSDP's 2 x 2 mesh
+    for result in each_rank(request.getfixturevalue(world), "checkpoint"):
+        assert result["reloaded"] and result["gathered_by_dcp"]
 
 
 @pytest.mark.parametrize("world", ["two", "three"])

@@ -50,8 +50,10 @@ The steps, and where each lives:
    bitwise equal to FSDP2.
 6. the optimizer steps on the shards, each rank on its own 1/W.
 
-:func:`full_state_dict` gathers every parameter on every rank; ``module.load_state_dict`` takes
-full tensors back (each rank keeps its rows).
+``module.state_dict()`` holds each sharded parameter as FSDP2's does, a DTensor of this rank's rows (so that
+``torch.distributed.checkpoint`` saves every rank's part); :func:`full_state_dict` gathers every parameter on every
+rank; ``module.load_state_dict`` takes either back (each rank keeps its rows). The optimizer's state is plain
+rows: a checkpoint of it is per rank.
 
 The module keeps its own class's behaviour, but its class becomes a subclass of (:class:`ShardedModule`,
 its class), as FSDP2's becomes one of (``FSDPModule``, its class): that is where FSDP2's methods users
@@ -89,7 +91,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference
@@ -288,7 +290,7 @@ class ShardGroup:
     def __init__(self, members: list[nn.Module], params: list[ShardedParameter], process_group: dist.ProcessGroup,
                  reshard_after_forward: Optional[bool], device: torch.device,
                  mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                 replicate_group: Optional[dist.ProcessGroup] = None) -> None:
+                 replicate_group: Optional[dist.ProcessGroup] = None, mesh: Optional[DeviceMesh] = None) -> None:
         self.members = members  # the modules of the call: one, or several (``fully_shard([norm, head])``)
         self.module = members[0]
         self.params = params
@@ -303,6 +305,7 @@ class ShardGroup:
         # HSDP (a 2-D mesh): the ranks that hold the same shard, among which each reduced shard is all-reduced.
         self._replicate_group = None if replicate_group is None else weakref.ref(replicate_group)
         self.replicas = 1 if replicate_group is None else replicate_group.size()
+        self._mesh = mesh  # the user's: the DTensors of state dicts live on it (else on one made from the group)
         # False: the reduced shards are summed here, not yet all-reduced (set_requires_all_reduce; FSDP2's
         # all_reduce_grads and _partial_reduce_output, in the reduce dtype, before the division after).
         self.requires_all_reduce = True
@@ -463,6 +466,16 @@ class ShardGroup:
     def replicate_group(self) -> dist.ProcessGroup:
         """HSDP's other group: the ranks that hold the same shards as this one."""
         return self._live(self._replicate_group)
+
+    def as_dtensor(self, p: ShardedParameter, rows: torch.Tensor) -> DTensor:
+        """``rows`` (this rank's of ``p``) as FSDP2's parameter DTensor: ``Shard(dim)`` on the group's mesh, replicated
+        over HSDP's first dimension; an alias of ``rows``, not a copy."""
+        # A mesh made from the group holds the group (its _pg_registry): made for each DTensor, never kept here, so
+        # that the group still ends with destroy_process_group() (the process-group note in __init__).
+        mesh = self._mesh or DeviceMesh.from_group(self.process_group, self.device.type)
+        placements = (Shard(p.dim),) if mesh.ndim == 1 else (Replicate(), Shard(p.dim))
+        stride = torch.empty(p.full_size, device="meta").stride()
+        return DTensor.from_local(rows, mesh, placements, run_check=False, shape=p.full_size, stride=stride)
 
     def _live(self, reference: weakref.ref) -> dist.ProcessGroup:
         group = reference()
@@ -1175,7 +1188,7 @@ def fully_shard(
         sharded.set_on_modules(sharded.shard)
         setattr(param, _SHARDED_AS, f"parameter '{names.get(id(param), name)}' of the {called}")
         params.append(sharded)
-    shard_group = ShardGroup(roots, params, group, reshard_after_forward, device, mp_policy, replicate_group)
+    shard_group = ShardGroup(roots, params, group, reshard_after_forward, device, mp_policy, replicate_group, mesh)
     for root in roots:
         setattr(root, _GROUP, shard_group)
         if len(roots) == 1:
@@ -1188,6 +1201,8 @@ def fully_shard(
     holders = {id(m): m for p in params for m, _ in [(p.module, p.name), *p.also_in]}
     for holder in holders.values():
         holder._register_load_state_dict_pre_hook(functools.partial(_keep_own_rows, shard_group, holder))
+        holder.register_state_dict_pre_hook(functools.partial(_reshard_before_state_dict, shard_group))
+        holder.register_state_dict_post_hook(functools.partial(_shards_as_dtensors, shard_group))
     for root in roots:
         cls = type(root)
         if not issubclass(cls, ShardedModule):  # (a Sequential sliced from a sharded one is a ShardedSequential)
@@ -1325,16 +1340,44 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, gathering)
 
 
+def _keys_of(group: ShardGroup, holder: nn.Module, prefix: str) -> list[tuple[str, ShardedParameter]]:
+    """The state-dict keys under which ``holder`` (with ``prefix``) holds parameters of ``group``."""
+    return [(prefix + name, p) for p in group.params for module, name in [(p.module, p.name), *p.also_in]
+            if module is holder]
+
+
 def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """Before ``holder.load_state_dict``: a full tensor in ``state_dict`` is cut to this rank's rows (a
-    shard is loaded as it is), so that a full state dict loads into a sharded module."""
+    """Before ``holder.load_state_dict``: a full tensor in ``state_dict`` is cut to this rank's rows, a DTensor (what
+    ``state_dict()`` gives, filled by ``torch.distributed.checkpoint.load``) becomes its local rows, or the whole
+    tensor first where it is laid out otherwise (a collective then); rows are loaded as they are. So a full state
+    dict, or a sharded one, loads into a sharded module."""
     group.reshard()  # load into the shards, not into gathered copies
-    for p in group.params:
-        for module, name in [(p.module, p.name), *p.also_in]:
-            key = prefix + name
-            if module is holder and key in state_dict and state_dict[key].shape == p.full_size:
-                chunks = torch.chunk(state_dict[key], group.world_size, dim=p.dim)
-                state_dict[key] = chunks[group.rank] if group.rank < len(chunks) else p.shard.detach()[:0]
+    for key, p in _keys_of(group, holder, prefix):
+        value = state_dict.get(key)
+        if isinstance(value, DTensor):
+            mine = group.as_dtensor(p, p.shard.detach())
+            same = value.device_mesh == mine.device_mesh and value.placements == mine.placements
+            value = value.to_local() if same else value.full_tensor()
+        if value is not None and value.shape == p.full_size:
+            chunks = torch.chunk(value, group.world_size, dim=p.dim)
+            value = chunks[group.rank] if group.rank < len(chunks) else p.shard.detach()[:0]
+        if value is not None:
+            state_dict[key] = value
+
+
+def _reshard_before_state_dict(group: ShardGroup, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """A state dict holds the shards, never gathered copies (FSDP2's alike)."""
+    group.reshard()
+
+
+def _shards_as_dtensors(group: ShardGroup, holder: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+    """After ``holder.state_dict()`` (a module that holds parameters of ``group``): its sharded parameters as FSDP2 gives them, DTensors of this rank's rows
+    (:meth:`ShardGroup.as_dtensor`), so that ``torch.distributed.checkpoint`` saves each rank's part and
+    ``get_model_state_dict(..., full_state_dict=True)`` gathers them whole; plain rows would pass for replicated
+    tensors there, and a checkpoint would keep rank 0's rows only."""
+    for key, p in _keys_of(group, holder, prefix):
+        if key in state_dict:
+            state_dict[key] = group.as_dtensor(p, state_dict[key])
 
 
 def sharded_groups(module: nn.Module) -> list[ShardGroup]:
@@ -1362,22 +1405,23 @@ def sharded_timeline(module: nn.Module) -> list[dict]:
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every sharded parameter whole again, on every rank (a collective:
-    call it on every rank). ``module.load_state_dict`` takes it back, each rank keeping its rows."""
-    shards: dict[int, tuple[ShardGroup, ShardedParameter]] = {}
-    for group in sharded_groups(module):
+    call it on every rank). ``module.load_state_dict`` takes it back, each rank keeping its rows. Each
+    parameter's padded rows are gathered with one ``all_gather_single`` over its group, the layout its all-gathers
+    use, and the padding left out."""
+    groups = sharded_groups(module)
+    for group in groups:
         group.reshard()
-        group.follow_moved_shards()
-        shards.update({id(p.shard): (group, p) for p in group.params})
-    full = {}
-    for key, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) not in shards:
-            full[key] = tensor.detach()
-            continue
-        group, p = shards[id(tensor)]
-        gathered = torch.empty(p.shard_numel * group.world_size, dtype=p.padded.dtype, device=p.padded.device)
-        _all_gather(gathered, p.padded, group=group.process_group)
-        # rank r's padded rows sit in slot r; the real rows are the first full_size[0] of them all
-        full[key] = p.whole_from_slots(gathered)[: p.full_size[0]].clone()
+        group.follow_moved_shards()  # the parameters registered now: after to_empty(), new ones
+    full = module.state_dict()
+    for name, holder in module.named_modules(remove_duplicate=False):
+        for group in groups:
+            for key, p in _keys_of(group, holder, name + "." if name else ""):
+                if isinstance(full.get(key), DTensor):
+                    gathered = torch.empty(p.shard_numel * group.world_size, dtype=p.padded.dtype,
+                                           device=p.padded.device)
+                    _all_gather(gathered, p.padded, group=group.process_group)
+                    # rank r's padded rows sit in slot r; the real rows are the first full_size[0] of them all
+                    full[key] = p.whole_from_slots(gathered)[: p.full_size[0]].clone()
     return full
 
 
