@@ -689,6 +689,42 @@ def optimizer_in_backward(seed: int, steps: int = 3) -> dict[str, Any]:
             "gradients_left": sum(p.grad is not None for p in ours.parameters())}
 
 
+def clips_as_fsdp2(seed: int, norm_type: float, dtype: torch.dtype = torch.float64,
+                   mesh: Optional[tuple[int, ...]] = None, steps: int = 3) -> dict[str, Any]:
+    """Gradient clipping beside FSDP2: ``md.clip_grad_norm_`` on minidp's shards, torch's ``clip_grad_norm_`` on
+    FSDP2's DTensors, to a max norm every step's gradients exceed. Each step: the two total norms, the largest
+    difference of the clipped gradients (this rank's rows) and, after the step, of the parameters."""
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    theirs = Net().to(dtype)
+    ours = copy.deepcopy(theirs)
+    arguments = sharding_arguments(mesh)
+    shard(theirs, torch_fully_shard, True, **arguments)
+    shard(ours, md.fully_shard, True, **arguments)
+    optimizers = (OPTIMIZERS["adamw"](ours.parameters()), OPTIMIZERS["adamw"](theirs.parameters()))
+    steps_seen = []
+    for step in range(steps):
+        x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + rank), dtype=dtype)
+        for model in (ours, theirs):
+            (100 * model(x)).pow(2).mean().backward()  # gradients far above the max norm
+        ours_norm = md.clip_grad_norm_(ours.parameters(), 0.5, norm_type)
+        theirs_norm = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5, norm_type).full_tensor()
+        gradients = _largest_difference([p.grad for p in ours.parameters()], [p.grad for p in theirs.parameters()])
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        parameters = _largest_difference(list(ours.parameters()), list(theirs.parameters()))
+        steps_seen.append({"ours": ours_norm.item(), "theirs": theirs_norm.item(), "gradients": gradients,
+                           "parameters": parameters})
+    return {"steps": steps_seen}
+
+
+def _largest_difference(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> float:
+    """The largest absolute difference between this rank's elements of ``ours`` and of ``theirs`` (0 where empty)."""
+    return max((float((a.detach() - local(b).detach()).abs().amax()) if a.numel() else 0.0)
+               for a, b in zip(ours, theirs))
+
+
 def divide_factor_by_its_old_name(seed: int) -> dict[str, Any]:
     """``set_reduce_scatter_divide_factor``, FSDP2's deprecated name: the warning, and the factor it set; then
     ``set_all_reduce_hook`` with a stream: the error."""

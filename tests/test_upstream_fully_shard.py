@@ -6,7 +6,8 @@ Ported (bodies in ``tests/upstream_fsdp_checks.py``, each under its upstream nam
 ``test_fully_shard_training.py`` (training parity with a DDP reference, one and several groups, explicit prefetching,
 gradient accumulation and 1F1B micro-batching, activation checkpointing, shared parameters, which parameters are
 registered after forward and backward, shards along another dimension, HSDP, CPU offload), ``test_fully_shard_mixed_precision.py`` (compute and reduce dtypes, their
-casts, accumulation in the reduce dtype) and ``test_fully_shard_ignore_params.py``. Upstream gates most of them on
+casts, accumulation in the reduce dtype), ``test_fully_shard_ignore_params.py`` and
+``test_fully_shard_clip_grad_norm_.py`` (clipping through :func:`minidp.distributed.clip_grad_norm_`). Upstream gates most of them on
 GPUs only to have a device per rank, and runs them on 2 to 8 ranks; here the CPU and 2 ranks. What the port adapts
 (DTensor parameters read as plain shards, collectives seen through a dispatch mode, fewer iterations, the int
 ``reshard_after_forward=2`` of 2 ranks as True) is in that module's docstring and in each case's. Examined but not
@@ -80,6 +81,9 @@ PORTED = {
     ],
     "test_fully_shard_ignore_params.py": [
         "test_ddp_A_fsdp_B_ddp_C",
+    ],
+    "test_fully_shard_clip_grad_norm_.py": [
+        "test_clip_grad_norm_1d",
     ],
 }
 CASES = [name for names in PORTED.values() for name in names]

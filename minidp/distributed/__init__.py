@@ -14,8 +14,8 @@ module each:
 * :mod:`~minidp.distributed.logging_data`: torch DDP's runtime statistics (``_get_ddp_logging_data``);
 * :mod:`~minidp.distributed.ddp`: :class:`DistributedDataParallel`, which composes them;
 * :mod:`~minidp.distributed.fully_shard`: :func:`fully_shard`, FSDP2's sharding of parameters,
-  gradients and optimizer state (each rank keeps 1/W), :func:`full_state_dict` and
-  :func:`register_fsdp_forward_method`;
+  gradients and optimizer state (each rank keeps 1/W), :func:`full_state_dict`,
+  :func:`register_fsdp_forward_method` and :func:`clip_grad_norm_` (the norm of the whole gradients);
 * :mod:`~minidp.distributed.memory`: what one rank holds, DDP's and sharded, side by side;
 * :mod:`~minidp.distributed.zero`: :class:`ZeroRedundancyOptimizer`, each rank keeping the optimizer
   state of its share of the parameters and broadcasting the share it updated;
@@ -27,7 +27,9 @@ minidp's core never imports ``torch.distributed``; only this package does.
 
 from .buckets import GradBucket
 from .ddp import DistributedDataParallel
-from .fully_shard import full_state_dict, fully_shard, register_fsdp_forward_method, sharded_timeline
+from .fully_shard import (
+    clip_grad_norm_, full_state_dict, fully_shard, register_fsdp_forward_method, sharded_timeline,
+)
 from .launch import RankFailed, launch, run_demo
 from .memory import format_ledgers, memory_ledger
 from .timeline import chrome_trace, gather_timelines, hidden_share, plot_timelines, write_chrome_trace
@@ -39,6 +41,7 @@ __all__ = [
     "RankFailed",
     "ZeroRedundancyOptimizer",
     "chrome_trace",
+    "clip_grad_norm_",
     "format_ledgers",
     "full_state_dict",
     "fully_shard",

@@ -177,6 +177,7 @@ class ShardedParameter:
         self._pad(chunks[rank] if rank < len(chunks) else param.detach().narrow(dim, 0, 0))
         self.gathered: Optional[torch.Tensor] = None  # allocated at the first all-gather
         self.full: Optional[nn.Parameter] = None
+        self.group: Optional[weakref.ref] = None  # set by the group made of it; also on the shard (clip_grad_norm_)
         # With a reduce dtype other than the compute dtype: the whole gradient summed over unsynchronised
         # backwards in the reduce dtype (FSDP2's unsharded_accumulated_grad), off the whole parameter.
         self.accumulated: Optional[torch.Tensor] = None
@@ -207,6 +208,7 @@ class ShardedParameter:
         if isinstance(registered, nn.Parameter) and registered is not self.shard:
             self.shard = registered
             self.set_on_modules(registered)
+            setattr(registered, _SHARDED_BY, self.group)
         self._pad(self.shard.detach())
         self.gathered = self.full = None
 
@@ -294,6 +296,9 @@ class ShardGroup:
         self.members = members  # the modules of the call: one, or several (``fully_shard([norm, head])``)
         self.module = members[0]
         self.params = params
+        for p in params:  # weakly, as the shards outlive nothing of the group's
+            p.group = weakref.ref(self)
+            setattr(p.shard, _SHARDED_BY, p.group)
         # Held weakly: torch.distributed keeps the group until destroy_process_group(), which must then free it.
         # Held here, it would outlive that call (a sharded model lives until the garbage collector finds its
         # cycles, at exit if not before), and so would Gloo's worker threads, which can then be freeing the last
@@ -565,7 +570,8 @@ class ShardGroup:
             self.iteration.finish_reductions()
 
     def finish_reduction(self, work: dist.Work, mine: torch.Tensor, flat: torch.Tensor,
-                         with_grad: list[ShardedParameter], all_reduce_op: dist.ReduceOp, after: Optional[float]) -> None:
+                         with_grad: list[ShardedParameter], all_reduce_op: dist.ReduceOp,
+                         after: Optional[float]) -> None:
         # ``flat``, the reduce-scatter's input, stayed referenced (in Iteration.reductions) until this
         # wait: the collective reads it in the background.
         work.wait()
@@ -1035,6 +1041,8 @@ def _class_name(module: nn.Module) -> str:
 # Set on a parameter that a fully_shard call replaced by shards (its name there): a module that still
 # holds it shares it with a sharded module.
 _SHARDED_AS = "_minidp_sharded_as"
+# Set on each shard: a weak reference to its group, for clip_grad_norm_, which is given the parameters only.
+_SHARDED_BY = "_minidp_sharded_by"
 
 
 def _managed_modules(module: nn.Module) -> list[nn.Module]:
@@ -1120,7 +1128,8 @@ def fully_shard(
             not reduced, each rank keeping its own.
         process_group: a 1-D alternative to ``mesh``: the ranks to shard over (minidp's; give one or the other).
 
-    After this call, ``module``'s parameters are this rank's shards (rows of dim 0): build the
+    After this call, ``module``'s parameters are this rank's shards (rows of dim 0, or slices along the
+    dimension ``shard_placement_fn`` chose): build the
     optimizer afterwards, on ``module.parameters()``. ``module``'s class is then a subclass of
     :class:`ShardedModule` and of its own class, with FSDP2's ``set_requires_gradient_sync``,
     ``unshard`` and ``reshard``, and the setters of ``FSDPModule`` (:class:`ShardedModule`).
@@ -1294,7 +1303,8 @@ def _check_placement(device: torch.device, mesh: Optional[DeviceMesh], offload_p
         if offload_policy.pin_memory and not torch.accelerator.is_available():
             raise RuntimeError(
                 "fully_shard: CPUOffloadPolicy(pin_memory=True) pins the shards in memory for transfers to an "
-                "accelerator, and this machine has none (FSDP2 fails here too); pass CPUOffloadPolicy(pin_memory=False)")
+                "accelerator, and this machine has none (FSDP2 fails here too); pass "
+                "CPUOffloadPolicy(pin_memory=False)")
 
 
 def _group_pre_forward(group: ShardGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -1371,8 +1381,8 @@ def _reshard_before_state_dict(group: ShardGroup, module: nn.Module, prefix: str
 
 
 def _shards_as_dtensors(group: ShardGroup, holder: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
-    """After ``holder.state_dict()`` (a module that holds parameters of ``group``): its sharded parameters as FSDP2 gives them, DTensors of this rank's rows
-    (:meth:`ShardGroup.as_dtensor`), so that ``torch.distributed.checkpoint`` saves each rank's part and
+    """After ``holder.state_dict()`` (a module that holds parameters of ``group``): its sharded parameters as FSDP2
+    gives them, DTensors of this rank's rows (:meth:`ShardGroup.as_dtensor`), so that ``torch.distributed.checkpoint`` saves each rank's part and
     ``get_model_state_dict(..., full_state_dict=True)`` gathers them whole; plain rows would pass for replicated
     tensors there, and a checkpoint would keep rank 0's rows only."""
     for key, p in _keys_of(group, holder, prefix):
@@ -1423,6 +1433,55 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
                     # rank r's padded rows sit in slot r; the real rows are the first full_size[0] of them all
                     full[key] = p.whole_from_slots(gathered)[: p.full_size[0]].clone()
     return full
+
+
+def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters that ``fully_shard`` sharded: the norm of every gradient
+    whole, on every rank (a collective: call it on every rank, with the same parameters), and every gradient scaled by
+    ``max_norm / norm`` where that is below 1; returns the total norm.
+
+    torch's own function sees a shard's gradient as a whole tensor, so on minidp's plain shards it would give each
+    rank the norm of its own rows, and each rank would clip by another factor. FSDP2's shards are DTensors, whose
+    norms torch reduces over the ranks; here each group's shards' norms are reduced over its ranks (p-th powers
+    summed, or the largest for ``inf``; over the ranks that shard, as HSDP's replicas hold the same rows), one
+    collective a group; parameters not sharded count once. Norms, clipped gradients and the steps after them
+    equal FSDP2's bit for bit where two ranks shard (HSDP's 2 x 2 too), and within an ulp or two of the norm on
+    three, whose sums over the ranks run in another order (tests/test_fully_shard.py, ``-k clipping``); where a
+    rank's shard is empty, ``inf`` counts it as 0 (FSDP2's own norm fails there).
+    """
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    with_grad = [p for p in parameters if p.grad is not None]
+    p_norm = float(norm_type)
+    # (a rank past the last rows holds an empty shard: its norm is 0, which neither a sum nor a largest changes)
+    norms = [torch.linalg.vector_norm(p.grad.detach(), p_norm) if p.grad.numel() else p.grad.new_zeros(())
+             for p in with_grad]
+    by_group: dict[int, tuple[ShardGroup, list[int]]] = {}  # in the parameters' order: the same on every rank
+    for index, param in enumerate(with_grad):
+        group = getattr(param, _SHARDED_BY, lambda: None)()
+        if group is not None:
+            by_group.setdefault(id(group), (group, []))[1].append(index)
+    for group, indices in by_group.values():
+        local = torch.stack([norms[i] for i in indices])
+        if p_norm == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group.process_group)
+            whole = local
+        else:
+            local = local.pow(p_norm)
+            dist.all_reduce(local, group=group.process_group)
+            whole = local.pow(1.0 / p_norm)
+        for i, norm in zip(indices, whole):
+            norms[i] = norm
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack([norm.to(norms[0].device) for norm in norms]), p_norm)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            f"clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            f"`error_if_nonfinite=False`")
+    torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach)
+    return total
 
 
 def _check_same_parameters(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup) -> None:
