@@ -351,7 +351,9 @@ def checkpoint_round_trip(seed: int, mesh: Optional[tuple[int, ...]] = None) -> 
     """``torch.distributed.checkpoint`` on a sharded model: saved from ``state_dict()`` (each rank its rows), loaded
     into a model sharded alike but initialised otherwise (``dcp.load`` into its ``state_dict()``, then
     ``load_state_dict``); whether its whole parameters are then the saved ones, and whether
-    ``get_model_state_dict(full_state_dict=True)`` gives what ``full_state_dict`` gives."""
+    ``get_model_state_dict(full_state_dict=True)`` gives what ``full_state_dict`` gives; then the saved model's
+    ``state_dict()`` loaded straight into one whose matrices are cut along their columns (a DTensor laid out
+    otherwise: gathered whole first), whether that one's whole parameters are the saved ones."""
     import tempfile
 
     import torch.distributed.checkpoint as dcp
@@ -361,24 +363,28 @@ def checkpoint_round_trip(seed: int, mesh: Optional[tuple[int, ...]] = None) -> 
     dist.broadcast_object_list(directory, src=0)
     arguments = sharding_arguments(mesh)
     torch.manual_seed(seed)
-    saved = shard(Net(), md.fully_shard, True, **arguments)
+    saved = shard(MODELS["wide"](), md.fully_shard, True, **arguments)
     saved(torch.randn(5, 13)).sum().backward()  # gathered and freed once: the state dict holds the shards again
     whole = md.full_state_dict(saved)
     gathered_by_dcp = get_model_state_dict(saved, options=StateDictOptions(full_state_dict=True))
     dcp.save(saved.state_dict(), checkpoint_id=directory[0])
     torch.manual_seed(seed + 1)
-    loaded = shard(Net(), md.fully_shard, True, **arguments)
+    loaded = shard(MODELS["wide"](), md.fully_shard, True, **arguments)
     state = loaded.state_dict()
     dcp.load(state, checkpoint_id=directory[0])
     loaded.load_state_dict(state)
     reloaded = md.full_state_dict(loaded)
+    columns = shard(MODELS["wide"](), md.fully_shard, True, **arguments, **sharding_arguments(placement=True))
+    columns.load_state_dict(saved.state_dict())
+    across_layouts = md.full_state_dict(columns)
     dist.barrier()
     if dist.get_rank() == 0:
         import shutil
 
         shutil.rmtree(directory[0])
     return {"reloaded": all(torch.equal(reloaded[k], whole[k]) for k in whole) and list(reloaded) == list(whole),
-            "gathered_by_dcp": all(torch.equal(gathered_by_dcp[k], whole[k]) for k in whole)}
+            "gathered_by_dcp": all(torch.equal(gathered_by_dcp[k], whole[k]) for k in whole),
+            "across_layouts": all(torch.equal(across_layouts[k], whole[k]) for k in whole)}
 
 
 def forward_method(seed: int) -> dict:

@@ -619,7 +619,7 @@ def test_a_checkpoint_of_the_state_dict_saved_and_loaded_by_torch_distributed_ch
     # torch.distributed.checkpoint saves each rank's part of a DTensor (plain rows would pass for replicated
     # tensors there: rank 0's alone would be kept); "four": HSDP's 2 x 2 mesh
     for result in each_rank(request.getfixturevalue(world), "checkpoint"):
-        assert result["reloaded"] and result["gathered_by_dcp"]
+        assert result["reloaded"] and result["gathered_by_dcp"] and result["across_layouts"]
 
 
 @pytest.mark.parametrize("world", ["two", "three"])

@@ -472,15 +472,18 @@ class ShardGroup:
         """HSDP's other group: the ranks that hold the same shards as this one."""
         return self._live(self._replicate_group)
 
-    def as_dtensor(self, p: ShardedParameter, rows: torch.Tensor) -> DTensor:
-        """``rows`` (this rank's of ``p``) as FSDP2's parameter DTensor: ``Shard(dim)`` on the group's mesh, replicated
-        over HSDP's first dimension; an alias of ``rows``, not a copy."""
-        # A mesh made from the group holds the group (its _pg_registry): made for each DTensor, never kept here, so
+    def layout(self, p: ShardedParameter) -> tuple[DeviceMesh, tuple]:
+        """Where FSDP2's DTensor of ``p`` lives: the group's mesh, and ``Shard(dim)`` on it (replicated over HSDP's
+        first dimension)."""
+        # A mesh made from the group holds the group (its _pg_registry): made for each use, never kept here, so
         # that the group still ends with destroy_process_group() (the process-group note in __init__).
         mesh = self._mesh or DeviceMesh.from_group(self.process_group, self.device.type)
-        placements = (Shard(p.dim),) if mesh.ndim == 1 else (Replicate(), Shard(p.dim))
+        return mesh, (Shard(p.dim),) if mesh.ndim == 1 else (Replicate(), Shard(p.dim))
+
+    def as_dtensor(self, p: ShardedParameter, rows: torch.Tensor) -> DTensor:
+        """``rows`` (this rank's of ``p``) as FSDP2's parameter DTensor (:meth:`layout`): an alias, not a copy."""
         stride = torch.empty(p.full_size, device="meta").stride()
-        return DTensor.from_local(rows, mesh, placements, run_check=False, shape=p.full_size, stride=stride)
+        return DTensor.from_local(rows, *self.layout(p), run_check=False, shape=p.full_size, stride=stride)
 
     def _live(self, reference: weakref.ref) -> dist.ProcessGroup:
         group = reference()
@@ -1365,9 +1368,8 @@ def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefi
     for key, p in _keys_of(group, holder, prefix):
         value = state_dict.get(key)
         if isinstance(value, DTensor):
-            mine = group.as_dtensor(p, p.shard.detach())
-            same = value.device_mesh == mine.device_mesh and value.placements == mine.placements
-            value = value.to_local() if same else value.full_tensor()
+            laid_out_alike = (value.device_mesh, value.placements) == group.layout(p)
+            value = value.to_local() if laid_out_alike else value.full_tensor()
         if value is not None and value.shape == p.full_size:
             chunks = torch.chunk(value, group.world_size, dim=p.dim)
             value = chunks[group.rank] if group.rank < len(chunks) else p.shard.detach()[:0]
@@ -1382,9 +1384,10 @@ def _reshard_before_state_dict(group: ShardGroup, module: nn.Module, prefix: str
 
 def _shards_as_dtensors(group: ShardGroup, holder: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
     """After ``holder.state_dict()`` (a module that holds parameters of ``group``): its sharded parameters as FSDP2
-    gives them, DTensors of this rank's rows (:meth:`ShardGroup.as_dtensor`), so that ``torch.distributed.checkpoint`` saves each rank's part and
-    ``get_model_state_dict(..., full_state_dict=True)`` gathers them whole; plain rows would pass for replicated
-    tensors there, and a checkpoint would keep rank 0's rows only."""
+    gives them, DTensors of this rank's rows (:meth:`ShardGroup.as_dtensor`), so that
+    ``torch.distributed.checkpoint`` saves each rank's part and ``get_model_state_dict(..., full_state_dict=True)``
+    gathers them whole; plain rows would pass for replicated tensors there, and a checkpoint would keep rank 0's
+    rows only."""
     for key, p in _keys_of(group, holder, prefix):
         if key in state_dict:
             state_dict[key] = group.as_dtensor(p, state_dict[key])
