@@ -119,7 +119,7 @@ TWO_PROCESSES = {
     "clip-1": (checks.clips_as_fsdp2, {"norm_type": 1.0}),
     "clip-inf": (checks.clips_as_fsdp2, {"norm_type": float("inf"), "dtype": torch.float32}),
     "meta": (checks.against_fsdp2, {"meta": True, "optimizer": "adamw"}),
-    "meta-tied-grouped": (checks.against_fsdp2, {"meta": True, "model": "tied", "dtype": torch.float64}),
+    "meta-tied": (checks.against_fsdp2, {"meta": True, "model": "tied", "dtype": torch.float64}),
     "divide_factor_by_its_old_name": (checks.divide_factor_by_its_old_name, {}),
     "collectives-root-kept": (checks.collectives_with, {"configure": None, "reshard_after_forward": None}),
     "collectives-kept-between": (checks.collectives_with, {"configure": "keep_between_micro_batches",
@@ -547,7 +547,7 @@ def test_arguments_beyond_what_is_supported_are_refused_before_anything_is_shard
         assert result[case]["untouched"]
 
 
-@pytest.mark.parametrize("case", ["meta", "meta-tied-grouped"])
+@pytest.mark.parametrize("case", ["meta", "meta-tied"])
 def test_a_model_built_on_the_meta_device_sharded_materialised_and_loaded_trains_as_fsdp2(two, case):
     # the way large models are built (FSDP2: FSDPModule._apply, FSDPParam.reset_sharded_param): fully_shard on the
     # meta device, to_empty(device="cpu") registers new parameters, a full state dict gives them their weights
