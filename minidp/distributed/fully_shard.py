@@ -472,18 +472,23 @@ class ShardGroup:
         """HSDP's other group: the ranks that hold the same shards as this one."""
         return self._live(self._replicate_group)
 
-    def layout(self, p: ShardedParameter) -> tuple[DeviceMesh, tuple]:
-        """Where FSDP2's DTensor of ``p`` lives: the group's mesh, and ``Shard(dim)`` on it (replicated over HSDP's
-        first dimension)."""
-        # A mesh made from the group holds the group (its _pg_registry): made for each use, never kept here, so
-        # that the group still ends with destroy_process_group() (the process-group note in __init__).
-        mesh = self._mesh or DeviceMesh.from_group(self.process_group, self.device.type)
-        return mesh, (Shard(p.dim),) if mesh.ndim == 1 else (Replicate(), Shard(p.dim))
+    def dtensor_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2's DTensors of this group's parameters live on: the one given to ``fully_shard``, else one
+        made from the group. A mesh made from a group holds the group (its _pg_registry): made for each state dict,
+        never kept here, so that the group still ends with destroy_process_group() (the process-group note in
+        __init__)."""
+        return self._mesh or DeviceMesh.from_group(self.process_group, self.device.type)
 
-    def as_dtensor(self, p: ShardedParameter, rows: torch.Tensor) -> DTensor:
-        """``rows`` (this rank's of ``p``) as FSDP2's parameter DTensor (:meth:`layout`): an alias, not a copy."""
+    @staticmethod
+    def placements(p: ShardedParameter, mesh: DeviceMesh) -> tuple:
+        """FSDP2's placements of ``p`` on ``mesh``: ``Shard(dim)``, replicated over HSDP's first dimension."""
+        return (Shard(p.dim),) if mesh.ndim == 1 else (Replicate(), Shard(p.dim))
+
+    def as_dtensor(self, p: ShardedParameter, rows: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        """``rows`` (this rank's of ``p``) as FSDP2's parameter DTensor on ``mesh``: an alias, not a copy."""
         stride = torch.empty(p.full_size, device="meta").stride()
-        return DTensor.from_local(rows, *self.layout(p), run_check=False, shape=p.full_size, stride=stride)
+        return DTensor.from_local(rows, mesh, self.placements(p, mesh), run_check=False, shape=p.full_size,
+                                  stride=stride)
 
     def _live(self, reference: weakref.ref) -> dist.ProcessGroup:
         group = reference()
@@ -1365,10 +1370,12 @@ def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefi
     tensor first where it is laid out otherwise (a collective then); rows are loaded as they are. So a full state
     dict, or a sharded one, loads into a sharded module."""
     group.reshard()  # load into the shards, not into gathered copies
-    for key, p in _keys_of(group, holder, prefix):
+    keys = _keys_of(group, holder, prefix)
+    mesh = group.dtensor_mesh() if any(isinstance(state_dict.get(key), DTensor) for key, _ in keys) else None
+    for key, p in keys:
         value = state_dict.get(key)
         if isinstance(value, DTensor):
-            laid_out_alike = (value.device_mesh, value.placements) == group.layout(p)
+            laid_out_alike = value.device_mesh == mesh and value.placements == group.placements(p, mesh)
             value = value.to_local() if laid_out_alike else value.full_tensor()
         if value is not None and value.shape == p.full_size:
             chunks = torch.chunk(value, group.world_size, dim=p.dim)
@@ -1388,9 +1395,10 @@ def _shards_as_dtensors(group: ShardGroup, holder: nn.Module, state_dict: dict, 
     ``torch.distributed.checkpoint`` saves each rank's part and ``get_model_state_dict(..., full_state_dict=True)``
     gathers them whole; plain rows would pass for replicated tensors there, and a checkpoint would keep rank 0's
     rows only."""
-    for key, p in _keys_of(group, holder, prefix):
-        if key in state_dict:
-            state_dict[key] = group.as_dtensor(p, state_dict[key])
+    keys = [(key, p) for key, p in _keys_of(group, holder, prefix) if key in state_dict]
+    mesh = group.dtensor_mesh() if keys else None  # one mesh for the holder's parameters
+    for key, p in keys:
+        state_dict[key] = group.as_dtensor(p, state_dict[key], mesh)
 
 
 def sharded_groups(module: nn.Module) -> list[ShardGroup]:
@@ -1461,7 +1469,8 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
              for p in with_grad]
     by_group: dict[int, tuple[ShardGroup, list[int]]] = {}  # in the parameters' order: the same on every rank
     for index, param in enumerate(with_grad):
-        group = getattr(param, _SHARDED_BY, lambda: None)()
+        reference = getattr(param, _SHARDED_BY, None)  # a weak reference to its group, on a shard only
+        group = reference() if reference is not None else None
         if group is not None:
             by_group.setdefault(id(group), (group, []))[1].append(index)
     for group, indices in by_group.values():

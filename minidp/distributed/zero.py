@@ -153,20 +153,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
         except Exception as exc:  # kept until every rank knows: the others would wait for this one's share
             error = exc
-        meeting_place = self.param_groups[0]["params"]  # the vote and any error sent from the parameters' GPU (NCCL)
-        with collectives_on(meeting_place):
+        # The vote and any error go from the parameters' GPU (NCCL); the broadcasts between them from each tensor's own.
+        with collectives_on(self.param_groups[0]["params"]):
             vote = start_failure_vote(error, self.process_group)  # in flight beside the broadcasts
-        _copy_settings(self.optim.param_groups, self.param_groups)
-        # every share sent from its owner, in place: each parameter (or each bucket), all broadcasts in
-        # flight at once, so that the backend can run them side by side, then waited for
-        handles = []
-        for owner in range(self.world_size):
-            source = dist.get_global_rank(self.process_group, owner)
-            tensors = self._buckets[owner] if self.parameters_as_bucket_view else chain.from_iterable(self.shares[owner])
-            handles += [dist.broadcast(t.detach(), src=source, group=self.process_group, async_op=True) for t in tensors]
-        for handle in handles:
-            handle.wait()
-        with collectives_on(meeting_place):
+            _copy_settings(self.optim.param_groups, self.param_groups)
+            # every share sent from its owner, in place: each parameter (or each bucket), all broadcasts in
+            # flight at once, so that the backend can run them side by side, then waited for
+            handles = []
+            for owner in range(self.world_size):
+                source = dist.get_global_rank(self.process_group, owner)
+                tensors = (self._buckets[owner] if self.parameters_as_bucket_view
+                           else chain.from_iterable(self.shares[owner]))
+                handles += [dist.broadcast(t.detach(), src=source, group=self.process_group, async_op=True)
+                            for t in tensors]
+            for handle in handles:
+                handle.wait()
             raise_on_every_rank(
                 error, self.process_group, "ZeroRedundancyOptimizer.step (the local step)", vote=vote,
                 advice="every share was still broadcast, so the ranks hold the same parameters, but the failing rank's "
