@@ -578,6 +578,129 @@ def torch_sync_batchnorm_on_cpu(seed: int) -> dict:
     return errors
 
 
+# ---- native mixed precision ----------------------------------------------------------------------------
+
+
+class _EventStandIn:
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class _StreamStandIn:
+    def __enter__(self) -> "_StreamStandIn":
+        return self
+
+    def __exit__(self, *exception: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def torch_mixed_precision_on_the_cpu():
+    """torch DDP's native mixed precision calls accelerator-only APIs, which fail without an accelerator: side
+    streams for its copies and its hook (``torch.Stream()``; torch 2.11: "Backend doesn't support create a new
+    Stream"), a ``torch.Event()`` per module in its forward pre-hooks to order them ("cpu backend doesn't support
+    events") and ``torch.accelerator.current_stream()`` in its hook's end-of-backward callback. On the CPU every
+    operation runs in order, so all three stand in as no-ops; torch's own Python and C++ run as they are."""
+    saved = torch.Stream, torch.Event, torch.accelerator.current_stream
+    torch.Stream, torch.Event, torch.accelerator.current_stream = (
+        _StreamStandIn, _EventStandIn, lambda *args, **kwargs: _StreamStandIn())
+    try:
+        yield
+    finally:
+        torch.Stream, torch.Event, torch.accelerator.current_stream = saved
+
+
+def _mixed_precision_model(batch_norm: bool) -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), *([nn.BatchNorm1d(16)] if batch_norm else []), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _mean_low_precision_gradients(module: nn.Module, batch_norm: bool, batches: list, config: Any) -> list:
+    """The gradients mixed precision should leave: those of a ``param_dtype`` copy of ``module`` (its buffers as they
+    are), accumulated in ``param_dtype`` over ``batches`` (cast to ``param_dtype``) onto the gradients ``module`` has
+    (cast likewise), each cast to ``reduce_dtype``, summed over the ranks, divided by their number, in full precision."""
+    low = _mixed_precision_model(batch_norm)
+    with torch.no_grad():
+        for copy_, param in zip(low.parameters(), module.parameters()):
+            copy_.data = param.detach().to(config.param_dtype)
+            copy_.grad = None if param.grad is None else param.grad.to(config.param_dtype)
+        for copy_, buffer in zip(low.buffers(), module.buffers()):
+            copy_.data = buffer.detach().clone()
+    for x in batches:
+        low(x.to(config.param_dtype)).float().pow(2).mean().backward()
+    means = []
+    for param in low.parameters():
+        grad = param.grad.to(config.reduce_dtype or config.param_dtype)
+        dist.all_reduce(grad)
+        means.append(grad.div_(dist.get_world_size()).float())
+    return means
+
+
+def mixed_precision_as_stock(seed: int, param_dtype: str, reduce_dtype: Optional[str], buffer_dtype: Optional[str],
+                             steps: int = 4, set_to_none: bool = True, accumulate: bool = False,
+                             evaluate: bool = False, zero_grad_every: int = 1, **options: Any) -> dict:
+    """``mixed_precision=_MixedPrecision(...)`` (dtypes by name) in both wrappers, torch's through
+    :func:`torch_mixed_precision_on_the_cpu`, trained side by side: ``steps`` SGD steps with momentum after a first
+    backward that does not step (torch's first all-reduce sums a buffer its gradients were not copied into: its
+    ``_set_mixed_precision_param_dtype`` replaces each bucket's buffer and keeps the views of the old one; its
+    buckets, rebuilt after the first backward, are right from then on). ``accumulate``: each step after a first
+    micro-batch under ``no_sync``; ``evaluate``: after a forward under ``torch.no_grad()``; ``zero_grad_every``: the
+    gradients zeroed after that many steps only, so that the next backwards add onto reduced ones. After every backward:
+    whether minidp's gradients are the low-precision mean (:func:`_mean_low_precision_gradients`), the dtypes the
+    optimizer sees (and an evaluation leaves), and, from the second backward, the first difference from torch's
+    parameters, gradients and buffers (or the error torch raised, after which it drops out)."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    config = _MixedPrecision(**{name: None if value is None else getattr(torch, value) for name, value in (
+        ("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype), ("buffer_dtype", buffer_dtype))})
+    batch_norm = buffer_dtype is not None  # BatchNorm's kernel wants its buffers in its input's dtype
+    torch.manual_seed(seed + dist.get_rank())
+    theirs_module = _mixed_precision_model(batch_norm)
+    ours_module = copy.deepcopy(theirs_module)
+    with torch_mixed_precision_on_the_cpu():
+        theirs = _quiet(lambda: TorchDDP(theirs_module, mixed_precision=config, **options))
+    ours = md.DistributedDataParallel(ours_module, mixed_precision=config, **options)
+    optimizers = [torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9) for ddp in (theirs, ours)]
+    facts: dict[str, Any] = {"mean": [], "dtypes": [], "evaluated": [], "stock": [], "stock_error": None}
+    for step in range(steps + 1):
+        batches = [_inputs(seed, 100 + step, 5, 6)] * accumulate + [_inputs(seed, step, 5, 6)]
+        reference = _mean_low_precision_gradients(ours_module, batch_norm, batches, config)
+        wrappers = (ours,) if facts["stock_error"] else (ours, theirs)
+        for ddp in wrappers:
+            try:
+                with torch_mixed_precision_on_the_cpu():
+                    if evaluate:
+                        with torch.no_grad():
+                            ddp(_inputs(seed, 200 + step, 5, 6))
+                        if ddp is ours:
+                            facts["evaluated"].append(sorted({str(p.dtype) for p in ours_module.parameters()}))
+                    for i, x in enumerate(batches):
+                        with ddp.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+                            ddp(x).float().pow(2).mean().backward()
+            except (RuntimeError, AttributeError) as error:
+                if ddp is ours:
+                    raise
+                facts["stock_error"] = f"{type(error).__name__}: {str(error).splitlines()[-1]}"
+        facts["mean"].append(all(torch.equal(p.grad, r) for p, r in zip(ours_module.parameters(), reference)))
+        facts["dtypes"].append(sorted({str(t.dtype) for p in ours_module.parameters() for t in (p, p.grad)}))
+        if step and not facts["stock_error"]:
+            facts["stock"].append(_difference(ours_module, theirs_module))
+        for optimizer in optimizers:
+            if step:
+                optimizer.step()
+            if step % zero_grad_every == 0:
+                optimizer.zero_grad(set_to_none=set_to_none)
+        if step and not facts["stock_error"]:
+            facts["stock"].append(_difference(ours_module, theirs_module))
+    facts["buffers"] = sorted({str(b.dtype) for b in ours_module.buffers()})
+    return facts
+
+
 # ---- a rank that runs out of data without Join ---------------------------------------------------------
 
 

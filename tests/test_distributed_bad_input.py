@@ -25,13 +25,36 @@ def test_each_per_bucket_cap_must_be_positive():
 
 
 @pytest.mark.parametrize("argument, value", [
-    ("mixed_precision", object()),
     ("delay_all_reduce_named_params", [("w", nn.Parameter(torch.ones(3)))]), ("param_to_hook_all_reduce", nn.Parameter(torch.ones(3))),
 ])
 def test_torch_ddp_arguments_minidp_lacks_are_refused_by_name_not_ignored(argument, value):
     # torch/nn/parallel/distributed.py takes them (torch 2.13); minidp does not implement them, and says so
     with pytest.raises(NotImplementedError, match=f"does not implement {argument} .*torch.nn.parallel"):
         DistributedDataParallel(nn.Linear(2, 2), **{argument: value})
+
+
+def _mixed_precision(param_dtype=torch.float16, reduce_dtype=torch.float16, buffer_dtype=torch.float16):
+    from torch.nn.parallel.distributed import _MixedPrecision
+    return _MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype)
+
+
+@pytest.mark.parametrize("config, error", [
+    (object(), "mixed_precision must have param_dtype, reduce_dtype and buffer_dtype .*object lacks param_dtype"),
+    (_mixed_precision(param_dtype=None), "mixed_precision.param_dtype must be set"),
+    (_mixed_precision(reduce_dtype=torch.int8), "mixed_precision.reduce_dtype must be a floating-point dtype"),
+])
+def test_a_mixed_precision_configuration_that_cannot_work_is_refused_by_field(config, error):
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=error):
+        DistributedDataParallel(model, mixed_precision=config)
+    assert model.weight.dtype == torch.float32 and not hasattr(model.weight, "_mp_param")  # nothing changed
+
+
+def test_mixed_precision_with_several_replicas_per_process_is_refused_with_the_way_out():
+    model = nn.Linear(2, 2)
+    with pytest.raises(NotImplementedError, match=r"several replicas per process \(device_ids=\['cpu', 'cpu'\]\).*one device_id"):
+        DistributedDataParallel(model, device_ids=["cpu", "cpu"], mixed_precision=_mixed_precision())
+    assert not hasattr(model.weight, "_mp_param")
 
 
 def test_without_a_process_group_the_error_says_how_to_make_one():

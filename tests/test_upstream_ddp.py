@@ -1,7 +1,7 @@
 """PyTorch's DDP tests of ``torch/testing/_internal/distributed/distributed_test.py`` (torch 2.13, class
 ``DistributedTest._DistTestBase``), run against ``minidp.distributed.DistributedDataParallel``.
 
-Every upstream test that constructs DDP appears here once by its upstream name. The ported ones, 78, run in
+Every upstream test that constructs DDP appears here once by its upstream name. The ported ones, 83, run in
 one job of 2 Gloo processes on 127.0.0.1 (the ``ranks`` fixture):
 
 * ``CPU_GLOO``, 11: the ones upstream runs on the Gloo backend without a GPU (bodies in
@@ -9,16 +9,16 @@ one job of 2 Gloo processes on 127.0.0.1 (the ``ranks`` fixture):
 * ``PORTED_TO_CPU``, 10: ones upstream gates on GPUs only to have a device per rank (uneven inputs under
   ``join()``, unused outputs, undefined gradients, graphs that differ between ranks, tensors created in
   forward; bodies in ``tests/upstream_ddp_checks.py`` too);
-* ``GPU_GATED_PORTED``, 57: more of those, bodies in ``tests/upstream_ddp_gpu_gated_checks.py`` (end-to-end
+* ``GPU_GATED_PORTED``, 62: more of those, bodies in ``tests/upstream_ddp_gpu_gated_checks.py`` (end-to-end
   training and automatic mixed precision, control flow and unused parameters, static graph and
   ``torch.compile``, uneven inputs, comm hooks and post-local SGD, buffers and ignored
-  parameters, logging, optimizers in backward, construction), the cases of
+  parameters, logging, optimizers in backward, native mixed precision, construction), the cases of
   ``test_gpu_gated_upstream_case_on_the_cpu``. The 3 that pass ``forward_sync_buffers`` (torch 2.13's) skip,
   and stay out of the job, where the installed torch's DistributedDataParallel lacks it. ``NOT_PORTED`` names
   the parts of 8 of them that cannot run here, and why.
 
-Skipped, with the reason: ``NOT_SUPPORTED``, 6 cases of that module that fail on minidp by design (native mixed
-precision, torch's C++ logger); ``GPU_ONLY``, 18, the other GPU-gated ones (upstream's decorator quoted, and why the CPU
+Skipped, with the reason: ``NOT_SUPPORTED``, 1 case of that module that fails on minidp by design (it needs
+torch's C++ logger); ``GPU_ONLY``, 18, the other GPU-gated ones (upstream's decorator quoted, and why the CPU
 cannot run them); and ``test_dump_DDP_relevant_env_vars`` (a test of torch's own function). Adapted from PyTorch
 (BSD 3-clause), copyright the PyTorch contributors.
 """
@@ -122,6 +122,11 @@ GPU_GATED_PORTED = [
     "test_ddp_apply_optim_in_backward",
     "test_ddp_apply_optim_in_backward_grad_as_bucket_view_false",
     "test_ddp_apply_optim_in_backward_ignored_params",
+    "test_ddp_native_mixed_precision_ignored_params",
+    "test_ddp_native_mixed_precision_no_grad_as_bucket_view_no_set_grad_none",
+    "test_ddp_native_mixed_precision_grad_as_bucket_view_no_set_grad_none",
+    "test_ddp_native_mixed_precision_grad_as_bucket_view_set_grad_to_none",
+    "test_ddp_native_mixed_precision_no_grad_as_bucket_view_set_grad_to_none",
     "test_ddp_zero_output_features",
     "test_ddp_bucket_cap_mb_list",
     "test_ddp_device_mesh_initialization",
@@ -193,18 +198,7 @@ NOT_PORTED = {
 
 # Cases of upstream_ddp_gpu_gated_checks.py that fail on minidp by design: out of the job, skipped with the reason.
 # Their bodies stay in the module, to run on torch's DDP (MINIDP_UPSTREAM_DDP=torch) or on minidp once it supports them.
-_NO_MIXED_PRECISION = "minidp refuses mixed_precision= (NotImplementedError)"
-_TORCH_MIXED_PRECISION_NEEDS = "; torch's own needs an accelerator here: " + gpu_gated._MIXED_PRECISION_NEEDS
 NOT_SUPPORTED = {
-    "test_ddp_native_mixed_precision_ignored_params": _NO_MIXED_PRECISION + "; it passes on torch's DDP",
-    "test_ddp_native_mixed_precision_no_grad_as_bucket_view_no_set_grad_none":
-        _NO_MIXED_PRECISION + _TORCH_MIXED_PRECISION_NEEDS,
-    "test_ddp_native_mixed_precision_grad_as_bucket_view_no_set_grad_none":
-        _NO_MIXED_PRECISION + _TORCH_MIXED_PRECISION_NEEDS,
-    "test_ddp_native_mixed_precision_grad_as_bucket_view_set_grad_to_none":
-        _NO_MIXED_PRECISION + _TORCH_MIXED_PRECISION_NEEDS,
-    "test_ddp_native_mixed_precision_no_grad_as_bucket_view_set_grad_to_none":
-        _NO_MIXED_PRECISION + _TORCH_MIXED_PRECISION_NEEDS,
     "test_verify_model_across_rank_with_logger": "it passes the wrapper's logger, torch's C++ dist.Logger, which only "
                                                  "torch's C++ Reducer makes: minidp's wrapper has none (it passes on "
                                                  "torch's DDP)",

@@ -166,7 +166,12 @@ class Bucket:
     sparse: bool = False
 
     @classmethod
-    def allocate(cls, index: int, indices: list[int], params: Sequence[torch.Tensor], sparse: bool = False) -> "Bucket":
+    def allocate(
+        cls, index: int, indices: list[int], params: Sequence[torch.Tensor], sparse: bool = False,
+        dtype: Optional[torch.dtype] = None,
+    ) -> "Bucket":
+        """The bucket of ``params[i]`` for ``i`` in ``indices``; its buffer in their dtype, or ``dtype`` (DDP's mixed
+        precision: the gradients arrive in a lower precision than the parameters have between iterations)."""
         members = [params[i] for i in indices]
         if sparse:
             return cls(index, list(indices), members, torch.empty(0, dtype=members[0].dtype), [], sparse=True)
@@ -177,7 +182,7 @@ class Bucket:
                     f"bucket {index} mixes parameter {indices[0]} ({first.dtype} on {first.device}) with "
                     f"parameter {i} ({p.dtype} on {p.device}): a bucket holds one dtype on one device"
                 )
-        buffer = torch.empty(sum(p.numel() for p in members), dtype=first.dtype, device=first.device)
+        buffer = torch.empty(sum(p.numel() for p in members), dtype=dtype or first.dtype, device=first.device)
         return cls(index, list(indices), members, buffer, views_of(buffer, members))
 
 

@@ -46,6 +46,7 @@ from .checks import (
 from .comm_hooks import CommHook, builtin_hook, check_comm_hook, optimizer_in_backward_hook
 from .join import DDPJoinHook, common_rank, sync_backward_vote
 from .logging_data import LoggingData
+from .mixed_precision import MixedPrecision, allreduce_and_upcast, check_mixed_precision
 from .reducer import Reducer
 
 DeviceLike = Union[int, str, torch.device]
@@ -87,8 +88,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             for a bucket none of whose parameters got a gradient (every rank must find the same ones unused).
 
     Parameters and buffers named by :meth:`_set_params_and_buffers_to_ignore_for_model` before wrapping are
-    left alone. ``mixed_precision`` and ``delay_all_reduce_named_params`` with ``param_to_hook_all_reduce`` are
-    refused (``NotImplementedError``).
+    left alone. ``mixed_precision`` (torch's private ``_MixedPrecision``): the forward and backward in its
+    ``param_dtype``, the gradients averaged in its ``reduce_dtype``, the buffers in its ``buffer_dtype``, the
+    parameters and gradients back in full precision after the backward (:mod:`minidp.distributed.mixed_precision`).
+    ``delay_all_reduce_named_params`` with ``param_to_hook_all_reduce`` are refused (``NotImplementedError``).
     """
 
     def __init__(
@@ -118,8 +121,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         Joinable.__init__(self)  # not in a Join context until join() or Join([...]) says so
         refuse_unsupported(
             delay_all_reduce_named_params=delay_all_reduce_named_params, param_to_hook_all_reduce=param_to_hook_all_reduce,
-            mixed_precision=mixed_precision,
         )
+        if mixed_precision is not None:
+            check_mixed_precision(mixed_precision)
+            if device_ids is not None and len(device_ids) > 1:
+                raise NotImplementedError(
+                    f"mixed_precision with several replicas per process (device_ids={list(device_ids)}) is not "
+                    f"implemented: pass one device_id (or None) to train in mixed precision"
+                )
         caps = BucketCaps.from_mb(bucket_cap_mb, bucket_cap_mb_list)
         if not dist.is_initialized():
             raise RuntimeError(
@@ -144,6 +153,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.static_graph = static_graph
         self.device_ids = None if device_ids is None else list(device_ids)
         self.output_device = output_device
+        self.mixed_precision = mixed_precision
         self.parameters_to_ignore = ignored_names(module)
         # What torch's helpers take as the broadcast's bucket size (torch.distributed.utils._sync_module_states);
         # minidp's own broadcasts send one flat tensor per dtype.
@@ -246,9 +256,13 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"'{names[sparse.index(True)]}' has sparse gradients, which several replicas per process "
                 f"(device_ids={self.device_ids}) do not sum; pass one device_id (or None), or use sparse=False"
             )
+        mixed = self.mixed_precision
+        # In mixed precision the gradients arrive in param_dtype, and their buckets are of that dtype: a .grad in full
+        # precision cannot be a view of one (minidp.distributed.mixed_precision).
         self.reducer = Reducer(params, names, self.process_group, self._bucket_caps, self.find_unused_parameters,
-                               self.gradient_as_bucket_view, self.static_graph, sparse, self.batched_grad_copy,
-                               self.skip_all_reduce_unused_params)
+                               self.gradient_as_bucket_view and mixed is None, self.static_graph, sparse,
+                               self.batched_grad_copy, self.skip_all_reduce_unused_params,
+                               bucket_dtype=None if mixed is None else mixed.param_dtype)
         self._logging = LoggingData()
         self.reducer.log_error = self._logging.set_reducer_error
         self._logging.set_construction_data(
@@ -259,6 +273,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         if self.static_graph:
             self._logging.entries["static_graph"] = 1
+        self.__dict__["_mixed"] = None  # not pickled: rebuilt from mixed_precision, as the reducer is
+        if mixed is not None:
+            self.__dict__["_mixed"] = MixedPrecision(mixed, self.module, self.parameters_to_ignore, self.process_group)
+            self.register_comm_hook(self._mixed, allreduce_and_upcast)
 
     # ---- pickling: torch.save, copy.deepcopy ------------------------------------------------
 
@@ -272,7 +290,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "constructor"
             )
         state = dict(self.__dict__)
-        for transient in ("process_group", "reducer", "_replicas"):
+        for transient in ("process_group", "reducer", "_replicas", "_mixed"):
             state.pop(transient, None)
         return state
 
@@ -294,6 +312,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.__dict__.setdefault("_lazy_init_ran", False)
         self.__dict__.setdefault("batched_grad_copy", False)
         self.__dict__.setdefault("skip_all_reduce_unused_params", False)
+        self.__dict__.setdefault("mixed_precision", None)
         self.process_group = process_group
         self.__dict__.setdefault("require_forward_param_sync", True)
         self.__dict__.setdefault("require_backward_grad_sync", True)
@@ -303,7 +322,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiled("minidp.DistributedDataParallel.forward"):
             recording = self._before_module()
+            if self._mixed is not None:  # the parameters and inputs in low precision (minidp.distributed.mixed_precision)
+                self._mixed.to_low_precision(recording)
+                inputs, kwargs = self._mixed.cast_inputs(inputs, kwargs)
             output = (self.module if self._replicas is None else self._replicas)(*inputs, **kwargs)
+            if self._mixed is not None and not recording:
+                self._mixed.after_unrecorded_forward()
             return self._after_module(output, recording)
 
     # Under torch.compile, dynamo compiles the module's forward and runs the two steps around it as they are

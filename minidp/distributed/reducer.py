@@ -92,6 +92,7 @@ class Reducer:
         group: the process group to all-reduce over.
         caps: the bucket byte limits.
         find_unused_parameters, gradient_as_bucket_view: as in ``DistributedDataParallel``.
+        bucket_dtype: the buckets' dtype, where it is not the parameters' (DDP's mixed precision: ``param_dtype``).
     """
 
     def __init__(
@@ -106,6 +107,7 @@ class Reducer:
         sparse: Optional[Sequence[bool]] = None,
         batched_grad_copy: bool = False,
         skip_all_reduce_unused_params: bool = False,
+        bucket_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -120,6 +122,7 @@ class Reducer:
         # launch no all-reduce for a bucket whose every parameter this rank found unused (the user promises every
         # rank finds the same: torch DDP's skip_all_reduce_unused_params)
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.bucket_dtype = bucket_dtype  # the buckets' dtype where the gradients' is not the parameters' (mixed precision)
         self.comm_hook: Optional[CommHook] = None
         self.comm_state: Any = None
         self._optimizer_in_backward = False  # the hook has stepped the optimizers: no write-back into .grad
@@ -191,7 +194,8 @@ class Reducer:
     def _install_plan(self, plan: list[list[int]]) -> None:
         """Allocate one flat buffer per bucket (``initialize_buckets``). With ``gradient_as_bucket_view``
         a gradient already there is copied into its new view and ``.grad`` becomes that view."""
-        self.buckets = [Bucket.allocate(b, indices, self.params, self.sparse[indices[0]]) for b, indices in enumerate(plan)]
+        self.buckets = [Bucket.allocate(b, indices, self.params, self.sparse[indices[0]], self.bucket_dtype)
+                        for b, indices in enumerate(plan)]
         self._locator = [(0, 0)] * len(self.params)
         for bucket in self.buckets:
             for position, index in enumerate(bucket.indices):
