@@ -5,9 +5,11 @@ fixture, every process ended by the harness within ``JOB_TIMEOUT``).
 Ported (bodies in ``tests/upstream_fsdp_checks.py``, each under its upstream name), :data:`PORTED`, from
 ``test_fully_shard_training.py`` (training parity with a DDP reference, one and several groups, explicit prefetching,
 gradient accumulation and 1F1B micro-batching, activation checkpointing, shared parameters, which parameters are
-registered after forward and backward, shards along another dimension, HSDP, CPU offload), ``test_fully_shard_mixed_precision.py`` (compute and reduce dtypes, their
-casts, accumulation in the reduce dtype), ``test_fully_shard_ignore_params.py`` and
-``test_fully_shard_clip_grad_norm_.py`` (clipping through :func:`minidp.distributed.clip_grad_norm_`). Upstream gates most of them on
+registered after forward and backward, shards along another dimension, HSDP, CPU offload),
+``test_fully_shard_mixed_precision.py`` (compute and reduce dtypes, their casts, accumulation in the reduce dtype),
+``test_fully_shard_ignore_params.py``, ``test_fully_shard_frozen.py`` (frozen and trainable parameters in one group
+and across groups, modules run several times, in part under ``no_grad``) and ``test_fully_shard_clip_grad_norm_.py``
+(clipping through :func:`minidp.distributed.clip_grad_norm_`). Upstream gates most of them on
 GPUs only to have a device per rank, and runs them on 2 to 8 ranks; here the CPU and 2 ranks. What the port adapts
 (DTensor parameters read as plain shards, collectives seen through a dispatch mode, fewer iterations, the int
 ``reshard_after_forward=2`` of 2 ranks as True) is in that module's docstring and in each case's. Examined but not
@@ -77,10 +79,16 @@ PORTED = {
         "test_float16_on_one_submodule",
         "test_submodules_with_external_inputs",
         "test_norm_modules_bf16",
+        "test_norm_modules_fp16",
         "test_clamp_reduce_dtype",
     ],
     "test_fully_shard_ignore_params.py": [
         "test_ddp_A_fsdp_B_ddp_C",
+    ],
+    "test_fully_shard_frozen.py": [
+        "test_train_mixed_requires_grad_per_group",
+        "test_train_mixed_requires_grad_across_groups",
+        "test_multi_forward_mixed_requires_grad",
     ],
     "test_fully_shard_clip_grad_norm_.py": [
         "test_clip_grad_norm_1d",
@@ -137,7 +145,6 @@ NOT_PORTED = {
     "test_checkpoint_recompute_casts_forward_inputs": "not ported for time: checkpoint recomputation casts are also "
                                                       "exercised by test_train_parity_with_activation_checkpointing",
     "test_checkpoint_recompute_casts_outputs": "not ported for time (as test_checkpoint_recompute_casts_forward_inputs)",
-    "test_norm_modules_fp16": "not ported for time: the same body as test_norm_modules_bf16, in float16",
 }
 
 

@@ -7,6 +7,7 @@ https://github.com/pytorch/pytorch, copyright the PyTorch contributors):
 * ``test/distributed/_composable/fsdp/test_fully_shard_training.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_ignore_params.py``;
+* ``test/distributed/_composable/fsdp/test_fully_shard_frozen.py``;
 * the helpers they import from ``torch/testing/_internal/common_fsdp.py`` (``MLP``, ``check_sharded_parity``),
   ``common_distributed.py`` (``SaveForwardInputsModel``) and ``distributed/_tensor/common_dtensor.py``
   (``ModelArgs``, ``Transformer``), written again below: those modules need test-only packages to import.
@@ -29,8 +30,8 @@ What differs in the assertions, because minidp's parameters are plain tensors wh
   parameter is a DTensor (FSDP2) or the shard of one of minidp's groups;
 * ``full_tensor()`` is :func:`full_tensor`, an all-gather of the rows by hand for a plain shard;
 * ``isinstance(module, FSDPModule)`` is :func:`is_sharded_module`;
-* upstream patches ``dist.reduce_scatter_single`` to see the reduce-scatter's dtype and counts collectives with
-  ``CommDebugMode``; here :class:`CollectiveLog`, a dispatch mode, sees the c10d operators either implementation
+* upstream patches ``dist.reduce_scatter_single`` to see the reduce-scatter's dtype or size and counts collectives
+  with ``CommDebugMode``; here :class:`CollectiveLog`, a dispatch mode, sees the c10d operators either implementation
   calls (minidp holds its own reference to the collective functions, so patching ``dist`` would not see it);
 * Gloo has no ``ReduceOp.AVG`` for ``all_reduce``: a reference's ``all_reduce(AVG)`` is a SUM and a division.
 
@@ -176,9 +177,10 @@ def _backward_beside_reference(ref_model: nn.Module, model: nn.Module, inp: torc
     average_gradients(ref_model)
 
 
-def replicate(module: nn.Module) -> DDP:
-    """Upstream's ``replicate(module)`` reference: torch's DDP on the CPU (every rank's gradient averaged)."""
-    return DDP(module)
+def replicate(module: nn.Module, **options: Any) -> DDP:
+    """Upstream's ``replicate(module, ...)`` reference: torch's DDP on the CPU (every rank's gradient averaged), with
+    upstream's options (``find_unused_parameters``)."""
+    return DDP(module, **options)
 
 
 def average_gradients(module: nn.Module) -> None:
@@ -191,11 +193,12 @@ def average_gradients(module: nn.Module) -> None:
 
 class CollectiveLog(TorchDispatchMode):
     """The c10d operators called inside the block, by name (``_allgather_base_``, ``_reduce_scatter_base_``,
-    ``allreduce_``), with the dtype of each one's first tensor (the reduce-scatter's output)."""
+    ``allreduce_``), with the dtype and the number of elements of each one's first tensor (the reduce-scatter's
+    output)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: list[tuple[str, torch.dtype]] = []
+        self.calls: list[tuple[str, Optional[torch.dtype], int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
@@ -203,14 +206,18 @@ class CollectiveLog(TorchDispatchMode):
             if first is None:
                 first = next((t for a in args if isinstance(a, (list, tuple)) for t in a
                               if isinstance(t, torch.Tensor)), None)
-            self.calls.append((func._overloadpacket.__name__, None if first is None else first.dtype))
+            self.calls.append((func._overloadpacket.__name__, None if first is None else first.dtype,
+                               0 if first is None else first.numel()))
         return func(*args, **(kwargs or {}))
 
     def counts(self) -> Counter:
-        return Counter(name for name, _ in self.calls)
+        return Counter(name for name, _, _ in self.calls)
 
     def dtypes(self, name: str) -> set:
-        return {dtype for called, dtype in self.calls if called == name}
+        return {dtype for called, dtype, _ in self.calls if called == name}
+
+    def numels(self, name: str) -> set:
+        return {numel for called, _, numel in self.calls if called == name}
 
 
 REDUCE_SCATTER, ALL_GATHER, ALL_REDUCE = "_reduce_scatter_base_", "_allgather_base_", "allreduce_"
@@ -1826,8 +1833,15 @@ def test_norm_modules_bf16():
     policy of its own that only sets ``output_dtype``. Adapted: with float32 statistics, the CPU's batch norm (1-D
     and 2-D) raises a dtype mismatch, which upstream expects of CUDA's for 2-D only and of other devices never; the
     port expects it for both. Upstream needs NCCL (its float16 twin does not); here Gloo."""
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    _test_norm_modules(MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
+
+def test_norm_modules_fp16():
+    """TestFullyShardMixedPrecisionCasts: test_norm_modules_bf16 with a float16 ``param_dtype``, adapted alike."""
+    _test_norm_modules(MixedPrecisionPolicy(param_dtype=torch.float16))
+
+
+def _test_norm_modules(mp_policy: MixedPrecisionPolicy) -> None:
     def inner(model: nn.Module, x: torch.Tensor) -> None:
         z = model(x)
         assert z.dtype == mp_policy.param_dtype, z.dtype
@@ -1838,7 +1852,7 @@ def test_norm_modules_bf16():
         fully_shard(module, mp_policy=mp_policy)
     inner(model, torch.randn((4, 32)))
 
-    # float32 running statistics with bfloat16 weights: the CPU's batch norm refuses them (as upstream expects of
+    # float32 running statistics with low-precision weights: the CPU's batch norm refuses them (as upstream expects of
     # CUDA's for BatchNorm2d), whether the module is sharded or not
     for model, x in ((nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 32)), torch.randn((4, 32))),
                      (nn.Sequential(nn.Conv2d(1, 5, 3), nn.BatchNorm2d(5), nn.Conv2d(5, 4, 3)),
@@ -1850,7 +1864,7 @@ def test_norm_modules_bf16():
         except RuntimeError as error:
             assert "expected scalar type" in str(error) or "Expected running_mean" in str(error), error
         else:
-            raise AssertionError("batch norm ran with float32 statistics and bfloat16 weights on the CPU")
+            raise AssertionError(f"batch norm ran with float32 statistics and {mp_policy.param_dtype} weights on the CPU")
 
     model = nn.Sequential(nn.Conv2d(1, 5, 3), nn.BatchNorm2d(5), nn.Conv2d(5, 4, 3))
     for module in (model[0], model[1], model[2], model):
@@ -2003,6 +2017,155 @@ def test_ddp_A_fsdp_B_ddp_C():
                 optim.step()
                 optim.zero_grad()
             compare()
+
+
+# ==================================================================================================
+# test_fully_shard_frozen.py
+# ==================================================================================================
+
+
+def test_train_mixed_requires_grad_per_group():
+    """TestFullyShardFrozen: frozen and trainable parameters in the same group (only the biases train, frozen before
+    or after ``fully_shard``), each MLP a group, with and without activation checkpointing, ``reshard_after_forward``
+    False, True and 2: sharded parameters and gradients equal DDP's after every step, the losses too, and every
+    reduce-scatter carries the trainable parameters' shards only. Adapted: the count of FSDP2's post-backward
+    autograd function (its private ``RegisterPostBackwardFunction``) is left out; the reduce-scatters are seen by
+    :class:`CollectiveLog`."""
+    from torch.distributed._composable import checkpoint
+
+    for reshard_after_forward, use_activation_checkpointing, freeze_after_init in itertools.product(
+            (False, True, 2), (False, True), (False, True)):
+        torch.manual_seed(42)
+        num_mlps, lin_dim = (3, 32)
+        model = nn.Sequential(*[MLP(lin_dim, torch.device("cpu")) for _ in range(num_mlps)])
+        # Train biases only (e.g. like BitFit)
+        if not freeze_after_init:
+            for param_name, param in model.named_parameters():
+                if "bias" not in param_name:
+                    param.requires_grad_(False)
+        ref_model = replicate(copy.deepcopy(model), find_unused_parameters=freeze_after_init)
+        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+        for mlp in model:
+            if use_activation_checkpointing:
+                checkpoint(mlp)
+            fully_shard(mlp, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if freeze_after_init:
+            for param_name, param in itertools.chain(model.named_parameters(), ref_model.named_parameters()):
+                if "bias" not in param_name:
+                    param.requires_grad_(False)
+        expected_numel = sum(local(p).numel() for n, p in model[0].named_parameters() if "bias" in n)
+        torch.manual_seed(42 + dist.get_rank() + 1)
+        for iter_idx in range(10):
+            inp = torch.randn((8, lin_dim))
+            losses: list[torch.Tensor] = []
+            for _model, _optim in ((ref_model, ref_optim), (model, optim)):
+                _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+                losses.append(_model(inp).sum())
+                if _model is model:
+                    with CollectiveLog() as log:
+                        losses[-1].backward()
+                    assert log.numels(REDUCE_SCATTER) == {expected_numel}, log.numels(REDUCE_SCATTER)
+                else:
+                    losses[-1].backward()
+                _optim.step()
+            check_sharded_parity(ref_model, model)
+            assert_close(losses[0], losses[1])
+
+
+def test_train_mixed_requires_grad_across_groups():
+    """TestFullyShardFrozen: frozen and trainable parameters in different groups (each Linear a group), an iteration
+    under ``torch.no_grad()``, and the parameters unfrozen for the last iteration or not, ``reshard_after_forward``
+    False, True and 2: the last losses equal DDP's (``find_unused_parameters=True``). Adapted: as
+    test_train_mixed_requires_grad_per_group (no count of FSDP2's post-backward function)."""
+    for reshard_after_forward, unfreeze_params in itertools.product((False, True, 2), (False, True)):
+        torch.manual_seed(42)
+        num_linears, lin_dim = (6, 32)
+        modules: list[nn.Module] = []
+        for _ in range(num_linears):
+            modules += [nn.Linear(lin_dim, lin_dim), nn.ReLU()]
+        model = nn.Sequential(*modules)
+        ref_model = replicate(copy.deepcopy(model), find_unused_parameters=True)
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                fully_shard(module, reshard_after_forward=reshard_after_forward)
+        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+        def _set_requires_grad(seq: nn.Module, requires_grad: bool) -> None:
+            for i in range(num_linears):
+                # Interleave frozen -> non-frozen -> ... linears (upstream's indexing, kept as written)
+                if i % 2 == 0:
+                    for param in seq[i % 2].parameters():
+                        param.requires_grad_(requires_grad)
+
+        _set_requires_grad(model, False)
+        _set_requires_grad(ref_model.module, False)
+        num_iters, no_grad_iter_idx = (3, 1)
+        torch.manual_seed(42 + dist.get_rank())
+        inp = torch.randn((8, lin_dim))
+        for iter_idx in range(num_iters):
+            losses: list[torch.Tensor] = []
+            for _model, _optim in ((ref_model, ref_optim), (model, optim)):
+                # Unfreeze the parameters on the last step to emulate some kinds of fine-tuning
+                if unfreeze_params and iter_idx == num_iters - 1:
+                    _set_requires_grad(model, True)
+                if iter_idx == no_grad_iter_idx:
+                    with torch.no_grad():
+                        losses.append(_model(inp).sum())
+                else:
+                    losses.append(_model(inp).sum())
+                    losses[-1].backward()
+                    _optim.step()
+                    _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+        assert_close(losses[0], losses[1])
+
+
+class MultiForwardModule(nn.Module):
+    """test_multi_forward_mixed_requires_grad's model: a trainable and a frozen layer run three times each, the
+    trainable one once more per round under ``torch.no_grad()``."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.layer_0 = nn.Linear(5, 5, device=device)
+        self.layer_no_grad = nn.Linear(5, 5, device=device)
+        self.layer_with_grad = nn.Linear(5, 5, device=device)
+        self.layer_no_grad.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer_0(x)
+        for _ in range(3):
+            x = self.layer_no_grad(F.relu(self.layer_with_grad(x)))
+            # Make sure that calling the same layer multiple times works regardless whether gradient is enabled
+            with torch.no_grad():
+                x += F.relu(self.layer_with_grad(x))
+        return x
+
+
+def test_multi_forward_mixed_requires_grad():
+    """TestFullyShardFrozen: trainable and frozen modules that take part several times in one forward, some of the
+    times under ``torch.no_grad()``, each Linear a group, ``reshard_after_forward`` True, False and 2: the losses
+    equal DDP's at every iteration."""
+    for reshard_after_forward in (True, False, 2):
+        torch.manual_seed(42)
+        model = MultiForwardModule(torch.device("cpu"))
+        ref_model = replicate(copy.deepcopy(model))
+        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                fully_shard(module, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for iter_idx in range(10):
+            inp = torch.randn((8, 5))
+            losses: list[torch.Tensor] = []
+            for _model, _optim in ((ref_model, ref_optim), (model, optim)):
+                _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+                losses.append(_model(inp).sum())
+                losses[-1].backward()
+                _optim.step()
+            assert_close(losses[0], losses[1])
 
 
 # ==================================================================================================
