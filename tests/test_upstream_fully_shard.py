@@ -8,7 +8,9 @@ gradient accumulation and 1F1B micro-batching, activation checkpointing, shared 
 registered after forward and backward, shards along another dimension, HSDP, CPU offload),
 ``test_fully_shard_mixed_precision.py`` (compute and reduce dtypes, their casts, accumulation in the reduce dtype),
 ``test_fully_shard_ignore_params.py``, ``test_fully_shard_frozen.py`` (frozen and trainable parameters in one group
-and across groups, modules run several times, in part under ``no_grad``) and ``test_fully_shard_clip_grad_norm_.py``
+and across groups, modules run several times, in part under ``no_grad``), ``test_fully_shard_autograd.py`` (outputs
+and modules the loss does not use, activations inside containers, post-accumulate-grad hooks and an optimizer stepped
+from them) and ``test_fully_shard_clip_grad_norm_.py``
 (clipping through :func:`minidp.distributed.clip_grad_norm_`). Upstream gates most of them on
 GPUs only to have a device per rank, and runs them on 2 to 8 ranks; here the CPU and 2 ranks. What the port adapts
 (DTensor parameters read as plain shards, collectives seen through a dispatch mode, fewer iterations, the int
@@ -89,6 +91,13 @@ PORTED = {
         "test_train_mixed_requires_grad_per_group",
         "test_train_mixed_requires_grad_across_groups",
         "test_multi_forward_mixed_requires_grad",
+    ],
+    "test_fully_shard_autograd.py": [
+        "test_unused_forward_output",
+        "test_unused_forward_module",
+        "test_nontensor_activations",
+        "test_post_acc_grad_hook_runs",
+        "test_post_acc_grad_hook_optim_parity",
     ],
     "test_fully_shard_clip_grad_norm_.py": [
         "test_clip_grad_norm_1d",

@@ -8,7 +8,9 @@ https://github.com/pytorch/pytorch, copyright the PyTorch contributors):
 * ``test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_ignore_params.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_frozen.py``;
-* the helpers they import from ``torch/testing/_internal/common_fsdp.py`` (``MLP``, ``check_sharded_parity``),
+* ``test/distributed/_composable/fsdp/test_fully_shard_autograd.py``;
+* the helpers they import from ``torch/testing/_internal/common_fsdp.py`` (``MLP``, ``DoubleLinear``,
+  ``check_sharded_parity``),
   ``common_distributed.py`` (``SaveForwardInputsModel``) and ``distributed/_tensor/common_dtensor.py``
   (``ModelArgs``, ``Transformer``), written again below: those modules need test-only packages to import.
 
@@ -41,6 +43,7 @@ With ``MINIDP_UPSTREAM_FSDP=torch`` in the environment, :data:`FULLY_SHARD` is t
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -2166,6 +2169,263 @@ def test_multi_forward_mixed_requires_grad():
                 losses[-1].backward()
                 _optim.step()
             assert_close(losses[0], losses[1])
+
+
+# ==================================================================================================
+# test_fully_shard_autograd.py
+# ==================================================================================================
+
+
+class DoubleLinear(nn.Module):
+    """``common_fsdp.DoubleLinear``: two outputs from one module (``use_second_linear=True``), or a module left
+    unused (``False``)."""
+
+    def __init__(self, dim: int, use_second_linear: bool = True) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(dim, dim)
+        self.lin2 = nn.Linear(dim, dim)
+        self.relu = nn.ReLU()
+        self.use_second_linear = use_second_linear
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.use_second_linear:
+            return self.relu(self.lin1(x)), self.relu(self.lin2(x))
+        return self.relu(self.lin1(x))
+
+
+def _reduce_1d_partial_grads(module: nn.Module) -> None:
+    """TestFullyShardAutograd's helper: the reference ran the global batch, so its gradients are the sum of the
+    ranks'; divided by their number, the mean the sharded model reduces."""
+    for param in module.parameters():
+        if param.grad is not None:
+            param.grad.div_(dist.get_world_size())
+
+
+def _global_and_local_inputs(global_batch_size: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upstream's batch: the same global batch on every rank (seeded alike), each rank's rows of it."""
+    local_batch_size = global_batch_size // dist.get_world_size()
+    global_inp = torch.rand((global_batch_size, dim))
+    rank = dist.get_rank()
+    return global_inp, global_inp[rank * local_batch_size: (rank + 1) * local_batch_size].detach()
+
+
+def test_unused_forward_output():
+    """TestFullyShardAutograd: a backward where one forward output is not used in the loss (the second half of the
+    iterations) still reduces every gradient: losses, sharded parameters and gradients as the single-process
+    reference's on the global batch, ``reshard_after_forward`` True, False and 2."""
+    for reshard_after_forward in (True, False, 2):
+        torch.manual_seed(42)
+        local_batch_size = 2
+        global_batch_size, dim = (dist.get_world_size() * local_batch_size, 24)
+        model = DoubleLinear(dim=dim, use_second_linear=True)
+        ref_model = copy.deepcopy(model)
+        fully_shard(model.lin1, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)  # same on all ranks
+        for iter_idx in range(10):
+            # Use all forward outputs in the loss/backward for the first half of the iterations and only the 1st
+            # forward output for the rest
+            global_inp, local_inp = _global_and_local_inputs(global_batch_size, dim)
+            out1, out2 = model(local_inp)
+            loss = (out1 * out2).sum() if iter_idx < 3 else out1.sum()
+            loss.backward()
+            optim.step()
+            ref_out1, ref_out2 = ref_model(global_inp)
+            ref_loss = (ref_out1 * ref_out2).sum() if iter_idx < 3 else ref_out1.sum()
+            ref_loss.backward()
+            _reduce_1d_partial_grads(ref_model)
+            ref_optim.step()
+            dist.all_reduce(loss)  # partial -> replicated
+            assert_close(loss, ref_loss)
+            optim.zero_grad(set_to_none=bool(iter_idx % 2))
+            ref_optim.zero_grad(set_to_none=bool(iter_idx % 2))
+            check_sharded_parity(ref_model, model)
+
+
+def test_unused_forward_module():
+    """TestFullyShardAutograd: a sharded module the forward never runs (``lin2``) leaves its gradients None while the
+    others train as the reference does, ``reshard_after_forward`` True, False and 2."""
+    for reshard_after_forward in (True, False, 2):
+        torch.manual_seed(42)
+        local_batch_size, dim = (2, 24)
+        global_batch_size = dist.get_world_size() * local_batch_size
+        model = DoubleLinear(dim=dim, use_second_linear=False)
+        ref_model = copy.deepcopy(model)
+        fully_shard(model.lin1, reshard_after_forward=reshard_after_forward)
+        fully_shard(model.lin2, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)  # same on all ranks
+        for iter_idx in range(10):
+            global_inp, local_inp = _global_and_local_inputs(global_batch_size, dim)
+            losses: list[torch.Tensor] = []
+            for _model, inp in ((ref_model, global_inp), (model, local_inp)):
+                losses.append(_model(inp).sum())
+                losses[-1].backward()
+            _reduce_1d_partial_grads(ref_model)
+            dist.all_reduce(losses[1])  # partial -> replicated
+            assert_close(losses[0], losses[1])
+            check_sharded_parity(ref_model, model)
+            for _optim in (optim, ref_optim):
+                _optim.step()
+                _optim.zero_grad(set_to_none=bool(iter_idx % 2))
+
+
+class _ContainerModule(nn.Module):
+    """test_nontensor_activations' ``Module``: runs on the first element of a list, namedtuple, tuple or dict and
+    packs the result back into the same kind of container."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(dim, dim)
+        self.lin2 = nn.Linear(dim, dim)
+        self.relu = nn.ReLU()
+
+    def forward(self, inp: Any) -> Any:
+        from torch.nn.parallel.scatter_gather import _is_namedtuple
+
+        if isinstance(inp, list):
+            return [self._forward(inp[0])]
+        elif _is_namedtuple(inp):
+            return type(inp)(*([self._forward(inp[0])] + list(inp[1:])))
+        elif isinstance(inp, tuple):
+            return (self._forward(inp[0]),)
+        elif isinstance(inp, dict):
+            return {"x": self._forward(inp["x"])}
+        raise NotImplementedError(f"Unsupported input type {type(inp)}: {inp}")
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.lin2(self.relu(self.lin1(x))))
+
+
+class _ToContainerType(nn.Module):
+    def __init__(self, container_type: type) -> None:
+        super().__init__()
+        self.container_type = container_type
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.container_type is list:
+            return [x]
+        elif self.container_type is collections.namedtuple:
+            nt = collections.namedtuple("NT", "x y")
+            return nt(x, torch.ones_like(x))
+        elif self.container_type is tuple:
+            return (x,)
+        elif self.container_type is dict:
+            return {"x": x}
+        raise NotImplementedError(f"Unsupported container type: {self.container_type}")
+
+
+class _FromContainerType(nn.Module):
+    def __init__(self, container_type: type) -> None:
+        super().__init__()
+        self.container_type = container_type
+
+    def forward(self, x: Any) -> torch.Tensor:
+        if self.container_type in (list, collections.namedtuple, tuple):
+            return x[0]
+        elif self.container_type is dict:
+            return x["x"]
+        raise NotImplementedError(f"Unsupported container type: {self.container_type}")
+
+
+def test_nontensor_activations():
+    """TestFullyShardAutograd: activations wrapped in a list, namedtuple, tuple or dict between sharded modules: the
+    gradients still reach every group (the hooks find the tensors inside), as the reference's."""
+    for container_type in (list, collections.namedtuple, tuple, dict):
+        torch.manual_seed(42)
+        local_batch_size, dim = (2, 24)
+        global_batch_size = dist.get_world_size() * local_batch_size
+        model = nn.Sequential(_ToContainerType(container_type), _ContainerModule(dim), _ContainerModule(dim),
+                              _ContainerModule(dim), _FromContainerType(container_type))
+        ref_model = copy.deepcopy(model)
+        for module in model:
+            fully_shard(module)
+        fully_shard(model)
+        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)  # same on all ranks
+        for iter_idx in range(10):
+            global_inp, local_inp = _global_and_local_inputs(global_batch_size, dim)
+            losses: list[torch.Tensor] = []
+            for _model, inp in ((ref_model, global_inp), (model, local_inp)):
+                losses.append(_model(inp).sum())
+                losses[-1].backward()
+            _reduce_1d_partial_grads(ref_model)
+            dist.all_reduce(losses[1])  # partial -> replicated
+            assert_close(losses[0], losses[1])
+            check_sharded_parity(ref_model, model)
+            for _optim in (optim, ref_optim):
+                _optim.step()
+                _optim.zero_grad(set_to_none=bool(iter_idx % 2))
+
+
+def test_post_acc_grad_hook_runs():
+    """TestFullyShardPostAccGradHookMultiThread: a post-accumulate-grad hook registered on each sharded parameter runs
+    once per backward, for every parameter. Adapted: upstream runs it on CUDA in threads standing for 2 ranks; here the
+    job's 2 processes on the CPU."""
+    param_name_to_hook_count: Counter = Counter()
+
+    def hook(param_name: str, param: torch.Tensor) -> None:
+        param_name_to_hook_count[param_name] += 1
+
+    model = MLP(8)
+    for module in (model.in_proj, model.out_proj, model):
+        fully_shard(module)
+    for param_name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(functools.partial(hook, param_name))
+    inp = torch.randn((2, 8))
+    model(inp).sum().backward()
+    param_names = {param_name for param_name, _ in model.named_parameters()}
+    assert param_names == set(param_name_to_hook_count), (param_names, param_name_to_hook_count)
+    for param_name, count in param_name_to_hook_count.items():
+        assert count == 1, (param_name, count)
+
+
+def test_post_acc_grad_hook_optim_parity():
+    """TestFullyShardPostAccGradHookMultiProcess: AdamW and a StepLR run per parameter from its post-accumulate-grad
+    hook give, bit for bit, the losses and parameters of the same sharded model stepped after the backward."""
+    torch.manual_seed(42)
+    model_args = ModelArgs(dropout_p=0.0)
+    model = Transformer(model_args)
+    ref_model = copy.deepcopy(model)
+    for module in itertools.chain(ref_model.layers, [ref_model]):
+        fully_shard(module)
+    optim_kwargs = {"lr": 1e-2, "foreach": False}
+    ref_optim = torch.optim.AdamW(ref_model.parameters(), **optim_kwargs)
+    lr_scheduler_kwargs = {"step_size": 5}
+    ref_lr_scheduler = torch.optim.lr_scheduler.StepLR(ref_optim, **lr_scheduler_kwargs)
+    for module in itertools.chain(model.layers, [model]):
+        fully_shard(module)
+    param_to_optim = {}
+    param_to_lr_scheduler = {}
+    for param in model.parameters():
+        param_to_optim[param] = torch.optim.AdamW([param], **optim_kwargs)
+        param_to_lr_scheduler[param] = torch.optim.lr_scheduler.StepLR(param_to_optim[param], **lr_scheduler_kwargs)
+
+    def optim_hook(param: nn.Parameter) -> None:
+        param_to_optim[param].step()
+        param_to_optim[param].zero_grad()
+        param_to_lr_scheduler[param].step()
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(optim_hook)
+    torch.manual_seed(42 + dist.get_rank())
+    inp = torch.randint(0, model_args.vocab_size, (2, 16))
+    for _ in range(10):
+        ref_loss = ref_model(inp).sum()
+        ref_loss.backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        ref_lr_scheduler.step()
+        loss = model(inp).sum()
+        loss.backward()
+        assert torch.equal(ref_loss, loss)
+        for ref_param, param in zip(ref_model.parameters(), model.parameters()):
+            assert torch.equal(ref_param, param)
 
 
 # ==================================================================================================
