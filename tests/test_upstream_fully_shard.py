@@ -10,7 +10,8 @@ registered after forward and backward, shards along another dimension, HSDP, CPU
 ``test_fully_shard_ignore_params.py``, ``test_fully_shard_frozen.py`` (frozen and trainable parameters in one group
 and across groups, modules run several times, in part under ``no_grad``), ``test_fully_shard_autograd.py`` (outputs
 and modules the loss does not use, activations inside containers, post-accumulate-grad hooks and an optimizer stepped
-from them) and ``test_fully_shard_clip_grad_norm_.py``
+from them), ``test_fully_shard_state_dict.py`` (DTensor state dicts over the shards' storage, on 1-D and HSDP
+meshes, loaded in place, gathered whole on rank 0) and ``test_fully_shard_clip_grad_norm_.py``
 (clipping through :func:`minidp.distributed.clip_grad_norm_`). Upstream gates most of them on
 GPUs only to have a device per rank, and runs them on 2 to 8 ranks; here the CPU and 2 ranks. What the port adapts
 (DTensor parameters read as plain shards, collectives seen through a dispatch mode, fewer iterations, the int
@@ -99,6 +100,11 @@ PORTED = {
         "test_post_acc_grad_hook_runs",
         "test_post_acc_grad_hook_optim_parity",
     ],
+    "test_fully_shard_state_dict.py": [
+        "test_dp_state_dict_save_load",
+        "test_cached_state_dict",
+        "test_rank0_offload_full_state_dict",
+    ],
     "test_fully_shard_clip_grad_norm_.py": [
         "test_clip_grad_norm_1d",
     ],
@@ -154,6 +160,14 @@ NOT_PORTED = {
     "test_checkpoint_recompute_casts_forward_inputs": "not ported for time: checkpoint recomputation casts are also "
                                                       "exercised by test_train_parity_with_activation_checkpointing",
     "test_checkpoint_recompute_casts_outputs": "not ported for time (as test_checkpoint_recompute_casts_forward_inputs)",
+    # test_fully_shard_state_dict.py
+    "test_dp_state_dict_cpu_offload": "builds its state dict from the parameters' own device_mesh and placements "
+                                      "(FSDP2's DTensor parameters, on the meta device), loads it with assign=True, "
+                                      "and expects an error for a state dict on a CUDA device; its CPU subtest with "
+                                      "pinned memory needs an accelerator",
+    "test_2d_state_dict_correctness": "tensor parallelism (parallelize_module) on a 2-D mesh of 4 ranks",
+    "test_dp_tp_state_dict_save_load": _MESH,
+    "test_hsdp_tp_state_dict_save_load": _MESH,
 }
 
 

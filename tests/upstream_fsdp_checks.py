@@ -9,6 +9,7 @@ https://github.com/pytorch/pytorch, copyright the PyTorch contributors):
 * ``test/distributed/_composable/fsdp/test_fully_shard_ignore_params.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_frozen.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_autograd.py``;
+* ``test/distributed/_composable/fsdp/test_fully_shard_state_dict.py``;
 * the helpers they import from ``torch/testing/_internal/common_fsdp.py`` (``MLP``, ``DoubleLinear``,
   ``check_sharded_parity``),
   ``common_distributed.py`` (``SaveForwardInputsModel``) and ``distributed/_tensor/common_dtensor.py``
@@ -2426,6 +2427,203 @@ def test_post_acc_grad_hook_optim_parity():
         assert torch.equal(ref_loss, loss)
         for ref_param, param in zip(ref_model.parameters(), model.parameters()):
             assert torch.equal(ref_param, param)
+
+
+# ==================================================================================================
+# test_fully_shard_state_dict.py
+# ==================================================================================================
+
+
+def _largest_dim_placement(param: nn.Parameter) -> Shard:
+    """test_dp_state_dict_save_load's ``_shard_placement_fn``: ``Shard`` along the largest dimension (the first of
+    equals)."""
+    largest_dim = largest_dim_size = -1
+    for dim, dim_size in enumerate(param.shape):
+        if dim_size > largest_dim_size:
+            largest_dim, largest_dim_size = dim, dim_size
+    return Shard(largest_dim)
+
+
+def test_dp_state_dict_save_load():
+    """TestFullyShardStateDictMultiProcess: state dicts of models sharded on a 1-D mesh and on an HSDP mesh (1 x 2
+    here), of MLP widths 2 to 5 (uneven shards, empty ones) and 16 with shards along the largest dimension, kept whole
+    after forward or not: the values are DTensors over the very storage of the shards, a state dict of new DTensors
+    loads into the shards in place, and after a forward that left the parameters gathered the state dict is the
+    same. Adapted: DTensor parameters read as plain shards (:func:`local`, :func:`is_sharded_param`); a parameter's
+    global size is its state-dict DTensor's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_size = dist.get_world_size()
+    fsdp_mesh = init_device_mesh("cpu", (world_size,))
+    subtests = [(mlp_dim, fsdp_mesh, False) for mlp_dim in (2, 3, 4, 5)]
+    if 16 % world_size == 0:
+        subtests.append((16, fsdp_mesh, True))
+    if world_size % 2 == 0:
+        hsdp_mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        subtests += [(mlp_dim, hsdp_mesh, False) for mlp_dim in (2, 3, 4, 5)] + [(16, hsdp_mesh, True)]
+    for mlp_dim, mesh, use_shard_placement_fn in subtests:
+        torch.manual_seed(42)
+        base_model = nn.Sequential(MLP(mlp_dim), nn.Sequential(MLP(mlp_dim), nn.Linear(mlp_dim, mlp_dim)), MLP(mlp_dim))
+        shard_placement_fn = _largest_dim_placement if use_shard_placement_fn else None
+        fully_shard_fn = functools.partial(fully_shard, mesh=mesh, shard_placement_fn=shard_placement_fn)
+
+        # Check basic `reshard_after_forward=True`
+        model1 = copy.deepcopy(base_model)
+        for module in model1:
+            fully_shard_fn(module)
+        fully_shard_fn(model1)
+        _test_state_dict_save_load(model1)
+
+        # Check `reshard_after_forward=False` before and after a forward
+        model2 = copy.deepcopy(base_model)
+        for module in model2:
+            fully_shard_fn(module, reshard_after_forward=False)
+        fully_shard_fn(model2, reshard_after_forward=False)
+        _test_state_dict_save_load(model2)
+        ref_sharded_sd = model2.state_dict()
+        inp = torch.randn((2, mlp_dim))
+        model2(inp)  # parameters are not resharded after this forward
+        # Check that state dict hooks reshard
+        sharded_sd = model2.state_dict()
+        assert set(ref_sharded_sd.keys()) == set(sharded_sd.keys())
+        for key, value in ref_sharded_sd.items():
+            assert value.placements == sharded_sd[key].placements, key
+            assert_close(value.to_local(), sharded_sd[key].to_local())
+
+
+def _test_state_dict_save_load(model: nn.Module) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for param_name, param in model.named_parameters():
+        assert is_sharded_param(model, param), f"Expects parameters to be sharded but got {param_name}: {param}"
+    old_fill_value = 1
+    new_fill_value = 42 + dist.get_rank()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(old_fill_value)
+    # Use that the parameters are currently sharded, meaning that their data pointers correspond to the sharded
+    # parameter data
+    param_name_to_data_ptr = {n: local(p).data_ptr() for n, p in model.named_parameters()}
+    ref_sharded_sizes = [p.size() for p in model.parameters()]
+    state_dict = model.state_dict()
+    for param, ref_sharded_size in zip(model.parameters(), ref_sharded_sizes):
+        assert param.size() == ref_sharded_size
+        assert isinstance(param, nn.Parameter)
+
+    # Verify that keys match, values are DTensors, and values share the same storage as the existing sharded
+    # parameter data
+    assert set(state_dict.keys()) == set(param_name_to_data_ptr.keys())
+    for param_name, tensor in state_dict.items():
+        assert isinstance(tensor, DTensor), (param_name, type(tensor))
+        if param_name_to_data_ptr[param_name] == 0:
+            # Check that this is padding (added by DTensor)
+            assert dist.get_rank() > 0
+            assert torch.count_nonzero(tensor.to_local()).item() == 0
+        else:
+            assert tensor.to_local().data_ptr() == param_name_to_data_ptr[param_name], param_name
+
+    # Verify that we can load a new state dict that contains DTensors with storages different from the current model
+    # parameters
+    new_state_dict: dict[str, DTensor] = {}
+    for param_name, dtensor in state_dict.items():
+        # Construct new DTensors to exercise load state dict writeback
+        new_state_dict[param_name] = dtensor.detach().clone().fill_(new_fill_value)
+    for param in model.parameters():
+        assert_close(local(param), torch.ones_like(local(param)) * old_fill_value)
+    model.load_state_dict(new_state_dict)
+    for param_name, param in model.named_parameters():
+        local_param = local(param)
+        assert_close(local_param, torch.ones_like(local_param) * new_fill_value)
+        # Only guarantee that the local tensor's data pointer does not change if the sharding was even (i.e. no
+        # padding); otherwise, FSDP may re-pad the local tensor, changing its data pointer
+        global_size = state_dict[param_name].size()
+        dim = shard_dim(model, param)
+        if local_param.size(dim) * dist.get_world_size() == global_size[dim]:
+            assert local_param.data_ptr() == param_name_to_data_ptr[param_name], param_name
+
+
+def test_cached_state_dict():
+    """TestFullyShardStateDictMultiProcess: a state dict taken once keeps pointing at the shards' storage through
+    training, unless the module was moved away and back after it. Adapted: the move, upstream's ``.cpu()`` then
+    ``.cuda()``, is a cast to float64 and back here (each gives the shards new storage); DTensor parameters read as
+    plain shards (:func:`local`)."""
+    for mlp_dim, mutate_after_state_dict in itertools.product((2, 3, 4, 5), (True, False)):
+        torch.manual_seed(42)
+        model = nn.Linear(mlp_dim, mlp_dim, bias=False)
+        fully_shard(model, reshard_after_forward=True)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        # call .state_dict() once and use `sd` directly to reduce cpu overhead
+        sd = model.state_dict()
+        assert is_sharded_param(model, model.weight), type(model.weight)
+
+        if not mutate_after_state_dict:
+            assert (local(sd["weight"]).untyped_storage().data_ptr()
+                    == local(model.weight).untyped_storage().data_ptr())
+        else:
+            model = model.to(torch.float64)
+            model = model.to(torch.float32)
+            assert (local(sd["weight"]).untyped_storage().data_ptr()
+                    != local(model.weight).untyped_storage().data_ptr())
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)  # the cast may have given new parameters
+
+        torch.manual_seed(42 + dist.get_rank())
+        inp = torch.rand(mlp_dim, mlp_dim)
+        for _ in range(5):
+            optim.zero_grad()
+            loss = model(inp).sum()
+            loss.backward()
+            optim.step()
+            if not mutate_after_state_dict:
+                assert (local(sd["weight"]).untyped_storage().data_ptr()
+                        == local(model.weight).untyped_storage().data_ptr())
+
+
+def test_rank0_offload_full_state_dict():
+    """TestFullyShardStateDictMultiThread: the sharded state dict's DTensors, each gathered whole
+    (``full_tensor()``), rebuild on rank 0 a CPU state dict equal to the unsharded model's, keys in order. Adapted:
+    upstream runs it in threads standing for 2 ranks, on a GPU; here the job's 2 processes on the CPU."""
+    model_args = ModelArgs(dropout_p=0.0)
+    torch.manual_seed(42)
+    ref_model = Transformer(model_args)
+    for param in ref_model.parameters():
+        torch.distributed.broadcast(param.detach(), src=0)
+
+    # Construct a sharded model and sharded state dict on all ranks
+    model = copy.deepcopy(ref_model)
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            fully_shard(module)
+    fully_shard(model)
+    sharded_sd = model.state_dict()
+
+    # Save a reference CPU full state dict on rank 0 and delete the reference model otherwise
+    if dist.get_rank() != 0:
+        del ref_model
+    else:
+        ref_gpu_full_sd = ref_model.state_dict()
+        ref_full_sd = {k: v.cpu() for k, v in ref_gpu_full_sd.items()}
+        del ref_gpu_full_sd
+
+    # Reshard the sharded state dict to a CPU full state dict on rank 0
+    full_sd = {}
+    for param_name, sharded_param in sharded_sd.items():
+        full_param = sharded_param.full_tensor()
+        if dist.get_rank() == 0:
+            full_sd[param_name] = full_param.cpu()
+        else:
+            del full_param
+
+    # Check that we have a CPU full state dict only on rank 0
+    if dist.get_rank() == 0:
+        assert len(full_sd) == len(ref_full_sd)
+        assert list(full_sd.keys()) == list(ref_full_sd.keys())
+        for param, ref_param in zip(full_sd.values(), ref_full_sd.values(), strict=True):
+            assert param.device == torch.device("cpu")
+            assert param.device == ref_param.device
+            assert_close(param, ref_param)
+    else:
+        assert len(full_sd) == 0
 
 
 # ==================================================================================================
