@@ -725,6 +725,26 @@ def clips_as_fsdp2(seed: int, norm_type: float, dtype: torch.dtype = torch.float
     return {"steps": steps_seen}
 
 
+def loss_scalers_seeing_an_inf(seed: int) -> dict[str, bool]:
+    """An inf put into rank 1's rows of a sharded gradient, then each loss scaler's check (``unscale_``): whether the
+    scaler on this rank found an inf, for torch's plain ``GradScaler`` and its ``ShardedGradScaler``."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    found = {}
+    for name, scaler in (("plain", torch.amp.GradScaler("cpu", init_scale=2.0)),
+                         ("sharded", ShardedGradScaler("cpu", init_scale=2.0))):
+        torch.manual_seed(seed)
+        model = md.fully_shard(Net())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.scale(model(torch.randn(4, 13)).sum()).backward()
+        if dist.get_rank() == 1:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        scaler.unscale_(optimizer)
+        flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+        found[name] = any(bool(flag) for flag in flags)
+    return found
+
+
 def _largest_difference(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> float:
     """The largest absolute difference between this rank's elements of ``ours`` and of ``theirs`` (0 where empty)."""
     return max((float((a.detach() - local(b).detach()).abs().amax()) if a.numel() else 0.0)

@@ -118,6 +118,7 @@ TWO_PROCESSES = {
     "clip-2": (checks.clips_as_fsdp2, {"norm_type": 2.0, "dtype": torch.float32}),
     "clip-1": (checks.clips_as_fsdp2, {"norm_type": 1.0}),
     "clip-inf": (checks.clips_as_fsdp2, {"norm_type": float("inf"), "dtype": torch.float32}),
+    "loss_scalers": (checks.loss_scalers_seeing_an_inf, {}),
     "meta": (checks.against_fsdp2, {"meta": True, "optimizer": "adamw"}),
     "meta-tied": (checks.against_fsdp2, {"meta": True, "model": "tied", "dtype": torch.float64}),
     "divide_factor_by_its_old_name": (checks.divide_factor_by_its_old_name, {}),
@@ -570,6 +571,15 @@ def test_clipping_the_gradient_norm_of_the_shards_clips_as_fsdp2_clips_its_dtens
             else:
                 assert step["ours"] == step["theirs"]
                 assert step["gradients"] == 0.0 and step["parameters"] == 0.0
+
+
+def test_only_a_sharded_grad_scaler_sees_an_inf_in_another_ranks_rows(two):
+    # FSDP2's plain GradScaler finds an inf in any rank's shard because DTensor all-reduces its check of DTensor
+    # gradients (upstream's test_fully_shard_grad_scaler.py); on plain rows it sees this rank's only, and the ranks
+    # would disagree on skipping the step. torch's ShardedGradScaler all-reduces the check: the scaler to use.
+    plain, sharded = zip(*[(rank["plain"], rank["sharded"]) for rank in each_rank(two, "loss_scalers")])
+    assert plain == (False, True)
+    assert sharded == (True, True)
 
 
 def test_the_deprecated_name_of_the_divide_factor_setter_warns_and_sets_it_as_fsdp2s(two):

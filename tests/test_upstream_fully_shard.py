@@ -11,7 +11,8 @@ registered after forward and backward, shards along another dimension, HSDP, CPU
 and across groups, modules run several times, in part under ``no_grad``), ``test_fully_shard_autograd.py`` (outputs
 and modules the loss does not use, activations inside containers, post-accumulate-grad hooks and an optimizer stepped
 from them), ``test_fully_shard_state_dict.py`` (DTensor state dicts over the shards' storage, on 1-D and HSDP
-meshes, loaded in place, gathered whole on rank 0) and ``test_fully_shard_clip_grad_norm_.py``
+meshes, loaded in place, gathered whole on rank 0), ``test_fully_shard_grad_scaler.py`` (a loss scaler that sees
+an inf in another rank's shard) and ``test_fully_shard_clip_grad_norm_.py``
 (clipping through :func:`minidp.distributed.clip_grad_norm_`). Upstream gates most of them on
 GPUs only to have a device per rank, and runs them on 2 to 8 ranks; here the CPU and 2 ranks. What the port adapts
 (DTensor parameters read as plain shards, collectives seen through a dispatch mode, fewer iterations, the int
@@ -104,6 +105,9 @@ PORTED = {
         "test_dp_state_dict_save_load",
         "test_cached_state_dict",
         "test_rank0_offload_full_state_dict",
+    ],
+    "test_fully_shard_grad_scaler.py": [
+        "test_gradient_scaler",
     ],
     "test_fully_shard_clip_grad_norm_.py": [
         "test_clip_grad_norm_1d",

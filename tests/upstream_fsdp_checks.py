@@ -10,6 +10,7 @@ https://github.com/pytorch/pytorch, copyright the PyTorch contributors):
 * ``test/distributed/_composable/fsdp/test_fully_shard_frozen.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_autograd.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_state_dict.py``;
+* ``test/distributed/_composable/fsdp/test_fully_shard_grad_scaler.py``;
 * the helpers they import from ``torch/testing/_internal/common_fsdp.py`` (``MLP``, ``DoubleLinear``,
   ``check_sharded_parity``),
   ``common_distributed.py`` (``SaveForwardInputsModel``) and ``distributed/_tensor/common_dtensor.py``
@@ -36,7 +37,10 @@ What differs in the assertions, because minidp's parameters are plain tensors wh
 * upstream patches ``dist.reduce_scatter_single`` to see the reduce-scatter's dtype or size and counts collectives
   with ``CommDebugMode``; here :class:`CollectiveLog`, a dispatch mode, sees the c10d operators either implementation
   calls (minidp holds its own reference to the collective functions, so patching ``dist`` would not see it);
-* Gloo has no ``ReduceOp.AVG`` for ``all_reduce``: a reference's ``all_reduce(AVG)`` is a SUM and a division.
+* Gloo has no ``ReduceOp.AVG`` for ``all_reduce``: a reference's ``all_reduce(AVG)`` is a SUM and a division;
+* a loss scaler must see an inf or NaN that is in any rank's shard: FSDP2's plain ``GradScaler`` does, since its check
+  of DTensor gradients is all-reduced by DTensor; on minidp's plain shards the scaler that does is torch's
+  ``ShardedGradScaler`` (FSDP1's), :func:`grad_scaler`.
 
 With ``MINIDP_UPSTREAM_FSDP=torch`` in the environment, :data:`FULLY_SHARD` is torch's own
 ``torch.distributed.fsdp.fully_shard`` and every case runs on it: that is how each port was validated.
@@ -2624,6 +2628,73 @@ def test_rank0_offload_full_state_dict():
             assert_close(param, ref_param)
     else:
         assert len(full_sd) == 0
+
+
+# ==================================================================================================
+# test_fully_shard_grad_scaler.py
+# ==================================================================================================
+
+
+def grad_scaler(**kwargs: Any) -> torch.amp.GradScaler:
+    """Upstream's ``GradScaler(...)`` on the CPU: torch's own for FSDP2, whose DTensor gradients all-reduce its check
+    for infs; for minidp's plain shards, ``ShardedGradScaler``, which all-reduces it itself (the module docstring)."""
+    if ON_TORCH:
+        return torch.amp.GradScaler("cpu", **kwargs)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler("cpu", **kwargs)
+
+
+def test_gradient_scaler():
+    """TestFullyShardGradientScaler: an inf put into rank 1's shard of a gradient is seen by every rank's scaler: each
+    skips the step and backs the scale off; without it, each steps and keeps the scale. Adapted: the scaler is
+    :func:`grad_scaler`; the inf goes into rank 1's shard (upstream: the rank on device 1); upstream's 2-D (TP)
+    subtests are out."""
+    from torch.amp.grad_scaler import OptState
+
+    for has_inf in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(2)])
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        input = torch.randn([4, 4])
+        loss = model(input).sum()
+        scaler = grad_scaler(init_scale=2.0, enabled=True)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        scaler.scale(loss).backward()
+        inv_scale = scaler._scale.double().reciprocal().float()
+        if has_inf is True and dist.get_rank() == 1:
+            local(opt.param_groups[0]["params"][0].grad)[0, 0].fill_(float("inf"))
+        inital_grad = local(opt.param_groups[0]["params"][0].grad).clone()
+
+        scaler.unscale_(opt)
+        for found_inf in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values():
+            assert found_inf == has_inf, (found_inf, has_inf)
+        assert scaler._per_optimizer_states[id(opt)]["stage"].value == OptState.UNSCALED.value
+        unscaled_grad = local(opt.param_groups[0]["params"][0].grad).clone()
+        assert_close(unscaled_grad, inital_grad * inv_scale)
+        initial_scale = scaler.get_scale()
+        initial_state = copy.copy(opt.state)
+
+        scaler.step(opt)
+        steped_state = copy.copy(opt.state)
+        if has_inf:
+            # assert parameters are the same before/after
+            assert steped_state == initial_state
+        else:
+            # new parameters here if no inf found during .unscale_()
+            assert steped_state.items() != initial_state.items()
+
+        scaler.update()
+        updated_scale = scaler.get_scale()
+        if has_inf:
+            # assert scale is updated
+            backoff_factor = scaler.get_backoff_factor()
+            assert updated_scale == initial_scale * backoff_factor
+        else:
+            # scale is not updated
+            assert updated_scale == initial_scale
 
 
 # ==================================================================================================
