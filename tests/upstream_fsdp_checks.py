@@ -11,6 +11,7 @@ https://github.com/pytorch/pytorch, copyright the PyTorch contributors):
 * ``test/distributed/_composable/fsdp/test_fully_shard_autograd.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_state_dict.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_grad_scaler.py``;
+* ``test/distributed/_composable/fsdp/test_fully_shard_comm.py``;
 * the helpers they import from ``torch/testing/_internal/common_fsdp.py`` (``MLP``, ``DoubleLinear``,
   ``check_sharded_parity``),
   ``common_distributed.py`` (``SaveForwardInputsModel``) and ``distributed/_tensor/common_dtensor.py``
@@ -2695,6 +2696,226 @@ def test_gradient_scaler():
         else:
             # scale is not updated
             assert updated_scale == initial_scale
+
+
+# ==================================================================================================
+# test_fully_shard_comm.py
+# ==================================================================================================
+
+
+def _shard_blocks_and_root(model: nn.Module, fully_shard_fn: Callable[[nn.Module], Any]) -> int:
+    """TestFullyShardCommunication's sharding: each ``TransformerBlock`` a group, then the root; the number of blocks."""
+    num_blocks = 0
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            fully_shard_fn(module)
+            num_blocks += 1
+    fully_shard_fn(model)
+    return num_blocks
+
+
+def test_fully_shard_communication_count():
+    """TestFullyShardCommunication: the forward all-gathers each group once; the backward all-gathers again the groups
+    resharded after the forward (all of them, none, or all but the root by default) and reduce-scatters every group
+    once, ``reshard_after_forward`` True, False, 2 and None. Adapted: :class:`CollectiveLog` counts the collectives
+    (upstream: ``CommDebugMode``)."""
+    for reshard_after_forward in (True, False, 2, None):
+        torch.manual_seed(42)
+        model_args = ModelArgs()
+        model = Transformer(model_args)
+        num_blocks = _shard_blocks_and_root(model, functools.partial(
+            fully_shard, reshard_after_forward=reshard_after_forward))
+        # We construct `num_blocks` plus 1 FSDP states/communication groups
+        torch.manual_seed(42 + dist.get_rank())
+        inp = torch.randint(0, model_args.vocab_size, (2, 16))
+        with CollectiveLog() as fwd_comm_mode:
+            loss = model(inp)
+        fwd_comm_counts = fwd_comm_mode.counts()
+        assert len(fwd_comm_counts) == 1, fwd_comm_counts
+        assert fwd_comm_counts[ALL_GATHER] == num_blocks + 1, fwd_comm_counts
+        with CollectiveLog() as bwd_comm_mode:
+            loss.sum().backward()
+        bwd_comm_counts = bwd_comm_mode.counts()
+        if reshard_after_forward is None:
+            # 2 means two types of collectives (all-gather, reduce-scatter)
+            assert len(bwd_comm_counts) == 2, bwd_comm_counts
+            # do not reshard root model
+            assert bwd_comm_counts[ALL_GATHER] == num_blocks, bwd_comm_counts
+        elif reshard_after_forward:
+            assert len(bwd_comm_counts) == 2, bwd_comm_counts
+            assert bwd_comm_counts[ALL_GATHER] == num_blocks + 1, bwd_comm_counts
+        else:
+            assert len(bwd_comm_counts) == 1, bwd_comm_counts
+        assert bwd_comm_counts[REDUCE_SCATTER] == num_blocks + 1, bwd_comm_counts
+
+
+def test_manual_reshard_with_reshard_after_forward_false():
+    """TestFullyShardCommunication: groups kept whole after the forward (``reshard_after_forward=False``), then
+    resharded by hand (``module.reshard()``), are all-gathered again by the backward. Adapted as
+    test_fully_shard_communication_count."""
+    torch.manual_seed(42)
+    model_args = ModelArgs()
+    model = Transformer(model_args)
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            fully_shard(module, reshard_after_forward=False)
+    model = fully_shard(model, reshard_after_forward=False)
+    num_fsdp_modules = sum(is_sharded_module(module) for module in model.modules())
+
+    torch.manual_seed(42 + dist.get_rank())
+    inp = torch.randint(0, model_args.vocab_size, (2, 16))
+    with CollectiveLog() as fwd_comm_mode:
+        loss = model(inp)
+    fwd_comm_counts = fwd_comm_mode.counts()
+    assert len(fwd_comm_counts) == 1, fwd_comm_counts
+    assert fwd_comm_counts[ALL_GATHER] == num_fsdp_modules, fwd_comm_counts
+
+    for module in model.modules():
+        if is_sharded_module(module):
+            module.reshard()
+
+    with CollectiveLog() as bwd_comm_mode:
+        loss.sum().backward()
+    bwd_comm_counts = bwd_comm_mode.counts()
+    assert len(bwd_comm_counts) == 2, bwd_comm_counts
+    assert bwd_comm_counts[ALL_GATHER] == num_fsdp_modules, bwd_comm_counts
+    assert bwd_comm_counts[REDUCE_SCATTER] == num_fsdp_modules, bwd_comm_counts
+
+
+def test_set_reshard_after_forward():
+    """TestFullyShardCommunication: ``set_reshard_after_forward`` after ``fully_shard`` (on every group, or with
+    ``recurse=False`` on the root only) gives the collectives of the same choice made at ``fully_shard``. Adapted as
+    test_fully_shard_communication_count."""
+    for set_reshard_after_forward, recurse in itertools.product((True, False, None), (True, False)):
+        torch.manual_seed(42)
+        model_args = ModelArgs()
+        model = Transformer(model_args)
+        if set_reshard_after_forward is None:
+            fully_shard_fn = fully_shard
+        else:
+            fully_shard_fn = functools.partial(fully_shard, reshard_after_forward=not set_reshard_after_forward)
+        num_blocks = _shard_blocks_and_root(model, fully_shard_fn)
+        num_fsdp_modules = sum(is_sharded_module(module) for module in model.modules())
+        if set_reshard_after_forward is not None:
+            model.set_reshard_after_forward(reshard_after_forward=set_reshard_after_forward, recurse=recurse)
+
+        torch.manual_seed(42 + dist.get_rank())
+        inp = torch.randint(0, model_args.vocab_size, (2, 16))
+        with CollectiveLog() as fwd_comm_mode:
+            loss = model(inp)
+        fwd_comm_counts = fwd_comm_mode.counts()
+        assert len(fwd_comm_counts) == 1, fwd_comm_counts
+        assert fwd_comm_counts[ALL_GATHER] == num_fsdp_modules, fwd_comm_counts
+
+        with CollectiveLog() as bwd_comm_mode:
+            loss.sum().backward()
+        bwd_comm_counts = bwd_comm_mode.counts()
+        # If recurse is False, set_reshard_after_forward only affects the root module
+        if set_reshard_after_forward is None:
+            assert len(bwd_comm_counts) == 2, bwd_comm_counts
+            assert bwd_comm_counts[ALL_GATHER] == num_blocks, bwd_comm_counts
+        elif set_reshard_after_forward:
+            assert len(bwd_comm_counts) == 2, bwd_comm_counts
+            assert bwd_comm_counts[ALL_GATHER] == (num_blocks + 1 if recurse else 1), bwd_comm_counts
+        else:
+            if recurse:
+                assert len(bwd_comm_counts) == 1, bwd_comm_counts
+            else:
+                assert len(bwd_comm_counts) == 2, bwd_comm_counts
+                assert bwd_comm_counts[ALL_GATHER] == num_blocks, bwd_comm_counts
+        assert bwd_comm_counts[REDUCE_SCATTER] == num_blocks + 1, bwd_comm_counts
+
+
+def test_set_reduce_scatter_divide_factor():
+    """TestFullyShardCommunication: ``set_gradient_divide_factor`` on the root (a factor of twice the world size, or
+    the world size) divides the root's gradients by it and the blocks' by the world size, on a 1-D mesh and on the
+    HSDP meshes 1 x 2 and 2 x 1, and with a bfloat16 policy reducing in float32: losses, sharded parameters and
+    gradients equal the reference's, averaged by hand with those factors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_size = dist.get_world_size()
+    for divide_factor, mesh_shape in itertools.product((world_size * 2, world_size),
+                                                       ((world_size,), (world_size // 2, 2), (world_size, 1))):
+        torch.manual_seed(42)
+        model_args = ModelArgs(dropout_p=0.0, weight_tying=False)
+        model = Transformer(model_args)
+        ref_model = copy.deepcopy(model)
+        ref_optim = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+        mesh_dim_names = ("outer",) if len(mesh_shape) == 1 else ("outer", "inner")
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_dim_names)
+        shards = mesh.get_group(mesh_dim_names[-1])
+        for module in model.modules():
+            if isinstance(module, TransformerBlock):
+                fully_shard(module, reshard_after_forward=False, mesh=mesh)
+        model = fully_shard(model, reshard_after_forward=False, mesh=mesh)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model.set_gradient_divide_factor(divide_factor)
+
+        # Get ref_model params which should have the specific division factor applied
+        block_params = set()
+        for ref_mod in ref_model.modules():
+            if isinstance(ref_mod, TransformerBlock):
+                block_params.update(ref_mod.parameters())
+        non_block_params = set(ref_model.parameters()) - block_params
+
+        torch.manual_seed(42 + dist.get_rank())
+        inp = torch.randint(0, model_args.vocab_size, (2, 16))
+        for _ in range(10):
+            ref_loss = ref_model(inp).sum()
+            ref_loss.backward()
+            for param in ref_model.parameters():
+                factor = divide_factor if param in non_block_params else world_size
+                param.grad.mul_(1.0 / factor)
+                dist.all_reduce(param.grad)
+            loss = model(inp).sum()
+            loss.backward()
+            ref_optim.step()
+            optim.step()
+            assert_close(ref_loss, loss)
+            # Check parity before calling zero_grad so that grads are also checked
+            check_sharded_parity(ref_model, model, group=shards)
+            ref_optim.zero_grad()
+            optim.zero_grad()
+
+    # the mixed precision subtest
+    divide_factor = world_size
+    torch.manual_seed(42)
+    param_dtype, reduce_dtype = torch.bfloat16, torch.float32
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    model = nn.Sequential(*[MLP(16) for _ in range(3)])
+    ref_model = copy.deepcopy(model)
+    ref_model_bf16 = copy.deepcopy(ref_model).to(param_dtype)
+    ref_optim = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    for mlp in model:
+        fully_shard(mlp, mp_policy=mp_policy)
+    model = fully_shard(model, mp_policy=mp_policy)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.set_gradient_divide_factor(divide_factor)
+
+    torch.manual_seed(42 + dist.get_rank())
+    inp = torch.randn((4, 16), dtype=param_dtype)
+    for _ in range(10):
+        loss = model(inp).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+
+        ref_loss = ref_model_bf16(inp.to(param_dtype)).sum()
+        ref_loss.backward()
+        for param in ref_model_bf16.parameters():
+            param.grad.data = param.grad.to(torch.float32)
+            param.grad.mul_(1.0 / divide_factor)
+            dist.all_reduce(param.grad)
+        for param_fp32, param_bf16 in zip(ref_model.parameters(), ref_model_bf16.parameters()):
+            param_fp32.grad = param_bf16.grad
+            param_bf16.grad = None
+        ref_optim.step()
+        for param_fp32, param_bf16 in zip(ref_model.parameters(), ref_model_bf16.parameters()):
+            param_bf16.detach().copy_(param_fp32)
+        ref_optim.zero_grad()
+
+        assert_close(ref_loss, loss)
+        check_sharded_parity(ref_model, model)
 
 
 # ==================================================================================================

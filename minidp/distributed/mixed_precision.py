@@ -110,10 +110,10 @@ class MixedPrecision:
 
     def after_unrecorded_forward(self) -> None:
         """A forward under ``torch.no_grad()`` has no backward to restore the parameters: restored now, so that an
-        evaluation leaves the model as it found it (torch's pre-hook raises there instead)."""
+        evaluation leaves the model as it found it (torch's pre-hook raises there instead). The low-precision copies
+        keep their memory until the next forward: an output may be a view of one."""
         for param in self.params:
             param.data = param._fp_param
-            _free(param._mp_param)
 
     def cast_inputs(self, inputs: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         """Step 2: the floating-point tensors of the forward's arguments in ``param_dtype`` (``_cast_forward_inputs``)."""
