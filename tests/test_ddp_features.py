@@ -26,9 +26,10 @@ def dataparallel_configuration():
 JOB_TIMEOUT = 300.0
 
 # DDP's native mixed precision (param, reduce, buffer dtypes; wrapper and training options): upstream's configuration
-# (everything in float16) with each of its variations, a reduction in float32, also with gradients kept
-# over two steps (the second backward adds onto float32 means cast down), a
-# forward under no_grad before each step, bfloat16 parameters, buffers left alone.
+# (everything in float16) with each of its variations, a reduction in float32, also with gradients kept over two steps
+# (the second backward adds onto float32 means cast down), a forward under no_grad before each step, bfloat16
+# parameters, buffers left alone, a static graph, a search for unused parameters (whose accumulators change with the
+# parameters' dtype).
 MIXED_PRECISION = {
     "fp16": {"param_dtype": "float16", "reduce_dtype": "float16", "buffer_dtype": "float16"},
     "fp16_grad_as_bucket_view": {"param_dtype": "float16", "reduce_dtype": "float16", "buffer_dtype": "float16",
@@ -41,13 +42,20 @@ MIXED_PRECISION = {
     "fp16_evaluated": {"param_dtype": "float16", "reduce_dtype": "float16", "buffer_dtype": "float16", "evaluate": True},
     "bf16_no_sync": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "buffer_dtype": "bfloat16", "accumulate": True},
     "bf16_buffers_kept": {"param_dtype": "bfloat16", "reduce_dtype": None, "buffer_dtype": None},
+    "fp16_static_graph": {"param_dtype": "float16", "reduce_dtype": "float32", "buffer_dtype": "float16",
+                          "static_graph": True},
+    "bf16_find_unused": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "buffer_dtype": "bfloat16",
+                         "find_unused_parameters": True},
 }
 
 # Where torch's own DDP falls short in these runs, so that only minidp's gradients are checked (against the
 # low-precision mean): with gradient_as_bucket_view its gradients leave the mean from the third backward on; under
 # no_sync the autograd hooks its forward adds pile up, and the next synchronised backward raises ("marked as ready
-# twice"); a forward under no_grad raises in its pre-hook, which reads the grad_fn of a tensor made without one.
-STOCK_MIXED_PRECISION_FALLS_SHORT = {"fp16_grad_as_bucket_view", "bf16_no_sync", "fp16_evaluated"}
+# twice"); a forward under no_grad raises in its pre-hook, which reads the grad_fn of a tensor made without one; with
+# static_graph its buckets are rebuilt after the second backward, which sums the stale buffer too (NaN from then on);
+# with find_unused_parameters its graph search raises (AttributeError).
+STOCK_MIXED_PRECISION_FALLS_SHORT = {"fp16_grad_as_bucket_view", "bf16_no_sync", "fp16_evaluated", "fp16_static_graph",
+                                     "bf16_find_unused"}
 
 TWO_PROCESSES = {
     "saved": (checks.pickled_then_trained, {"how": "torch.save"}),

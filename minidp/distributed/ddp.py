@@ -325,6 +325,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self._mixed is not None:  # the parameters and inputs in low precision (minidp.distributed.mixed_precision)
                 self._mixed.to_low_precision(recording)
                 inputs, kwargs = self._mixed.cast_inputs(inputs, kwargs)
+                if self.find_unused_parameters and recording:
+                    self.reducer.find_accumulators()  # the new dtype gave each parameter a new accumulator
             output = (self.module if self._replicas is None else self._replicas)(*inputs, **kwargs)
             if self._mixed is not None and not recording:
                 self._mixed.after_unrecorded_forward()

@@ -171,9 +171,7 @@ class Reducer:
         self._used_on_device = torch.zeros_like(self._local_used)  # the last sum, as all-reduced (local_used_map_dev_)
         self._used_reduced = False
         if find_unused_parameters:
-            # The gradient accumulator of each parameter: the graph node whose presence says it is used.
-            with torch.enable_grad():
-                self._accumulators = {p.view_as(p).grad_fn.next_functions[0][0]: i for i, p in enumerate(self.params)}
+            self.find_accumulators()
         if static_graph:
             self.set_static_graph()
 
@@ -188,6 +186,13 @@ class Reducer:
         self._last_gradient = 0.0
         self._handles = [p.register_post_accumulate_grad_hook(_hook(self, i)) for i, p in enumerate(self.params)]
         weakref.finalize(self, _remove, self._handles)
+
+    def find_accumulators(self) -> None:
+        """The gradient accumulator of each parameter: the graph node whose presence in a forward's graph says the
+        parameter is used (``find_unused_parameters``). Found again whenever a parameter's data changes dtype
+        (DDP's mixed precision), since autograd then gives the parameter a new accumulator."""
+        with torch.enable_grad():
+            self._accumulators = {p.view_as(p).grad_fn.next_functions[0][0]: i for i, p in enumerate(self.params)}
 
     # ---- the plan ---------------------------------------------------------------------------
 
