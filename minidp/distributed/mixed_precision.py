@@ -132,20 +132,27 @@ class MixedPrecision:
         if param.grad is not None:
             param.grad.data = param.grad.to(param.dtype)
 
+    def queue_restore_after_backward(self) -> None:
+        """Have :meth:`restore_after_backward` run once the running backward ends (once per backward)."""
+        if not self._restore_queued:
+            self._restore_queued = True
+            Variable._execution_engine.queue_callback(self.restore_after_backward)
+
     def restore_after_backward(self) -> None:
-        """Step 5, queued on the autograd engine by the first bucket of a backward: the parameters that take no
-        gradient hold their full-precision data again."""
+        """Step 5, at the end of a backward that reduced: the parameters that take no gradient hold their
+        full-precision data again."""
         self._restore_queued = False
         for param in self.params:
             if not param.requires_grad:
                 param.data = param._fp_param
 
 
-def allreduce_and_upcast(mixed, bucket):  # no annotations: under this module's postponed ones they would be strings,
-    # which DistributedDataParallel.register_comm_hook refuses as torch DDP does
+def allreduce_and_upcast(mixed, bucket):
     """Step 4, the communication hook every mixed-precision DDP registers: the bucket's mean in ``reduce_dtype``,
     then its parameters and gradients in full precision. ``mixed`` is the :class:`MixedPrecision`, ``bucket`` a
-    :class:`~minidp.distributed.buckets.GradBucket`; returns a completed ``torch.futures.Future`` of the mean."""
+    :class:`~minidp.distributed.buckets.GradBucket`; returns a completed ``torch.futures.Future`` of the mean. (No
+    annotations: under this module's postponed ones they would be strings, which ``register_comm_hook`` refuses, as
+    torch DDP's does.)"""
     buffer = bucket.buffer()
     if buffer.dtype != mixed.reduce_dtype:
         buffer = buffer.to(mixed.reduce_dtype)
@@ -154,9 +161,7 @@ def allreduce_and_upcast(mixed, bucket):  # no annotations: under this module's 
     buffer.div_(dist.get_world_size(mixed.group))
     for param in bucket.parameters():
         mixed.to_full_precision(param)
-    if not mixed._restore_queued:
-        mixed._restore_queued = True
-        Variable._execution_engine.queue_callback(mixed.restore_after_backward)
+    mixed.queue_restore_after_backward()
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(buffer)
     return future
