@@ -2215,6 +2215,28 @@ def _global_and_local_inputs(global_batch_size: int, dim: int) -> tuple[torch.Te
     return global_inp, global_inp[rank * local_batch_size: (rank + 1) * local_batch_size].detach()
 
 
+def _train_on_the_global_batch(ref_model: nn.Module, model: nn.Module, global_batch_size: int, dim: int) -> None:
+    """The loop upstream's test_unused_forward_module and test_nontensor_activations share: 10 iterations of Adam, the
+    reference on the global batch, the sharded model on this rank's rows; the losses, sharded parameters and gradients
+    alike after every backward."""
+    ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(1)  # same on all ranks
+    for iter_idx in range(10):
+        global_inp, local_inp = _global_and_local_inputs(global_batch_size, dim)
+        losses: list[torch.Tensor] = []
+        for _model, inp in ((ref_model, global_inp), (model, local_inp)):
+            losses.append(_model(inp).sum())
+            losses[-1].backward()
+        _reduce_1d_partial_grads(ref_model)
+        dist.all_reduce(losses[1])  # partial -> replicated
+        assert_close(losses[0], losses[1])
+        check_sharded_parity(ref_model, model)
+        for _optim in (optim, ref_optim):
+            _optim.step()
+            _optim.zero_grad(set_to_none=bool(iter_idx % 2))
+
+
 def test_unused_forward_output():
     """TestFullyShardAutograd: a backward where one forward output is not used in the loss (the second half of the
     iterations) still reduces every gradient: losses, sharded parameters and gradients as the single-process
@@ -2262,22 +2284,7 @@ def test_unused_forward_module():
         fully_shard(model.lin1, reshard_after_forward=reshard_after_forward)
         fully_shard(model.lin2, reshard_after_forward=reshard_after_forward)
         fully_shard(model, reshard_after_forward=reshard_after_forward)
-        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        torch.manual_seed(1)  # same on all ranks
-        for iter_idx in range(10):
-            global_inp, local_inp = _global_and_local_inputs(global_batch_size, dim)
-            losses: list[torch.Tensor] = []
-            for _model, inp in ((ref_model, global_inp), (model, local_inp)):
-                losses.append(_model(inp).sum())
-                losses[-1].backward()
-            _reduce_1d_partial_grads(ref_model)
-            dist.all_reduce(losses[1])  # partial -> replicated
-            assert_close(losses[0], losses[1])
-            check_sharded_parity(ref_model, model)
-            for _optim in (optim, ref_optim):
-                _optim.step()
-                _optim.zero_grad(set_to_none=bool(iter_idx % 2))
+        _train_on_the_global_batch(ref_model, model, global_batch_size, dim)
 
 
 class _ContainerModule(nn.Module):
@@ -2351,22 +2358,7 @@ def test_nontensor_activations():
         for module in model:
             fully_shard(module)
         fully_shard(model)
-        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        torch.manual_seed(1)  # same on all ranks
-        for iter_idx in range(10):
-            global_inp, local_inp = _global_and_local_inputs(global_batch_size, dim)
-            losses: list[torch.Tensor] = []
-            for _model, inp in ((ref_model, global_inp), (model, local_inp)):
-                losses.append(_model(inp).sum())
-                losses[-1].backward()
-            _reduce_1d_partial_grads(ref_model)
-            dist.all_reduce(losses[1])  # partial -> replicated
-            assert_close(losses[0], losses[1])
-            check_sharded_parity(ref_model, model)
-            for _optim in (optim, ref_optim):
-                _optim.step()
-                _optim.zero_grad(set_to_none=bool(iter_idx % 2))
+        _train_on_the_global_batch(ref_model, model, global_batch_size, dim)
 
 
 def test_post_acc_grad_hook_runs():
@@ -2714,6 +2706,26 @@ def _shard_blocks_and_root(model: nn.Module, fully_shard_fn: Callable[[nn.Module
     return num_blocks
 
 
+def _counted_forward(model: nn.Module, model_args: ModelArgs, all_gathers: int) -> torch.Tensor:
+    """Upstream's forward under ``CommDebugMode`` (here :class:`CollectiveLog`): all-gathers only, ``all_gathers`` of
+    them; the output."""
+    torch.manual_seed(42 + dist.get_rank())
+    inp = torch.randint(0, model_args.vocab_size, (2, 16))
+    with CollectiveLog() as fwd_comm_mode:
+        loss = model(inp)
+    fwd_comm_counts = fwd_comm_mode.counts()
+    assert len(fwd_comm_counts) == 1, fwd_comm_counts
+    assert fwd_comm_counts[ALL_GATHER] == all_gathers, fwd_comm_counts
+    return loss
+
+
+def _counted_backward(loss: torch.Tensor) -> Counter:
+    """Upstream's backward under ``CommDebugMode``: the collectives it issued, by name."""
+    with CollectiveLog() as bwd_comm_mode:
+        loss.sum().backward()
+    return bwd_comm_mode.counts()
+
+
 def test_fully_shard_communication_count():
     """TestFullyShardCommunication: the forward all-gathers each group once; the backward all-gathers again the groups
     resharded after the forward (all of them, none, or all but the root by default) and reduce-scatters every group
@@ -2726,16 +2738,8 @@ def test_fully_shard_communication_count():
         num_blocks = _shard_blocks_and_root(model, functools.partial(
             fully_shard, reshard_after_forward=reshard_after_forward))
         # We construct `num_blocks` plus 1 FSDP states/communication groups
-        torch.manual_seed(42 + dist.get_rank())
-        inp = torch.randint(0, model_args.vocab_size, (2, 16))
-        with CollectiveLog() as fwd_comm_mode:
-            loss = model(inp)
-        fwd_comm_counts = fwd_comm_mode.counts()
-        assert len(fwd_comm_counts) == 1, fwd_comm_counts
-        assert fwd_comm_counts[ALL_GATHER] == num_blocks + 1, fwd_comm_counts
-        with CollectiveLog() as bwd_comm_mode:
-            loss.sum().backward()
-        bwd_comm_counts = bwd_comm_mode.counts()
+        loss = _counted_forward(model, model_args, num_blocks + 1)
+        bwd_comm_counts = _counted_backward(loss)
         if reshard_after_forward is None:
             # 2 means two types of collectives (all-gather, reduce-scatter)
             assert len(bwd_comm_counts) == 2, bwd_comm_counts
@@ -2761,22 +2765,11 @@ def test_manual_reshard_with_reshard_after_forward_false():
             fully_shard(module, reshard_after_forward=False)
     model = fully_shard(model, reshard_after_forward=False)
     num_fsdp_modules = sum(is_sharded_module(module) for module in model.modules())
-
-    torch.manual_seed(42 + dist.get_rank())
-    inp = torch.randint(0, model_args.vocab_size, (2, 16))
-    with CollectiveLog() as fwd_comm_mode:
-        loss = model(inp)
-    fwd_comm_counts = fwd_comm_mode.counts()
-    assert len(fwd_comm_counts) == 1, fwd_comm_counts
-    assert fwd_comm_counts[ALL_GATHER] == num_fsdp_modules, fwd_comm_counts
-
+    loss = _counted_forward(model, model_args, num_fsdp_modules)
     for module in model.modules():
         if is_sharded_module(module):
             module.reshard()
-
-    with CollectiveLog() as bwd_comm_mode:
-        loss.sum().backward()
-    bwd_comm_counts = bwd_comm_mode.counts()
+    bwd_comm_counts = _counted_backward(loss)
     assert len(bwd_comm_counts) == 2, bwd_comm_counts
     assert bwd_comm_counts[ALL_GATHER] == num_fsdp_modules, bwd_comm_counts
     assert bwd_comm_counts[REDUCE_SCATTER] == num_fsdp_modules, bwd_comm_counts
@@ -2798,18 +2791,8 @@ def test_set_reshard_after_forward():
         num_fsdp_modules = sum(is_sharded_module(module) for module in model.modules())
         if set_reshard_after_forward is not None:
             model.set_reshard_after_forward(reshard_after_forward=set_reshard_after_forward, recurse=recurse)
-
-        torch.manual_seed(42 + dist.get_rank())
-        inp = torch.randint(0, model_args.vocab_size, (2, 16))
-        with CollectiveLog() as fwd_comm_mode:
-            loss = model(inp)
-        fwd_comm_counts = fwd_comm_mode.counts()
-        assert len(fwd_comm_counts) == 1, fwd_comm_counts
-        assert fwd_comm_counts[ALL_GATHER] == num_fsdp_modules, fwd_comm_counts
-
-        with CollectiveLog() as bwd_comm_mode:
-            loss.sum().backward()
-        bwd_comm_counts = bwd_comm_mode.counts()
+        loss = _counted_forward(model, model_args, num_fsdp_modules)
+        bwd_comm_counts = _counted_backward(loss)
         # If recurse is False, set_reshard_after_forward only affects the root module
         if set_reshard_after_forward is None:
             assert len(bwd_comm_counts) == 2, bwd_comm_counts
