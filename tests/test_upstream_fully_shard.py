@@ -86,6 +86,8 @@ PORTED = {
         "test_structured_input_output",
         "test_float16_on_one_submodule",
         "test_submodules_with_external_inputs",
+        "test_checkpoint_recompute_casts_forward_inputs",
+        "test_checkpoint_recompute_casts_outputs",
         "test_norm_modules_bf16",
         "test_norm_modules_fp16",
         "test_clamp_reduce_dtype",
@@ -138,6 +140,12 @@ OLD_TORCH_FSDP2_FAILS = {
         "reduces wrong gradients (2.13 completes it at the root's post-forward, as minidp does)"),
     "test_grouped_module_cast_forward_inputs": "torch's FSDP2 before 2.13 casts the inputs of the first module of a "
                                                "fully_shard([a, b]) group only",
+    "test_checkpoint_recompute_casts_forward_inputs": "torch's FSDP2 before 2.13 does not cast the inputs again when "
+                                                      "activation checkpointing recomputes the module (a float32 input "
+                                                      "meets bfloat16 weights: 'mat1 and mat2 must have the same "
+                                                      "dtype')",
+    "test_checkpoint_recompute_casts_outputs": "torch's FSDP2 before 2.13 does not cast the outputs to output_dtype "
+                                               "again when activation checkpointing recomputes the module",
 }
 TORCH_BEFORE_2_13 = TorchVersion(torch.__version__) < "2.13"
 
@@ -188,9 +196,6 @@ NOT_PORTED = {
     "test_reduce_dtype_after_frozen_first_forward": "fails on torch 2.13's own FSDP2 on the CPU (a bfloat16 "
                                                      "gradient assigned to the float32 shard: the reduce dtype it "
                                                      "checks is fixed after 2.13), so the port cannot be validated",
-    "test_checkpoint_recompute_casts_forward_inputs": "not ported for time: checkpoint recomputation casts are also "
-                                                      "exercised by test_train_parity_with_activation_checkpointing",
-    "test_checkpoint_recompute_casts_outputs": "not ported for time (as test_checkpoint_recompute_casts_forward_inputs)",
     # test_fully_shard_state_dict.py
     "test_dp_state_dict_cpu_offload": "builds its state dict from the parameters' own device_mesh and placements "
                                       "(FSDP2's DTensor parameters, on the meta device), loads it with assign=True, "

@@ -1836,6 +1836,70 @@ def test_submodules_with_external_inputs():
         assert forward_inputs["l2_input_y"].dtype == (torch.float16 if enable_submodule_cast else torch.float32)
 
 
+def test_checkpoint_recompute_casts_forward_inputs():
+    """TestFullyShardMixedPrecisionCasts: a sharded module under ``torch.utils.checkpoint`` gets its inputs cast to the
+    policy's ``param_dtype`` in the forward and again when the backward recomputes it."""
+    _test_checkpoint_recompute_casts(recompute_cast="input")
+
+
+def test_checkpoint_recompute_casts_outputs():
+    """TestFullyShardMixedPrecisionCasts: a sharded module under ``torch.utils.checkpoint`` with an ``output_dtype``
+    gives outputs of that dtype in the forward and again in the recomputation."""
+    _test_checkpoint_recompute_casts(recompute_cast="output")
+
+
+class _RecordingLinear(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(1, 1)
+        self.input_dtypes: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.input_dtypes.append(x.dtype)
+        return super().forward(x)
+
+
+class _CheckpointedLinearModel(nn.Module):
+    def __init__(self, checkpoint_input_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear1 = _RecordingLinear()
+        self.checkpoint_input_dtype = checkpoint_input_dtype
+        self.linear1_output_dtypes: list[torch.dtype] = []
+
+    def checkpointed_linear1(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear1(x)
+        self.linear1_output_dtypes.append(x.dtype)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = x.to(dtype=self.checkpoint_input_dtype)
+        x = checkpoint(self.checkpointed_linear1, x, use_reentrant=False, early_stop=False)
+        return x.float().sum()
+
+
+def _test_checkpoint_recompute_casts(recompute_cast: str) -> None:
+    if recompute_cast == "input":
+        checkpoint_input_dtype = torch.float32
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    elif recompute_cast == "output":
+        checkpoint_input_dtype = torch.bfloat16
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                         output_dtype=torch.float32, cast_forward_inputs=False)
+    else:
+        raise AssertionError(f"Unknown recompute_cast: {recompute_cast}")
+    torch.manual_seed(42)
+    model = _CheckpointedLinearModel(checkpoint_input_dtype)
+    fully_shard(model.linear1, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    inp = torch.randn(8, 1)
+    model(inp).backward()
+    if recompute_cast == "input":
+        assert model.linear1.input_dtypes == [torch.bfloat16, torch.bfloat16], model.linear1.input_dtypes
+    else:
+        assert model.linear1_output_dtypes == [torch.float32, torch.float32], model.linear1_output_dtypes
+
+
 def test_norm_modules_bf16():
     """TestFullyShardMixedPrecisionCasts: LayerNorm and batch norm sharded with a bfloat16 ``param_dtype`` run
     forward and backward with bfloat16 outputs: the batch norm once its running statistics are cast down, or under a
