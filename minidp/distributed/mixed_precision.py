@@ -102,8 +102,10 @@ class MixedPrecision:
         with torch.no_grad():
             for param in self.params:
                 low = param._mp_param
+                if param.is_set_to(low):  # still low precision, after a backward under no_sync: nothing to copy
+                    continue
                 _allocate(low)
-                low.copy_(param.data)  # param.data is _fp_param, or low itself after a backward under no_sync
+                low.copy_(param.data)
                 if recording and param.grad is not None:
                     param.grad.data = param.grad.to(low.dtype)
                 param.data = low

@@ -190,7 +190,9 @@ class Reducer:
     def find_accumulators(self) -> None:
         """The gradient accumulator of each parameter: the graph node whose presence in a forward's graph says the
         parameter is used (``find_unused_parameters``). Found again whenever a parameter's data changes dtype
-        (DDP's mixed precision), since autograd then gives the parameter a new accumulator."""
+        (DDP's mixed precision), since autograd then gives the parameter a new accumulator. The wrapper that swaps the
+        data says so: no check here could see it, since the swap and its undoing each backward keep the dtypes seen
+        between forwards the same (a dtype check was tried: the stale accumulators made every parameter unused)."""
         with torch.enable_grad():
             self._accumulators = {p.view_as(p).grad_fn.next_functions[0][0]: i for i, p in enumerate(self.params)}
 
