@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 import sys
 import warnings
 import weakref
@@ -385,6 +386,117 @@ def checkpoint_round_trip(seed: int, mesh: Optional[tuple[int, ...]] = None) -> 
     return {"reloaded": all(torch.equal(reloaded[k], whole[k]) for k in whole) and list(reloaded) == list(whole),
             "gathered_by_dcp": all(torch.equal(gathered_by_dcp[k], whole[k]) for k in whole),
             "across_layouts": all(torch.equal(across_layouts[k], whole[k]) for k in whole)}
+
+
+def _optimizer_state_dicts_alike(ours: dict, theirs: dict) -> Optional[str]:
+    """The first difference between two optimizer state dicts keyed by names (``get_optimizer_state_dict``): the
+    kind of each value, a DTensor's placements and whole shape, and every rank's local values, bit for bit."""
+    if ours["param_groups"] != theirs["param_groups"] or ours["state"].keys() != theirs["state"].keys():
+        return "parameter groups or state keys"
+    for name, state in theirs["state"].items():
+        for key, value in state.items():
+            mine = ours["state"][name].get(key)
+            if type(mine) is not type(value):
+                return f"{name} {key}: a {type(mine).__name__} here, a {type(value).__name__} in FSDP2's"
+            if isinstance(value, DTensor) and (mine.placements, mine.shape) != (value.placements, value.shape):
+                return f"{name} {key}: {mine.placements} {tuple(mine.shape)} here, {value.placements} {tuple(value.shape)}"
+            if not torch.equal(local(mine), local(value)):
+                return f"{name} {key}: other values"
+    return None
+
+
+def optimizer_checkpoint(seed: int, mesh: Optional[tuple[int, ...]] = None) -> dict[str, Any]:
+    """The optimizer's state dict of sharded parameters against FSDP2's, both trained alike with AdamW for two
+    steps: ``get_optimizer_state_dict`` sharded (``alike``: the first difference) and whole (``whole_equal``);
+    checkpoints saved by ``torch.distributed.checkpoint`` from either library (``get_state_dict``) and loaded into a
+    fresh model and optimizer of either (``set_state_dict``), which then take a third step beside the saved ones:
+    ``resumed`` holds the first difference from FSDP2's for each (saved, loaded into); ``whole_loaded``: the same
+    after FSDP2's whole optimizer state dict is loaded into a fresh minidp optimizer; ``loaded_before_a_step``: a
+    fourth step of a fresh optimizer given ``optimizer.state_dict()`` (through ``torch.save``) before its first."""
+    import io
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict, get_state_dict, set_optimizer_state_dict, set_state_dict,
+    )
+
+    rank = dist.get_rank()
+    arguments = sharding_arguments(mesh)
+    libraries = {"minidp": md.fully_shard, "FSDP2": torch_fully_shard}
+
+    def fresh(library: str, salt: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed + salt)  # other weights than the saved ones: loading must bring them all
+        model = shard(Net(), libraries[library], True, **arguments)
+        return model, OPTIMIZERS["adamw"](model.parameters())
+
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        batch = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + rank))
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    torch.manual_seed(seed)
+    theirs = Net()
+    ours = shard(copy.deepcopy(theirs), md.fully_shard, True, **arguments)
+    shard(theirs, torch_fully_shard, True, **arguments)
+    pairs = [(ours, OPTIMIZERS["adamw"](ours.parameters())), (theirs, OPTIMIZERS["adamw"](theirs.parameters()))]
+    for step in range(2):
+        for model, optimizer in pairs:
+            train(model, optimizer, step)
+    # compared at once: the state dicts hold the live state (the step counts even in whole ones), which the steps
+    # below go on changing
+    alike = _optimizer_state_dicts_alike(*[get_optimizer_state_dict(model, optimizer) for model, optimizer in pairs])
+    whole = [get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+             for model, optimizer in pairs]
+    whole_equal = whole[0]["state"].keys() == whole[1]["state"].keys() and all(
+        torch.equal(whole[0]["state"][name][key], value)
+        for name, state in whole[1]["state"].items() for key, value in state.items())
+    directory = [tempfile.mkdtemp(prefix="minidp-dcp-") if rank == 0 else None]
+    dist.broadcast_object_list(directory, src=0)
+    for library, (model, optimizer) in zip(libraries, pairs):
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{directory[0]}/{library}")
+    resumed = {}
+    for saved, loaded in itertools.product(libraries, libraries):
+        model, optimizer = resumed[saved, loaded] = fresh(loaded, 1)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=f"{directory[0]}/{saved}")
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    whole_loaded = fresh("minidp", 2)
+    # a copy, as read from a file: the whole state dict holds FSDP2's live step counts, which loading would share
+    set_optimizer_state_dict(*whole_loaded, copy.deepcopy(whole[1]), options=StateDictOptions(full_state_dict=True))
+    whole_loaded[0].load_state_dict(theirs.state_dict())
+
+    def from_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer, library: str) -> Optional[str]:
+        # beside FSDP2's original after the same steps (first_difference compares a minidp model with an FSDP2 one)
+        if library == "minidp":
+            return first_difference(model, theirs, (optimizer, pairs[1][1]))
+        return first_difference(ours, model, (pairs[0][1], optimizer))
+
+    for model, optimizer in [*pairs, *resumed.values(), whole_loaded]:
+        train(model, optimizer, 2)
+    results = {
+        "alike": alike,
+        "whole_equal": whole_equal,
+        "resumed": {f"saved by {saved}, loaded into {loaded}": from_fsdp2(*resumed[saved, loaded], loaded)
+                    for saved, loaded in resumed},
+        "whole_loaded": from_fsdp2(*whole_loaded, "minidp"),
+    }
+    before_a_step = fresh("minidp", 3)
+    before_a_step[0].load_state_dict(ours.state_dict())
+    saved_bytes = io.BytesIO()
+    torch.save(pairs[0][1].state_dict(), saved_bytes)
+    before_a_step[1].load_state_dict(torch.load(io.BytesIO(saved_bytes.getvalue()), weights_only=False))
+    for model, optimizer in (*pairs, before_a_step):
+        train(model, optimizer, 3)
+    results["loaded_before_a_step"] = from_fsdp2(*before_a_step, "minidp")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(directory[0])
+    return results
 
 
 def forward_method(seed: int) -> dict:

@@ -115,6 +115,7 @@ TWO_PROCESSES = {
     "refusals": (checks.refusals, {}),
     "optimizer_in_backward": (checks.optimizer_in_backward, {}),
     "checkpoint": (checks.checkpoint_round_trip, {}),
+    "optimizer_checkpoint": (checks.optimizer_checkpoint, {}),
     "clip-2": (checks.clips_as_fsdp2, {"norm_type": 2.0, "dtype": torch.float32}),
     "clip-1": (checks.clips_as_fsdp2, {"norm_type": 1.0}),
     "clip-inf": (checks.clips_as_fsdp2, {"norm_type": float("inf"), "dtype": torch.float32}),
@@ -154,6 +155,7 @@ THREE_PROCESSES = {
     # (not inf: FSDP2's own norm fails on the empty shard rank 2 holds, "no identity")
     "clip-2": (checks.clips_as_fsdp2, {"norm_type": 2.0}),
     "clip-3": (checks.clips_as_fsdp2, {"norm_type": 3.0, "dtype": torch.float32}),
+    "optimizer_checkpoint": (checks.optimizer_checkpoint, {}),  # rank 2 holds no row of a bias of 2
 }
 
 # HSDP: a 2 x 2 mesh, each shard held by 2 ranks (the mesh's dimension 0) and cut among 2 (dimension 1).
@@ -170,6 +172,7 @@ FOUR_PROCESSES = {
     "hsdp-all_reduce_hook": (checks.against_fsdp2, {"mesh": (2, 2), "configure": "all_reduce_hook",
                                                     "dtype": torch.float64}),
     "checkpoint": (checks.checkpoint_round_trip, {"mesh": (2, 2)}),
+    "optimizer_checkpoint": (checks.optimizer_checkpoint, {"mesh": (2, 2)}),
     "clip-2": (checks.clips_as_fsdp2, {"norm_type": 2.0, "dtype": torch.float32, "mesh": (2, 2)}),
     "clip-inf": (checks.clips_as_fsdp2, {"norm_type": float("inf"), "mesh": (2, 2)}),
 }
@@ -630,6 +633,43 @@ def test_a_checkpoint_of_the_state_dict_saved_and_loaded_by_torch_distributed_ch
     # tensors there: rank 0's alone would be kept); "four": HSDP's 2 x 2 mesh
     for result in each_rank(request.getfixturevalue(world), "checkpoint"):
         assert result["reloaded"] and result["gathered_by_dcp"] and result["across_layouts"]
+
+
+# ---- the optimizer's state dict ------------------------------------------------------------------
+# FSDP2's optimizer state is DTensors, built from its DTensor parameters; minidp's optimizer steps plain rows and gives
+# them as those DTensors in its state dict (minidp/distributed/sharded_optimizer_state.py). "four": HSDP's 2 x 2 mesh.
+
+
+@pytest.mark.parametrize("world", ["two", "three", "four"])
+def test_the_optimizers_state_dict_holds_each_ranks_rows_as_dtensors_laid_out_as_fsdp2s(world, request):
+    for rank, result in enumerate(each_rank(request.getfixturevalue(world), "optimizer_checkpoint")):
+        assert result["alike"] is None, f"rank {rank}: {result['alike']}"
+
+
+@pytest.mark.parametrize("world", ["two", "three", "four"])
+def test_the_optimizers_full_state_dict_equals_fsdp2s_whole_tensors_on_every_rank(world, request):
+    # plain rows would come back as they are, each rank's own passing for the whole tensor
+    assert all(r["whole_equal"] for r in each_rank(request.getfixturevalue(world), "optimizer_checkpoint"))
+
+
+@pytest.mark.parametrize("world", ["two", "three", "four"])
+def test_an_optimizer_checkpoint_of_either_library_resumes_training_bitwise_in_either(world, request):
+    # torch.distributed.checkpoint would keep rank 0's plain rows alone, and every rank would resume from them
+    for rank, result in enumerate(each_rank(request.getfixturevalue(world), "optimizer_checkpoint")):
+        assert result["resumed"] == dict.fromkeys(result["resumed"]) and len(result["resumed"]) == 4, (
+            f"rank {rank}: {result['resumed']}")
+
+
+@pytest.mark.parametrize("world", ["two", "three", "four"])
+def test_fsdp2s_whole_optimizer_state_dict_loads_into_the_shards(world, request):
+    for rank, result in enumerate(each_rank(request.getfixturevalue(world), "optimizer_checkpoint")):
+        assert result["whole_loaded"] is None, f"rank {rank}: {result['whole_loaded']}"
+
+
+def test_an_optimizer_state_dict_loaded_before_the_first_step_becomes_rows_again(two):
+    # a resumed job loads before it steps: the DTensors torch.save kept become this rank's rows at the first step
+    for rank, result in enumerate(each_rank(two, "optimizer_checkpoint")):
+        assert result["loaded_before_a_step"] is None, f"rank {rank}: {result['loaded_before_a_step']}"
 
 
 @pytest.mark.parametrize("world", ["two", "three"])

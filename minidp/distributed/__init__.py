@@ -16,6 +16,8 @@ module each:
 * :mod:`~minidp.distributed.fully_shard`: :func:`fully_shard`, FSDP2's sharding of parameters,
   gradients and optimizer state (each rank keeps 1/W), :func:`full_state_dict`,
   :func:`register_fsdp_forward_method` and :func:`clip_grad_norm_` (the norm of the whole gradients);
+* :mod:`~minidp.distributed.sharded_optimizer_state`: an optimizer's state of those shards in its state dict, as
+  FSDP2's DTensors (what ``torch.distributed.checkpoint`` saves and loads);
 * :mod:`~minidp.distributed.memory`: what one rank holds, DDP's and sharded, side by side;
 * :mod:`~minidp.distributed.zero`: :class:`ZeroRedundancyOptimizer`, each rank keeping the optimizer
   state of its share of the parameters and broadcasting the share it updated;

@@ -52,8 +52,8 @@ The steps, and where each lives:
 
 ``module.state_dict()`` holds each sharded parameter as FSDP2's does, a DTensor of this rank's rows (so that
 ``torch.distributed.checkpoint`` saves every rank's part); :func:`full_state_dict` gathers every parameter on every
-rank; ``module.load_state_dict`` takes either back (each rank keeps its rows). The optimizer's state is plain
-rows: a checkpoint of it is per rank.
+rank; ``module.load_state_dict`` takes either back (each rank keeps its rows). The optimizer steps plain rows of state
+too, and its state dict gives them as FSDP2's DTensors (:mod:`minidp.distributed.sharded_optimizer_state`).
 
 The module keeps its own class's behaviour, but its class becomes a subclass of (:class:`ShardedModule`,
 its class), as FSDP2's becomes one of (``FSDPModule``, its class): that is where FSDP2's methods users
@@ -96,6 +96,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference
 from .ddp import DistributedDataParallel
+from .sharded_optimizer_state import SHARDED_BY, watch_optimizers
 
 
 # torch 2.13 names them all_gather_single and reduce_scatter_single (the older names warn); same calls.
@@ -208,7 +209,7 @@ class ShardedParameter:
         if isinstance(registered, nn.Parameter) and registered is not self.shard:
             self.shard = registered
             self.set_on_modules(registered)
-            setattr(registered, _SHARDED_BY, self.group)
+            setattr(registered, SHARDED_BY, self.group)
         self._pad(self.shard.detach())
         self.gathered = self.full = None
 
@@ -298,7 +299,7 @@ class ShardGroup:
         self.params = params
         for p in params:  # weakly, as the shards outlive nothing of the group's
             p.group = weakref.ref(self)
-            setattr(p.shard, _SHARDED_BY, p.group)
+            setattr(p.shard, SHARDED_BY, p.group)
         # Held weakly: torch.distributed keeps the group until destroy_process_group(), which must then free it.
         # Held here, it would outlive that call (a sharded model lives until the garbage collector finds its
         # cycles, at exit if not before), and so would Gloo's worker threads, which can then be freeing the last
@@ -489,6 +490,18 @@ class ShardGroup:
         stride = torch.empty(p.full_size, device="meta").stride()
         return DTensor.from_local(rows, mesh, self.placements(p, mesh), run_check=False, shape=p.full_size,
                                   stride=stride)
+
+    def own_rows(self, p: ShardedParameter, value: torch.Tensor, mesh: Optional[DeviceMesh]) -> torch.Tensor:
+        """This rank's rows of ``p`` in ``value``, a tensor loaded for it: a DTensor laid out as :meth:`as_dtensor`
+        lays ``p`` out on ``mesh`` gives its local rows (an alias); one laid out otherwise is gathered whole first (a
+        collective); a whole plain tensor (``p``'s full size) is cut as the shards were cut; rows are kept."""
+        if isinstance(value, DTensor):
+            laid_out_alike = value.device_mesh == mesh and value.placements == self.placements(p, mesh)
+            value = value.to_local() if laid_out_alike else value.full_tensor()
+        if value.shape == p.full_size:
+            chunks = torch.chunk(value, self.world_size, dim=p.dim)
+            value = chunks[self.rank] if self.rank < len(chunks) else value.narrow(p.dim, 0, 0)
+        return value
 
     def _live(self, reference: weakref.ref) -> dist.ProcessGroup:
         group = reference()
@@ -1049,8 +1062,6 @@ def _class_name(module: nn.Module) -> str:
 # Set on a parameter that a fully_shard call replaced by shards (its name there): a module that still
 # holds it shares it with a sharded module.
 _SHARDED_AS = "_minidp_sharded_as"
-# Set on each shard: a weak reference to its group, for clip_grad_norm_, which is given the parameters only.
-_SHARDED_BY = "_minidp_sharded_by"
 
 
 def _managed_modules(module: nn.Module) -> list[nn.Module]:
@@ -1206,6 +1217,7 @@ def fully_shard(
         setattr(param, _SHARDED_AS, f"parameter '{names.get(id(param), name)}' of the {called}")
         params.append(sharded)
     shard_group = ShardGroup(roots, params, group, reshard_after_forward, device, mp_policy, replicate_group, mesh)
+    watch_optimizers()  # an optimizer built on the shards gives their state as FSDP2's DTensors in its state dict
     for root in roots:
         setattr(root, _GROUP, shard_group)
         if len(roots) == 1:
@@ -1373,15 +1385,8 @@ def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefi
     keys = _keys_of(group, holder, prefix)
     mesh = group.dtensor_mesh() if any(isinstance(state_dict.get(key), DTensor) for key, _ in keys) else None
     for key, p in keys:
-        value = state_dict.get(key)
-        if isinstance(value, DTensor):
-            laid_out_alike = value.device_mesh == mesh and value.placements == group.placements(p, mesh)
-            value = value.to_local() if laid_out_alike else value.full_tensor()
-        if value is not None and value.shape == p.full_size:
-            chunks = torch.chunk(value, group.world_size, dim=p.dim)
-            value = chunks[group.rank] if group.rank < len(chunks) else p.shard.detach()[:0]
-        if value is not None:
-            state_dict[key] = value
+        if state_dict.get(key) is not None:
+            state_dict[key] = group.own_rows(p, state_dict[key], mesh)
 
 
 def _reshard_before_state_dict(group: ShardGroup, module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -1469,7 +1474,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
              for p in with_grad]
     by_group: dict[int, tuple[ShardGroup, list[int]]] = {}  # in the parameters' order: the same on every rank
     for index, param in enumerate(with_grad):
-        reference = getattr(param, _SHARDED_BY, None)  # a weak reference to its group, on a shard only
+        reference = getattr(param, SHARDED_BY, None)  # a weak reference to its group, on a shard only
         group = reference() if reference is not None else None
         if group is not None:
             by_group.setdefault(id(group), (group, []))[1].append(index)

@@ -1,0 +1,121 @@
+"""The optimizer's state of sharded parameters in its state dict: DTensors of this rank's rows, as under FSDP2.
+
+``fully_shard`` registers plain tensors of this rank's rows as the module's parameters, so the state an optimizer
+keeps for them (AdamW's ``exp_avg``, SGD's ``momentum_buffer``) is plain rows too. Saved as they are, they would lie:
+``torch.distributed.checkpoint`` takes a plain tensor for one every rank holds alike and keeps rank 0's alone, and
+``get_optimizer_state_dict(..., full_state_dict=True)`` would hand back each rank's rows as if they were whole.
+FSDP2's parameters are DTensors, so the state its optimizers build from them (``torch.zeros_like(param)``) is
+DTensors, which both of those read right.
+
+So, for every optimizer that holds a shard:
+
+* ``optimizer.state_dict()`` gives each state tensor shaped like its shard's rows as the DTensor FSDP2 would hold
+  there: the same rows (an alias, as the parameter DTensors of ``module.state_dict()`` are), the parameter's whole
+  shape, FSDP2's placements (``ShardGroup.as_dtensor``). Other state (a step count) stays as it is, as under FSDP2.
+  The optimizer keeps stepping its plain rows: only the state dict changes.
+* ``optimizer.load_state_dict(...)`` turns such a DTensor back into this rank's rows (a whole plain tensor too, cut
+  as the shards were: ``ShardGroup.own_rows``), so a checkpoint saved from FSDP2 or from minidp, sharded or whole,
+  loads into either.
+
+torch has no hook for an optimizer's creation, and an optimizer is built after ``fully_shard``, on its shards. So
+:func:`watch_optimizers` (called by ``fully_shard``) adds one global step pre-hook
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``), which looks at each optimizer it has not seen, or whose
+parameters changed in number, and gives the two hooks above to one that holds a shard. It also turns into rows any
+DTensor loaded before that first step, into an optimizer that had not stepped yet (a job resumed from a
+checkpoint). ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` and ``set_state_dict`` step an
+optimizer that holds no state yet themselves (with a learning rate of 0) before they read it, so they meet the hooks;
+an optimizer given plain rows by ``load_state_dict`` and saved again before any step gives them as plain rows.
+
+This module knows a shard by the weak reference to its group that ``fully_shard`` sets on it (:data:`SHARDED_BY`),
+and asks that group for the layout; it imports nothing of ``fully_shard``'s.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+# Set by fully_shard on each shard it registers: a weak reference to its group (for this module and clip_grad_norm_,
+# which are given the parameters only).
+SHARDED_BY = "_minidp_sharded_by"
+
+_watched: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()  # -> params seen
+_hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_step_hook: Optional[Any] = None
+
+
+def watch_optimizers() -> None:
+    """Install, once per process, the global step pre-hook that gives every optimizer holding a shard its hooks."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_before_step)
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters, in the order its state dict numbers them."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def _shard_of(param: torch.Tensor) -> Optional[tuple[Any, Any]]:
+    """``(group, sharded parameter)`` if ``param`` is a shard ``fully_shard`` registers (and its group lives)."""
+    reference = getattr(param, SHARDED_BY, None)
+    group = reference() if reference is not None else None
+    if group is None:
+        return None
+    for sharded in group.params:
+        if sharded.shard is param:
+            return group, sharded
+    return None  # a shard no longer registered (replaced by load_state_dict(assign=True), to_empty())
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _watched.get(optimizer) == count:  # seen with these parameters: the usual step costs one lookup
+        return
+    _watched[optimizer] = count
+    if optimizer not in _hooked and any(_shard_of(param) is not None for param in _params_of(optimizer)):
+        optimizer.register_state_dict_post_hook(_state_as_dtensors)
+        optimizer.register_load_state_dict_post_hook(_state_as_rows)
+        _hooked.add(optimizer)
+        _state_as_rows(optimizer)  # what was loaded before this first step
+
+
+def _state_as_dtensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """After ``optimizer.state_dict()``: each state tensor of a shard, shaped like its rows, as FSDP2's DTensor."""
+    params = _params_of(optimizer)
+    meshes: dict[int, Any] = {}  # one mesh per group and call (a group's mesh may be made for the call)
+    for index, state in list(state_dict["state"].items()):
+        found = _shard_of(params[index])
+        if found is None:
+            continue
+        group, sharded = found
+        mesh = meshes.setdefault(id(group), group.dtensor_mesh())
+        rows_shape = params[index].shape
+        # a new dict: the state dict's entries are the optimizer's own (Optimizer.state_dict packs them as they are)
+        state_dict["state"][index] = {
+            key: group.as_dtensor(sharded, value, mesh)
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == rows_shape
+            else value
+            for key, value in state.items()
+        }
+    return state_dict
+
+
+def _state_as_rows(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict(...)``: each DTensor (or whole tensor) of a shard's state as this rank's rows."""
+    meshes: dict[int, Any] = {}
+    for param, state in optimizer.state.items():
+        found = _shard_of(param)
+        if found is None:
+            continue
+        group, sharded = found
+        for key, value in state.items():
+            if isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and value.shape == sharded.full_size
+                                              and value.shape != param.shape):
+                mesh = meshes.setdefault(id(group), group.dtensor_mesh())
+                # a copy: rows cut from a whole tensor would keep it all alive, and be strided where dim > 0
+                state[key] = group.own_rows(sharded, value, mesh).clone(memory_format=torch.contiguous_format)
