@@ -12,9 +12,10 @@ and across groups, modules run several times, in part under ``no_grad``), ``test
 and modules the loss does not use, activations inside containers, post-accumulate-grad hooks and an optimizer stepped
 from them), ``test_fully_shard_state_dict.py`` (DTensor state dicts over the shards' storage, on 1-D and HSDP
 meshes, loaded in place, gathered whole on rank 0), ``test_fully_shard_grad_scaler.py`` (a loss scaler that sees
-an inf in another rank's shard), ``test_fully_shard_comm.py`` (the collectives a step issues, by count) and
+an inf in another rank's shard), ``test_fully_shard_comm.py`` (the collectives a step issues, by count),
 ``test_fully_shard_clip_grad_norm_.py``
-(clipping through :func:`minidp.distributed.clip_grad_norm_`). Upstream gates most of them on
+(clipping through :func:`minidp.distributed.clip_grad_norm_`), and ``test/distributed/checkpoint/fsdp/test_fsdp_dsd.py``
+(``torch.distributed.checkpoint``'s state dicts of a sharded model and its optimizer, a checkpoint of FSDP1's loaded). Upstream gates most of them on
 GPUs only to have a device per rank, and runs them on 2 to 8 ranks; here the CPU and 2 ranks. What the port adapts
 (DTensor parameters read as plain shards, collectives seen through a dispatch mode, fewer iterations, the int
 ``reshard_after_forward=2`` of 2 ranks as True) is in that module's docstring and in each case's. Examined but not
@@ -124,6 +125,12 @@ PORTED = {
     "test_fully_shard_clip_grad_norm_.py": [
         "test_clip_grad_norm_1d",
     ],
+    # (in test/distributed/checkpoint/fsdp/: distributed state dicts of sharded models and their optimizers)
+    "test_fsdp_dsd.py": [
+        "test_1d_fsdp_get_model_state_dict",
+        "test_1d_fsdp_cpu_offload_full_model_state_dict",
+        "test_save_with_fsdp1_and_load_with_fsdp2",
+    ],
 }
 CASES = [name for names in PORTED.values() for name in names]
 
@@ -204,6 +211,10 @@ NOT_PORTED = {
     "test_2d_state_dict_correctness": "tensor parallelism (parallelize_module) on a 2-D mesh of 4 ranks",
     "test_dp_tp_state_dict_save_load": _MESH,
     "test_hsdp_tp_state_dict_save_load": _MESH,
+    # test_fsdp_dsd.py
+    **dict.fromkeys(["test_save_with_fsdp1_and_load_with_fsdp2_tp", "test_save_with_tp_and_load_with_fsdp2_tp",
+                     "test_save_with_fsdp2_tp_and_load_with_tp"],
+                    "tensor parallelism (parallelize_module) on a 2-D mesh of 4 ranks"),
     # test_fully_shard_comm.py
     **dict.fromkeys(["test_all_gather_fp32", "test_reduce_scatter_fp32", "test_reduce_scatter_fp16"],
                     "drives FSDP2's private FSDPParamGroup and its foreach collectives on 128 threads"),

@@ -12,6 +12,8 @@ https://github.com/pytorch/pytorch, copyright the PyTorch contributors):
 * ``test/distributed/_composable/fsdp/test_fully_shard_state_dict.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_grad_scaler.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_comm.py``;
+* ``test/distributed/_composable/fsdp/test_fully_shard_clip_grad_norm_.py``;
+* ``test/distributed/checkpoint/fsdp/test_fsdp_dsd.py``;
 * the helpers they import from ``torch/testing/_internal/common_fsdp.py`` (``MLP``, ``DoubleLinear``,
   ``check_sharded_parity``),
   ``common_distributed.py`` (``SaveForwardInputsModel``) and ``distributed/_tensor/common_dtensor.py``
@@ -3022,3 +3024,173 @@ def test_clip_grad_norm_1d():
                     assert not torch.equal(local(param.grad), grad)
             ref_optim.step()
             optim.step()
+
+
+# ==================================================================================================
+# test/distributed/checkpoint/fsdp/test_fsdp_dsd.py (TestFullyShardWithDistributedStateDict)
+# ==================================================================================================
+
+
+def _dsd_base_model(mlp_dim: int = 2) -> nn.Module:
+    return nn.Sequential(MLP(mlp_dim), nn.Sequential(MLP(mlp_dim), nn.Linear(mlp_dim, mlp_dim)), MLP(mlp_dim))
+
+
+def _assert_state_dicts_equal(actual: dict, expected: dict) -> None:
+    """Upstream's ``assertEqual`` of two state dicts: the same keys, and equal values (``assert_close``), a DTensor's
+    placements and whole shape with its local tensor, nested dicts and lists (an optimizer's) entry by entry."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict), type(actual)
+        assert actual.keys() == expected.keys(), (list(actual), list(expected))  # in any order, as assertEqual
+        for key in expected:
+            _assert_state_dicts_equal(actual[key], expected[key])
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for a, b in zip(actual, expected):
+            _assert_state_dicts_equal(a, b)
+    elif isinstance(expected, DTensor):
+        assert (actual.placements, actual.shape) == (expected.placements, expected.shape)
+        assert_close(actual.to_local(), expected.to_local())
+    elif isinstance(expected, torch.Tensor):
+        assert_close(actual, expected)
+    else:
+        assert actual == expected, (actual, expected)
+
+
+def test_1d_fsdp_get_model_state_dict():
+    """``get_model_state_dict`` of a sharded model is its ``state_dict()``, widths 2 to 5 (uneven shards, empty
+    ones), before any forward and after one that left the parameters gathered (``reshard_after_forward=False``: the
+    state dict hooks reshard). Adapted: the input on the CPU."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    for mlp_dim in (2, 3, 4, 5):
+        base_model = _dsd_base_model(mlp_dim)
+        # Default is `reshard_after_forward=True`
+        model1 = copy.deepcopy(base_model)
+        for module in model1:
+            fully_shard(module)
+        fully_shard(model1)
+
+        # osd: original state dict, dsd: distributed state dict
+        osd = model1.state_dict()
+        dsd = get_model_state_dict(model1)
+        _assert_state_dicts_equal(osd, dsd)
+
+        # Check `reshard_after_forward=False` after a forward
+        model2 = copy.deepcopy(base_model)
+        for module in model2:
+            fully_shard(module, reshard_after_forward=False)
+        fully_shard(model2, reshard_after_forward=False)
+        inp = torch.randn((2, mlp_dim))
+        model2(inp)  # parameters are not resharded after this forward
+        # Check that state dict hooks reshard
+        osd_2 = model2.state_dict()
+        dsd_2 = get_model_state_dict(model2)
+        _assert_state_dicts_equal(osd_2, dsd_2)
+
+
+def test_1d_fsdp_cpu_offload_full_model_state_dict():
+    """``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` gathers every parameter whole on rank 0 alone,
+    on the CPU, equal to the unsharded model's state dict; the other ranks get an empty dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_all_only
+
+    orig_model = _dsd_base_model()
+    fsdp_model = copy.deepcopy(orig_model)
+    for module in fsdp_model:
+        fully_shard(module)
+    fully_shard(fsdp_model)
+
+    osd = orig_model.state_dict()
+    dsd = get_model_state_dict(fsdp_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    cpu_device = torch.device("cpu")
+
+    def is_cpu(v):
+        if isinstance(v, DTensor):
+            return v.device == torch.device("cpu")
+        else:
+            return v.device == cpu_device
+
+    if dist.get_rank() == 0:
+        _assert_state_dicts_equal(osd, dsd)
+        assert tree_all_only((torch.Tensor, DTensor), is_cpu, osd)
+    else:
+        assert dsd == {}
+
+
+def test_save_with_fsdp1_and_load_with_fsdp2():
+    """A model and its AdamW state saved by ``torch.distributed.checkpoint`` from FSDP1 (``FullyShardedDataParallel``,
+    full and sharded state dict types) load into the same model sharded by ``fully_shard`` and a fresh optimizer
+    (``get_optimizer_state_dict`` as the template, ``dcp.load``, then the plain ``load_state_dict`` of each): both whole
+    state dicts, the model's and the optimizer's, are FSDP1's. Adapted: FSDP1 on the CPU (upstream: ``.cuda()``), a
+    temporary directory made by rank 0 and shared (upstream's ``with_temp_dir``); FSDP1's whole state dicts gathered
+    on every rank and kept on rank 0 alone, since with ``cpu_offload=True`` (which keeps them on rank 0 alone) FSDP1 on
+    the CPU crashes in torch 2.13 (a segmentation fault in ``get_model_state_dict``)."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+    from torch.distributed.fsdp.wrap import always_wrap_policy
+
+    for state_dict_type in (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT):
+        temp_dir = [tempfile.mkdtemp(prefix="minidp-dsd-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(temp_dir, src=0)
+        try:
+            # Save state dict with model wrapped with FSDP1
+            fsdp1_model = FSDP(_dsd_base_model(), use_orig_params=True, auto_wrap_policy=always_wrap_policy,
+                               device_id=torch.device("cpu"))
+
+            fsdp1_optim = torch.optim.AdamW(fsdp1_model.parameters(), lr=0.1)
+
+            fsdp1_model(torch.randn((2,))).sum().backward()
+            fsdp1_optim.step()
+
+            with FSDP.state_dict_type(fsdp1_model, state_dict_type):
+                fsdp1_state_dict = {
+                    "model": fsdp1_model.state_dict(),
+                    "optim": FSDP.sharded_optim_state_dict(fsdp1_model, fsdp1_optim),
+                }
+                dcp.save(fsdp1_state_dict, checkpoint_id=temp_dir[0])
+
+            # (cpu_offload=False, kept on rank 0 alone: what cpu_offload=True gives, which crashes FSDP1 on the CPU)
+            fsdp1_full_msd = get_model_state_dict(fsdp1_model, options=StateDictOptions(full_state_dict=True))
+            fsdp1_full_osd = get_optimizer_state_dict(
+                fsdp1_model, fsdp1_optim, options=StateDictOptions(full_state_dict=True))
+            if dist.get_rank() != 0:
+                fsdp1_full_msd, fsdp1_full_osd = {}, {}
+
+            # Load state dict into model with FSDP2 applied
+            fsdp2_model = _dsd_base_model()
+            for module in fsdp2_model:
+                fully_shard(module)
+            fully_shard(fsdp2_model)
+            fsdp2_optim = torch.optim.AdamW(fsdp2_model.parameters(), lr=0.1)
+
+            fsdp2_state_dict = {
+                "model": get_model_state_dict(fsdp2_model),
+                "optim": get_optimizer_state_dict(fsdp2_model, fsdp2_optim),
+            }
+            dcp.load(fsdp2_state_dict, checkpoint_id=temp_dir[0])
+            fsdp2_model.load_state_dict(fsdp2_state_dict["model"])
+            fsdp2_optim.load_state_dict(fsdp2_state_dict["optim"])
+
+            fsdp2_full_msd = get_model_state_dict(
+                fsdp2_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            fsdp2_full_osd = get_optimizer_state_dict(
+                fsdp2_model, fsdp2_optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+            # Compare full state dict to make sure they are the same.
+            _assert_state_dicts_equal(fsdp2_full_msd, fsdp1_full_msd)
+            _assert_state_dicts_equal(fsdp1_full_osd, fsdp2_full_osd)
+        finally:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(temp_dir[0])
