@@ -101,6 +101,80 @@ def pickled_then_trained(seed: int, how: str) -> dict:
     }
 
 
+def _evaluated_batch_norm() -> nn.Module:
+    return _with_batch_norm().eval()
+
+
+def distributed_checkpoint_as_stock(seed: int) -> dict:
+    """``torch.distributed.checkpoint``'s state dict API on both wrappers after two steps of SGD with momentum (a
+    model with BatchNorm buffers, in eval mode: DCP takes a plain tensor for one every rank holds alike and saves one
+    rank's, while a training BatchNorm's statistics differ between ranks after each forward, under either wrapper):
+    ``get_state_dict`` (keys and values, the model's and the optimizer's, sharded and
+    whole: ``same_state_dicts``); checkpoints saved with ``dcp.save`` by each wrapper, loaded (``set_state_dict``) into
+    a fresh wrapper of the other, on other weights, and trained two more steps beside the saved ones (``resumed``, the
+    first difference per step); the same checkpoints loaded into the plain unwrapped model (``plain_loaded``)."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    rank = dist.get_rank()
+    wrappers = {"torch": lambda module: _quiet(lambda: TorchDDP(module)), "minidp": md.DistributedDataParallel}
+    theirs, ours, theirs_module, ours_module = _pair(_evaluated_batch_norm, seed)
+    pairs = [(d, m, torch.optim.SGD(d.parameters(), lr=0.1, momentum=0.9)) for d, m in ((theirs, theirs_module), (ours, ours_module))]
+    _sgd_steps(pairs, seed, 0, 2)
+
+    def state(ddp: nn.Module, optimizer: torch.optim.Optimizer, whole: bool = False) -> dict:
+        model_state, optimizer_state = get_state_dict(ddp, optimizer, options=StateDictOptions(full_state_dict=whole))
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, dict):
+            return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, list):
+            return isinstance(b, list) and len(a) == len(b) and all(map(same, a, b))
+        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+    same_state_dicts = all(same(state(*pairs[1][::2], whole), state(*pairs[0][::2], whole)) for whole in (False, True))
+    directory = [tempfile.mkdtemp(prefix="minidp-dcp-") if rank == 0 else None]
+    dist.broadcast_object_list(directory, src=0)
+    for library, (ddp, _, optimizer) in zip(wrappers, pairs):
+        dcp.save(state(ddp, optimizer), checkpoint_id=f"{directory[0]}/{library}")
+    loaded = {}  # (saved by, loaded into): a fresh wrapper on other weights, given the checkpoint
+    for saved, into in (("torch", "minidp"), ("minidp", "torch")):
+        torch.manual_seed(seed + 7)  # (the constructor broadcasts rank 0's weights: the same on every rank)
+        ddp = wrappers[into](_evaluated_batch_norm())
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        loaded_state = state(ddp, optimizer)
+        dcp.load(loaded_state, checkpoint_id=f"{directory[0]}/{saved}")
+        set_state_dict(ddp, optimizer, model_state_dict=loaded_state["model"], optim_state_dict=loaded_state["optimizer"])
+        loaded[saved, into] = (ddp, ddp.module, optimizer)
+    plain_loaded = {}
+    for saved, (_, module, _) in zip(wrappers, pairs):
+        plain = _evaluated_batch_norm()
+        plain_state = {"model": plain.state_dict()}
+        dcp.load(plain_state, checkpoint_id=f"{directory[0]}/{saved}")
+        plain.load_state_dict(plain_state["model"])
+        plain_loaded[saved] = same(plain.state_dict(), module.state_dict())
+    # minidp's beside stock's, the original of each beside the other library's resumed copy (_difference's order)
+    beside = {"saved by torch, loaded into minidp": (loaded["torch", "minidp"][1], theirs_module),
+              "saved by minidp, loaded into torch": (ours_module, loaded["minidp", "torch"][1])}
+    resumed: dict[str, list] = {name: [] for name in beside}
+    for step in (2, 3):
+        for ddp, _, optimizer in [*pairs, *loaded.values()]:
+            optimizer.zero_grad()
+            ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+            optimizer.step()
+        for name, (mine, stock) in beside.items():
+            resumed[name].append(_difference(mine, stock))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(directory[0])
+    return {"same_state_dicts": same_state_dicts, "resumed": resumed, "plain_loaded": plain_loaded,
+            "is_torchs_class": isinstance(ours, TorchDDP)}
+
+
 def pickling_with_a_subgroup(seed: int) -> dict:
     """torch DDP pickles only with the default group; both errors."""
     group = dist.new_group(list(range(dist.get_world_size())))

@@ -60,6 +60,7 @@ STOCK_MIXED_PRECISION_FALLS_SHORT = {"fp16_grad_as_bucket_view", "bf16_no_sync",
 TWO_PROCESSES = {
     "saved": (checks.pickled_then_trained, {"how": "torch.save"}),
     "deepcopied": (checks.pickled_then_trained, {"how": "deepcopy"}),
+    "distributed_checkpoint": (checks.distributed_checkpoint_as_stock, {}),
     "pickling_subgroup": (checks.pickling_with_a_subgroup, {}),
     "create_graph": (checks.create_graph_as_stock, {}),
     "create_graph_second": (checks.create_graph_with_several_parameters, {}),
@@ -160,6 +161,29 @@ def test_pickling_with_a_non_default_group_raises_stocks_error(two):
     for errors in each_rank(two, "pickling_subgroup"):
         assert errors["minidp"] == errors["stock"]
         assert errors["minidp"].startswith("DDP Pickling/Unpickling are only supported")
+
+
+# ---- torch.distributed.checkpoint (torch/distributed/checkpoint/state_dict.py: _get_fqns skips DDP's "module.") ----
+
+
+def test_the_wrapper_is_an_instance_of_torchs_class_as_code_that_unwraps_models_checks(two):
+    # isinstance(model, DistributedDataParallel) is how torch's checkpoint API, and frameworks, find the wrapper
+    assert all(result["is_torchs_class"] for result in each_rank(two, "distributed_checkpoint"))
+
+
+def test_get_state_dict_gives_stocks_keys_and_values_for_the_model_and_the_optimizer(two):
+    # stock's keys leave out the wrapper's "module." prefix, as the plain model's state dict has none
+    assert all(result["same_state_dicts"] for result in each_rank(two, "distributed_checkpoint"))
+
+
+def test_a_distributed_checkpoint_of_either_wrapper_resumes_training_bitwise_in_the_other(two):
+    for result in each_rank(two, "distributed_checkpoint"):
+        assert result["resumed"] == {name: [None, None] for name in result["resumed"]} and len(result["resumed"]) == 2
+
+
+def test_a_distributed_checkpoint_of_either_wrapper_loads_into_the_plain_model(two):
+    for result in each_rank(two, "distributed_checkpoint"):
+        assert result["plain_loaded"] == {"torch": True, "minidp": True}
 
 
 # ---- second-order gradients (reducer.cpp's create_graph warning; distributed_test.py test_ddp_create_graph) ----

@@ -33,6 +33,15 @@ def test_torch_ddp_arguments_minidp_lacks_are_refused_by_name_not_ignored(argume
         DistributedDataParallel(nn.Linear(2, 2), **{argument: value})
 
 
+@pytest.mark.parametrize("name", ["_register_fused_optim", "_update_process_group", "_set_sparse_metadata", "scatter",
+                                  "_pre_forward"])
+def test_torch_ddps_own_methods_minidp_does_not_run_are_refused_by_name(name):
+    # minidp's class derives from torch's for isinstance() only (torch.distributed.checkpoint's state dicts, frameworks):
+    # a method of torch's it does not define would otherwise run torch's code on attributes minidp does not have
+    with pytest.raises(NotImplementedError, match=rf"DistributedDataParallel\.{name} is torch DDP's own"):
+        getattr(DistributedDataParallel, name)(None)
+
+
 def _mixed_precision(param_dtype=torch.float16, reduce_dtype=torch.float16, buffer_dtype=torch.float16):
     from torch.nn.parallel.distributed import _MixedPrecision
     return _MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.optim import apply_optimizer_in_backward
+from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
 from ..hooks import profiled
@@ -52,8 +53,15 @@ from .reducer import Reducer
 DeviceLike = Union[int, str, torch.device]
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(TorchDistributedDataParallel):
     """Data parallelism across processes, with torch DDP's signature, defaults and arithmetic.
+
+    A subclass of torch's ``DistributedDataParallel`` so that ``isinstance`` holds, as code that finds the wrapper
+    checks it: ``torch.distributed.checkpoint``'s ``get_state_dict`` then leaves out the ``module.`` prefix as it does
+    for torch's (a checkpoint then loads into either wrapper, or the plain model), frameworks unwrap ``.module``. None
+    of torch's code runs but its ``train()``, which calls ``nn.Module``'s: ``__init__`` is ``nn.Module``'s, every
+    method torch's forward and backward use is minidp's own, and torch's other methods (its C++ reducer's internals)
+    are refused by name (:func:`_refuse_torchs_own`).
 
     Args:
         module: the model; the same on every rank (checked). Rank 0's parameters and buffers are
@@ -117,7 +125,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         batched_grad_copy: bool = False,
         forward_sync_buffers: Optional[bool] = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not torch DDP's: its class is a base for isinstance() only (see the class docstring)
         Joinable.__init__(self)  # not in a Join context until join() or Join([...]) says so
         refuse_unsupported(
             delay_all_reduce_named_params=delay_all_reduce_named_params, param_to_hook_all_reduce=param_to_hook_all_reduce,
@@ -305,7 +313,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         # a wrapper pickled before `forward_sync_buffers` had it under its older name, now a property
         forward_sync_buffers = state.pop("broadcast_buffers", True)
-        super().__setstate__(state)
+        nn.Module.__setstate__(self, state)
         self.__dict__.setdefault("forward_sync_buffers", forward_sync_buffers)
         self.__dict__.setdefault("parameters_to_ignore", frozenset())
         self.__dict__.setdefault("_buffer_hook", None)
@@ -562,6 +570,25 @@ class DistributedDataParallel(nn.Module, Joinable):
         """The events of the last synchronised backward on this rank (see :meth:`Reducer.timeline`);
         :func:`minidp.distributed.timeline.chrome_trace` merges several ranks' into one trace."""
         return self.reducer.timeline()
+
+
+def _refuse_torchs_own(name: str) -> Callable[..., Any]:
+    def refused(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"DistributedDataParallel.{name} is torch DDP's own (its C++ reducer and the steps of its forward), "
+            f"which minidp's DistributedDataParallel derives from for isinstance() only and does not run; "
+            f"docs/ddp-attributes.md lists what minidp provides. Use torch.nn.parallel.DistributedDataParallel for it")
+
+    refused.__name__ = name
+    return refused
+
+
+# Methods of torch's class that minidp's does not define would run torch's code on attributes minidp lacks: each is
+# refused with its name instead. (train() only calls nn.Module's; properties and class methods are left as they are.)
+for _name, _member in vars(TorchDistributedDataParallel).items():
+    if (callable(_member) and not _name.startswith("__") and _name != "train"
+            and _name not in vars(DistributedDataParallel)):
+        setattr(DistributedDataParallel, _name, _refuse_torchs_own(_name))
 
 
 def refuse_unsupported(**arguments: Any) -> None:
