@@ -95,7 +95,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference
-from .ddp import DistributedDataParallel
 from .sharded_optimizer_state import SHARDED_BY, watch_optimizers
 
 
@@ -1090,7 +1089,7 @@ def _check_module(module: nn.Module) -> None:
         raise ValueError(
             f"fully_shard was already applied to this {_class_name(module)}; apply it once per module "
             f"(sub-modules first, then the root)")
-    if isinstance(module, (FSDPModule, nn.parallel.DistributedDataParallel, DistributedDataParallel)):
+    if isinstance(module, (FSDPModule, nn.parallel.DistributedDataParallel)):  # minidp's DDP too: a subclass
         raise ValueError(
             f"fully_shard got a module already wrapped ({type(module).__name__}); pass the plain model, "
             f"not one that torch's fully_shard or a DistributedDataParallel already manages")
@@ -1418,7 +1417,7 @@ def sharded_groups(module: nn.Module) -> list[ShardGroup]:
 
 def sharded_timeline(module: nn.Module) -> list[dict]:
     """This rank's events of the last forward and backward of ``module`` (the root ``fully_shard`` was
-    applied to last), in the format of :meth:`DistributedDataParallel.timeline`: ``stage`` is
+    applied to last), in the format of :meth:`minidp.distributed.DistributedDataParallel.timeline`: ``stage`` is
     ``"all-gather"`` and ``"reduce-scatter"`` (from launch to completion: a bar that overlaps a
     compute bar was hidden behind it), ``"copy-out"``, ``"forward"`` and ``"backward"`` (of one group;
     the root's spans its sub-modules'); ``bucket`` the group's index, ``group`` its module's name.
