@@ -278,3 +278,29 @@ os.kill(pid, 9)
 os.waitpid(pid, 0)
 sys.exit("the forked child hung in {what}")
 """
+
+
+def assert_equal_as_upstream(actual: Any, expected: Any) -> None:
+    """PyTorch's ``TestCase.assertEqual`` (``torch/testing/_internal/common_utils.py``, which needs a test-only
+    package to import) on state dicts, as ported upstream tests use it: mappings with the same keys in any order,
+    sequences item by item, tensors close (``torch.testing.assert_close``; a DTensor by its placements, whole shape
+    and local tensor), other values equal."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict), type(actual)
+        assert actual.keys() == expected.keys(), (list(actual), list(expected))
+        for key in expected:
+            assert_equal_as_upstream(actual[key], expected[key])
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), (actual, expected)
+        for a, b in zip(actual, expected):
+            assert_equal_as_upstream(a, b)
+    elif isinstance(expected, DTensor):
+        assert isinstance(actual, DTensor), type(actual)
+        assert (actual.placements, actual.shape) == (expected.placements, expected.shape)
+        torch.testing.assert_close(actual.to_local(), expected.to_local())
+    elif isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(actual, expected)
+    else:
+        assert actual == expected, (actual, expected)

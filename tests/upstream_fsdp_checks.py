@@ -73,6 +73,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import minidp.distributed as md
 
+from .helpers import assert_equal_as_upstream
+
 ON_TORCH = os.environ.get("MINIDP_UPSTREAM_FSDP") == "torch"
 
 if ON_TORCH:
@@ -3035,29 +3037,6 @@ def _dsd_base_model(mlp_dim: int = 2) -> nn.Module:
     return nn.Sequential(MLP(mlp_dim), nn.Sequential(MLP(mlp_dim), nn.Linear(mlp_dim, mlp_dim)), MLP(mlp_dim))
 
 
-def _assert_state_dicts_equal(actual: dict, expected: dict) -> None:
-    """Upstream's ``assertEqual`` of two state dicts: the same keys, and equal values (``assert_close``), a DTensor's
-    placements and whole shape with its local tensor, nested dicts and lists (an optimizer's) entry by entry."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(expected, dict):
-        assert isinstance(actual, dict), type(actual)
-        assert actual.keys() == expected.keys(), (list(actual), list(expected))  # in any order, as assertEqual
-        for key in expected:
-            _assert_state_dicts_equal(actual[key], expected[key])
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected)
-        for a, b in zip(actual, expected):
-            _assert_state_dicts_equal(a, b)
-    elif isinstance(expected, DTensor):
-        assert (actual.placements, actual.shape) == (expected.placements, expected.shape)
-        assert_close(actual.to_local(), expected.to_local())
-    elif isinstance(expected, torch.Tensor):
-        assert_close(actual, expected)
-    else:
-        assert actual == expected, (actual, expected)
-
-
 def test_1d_fsdp_get_model_state_dict():
     """``get_model_state_dict`` of a sharded model is its ``state_dict()``, widths 2 to 5 (uneven shards, empty
     ones), before any forward and after one that left the parameters gathered (``reshard_after_forward=False``: the
@@ -3075,7 +3054,7 @@ def test_1d_fsdp_get_model_state_dict():
         # osd: original state dict, dsd: distributed state dict
         osd = model1.state_dict()
         dsd = get_model_state_dict(model1)
-        _assert_state_dicts_equal(osd, dsd)
+        assert_equal_as_upstream(osd, dsd)
 
         # Check `reshard_after_forward=False` after a forward
         model2 = copy.deepcopy(base_model)
@@ -3087,7 +3066,7 @@ def test_1d_fsdp_get_model_state_dict():
         # Check that state dict hooks reshard
         osd_2 = model2.state_dict()
         dsd_2 = get_model_state_dict(model2)
-        _assert_state_dicts_equal(osd_2, dsd_2)
+        assert_equal_as_upstream(osd_2, dsd_2)
 
 
 def test_1d_fsdp_cpu_offload_full_model_state_dict():
@@ -3115,7 +3094,7 @@ def test_1d_fsdp_cpu_offload_full_model_state_dict():
             return v.device == cpu_device
 
     if dist.get_rank() == 0:
-        _assert_state_dicts_equal(osd, dsd)
+        assert_equal_as_upstream(osd, dsd)
         assert tree_all_only((torch.Tensor, DTensor), is_cpu, osd)
     else:
         assert dsd == {}
@@ -3188,8 +3167,8 @@ def test_save_with_fsdp1_and_load_with_fsdp2():
                 fsdp2_model, fsdp2_optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
             # Compare full state dict to make sure they are the same.
-            _assert_state_dicts_equal(fsdp2_full_msd, fsdp1_full_msd)
-            _assert_state_dicts_equal(fsdp1_full_osd, fsdp2_full_osd)
+            assert_equal_as_upstream(fsdp2_full_msd, fsdp1_full_msd)
+            assert_equal_as_upstream(fsdp1_full_osd, fsdp2_full_osd)
         finally:
             dist.barrier()
             if dist.get_rank() == 0:
