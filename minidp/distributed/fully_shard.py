@@ -95,7 +95,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference
-from .sharded_optimizer_state import SHARDED_BY, watch_optimizers
+from .sharded_optimizer_state import SHARDED_BY, group_of_shard, watch_optimizers
 
 
 # torch 2.13 names them all_gather_single and reduce_scatter_single (the older names warn); same calls.
@@ -1473,8 +1473,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
              for p in with_grad]
     by_group: dict[int, tuple[ShardGroup, list[int]]] = {}  # in the parameters' order: the same on every rank
     for index, param in enumerate(with_grad):
-        reference = getattr(param, SHARDED_BY, None)  # a weak reference to its group, on a shard only
-        group = reference() if reference is not None else None
+        group = group_of_shard(param)
         if group is not None:
             by_group.setdefault(id(group), (group, []))[1].append(index)
     for group, indices in by_group.values():

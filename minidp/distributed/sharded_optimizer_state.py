@@ -33,7 +33,7 @@ and asks that group for the layout; it imports nothing of ``fully_shard``'s.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -60,16 +60,17 @@ def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [param for group in optimizer.param_groups for param in group["params"]]
 
 
-def _shard_of(param: torch.Tensor) -> Optional[tuple[Any, Any]]:
-    """``(group, sharded parameter)`` if ``param`` is a shard ``fully_shard`` registers (and its group lives)."""
+def group_of_shard(param: torch.Tensor) -> Optional[Any]:
+    """The group of ``param`` if it is a shard ``fully_shard`` registered and the group lives, else ``None``."""
     reference = getattr(param, SHARDED_BY, None)
-    group = reference() if reference is not None else None
-    if group is None:
-        return None
-    for sharded in group.params:
-        if sharded.shard is param:
-            return group, sharded
-    return None  # a shard no longer registered (replaced by load_state_dict(assign=True), to_empty())
+    return reference() if reference is not None else None
+
+
+def _shards_among(params: Iterable[torch.Tensor]) -> dict[int, tuple[Any, Any]]:
+    """``id(param)``: ``(group, sharded parameter)`` for each of ``params`` that a live group still registers as a
+    shard (one that ``load_state_dict(assign=True)`` or ``to_empty()`` replaced is no longer its group's)."""
+    groups = {id(group): group for group in map(group_of_shard, params) if group is not None}
+    return {id(sharded.shard): (group, sharded) for group in groups.values() for sharded in group.params}
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -77,7 +78,9 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     if _watched.get(optimizer) == count:  # seen with these parameters: the usual step costs one lookup
         return
     _watched[optimizer] = count
-    if optimizer not in _hooked and any(_shard_of(param) is not None for param in _params_of(optimizer)):
+    params = _params_of(optimizer)
+    shards = _shards_among(params)
+    if optimizer not in _hooked and any(id(param) in shards for param in params):
         optimizer.register_state_dict_post_hook(_state_as_dtensors)
         optimizer.register_load_state_dict_post_hook(_state_as_rows)
         _hooked.add(optimizer)
@@ -87,12 +90,12 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
 def _state_as_dtensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     """After ``optimizer.state_dict()``: each state tensor of a shard, shaped like its rows, as FSDP2's DTensor."""
     params = _params_of(optimizer)
+    shards = _shards_among(params)
     meshes: dict[int, Any] = {}  # one mesh per group and call (a group's mesh may be made for the call)
     for index, state in list(state_dict["state"].items()):
-        found = _shard_of(params[index])
-        if found is None:
+        if id(params[index]) not in shards:
             continue
-        group, sharded = found
+        group, sharded = shards[id(params[index])]
         mesh = meshes.setdefault(id(group), group.dtensor_mesh())
         rows_shape = params[index].shape
         # a new dict: the state dict's entries are the optimizer's own (Optimizer.state_dict packs them as they are)
@@ -107,12 +110,12 @@ def _state_as_dtensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> di
 
 def _state_as_rows(optimizer: torch.optim.Optimizer) -> None:
     """After ``optimizer.load_state_dict(...)``: each DTensor (or whole tensor) of a shard's state as this rank's rows."""
+    shards = _shards_among(optimizer.state)
     meshes: dict[int, Any] = {}
     for param, state in optimizer.state.items():
-        found = _shard_of(param)
-        if found is None:
+        if id(param) not in shards:
             continue
-        group, sharded = found
+        group, sharded = shards[id(param)]
         for key, value in state.items():
             if isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and value.shape == sharded.full_size
                                               and value.shape != param.shape):
