@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import itertools
 import sys
 import warnings
@@ -497,6 +498,49 @@ def optimizer_checkpoint(seed: int, mesh: Optional[tuple[int, ...]] = None) -> d
     if rank == 0:
         shutil.rmtree(directory[0])
     return results
+
+
+def _functions_of(module: Any) -> list[Callable]:
+    """The functions a module defines, at its top level and in its classes (the originals of wrapped ones)."""
+    found = []
+    for value in vars(module).values():
+        members = vars(value).values() if isinstance(value, type) and value.__module__ == module.__name__ else [value]
+        for member in members:
+            member = inspect.unwrap(getattr(member, "__func__", member))
+            if inspect.isfunction(member) and member.__module__ == module.__name__:
+                found.append(member)
+    return found
+
+
+def compiled_as_eager(seed: int, steps: int = 4) -> dict[str, Any]:
+    """A sharded model under ``torch.compile``, trained beside the same model run eagerly: the largest difference of
+    their losses, and the functions of ``minidp/distributed/fully_shard.py`` that dynamo compiled (it holds compiled
+    code for them): none, as FSDP2 keeps its hooks out of dynamo's graphs; traced, their bookkeeping would be
+    guarded on and compiled again and again."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    eager = shard(Net(), md.fully_shard, True)
+    twin = Net()  # (a sharded model cannot be deep-copied: its twin is built with the same weights)
+    twin.load_state_dict(md.full_state_dict(eager))
+    compiled = torch.compile(shard(twin, md.fully_shard, True))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.05) for model in (eager, compiled)]
+    differences = []
+    for step in range(steps):
+        batch = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + dist.get_rank()))
+        losses = []
+        for model, optimizer in zip((eager, compiled), optimizers):
+            loss = model(batch).sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        differences.append((losses[0] - losses[1]).abs().item())
+    traced = sorted(function.__qualname__ for function in _functions_of(sys.modules["minidp.distributed.fully_shard"])
+                    if _debug_get_cache_entry_list(function.__code__))
+    torch._dynamo.reset()
+    return {"largest_loss_difference": max(differences), "traced": traced}
 
 
 def forward_method(seed: int) -> dict:

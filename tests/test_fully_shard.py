@@ -116,6 +116,7 @@ TWO_PROCESSES = {
     "optimizer_in_backward": (checks.optimizer_in_backward, {}),
     "checkpoint": (checks.checkpoint_round_trip, {}),
     "optimizer_checkpoint": (checks.optimizer_checkpoint, {}),
+    "compiled": (checks.compiled_as_eager, {}),
     "clip-2": (checks.clips_as_fsdp2, {"norm_type": 2.0, "dtype": torch.float32}),
     "clip-1": (checks.clips_as_fsdp2, {"norm_type": 1.0}),
     "clip-inf": (checks.clips_as_fsdp2, {"norm_type": float("inf"), "dtype": torch.float32}),
@@ -633,6 +634,20 @@ def test_a_checkpoint_of_the_state_dict_saved_and_loaded_by_torch_distributed_ch
     # tensors there: rank 0's alone would be kept); "four": HSDP's 2 x 2 mesh
     for result in each_rank(request.getfixturevalue(world), "checkpoint"):
         assert result["reloaded"] and result["gathered_by_dcp"] and result["across_layouts"]
+
+
+# ---- torch.compile ---------------------------------------------------------------------------------------------
+# FSDP2 keeps its hooks out of dynamo's graphs (torch/distributed/fsdp/_fully_shard/_fsdp_common.py, _dynamo_disable)
+
+
+def test_a_compiled_sharded_model_trains_as_the_eager_one(two):
+    for rank, result in enumerate(each_rank(two, "compiled")):
+        assert result["largest_loss_difference"] < 1e-5, f"rank {rank}: {result}"
+
+
+def test_under_torch_compile_the_hooks_run_eagerly_and_are_never_traced(two):
+    for rank, result in enumerate(each_rank(two, "compiled")):
+        assert result["traced"] == [], f"rank {rank}: dynamo compiled {result['traced']}"
 
 
 # ---- the optimizer's state dict ------------------------------------------------------------------

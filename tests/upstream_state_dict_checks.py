@@ -2,8 +2,9 @@
 run inside every rank of a job of 2 Gloo processes, with minidp's ``DistributedDataParallel`` and ``fully_shard`` in
 place of torch's.
 
-Source (PyTorch is BSD-licensed, 3-clause; the cases below are adapted from it, copyright the PyTorch contributors):
-``test/distributed/checkpoint/test_state_dict.py`` of https://github.com/pytorch/pytorch (``TestStateDict``), with
+Sources (PyTorch is BSD-licensed, 3-clause; the cases below are adapted from them, copyright the PyTorch
+contributors), of https://github.com/pytorch/pytorch: ``test/distributed/checkpoint/test_state_dict.py``
+(``TestStateDict``) and ``test/distributed/checkpoint/e2e/test_e2e_save_and_load.py`` (``TestE2ESaveAndLoad``), with
 its helpers imported from torch's own ``torch/testing/_internal``: ``common_dist_composable`` (``CompositeParamModel``,
 ``UnitModule``) and ``distributed/common_state_dict`` (``VerifyStateDictMixin``, which compares a model's and an
 optimizer's state dicts with the distributed ones, and loads one into a fresh optimizer).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import io
 import os
 import unittest
 from typing import Any, Callable
@@ -363,3 +365,161 @@ def test_flattened_osd() -> None:
     self.assertEqual(fsdp_optim.state_dict(), fsdp_optim2.state_dict())
     set_optimizer_state_dict(fsdp_model, optimizers=fsdp_optim2, optim_state_dict=osd1)
     self.assertEqual(fsdp_optim.state_dict(), fsdp_optim2.state_dict())
+
+
+# ==================================================================================================
+# test/distributed/checkpoint/e2e/test_e2e_save_and_load.py (TestE2ESaveAndLoad)
+# ==================================================================================================
+
+
+class TestDummyModel(torch.nn.Module):
+    """Upstream's "simple and boring model"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net1 = nn.Linear(8, 16)
+        self.net2 = nn.Linear(16, 32)
+        self.net3 = nn.Linear(32, 64)
+        self.net4 = nn.Linear(64, 8)
+
+    def forward(self, x):
+        x = torch.relu(self.net1(x))
+        x = torch.relu(self.net2(x))
+        x = torch.relu(self.net3(x))
+        x = torch.relu(self.net4(x))
+        return x
+
+    def get_input(self):
+        return torch.rand(8, 8, device=DEVICE)
+
+
+class TestStatefulObj:
+    def __init__(self) -> None:
+        self.data = torch.rand(10, 10, device=DEVICE)
+
+    def state_dict(self):
+        return {"data": self.data}
+
+    def load_state_dict(self, state_dict):
+        self.data = state_dict["data"]
+
+    def __eq__(self, other):
+        return torch.equal(self.data, other.data)
+
+
+class TestTrainState:
+    """Upstream's dataclass of the training loop's own state (its step, last loss and losses)."""
+
+    def __init__(self) -> None:
+        self.step, self.current_loss, self.losses = 0, -1.0, []
+
+    def state_dict(self) -> dict[str, Any]:
+        loss_bytes = io.BytesIO()
+        torch.save(self.losses, loss_bytes)
+        return {
+            "step": torch.tensor(self.step, dtype=torch.int32),
+            "current_loss": torch.tensor(self.current_loss, dtype=torch.float32),
+            "losses": loss_bytes,
+        }
+
+    def load_state_dict(self, state_dict) -> None:
+        self.step = state_dict["step"].item()
+        self.current_loss = state_dict["current_loss"].item()
+        state_dict["losses"].seek(0)
+        self.losses = torch.load(state_dict["losses"])
+
+    def __eq__(self, other):
+        return (self.step == other.step and self.current_loss == other.current_loss
+                and self.losses == other.losses)
+
+
+def _train(model, optim, train_steps=1):
+    torch.manual_seed(0)
+    loss = None
+
+    train_state = TestTrainState()
+
+    for _ in range(train_steps):
+        loss = model(model.get_input()).sum()
+        loss.backward()
+
+        # We usually sync the loss across dp ranks in real training.
+        # This is just simulating for testing purpose.
+        train_state.step += 1
+        train_state.current_loss = torch.rand(1).item()
+        train_state.losses.append(train_state.current_loss)
+
+        optim.step()
+        optim.zero_grad()
+
+    return loss, train_state
+
+
+def _create_model(compile: bool, model_type: str) -> tuple[nn.Module, Optimizer]:
+    dummy_model = TestDummyModel()
+    if model_type == "DDP":
+        model = DDP(dummy_model)
+        model.get_input = functools.partial(TestDummyModel.get_input, model)
+    elif model_type == "FSDP2":
+        model = fully_shard(dummy_model)
+    else:
+        model = dummy_model
+    if compile:
+        model = torch.compile(model, dynamic=False)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    if model_type != "NONE":
+        _patch_model_state_dict(model)
+        _patch_optimizer_state_dict(model, optimizers=optim)
+    return model, optim
+
+
+def test_e2e(compile: bool, model_type: str) -> None:
+    """A model, its optimizer and two stateful objects saved by ``torch.distributed.checkpoint`` (passed as they are,
+    their state dicts patched to the DCP API's), loaded into new ones; one more step equals the plain model's.
+    Adapted: ``model_type`` DDP as upstream, and ``"FSDP2"``, ``fully_shard`` in place of upstream's FSDP1 (its other
+    types, FSDP1 and HSDP on FSDP1, are not minidp's); a directory made by rank 0 and shared (``with_temp_dir``)."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as DCP
+
+    self = Verify()
+    temp_dir = [tempfile.mkdtemp(prefix="minidp-e2e-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(temp_dir, src=0)
+    try:
+        model, optim = _create_model(compile, "NONE")
+        _train(model, optim, train_steps=2)
+
+        dist_model, dist_optim = _create_model(compile, model_type)
+        _, original_train_state = _train(dist_model, dist_optim, train_steps=2)
+
+        original_stateful_obj = TestStatefulObj()  # tests arbitrary saving/loading
+        sd = {"model": dist_model, "optimizer": dist_optim, "s": original_stateful_obj,
+              "train_state": original_train_state}
+        DCP.save(sd, checkpoint_id=temp_dir[0])
+
+        loaded_stateful_obj = TestStatefulObj()
+        loaded_train_state = TestTrainState()
+        dist_model, dist_optim = _create_model(compile, model_type)
+
+        DCP.load(state_dict={"model": dist_model, "optimizer": dist_optim, "s": loaded_stateful_obj,
+                             "train_state": loaded_train_state}, checkpoint_id=temp_dir[0])
+
+        assert original_stateful_obj == loaded_stateful_obj
+        assert original_train_state == loaded_train_state
+
+        # train one more step on both models
+        loss, _ = _train(model, optim, train_steps=1)
+        dist_loss, _ = _train(dist_model, dist_optim, train_steps=1)
+        self.assertEqual(loss, dist_loss)
+
+        dist_msd, dist_osd = get_state_dict(dist_model, optimizers=dist_optim)
+        model_sd, optim_sd = get_state_dict(model, optimizers=optim)
+
+        self._verify_msd(model_sd, dist_msd)
+        self._verify_osd_by_load(model, optim, torch.optim.Adam(model.parameters(), lr=0.1), dist_osd)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(temp_dir[0])

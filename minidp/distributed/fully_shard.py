@@ -103,6 +103,13 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _not_traced(hook: Callable) -> Callable:
+    """``hook`` run as it is under ``torch.compile``, not traced: dynamo compiles the module's forward between the hooks,
+    as FSDP2's hooks are left out of its graphs (``_dynamo_disable`` on them, ``_fsdp_common.py``). Traced, their
+    bookkeeping (the timeline's events, the pass's state) would make dynamo compile the graph again at every step."""
+    return torch.compiler.disable(hook, recursive=True, reason="minidp's fully_shard hooks run eagerly")
+
+
 class Division(NamedTuple):
     """How the gradients are averaged around the collectives (:func:`division`); ``None`` where nothing is done."""
 
@@ -626,6 +633,7 @@ class ShardGroup:
 
     # ---- the hooks -----------------------------------------------------------------------------
 
+    @_not_traced
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.iteration is None:
             Iteration(self)  # the first group to run forward is the root
@@ -655,6 +663,7 @@ class ShardGroup:
             return _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
 
+    @_not_traced
     def after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         iteration = self.iteration
         if iteration.backward_started:
@@ -684,6 +693,7 @@ class ShardGroup:
             return output
         return _cast_floating(output, self.mp_policy.output_dtype)
 
+    @_not_traced
     def _before_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if self._backward_start is None:
             self._backward_start = time.time()
@@ -808,6 +818,7 @@ class Iteration:
         if target.unshard_in_backward:  # FSDP2's unshard() does nothing in the backward for such a group
             target.launch_all_gather()
 
+    @_not_traced
     def end_backward(self) -> None:
         """After the whole backward: reduce the groups whose reduction did not run (inputs that needed no gradient,
         a module this rank did not use), the root first, then in module order, as FSDP2's
@@ -1326,6 +1337,7 @@ def _check_placement(device: torch.device, mesh: Optional[DeviceMesh], offload_p
                 "CPUOffloadPolicy(pin_memory=False)")
 
 
+@_not_traced
 def _group_pre_forward(group: ShardGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Before the forward of one of the modules of a ``fully_shard([...])`` group (FSDP2's
     _register_group_forward_hooks and FSDPParamGroup.pre_forward): the first of them to run in a pass gathers the
@@ -1340,6 +1352,7 @@ def _group_pre_forward(group: ShardGroup, module: nn.Module, args: tuple, kwargs
     return group.cast_inputs(args, kwargs)
 
 
+@_not_traced
 def _group_post_forward(group: ShardGroup, module: nn.Module, args: Any, output: Any) -> Any:
     """After the forward of one of them: the last of the pass reshards and closes it (``after_forward``); the
     others only cast their outputs to the policy's ``output_dtype``."""
