@@ -288,16 +288,22 @@ def test_broadcast_from_rank0() -> None:
     _test_broadcast_from_rank0(functools.partial(FSDP2, mesh=device_mesh))
 
 
-def test_optim_state_dict_param_matching() -> None:
-    # This test verifies parameters between optim and optim_state_dict
-    # "initial_lr" is added to optim_state_dict, but not to the new optim
-    # We test whether "initial_lr" appear in optim after
-    # set_optimizer_state_dict.
+def _two_sharded_layers() -> nn.Module:
+    """The model of upstream's two optimizer-matching tests: two linear layers, each sharded, and the root."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4, device=DEVICE, bias=False) for _ in range(2)])
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
+    return model
+
+
+def test_optim_state_dict_param_matching() -> None:
+    # This test verifies parameters between optim and optim_state_dict
+    # "initial_lr" is added to optim_state_dict, but not to the new optim
+    # We test whether "initial_lr" appear in optim after
+    # set_optimizer_state_dict.
+    model = _two_sharded_layers()
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda=[lambda epoch: 0.95**epoch])
     opt_state_dict = ptd_state_dict.get_optimizer_state_dict(
@@ -326,11 +332,7 @@ def _is_sharded_state(state: torch.Tensor, param: torch.Tensor) -> bool:
 def test_optim_state_dict_tensor_matching() -> None:
     """A whole optimizer state dict loaded back gives the optimizer its state as it was, sharded. Adapted: "a DTensor"
     is :func:`_is_sharded_state`."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4, 4, device=DEVICE, bias=False) for _ in range(2)])
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+    model = _two_sharded_layers()
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     x = torch.randn((4, 4), device=DEVICE)
     model(x).sum().backward()
