@@ -73,6 +73,14 @@ def _shards_among(params: Iterable[torch.Tensor]) -> dict[int, tuple[Any, Any]]:
     return {id(sharded.shard): (group, sharded) for group in groups.values() for sharded in group.params}
 
 
+def _mesh_of(group: Any, meshes: dict[int, Any]) -> Any:
+    """The mesh of ``group``'s DTensors, made once per call (a group without a mesh of its own gets one made from its
+    process group, which it must not keep: ``ShardGroup.dtensor_mesh``)."""
+    if id(group) not in meshes:
+        meshes[id(group)] = group.dtensor_mesh()
+    return meshes[id(group)]
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if _watched.get(optimizer) == count:  # seen with these parameters: the usual step costs one lookup
@@ -91,12 +99,12 @@ def _state_as_dtensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> di
     """After ``optimizer.state_dict()``: each state tensor of a shard, shaped like its rows, as FSDP2's DTensor."""
     params = _params_of(optimizer)
     shards = _shards_among(params)
-    meshes: dict[int, Any] = {}  # one mesh per group and call (a group's mesh may be made for the call)
+    meshes: dict[int, Any] = {}
     for index, state in list(state_dict["state"].items()):
         if id(params[index]) not in shards:
             continue
         group, sharded = shards[id(params[index])]
-        mesh = meshes.setdefault(id(group), group.dtensor_mesh())
+        mesh = _mesh_of(group, meshes)
         rows_shape = params[index].shape
         # a new dict: the state dict's entries are the optimizer's own (Optimizer.state_dict packs them as they are)
         state_dict["state"][index] = {
@@ -119,6 +127,6 @@ def _state_as_rows(optimizer: torch.optim.Optimizer) -> None:
         for key, value in state.items():
             if isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and value.shape == sharded.full_size
                                               and value.shape != param.shape):
-                mesh = meshes.setdefault(id(group), group.dtensor_mesh())
+                mesh = _mesh_of(group, meshes)
                 # a copy: rows cut from a whole tensor would keep it all alive, and be strided where dim > 0
                 state[key] = group.own_rows(sharded, value, mesh).clone(memory_format=torch.contiguous_format)
