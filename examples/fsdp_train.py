@@ -11,6 +11,13 @@ The pattern is FSDP2's: build the same model on every rank (the same seed: nothi
 ``fully_shard`` each block, then the root; build the optimizer on the shards; train as usual. At
 the end every rank gathers the full state dict (a collective) and rank 0 saves it; loading it back
 into the sharded model gives each rank its rows again.
+
+With ``--checkpoint DIR`` the job saves the model and the optimizer after every epoch with
+``torch.distributed.checkpoint`` (each rank writes its own rows, as under FSDP2), and a job started
+again with the same directory resumes after the last saved epoch, as if it had never stopped::
+
+    torchrun --nproc_per_node=2 examples/fsdp_train.py --epochs 1 --checkpoint ckpt
+    torchrun --nproc_per_node=2 examples/fsdp_train.py --epochs 2 --checkpoint ckpt   # resumes at epoch 2
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -35,6 +44,23 @@ def build_model(width: int) -> nn.Sequential:
     return nn.Sequential(nn.Flatten(), *blocks, nn.Linear(width, 10))
 
 
+def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> None:
+    """Every rank writes its rows: the model's and the optimizer's state dicts hold the shards as DTensors (FSDP2's
+    layout), which torch.distributed.checkpoint saves part by part. A collective: every rank calls it."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state, "epoch": epoch}, checkpoint_id=directory)
+
+
+def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Each rank reads its rows into the model's and the optimizer's own state (the state dicts are the templates
+    dcp.load fills), then loads them; returns the epoch saved. A collective: every rank calls it."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state, "epoch": 0}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return state["epoch"]
+
+
 @record
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -44,6 +70,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--save", metavar="PATH", default=None, help="rank 0 saves the full state dict here")
+    parser.add_argument("--checkpoint", metavar="DIR", default=None,
+                        help="save model and optimizer here after every epoch (torch.distributed.checkpoint); resume from it")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         raise SystemExit("start this script with torchrun, e.g. torchrun --nproc_per_node=2 examples/fsdp_train.py")
@@ -67,7 +95,11 @@ def main() -> None:
         data = SyntheticDigits(args.samples, seed=0)
         sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
         loader = DataLoader(data, batch_size=args.batch_size // world, sampler=sampler)
-        for epoch in range(1, args.epochs + 1):
+        first_epoch = 1
+        if args.checkpoint and os.path.exists(os.path.join(args.checkpoint, ".metadata")):
+            first_epoch = load_checkpoint(args.checkpoint, model, optimizer) + 1
+            say(f"resumed from {args.checkpoint} after epoch {first_epoch - 1}")
+        for epoch in range(first_epoch, args.epochs + 1):
             sampler.set_epoch(epoch)
             totals = torch.zeros(2, dtype=torch.float64, device=device)
             for batch in loader:
@@ -78,7 +110,9 @@ def main() -> None:
                 optimizer.step()
                 totals += torch.tensor([loss.item() * len(label), len(label)], dtype=torch.float64, device=device)
             dist.all_reduce(totals)
-            say(f"epoch {epoch}/{args.epochs}: train loss {(totals[0] / totals[1]).item():.4f}")
+            say(f"epoch {epoch}/{args.epochs}: train loss {(totals[0] / totals[1]).item():.6f}")
+            if args.checkpoint:
+                save_checkpoint(args.checkpoint, model, optimizer, epoch)
         say("memory per rank:\n" + format_ledgers({"fully_shard": memory_ledger(model, optimizer)}))
 
         state = full_state_dict(model)  # every rank takes part; every rank gets the whole

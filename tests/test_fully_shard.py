@@ -863,6 +863,22 @@ def test_torchrun_example_trains_sharded_and_loads_its_full_state_dict_back(tmp_
     assert saved["1.0.weight"].shape == (64, 784)  # whole, as the model was built
 
 
+def test_the_torchrun_example_resumed_from_its_checkpoint_ends_as_a_run_that_never_stopped(tmp_path):
+    # torch.distributed.checkpoint of the model and AdamW's state after epoch 1, loaded by a new job that trains epoch
+    # 2: its final weights are those of one job that trained both epochs, bit for bit
+    example = ("examples/fsdp_train.py", "--samples", "200", "--width", "64")
+    checkpoint = str(tmp_path / "checkpoint")
+    runs = [torchrun(*example, "--epochs", "2", "--save", str(tmp_path / "straight.pt")),
+            torchrun(*example, "--epochs", "1", "--checkpoint", checkpoint),
+            torchrun(*example, "--epochs", "2", "--checkpoint", checkpoint, "--save", str(tmp_path / "resumed.pt"))]
+    for done in runs:
+        assert done.returncode == 0, done.stdout
+    assert "resumed from" in runs[2].stdout and "epoch 1/2" not in runs[2].stdout
+    straight, resumed = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[key], resumed[key]) for key in straight)
+
+
 _DESTROYED_GROUP = """
 import gc, socket, weakref, torch, torch.distributed as dist
 from torch import nn
