@@ -879,6 +879,22 @@ def test_the_torchrun_example_resumed_from_its_checkpoint_ends_as_a_run_that_nev
     assert all(torch.equal(straight[key], resumed[key]) for key in straight)
 
 
+def test_the_examples_checkpoint_converts_to_one_file_of_whole_tensors_without_processes(tmp_path):
+    # torch.distributed.checkpoint.format_utils.dcp_to_torch_save reads every rank's rows back into whole tensors, in
+    # this process alone: the model equals the full state dict the job saved, AdamW's moments are whole too
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    checkpoint = str(tmp_path / "checkpoint")
+    done = torchrun("examples/fsdp_train.py", "--epochs", "1", "--samples", "200", "--width", "64",
+                    "--checkpoint", checkpoint, "--save", str(tmp_path / "full.pt"))
+    assert done.returncode == 0, done.stdout
+    dcp_to_torch_save(checkpoint, tmp_path / "converted.pt")
+    converted, full = torch.load(tmp_path / "converted.pt", weights_only=False), torch.load(tmp_path / "full.pt")
+    assert converted["model"].keys() == full.keys()
+    assert all(torch.equal(converted["model"][key], full[key]) for key in full)
+    assert converted["optimizer"]["state"]["1.0.weight"]["exp_avg"].shape == (64, 784)
+
+
 _DESTROYED_GROUP = """
 import gc, socket, weakref, torch, torch.distributed as dist
 from torch import nn
