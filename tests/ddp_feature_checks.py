@@ -27,7 +27,7 @@ import minidp
 import minidp.distributed as md
 
 from .ddp_checks import TorchDDP, _difference
-from .helpers import max_relative_error
+from .helpers import max_relative_error, state_difference
 
 
 def _quiet(build: Callable[[], Any]) -> Any:
@@ -129,14 +129,8 @@ def distributed_checkpoint_as_stock(seed: int) -> dict:
         model_state, optimizer_state = get_state_dict(ddp, optimizer, options=StateDictOptions(full_state_dict=whole))
         return {"model": model_state, "optimizer": optimizer_state}
 
-    def same(a: Any, b: Any) -> bool:
-        if isinstance(a, dict):
-            return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-        if isinstance(a, list):
-            return isinstance(b, list) and len(a) == len(b) and all(map(same, a, b))
-        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-
-    same_state_dicts = all(same(state(*pairs[1][::2], whole), state(*pairs[0][::2], whole)) for whole in (False, True))
+    same_state_dicts = all(state_difference(state(*pairs[1][::2], whole), state(*pairs[0][::2], whole)) is None
+                           for whole in (False, True))
     directory = [tempfile.mkdtemp(prefix="minidp-dcp-") if rank == 0 else None]
     dist.broadcast_object_list(directory, src=0)
     for library, (ddp, _, optimizer) in zip(wrappers, pairs):
@@ -156,7 +150,7 @@ def distributed_checkpoint_as_stock(seed: int) -> dict:
         plain_state = {"model": plain.state_dict()}
         dcp.load(plain_state, checkpoint_id=f"{directory[0]}/{saved}")
         plain.load_state_dict(plain_state["model"])
-        plain_loaded[saved] = same(plain.state_dict(), module.state_dict())
+        plain_loaded[saved] = state_difference(plain.state_dict(), module.state_dict()) is None
     # minidp's beside stock's, the original of each beside the other library's resumed copy (_difference's order)
     beside = {"saved by torch, loaded into minidp": (loaded["torch", "minidp"][1], theirs_module),
               "saved by minidp, loaded into torch": (ours_module, loaded["minidp", "torch"][1])}

@@ -29,6 +29,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import minidp.distributed as md
 from minidp.distributed.fully_shard import ShardedModule, sharded_groups
 
+from .helpers import state_difference
+
 
 class Block(nn.Module):
     def __init__(self, features: int, out: int) -> None:
@@ -389,23 +391,6 @@ def checkpoint_round_trip(seed: int, mesh: Optional[tuple[int, ...]] = None) -> 
             "across_layouts": all(torch.equal(across_layouts[k], whole[k]) for k in whole)}
 
 
-def _optimizer_state_dicts_alike(ours: dict, theirs: dict) -> Optional[str]:
-    """The first difference between two optimizer state dicts keyed by names (``get_optimizer_state_dict``): the
-    kind of each value, a DTensor's placements and whole shape, and every rank's local values, bit for bit."""
-    if ours["param_groups"] != theirs["param_groups"] or ours["state"].keys() != theirs["state"].keys():
-        return "parameter groups or state keys"
-    for name, state in theirs["state"].items():
-        for key, value in state.items():
-            mine = ours["state"][name].get(key)
-            if type(mine) is not type(value):
-                return f"{name} {key}: a {type(mine).__name__} here, a {type(value).__name__} in FSDP2's"
-            if isinstance(value, DTensor) and (mine.placements, mine.shape) != (value.placements, value.shape):
-                return f"{name} {key}: {mine.placements} {tuple(mine.shape)} here, {value.placements} {tuple(value.shape)}"
-            if not torch.equal(local(mine), local(value)):
-                return f"{name} {key}: other values"
-    return None
-
-
 def optimizer_checkpoint(seed: int, mesh: Optional[tuple[int, ...]] = None) -> dict[str, Any]:
     """The optimizer's state dict of sharded parameters against FSDP2's, both trained alike with AdamW for two
     steps: ``get_optimizer_state_dict`` sharded (``alike``: the first difference) and whole (``whole_equal``);
@@ -448,12 +433,10 @@ def optimizer_checkpoint(seed: int, mesh: Optional[tuple[int, ...]] = None) -> d
             train(model, optimizer, step)
     # compared at once: the state dicts hold the live state (the step counts even in whole ones), which the steps
     # below go on changing
-    alike = _optimizer_state_dicts_alike(*[get_optimizer_state_dict(model, optimizer) for model, optimizer in pairs])
+    alike = state_difference(*[get_optimizer_state_dict(model, optimizer) for model, optimizer in pairs])
     whole = [get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
              for model, optimizer in pairs]
-    whole_equal = whole[0]["state"].keys() == whole[1]["state"].keys() and all(
-        torch.equal(whole[0]["state"][name][key], value)
-        for name, state in whole[1]["state"].items() for key, value in state.items())
+    whole_equal = state_difference(*whole) is None
     directory = [tempfile.mkdtemp(prefix="minidp-dcp-") if rank == 0 else None]
     dist.broadcast_object_list(directory, src=0)
     for library, (model, optimizer) in zip(libraries, pairs):

@@ -280,27 +280,46 @@ sys.exit("the forked child hung in {what}")
 """
 
 
-def assert_equal_as_upstream(actual: Any, expected: Any) -> None:
-    """PyTorch's ``TestCase.assertEqual`` (``torch/testing/_internal/common_utils.py``, which needs a test-only
-    package to import) on state dicts, as ported upstream tests use it: mappings with the same keys in any order,
-    sequences item by item, tensors close (``torch.testing.assert_close``; a DTensor by its placements, whole shape
-    and local tensor), other values equal."""
+def state_difference(actual: Any, expected: Any, exact: bool = True, where: str = "the state") -> Optional[str]:
+    """Where two state dicts first differ, or None: mappings by their keys (in any order) and values, sequences item by
+    item, tensors bitwise (``torch.equal``), or close with ``exact=False`` (``torch.testing.assert_close``'s default
+    tolerances, as PyTorch's ``TestCase.assertEqual`` compares them), a DTensor by its placements, whole shape and
+    local tensor, other values by ``==``."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(expected, dict):
-        assert isinstance(actual, dict), type(actual)
-        assert actual.keys() == expected.keys(), (list(actual), list(expected))
-        for key in expected:
-            assert_equal_as_upstream(actual[key], expected[key])
-    elif isinstance(expected, (list, tuple)):
-        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), (actual, expected)
-        for a, b in zip(actual, expected):
-            assert_equal_as_upstream(a, b)
-    elif isinstance(expected, DTensor):
-        assert isinstance(actual, DTensor), type(actual)
-        assert (actual.placements, actual.shape) == (expected.placements, expected.shape)
-        torch.testing.assert_close(actual.to_local(), expected.to_local())
-    elif isinstance(expected, torch.Tensor):
-        torch.testing.assert_close(actual, expected)
-    else:
-        assert actual == expected, (actual, expected)
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            return f"{where}: keys {list(actual) if isinstance(actual, dict) else type(actual)}, not {list(expected)}"
+        return next(filter(None, (state_difference(actual[k], expected[k], exact, f"{where}[{k!r}]") for k in expected)),
+                    None)
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
+            return f"{where}: {actual!r}, not {expected!r}"
+        return next(filter(None, (state_difference(a, b, exact, f"{where}[{i}]")
+                                  for i, (a, b) in enumerate(zip(actual, expected)))), None)
+    if isinstance(expected, DTensor):
+        if not isinstance(actual, DTensor) or (actual.placements, actual.shape) != (expected.placements, expected.shape):
+            return f"{where}: not a DTensor laid out as {expected.placements} {tuple(expected.shape)}"
+        actual, expected = actual.to_local(), expected.to_local()
+    elif isinstance(actual, DTensor):
+        return f"{where}: a DTensor, not a plain tensor"
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape:
+            return f"{where}: {type(actual).__name__} {tuple(getattr(actual, 'shape', ()))}, not {tuple(expected.shape)}"
+        if exact:
+            return None if torch.equal(actual, expected) else f"{where}: other values"
+        try:
+            torch.testing.assert_close(actual, expected)
+        except AssertionError as error:
+            return f"{where}: {error}"
+        return None
+    if isinstance(actual, torch.Tensor):
+        return f"{where}: a tensor, not {expected!r}"
+    return None if actual == expected else f"{where}: {actual!r}, not {expected!r}"
+
+
+def assert_equal_as_upstream(actual: Any, expected: Any) -> None:
+    """PyTorch's ``TestCase.assertEqual`` (``torch/testing/_internal/common_utils.py``, which needs a test-only
+    package to import) on state dicts, as ported upstream tests use it: :func:`state_difference` with tolerances."""
+    difference = state_difference(actual, expected, exact=False)
+    assert difference is None, difference
