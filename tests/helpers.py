@@ -249,6 +249,13 @@ def assert_passed_on_every_rank(results: list[dict[str, Optional[str]]], case_id
     assert not failures, "\n".join(failures)
 
 
+def assert_ports_match_their_module(cases: list[str], checks: Any, not_ported: dict[str, str]) -> None:
+    """A port of upstream tests lists its cases in the order its checks module defines them (every ``test_`` function
+    there, none else), and none of them is also listed as not ported."""
+    assert cases == [name for name in vars(checks) if name.startswith("test_")]
+    assert not set(cases) & set(not_ported)
+
+
 def each_rank(results: list[dict], check: str) -> list:
     """What every rank reported for ``check``, in rank order."""
     return [by_name[check] for by_name in results]

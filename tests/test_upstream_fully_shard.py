@@ -37,7 +37,9 @@ import torch
 from torch.torch_version import TorchVersion
 
 from . import upstream_fsdp_checks as checks
-from .helpers import UPSTREAM_GROUP_TIMEOUT, assert_passed_on_every_rank, run_job, run_upstream
+from .helpers import (
+    UPSTREAM_GROUP_TIMEOUT, assert_passed_on_every_rank, assert_ports_match_their_module, run_job, run_upstream,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -240,8 +242,7 @@ def test_upstream_fully_shard_case(ranks, name):
 
 
 def test_every_case_is_in_the_checks_module():
-    assert CASES == [name for name in vars(checks) if name.startswith("test_")]
-    assert not set(CASES) & set(NOT_PORTED)
+    assert_ports_match_their_module(CASES, checks, NOT_PORTED)
 
 
 @pytest.mark.parametrize("name", sorted(NOT_PORTED))

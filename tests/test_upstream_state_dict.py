@@ -17,7 +17,9 @@ from __future__ import annotations
 import pytest
 
 from . import upstream_state_dict_checks as checks
-from .helpers import UPSTREAM_GROUP_TIMEOUT, assert_passed_on_every_rank, run_job, run_upstream
+from .helpers import (
+    UPSTREAM_GROUP_TIMEOUT, assert_passed_on_every_rank, assert_ports_match_their_module, run_job, run_upstream,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -73,8 +75,7 @@ def test_upstream_state_dict_case(ranks, case_id):
 
 
 def test_every_case_is_in_the_checks_module():
-    assert CASES == [name for name in vars(checks) if name.startswith("test_")]
-    assert not set(CASES) & set(NOT_PORTED)
+    assert_ports_match_their_module(CASES, checks, NOT_PORTED)
 
 
 @pytest.mark.parametrize("name", sorted(NOT_PORTED))
