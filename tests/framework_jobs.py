@@ -1,5 +1,5 @@
-"""Training jobs of real frameworks, each run twice under torchrun: with torch DDP, and with
-``minidp.distributed.DistributedDataParallel`` in its place.
+"""Training jobs of real frameworks, each run twice under torchrun: with torch DDP (or FSDP2's ``fully_shard``), and
+with ``minidp.distributed.DistributedDataParallel`` (or minidp's ``fully_shard``) in its place.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.framework_jobs JOB WRAPPER OUT
 
@@ -12,7 +12,9 @@ The swap: the frameworks construct ``torch.nn.parallel.DistributedDataParallel``
 they wrap; Lightning imports it from ``torch.nn.parallel.distributed`` when it is imported, and
 checks ``isinstance`` against it). :func:`swap_in_minidp` rebinds both names to minidp's class
 before any framework is imported, so every construction and every ``isinstance`` check sees it.
-Everything else is the framework's own code.
+Lightning's ``ModelParallelStrategy`` leaves ``fully_shard`` to the user's code (:func:`shard_blocks`), which
+imports it from ``torch.distributed.fsdp``, where the swap puts minidp's; Lightning itself finds the sharded
+modules by ``isinstance(module, FSDPModule)``. Everything else is the framework's own code.
 """
 
 import os
@@ -27,13 +29,16 @@ from torch.utils.data import DataLoader, Dataset
 
 
 def swap_in_minidp() -> None:
-    """Put minidp's DistributedDataParallel where frameworks look for torch's: call it first."""
+    """Put minidp's DistributedDataParallel where frameworks look for torch's, and minidp's ``fully_shard`` where
+    the user's parallelisation (:func:`shard_blocks`) imports torch's from: call it first."""
+    import torch.distributed.fsdp
     import torch.nn.parallel.distributed
 
     import minidp.distributed
 
     torch.nn.parallel.DistributedDataParallel = minidp.distributed.DistributedDataParallel
     torch.nn.parallel.distributed.DistributedDataParallel = minidp.distributed.DistributedDataParallel
+    torch.distributed.fsdp.fully_shard = minidp.distributed.fully_shard
 
 
 class Regression(Dataset):
@@ -188,6 +193,106 @@ def lightning_manual_job(out: dict) -> None:
     _lightning_job(out, manual=True)
 
 
+def shard_blocks(model: nn.Module, mesh: Any) -> nn.Module:
+    """The user's parallelisation, as Lightning's docs write it: ``fully_shard`` on each block, then on the root
+    (found where :func:`swap_in_minidp` may have put minidp's)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+class Blocks(nn.Module):
+    """Two sharded blocks and a head: three groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # every rank alike, as fully_shard requires
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.Tanh())])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def full_state(model: nn.Module) -> dict:
+    """The whole parameters and buffers of a sharded model, gathered on every rank (as both libraries give them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def lightning_fsdp2_job(out: dict) -> None:
+    """PyTorch Lightning ``ModelParallelStrategy`` (FSDP2), ``fully_shard`` in ``configure_model``, AdamW, 2 batches
+    accumulated, validation, and the distributed checkpoint Lightning saves at the end."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Blocks()
+
+        def configure_model(self) -> None:
+            shard_blocks(self.net, self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, index):
+            out["wrapper"] = type(self.net)
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            out["losses"].append(loss.detach().clone())
+            return loss
+
+        def validation_step(self, batch, index):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            out["losses"].append(loss.detach().clone())
+            self.log("val_loss", loss, sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    module = Module()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_steps=4, accumulate_grad_batches=2, val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        deterministic=True,
+    )
+    trainer.fit(module, DataLoader(Regression(), batch_size=4), DataLoader(Regression(n=16), batch_size=4))
+    out["checkpoint"] = os.path.join(out["directory"], "checkpoint")
+    trainer.save_checkpoint(out["checkpoint"])
+    out["state"] = full_state(module.net)
+
+
+def fabric_fsdp2_job(out: dict) -> None:
+    """Lightning Fabric ``ModelParallelStrategy`` (FSDP2) with a ``parallelize_fn``, 2 micro-batches accumulated under
+    ``no_backward_sync`` (which switches the sync off on each ``FSDPModule``), AdamW."""
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import ModelParallelStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(shard_blocks, data_parallel_size=2,
+                                                                                   tensor_parallel_size=1))
+    fabric.launch()
+    model = fabric.setup_module(Blocks())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.01))
+    loader = fabric.setup_dataloaders(DataLoader(Regression(), batch_size=4))
+    for index, (x, y) in enumerate(loader):
+        accumulating = index % 2 == 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            loss = nn.functional.mse_loss(model(x), y)
+            out["losses"].append(loss.detach().clone())
+            fabric.backward(loss)
+        if not accumulating:
+            optimizer.step()
+            optimizer.zero_grad()
+    out["wrapper"] = type(model.module)
+    out["state"] = full_state(model.module)
+
+
 def ignite_job(out: dict) -> None:
     """ignite: ``idist.auto_model``, ``auto_optim``, ``auto_dataloader`` and a supervised trainer
     accumulating 2 micro-batches."""
@@ -215,6 +320,8 @@ JOBS: dict[str, Callable[[dict], None]] = {
     "lightning_auto": lightning_auto_job,
     "lightning_manual": lightning_manual_job,
     "ignite": ignite_job,
+    "lightning_fsdp2": lightning_fsdp2_job,
+    "fabric_fsdp2": fabric_fsdp2_job,
 }
 
 
@@ -224,14 +331,15 @@ def main(job: str, wrapper: str, directory: str) -> None:
         swap_in_minidp()
     elif wrapper != "torch":
         raise SystemExit(f"WRAPPER must be 'torch' or 'minidp', got {wrapper!r}")
-    out: dict = {"losses": []}
+    out: dict = {"losses": [], "directory": directory}
     JOBS[job](out)
     rank = int(os.environ["RANK"])
-    state = {name: t.detach().clone() for name, t in out["module"].state_dict().items()}
+    module = out.get("module")
+    state = out.get("state") or {name: t.detach().clone() for name, t in module.state_dict().items()}
     wrapper_class = out["wrapper"]
     result = {"wrapper": f"{wrapper_class.__module__}.{wrapper_class.__qualname__}",
-              "losses": out["losses"], "state": state,
-              "parameters": [name for name, _ in out["module"].named_parameters()]}
+              "losses": out["losses"], "state": state, "checkpoint": out.get("checkpoint"),
+              "parameters": list(state) if module is None else [name for name, _ in module.named_parameters()]}
     torch.save(result, os.path.join(directory, f"rank{rank}.pt"))
     # Done: leave without freeing anything. Torch's ProcessGroupGloo destructor, run by the thread that frees the
     # last reference to a group (a DDP wrapper's reducer, freed once the group was destroyed; the group itself),

@@ -724,6 +724,29 @@ def unshard_and_reshard(seed: int) -> dict:
     return results
 
 
+def as_fsdp_modules(seed: int) -> dict:
+    """What ``isinstance(..., FSDPModule)`` says of a sharded model and its blocks, and what a slice of a sharded
+    ``nn.Sequential`` is, in each library; and what minidp raises for one of FSDPModule's methods it does not run."""
+    results: dict[str, Any] = {}
+    models = {}
+    for name, function in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
+        torch.manual_seed(seed)
+        model = models[name] = shard(Net(), function, True)
+        sequential = nn.Sequential(Block(13, 29), Block(29, 7))
+        function(sequential[0])
+        function(sequential)
+        sliced = sequential[1:]  # nn.Sequential.__getitem__: type(self)(...) of the chosen modules
+        results[name] = {"root": isinstance(model, FSDPModule),
+                         "blocks": all(isinstance(block, FSDPModule) for block in model.blocks),
+                         "slice": (type(sliced).__name__, isinstance(sliced, FSDPModule), sliced[0] is sequential[1])}
+    try:
+        models["minidp"].blocks[0].set_custom_all_gather(None)
+        results["refused"] = "nothing raised"
+    except NotImplementedError as error:
+        results["refused"] = str(error)
+    return results
+
+
 def deepcopies(seed: int) -> dict:
     """``copy.deepcopy`` of a sharded model before its first forward and after a backward (when its whole
     parameters' storage is freed), in minidp and in FSDP2: per library, what each raised."""

@@ -79,6 +79,7 @@ TWO_PROCESSES = {
     "collectives_unsynced_root": (checks.collectives_when_unsynced, {"recurse": False}),
     "unshard_and_reshard": (checks.unshard_and_reshard, {}),
     "deepcopies": (checks.deepcopies, {}),
+    "as_fsdp_modules": (checks.as_fsdp_modules, {}),
     "already_wrapped": (checks.already_wrapped, {}),
     "shared_between_groups": (checks.shared_between_groups, {}),
     "mismatched_model": (checks.mismatched_model, {}),
@@ -253,6 +254,19 @@ def test_the_sharded_module_is_an_instance_of_its_own_class_with_fsdp2s_methods(
     # FSDP2 (_fsdp_init.py, _apply_to_module): the class becomes FSDP<cls>, a subclass of (FSDPModule, cls)
     for result in each_rank(two, "collectives_unsynced"):
         assert (result["class"], result["is_net"], result["block_class"]) == ("ShardedNet", True, "ShardedBlock")
+
+
+def test_sharded_modules_are_fsdp_modules_and_a_sliced_container_its_own_class_as_fsdp2s(two):
+    # FSDP2 (_fully_shard.py): FSDP<cls> derives from FSDPModule, which code that drives FSDP2 tests for (Lightning
+    # Fabric's no_backward_sync: tests/test_frameworks.py); FSDPModule.__new__ makes a container's slice of cls
+    for result in each_rank(two, "as_fsdp_modules"):
+        assert result["minidp"] == result["fsdp2"] == {"root": True, "blocks": True, "slice": ("Sequential", False, True)}
+
+
+def test_fsdp_module_methods_minidp_does_not_run_are_refused_by_name(two):
+    for result in each_rank(two, "as_fsdp_modules"):
+        assert result["refused"].startswith("set_custom_all_gather is FSDP2's own"), result["refused"]
+        assert "Use torch.distributed.fsdp.fully_shard for it" in result["refused"]
 
 
 def test_unshard_leaves_the_whole_parameters_on_the_module_and_reshard_the_shards_as_fsdp2(two):

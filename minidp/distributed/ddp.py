@@ -45,6 +45,7 @@ from .checks import (
     synced_tensors,
 )
 from .comm_hooks import CommHook, builtin_hook, check_comm_hook, optimizer_in_backward_hook
+from .isinstance_only import refuse_inherited
 from .join import DDPJoinHook, common_rank, sync_backward_vote
 from .logging_data import LoggingData
 from .mixed_precision import MixedPrecision, allreduce_and_upcast, check_mixed_precision
@@ -61,7 +62,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
     for torch's (a checkpoint then loads into either wrapper, or the plain model), frameworks unwrap ``.module``. None
     of torch's code runs but its ``train()``, which calls ``nn.Module``'s: ``__init__`` is ``nn.Module``'s, every
     method torch's forward and backward use is minidp's own, and torch's other methods (its C++ reducer's internals)
-    are refused by name (:func:`_refuse_torchs_own`).
+    are refused by name (:func:`minidp.distributed.isinstance_only.refuse_inherited`).
 
     Args:
         module: the model; the same on every rank (checked). Rank 0's parameters and buffers are
@@ -572,23 +573,15 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         return self.reducer.timeline()
 
 
-def _refuse_torchs_own(name: str) -> Callable[..., Any]:
-    def refused(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            f"DistributedDataParallel.{name} is torch DDP's own (its C++ reducer and the steps of its forward), "
+def _torchs_own(name: str) -> str:
+    return (f"DistributedDataParallel.{name} is torch DDP's own (its C++ reducer and the steps of its forward), "
             f"which minidp's DistributedDataParallel derives from for isinstance() only and does not run; "
             f"docs/ddp-attributes.md lists what minidp provides. Use torch.nn.parallel.DistributedDataParallel for it")
 
-    refused.__name__ = name
-    return refused
-
 
 # Methods of torch's class that minidp's does not define would run torch's code on attributes minidp lacks: each is
-# refused with its name instead. (train() only calls nn.Module's; properties and class methods are left as they are.)
-for _name, _member in vars(TorchDistributedDataParallel).items():
-    if (callable(_member) and not _name.startswith("__") and _name != "train"
-            and _name not in vars(DistributedDataParallel)):
-        setattr(DistributedDataParallel, _name, _refuse_torchs_own(_name))
+# refused with its name instead. (train() only calls nn.Module's.)
+refuse_inherited(DistributedDataParallel, TorchDistributedDataParallel, _torchs_own, keep=["train"])
 
 
 def refuse_unsupported(**arguments: Any) -> None:

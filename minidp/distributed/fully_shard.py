@@ -95,6 +95,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference
+from .isinstance_only import refuse_inherited
 from .sharded_optimizer_state import SHARDED_BY, group_of_shard, watch_optimizers
 
 
@@ -875,7 +876,7 @@ def _group_of(module: nn.Module) -> Optional[ShardGroup]:
     return module.__dict__.get(_GROUP)
 
 
-class ShardedModule:
+class ShardedModule(FSDPModule):
     """FSDP2's ``FSDPModule`` methods, on the modules ``fully_shard`` shards.
 
     FSDP2 returns the module itself, its class swapped for a subclass of (``FSDPModule``, its class),
@@ -883,7 +884,16 @@ class ShardedModule:
     ``fully_shard`` does the same with this class: ``type(module)`` becomes ``Sharded<its class>``
     (one per class, made once), so that the module keeps its attributes, its forward and
     ``isinstance`` to its class, and gains these methods. The state stays in the module's group.
+
+    A subclass of torch's ``FSDPModule`` so that ``isinstance(module, FSDPModule)`` holds, as code that drives FSDP2
+    checks it (Lightning Fabric's ``no_backward_sync`` switches the gradient sync off on such modules only): the
+    methods defined here are minidp's own, FSDPModule's others are refused by name
+    (:mod:`minidp.distributed.isinstance_only`). ``Sharded<cls>(...)``, as a container makes its slices
+    (``sequential[1:]``), builds a plain ``cls``, as FSDP2's ``FSDPModule.__new__`` does: it finds ``cls`` at
+    ``_orig_cls_mro_index`` in the class's MRO, (Sharded<cls>, ShardedModule, FSDPModule, cls, ...).
     """
+
+    _orig_cls_mro_index = 3
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Whether the backward reduce-scatters the gradients: ``False`` for gradient accumulation without
@@ -980,8 +990,9 @@ class ShardedModule:
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``.to()``, ``.double()``, ``.to_empty()`` convert the shards, never the gathered copies (FSDP2's _apply):
         # free those first. The next all-gather reads what the conversion left (ShardedParameter.follows_shard).
+        # Then the module's own class's (nn.Module's), past FSDPModule's, which would re-register FSDP2's shards.
         _own_group(self).reshard()
-        return super()._apply(*args, **kwargs)
+        return super(FSDPModule, self)._apply(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> None:
         # As FSDP2's classes (_fully_shard.py, _unimplemented_deepcopy), with its exception type: after a backward
@@ -1019,6 +1030,16 @@ class ShardedModule:
             raise RuntimeError(f"reset_iter_state must be called on the root sharded module (the "
                                f"{_class_name(root.module)} whose forward runs first), not on this {_class_name(self)}")
         group.iteration.reset()
+
+
+def _fsdp2s_own(name: str) -> str:
+    return (f"{name} is FSDP2's own (FSDPModule's, run on FSDP2's state: custom collectives, CUDA events, "
+            f"communication buffers), which the modules minidp's fully_shard shards derive from for isinstance() only "
+            f"and do not run; the README's fully_shard section lists what minidp provides. Use "
+            f"torch.distributed.fsdp.fully_shard for it")
+
+
+refuse_inherited(ShardedModule, FSDPModule, _fsdp2s_own)
 
 
 class PendingUnshard(UnshardHandle):
@@ -1244,10 +1265,9 @@ def fully_shard(
         holder.register_state_dict_post_hook(functools.partial(_shards_as_dtensors, shard_group))
     for root in roots:
         cls = type(root)
-        if not issubclass(cls, ShardedModule):  # (a Sequential sliced from a sharded one is a ShardedSequential)
-            if cls not in _SHARDED_CLASSES:  # Sharded<cls>: ShardedModule's methods first, then the class's own
-                _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"unsharded_class": cls})
-            root.__class__ = _SHARDED_CLASSES[cls]
+        if cls not in _SHARDED_CLASSES:  # Sharded<cls>: ShardedModule's methods first, then the class's own
+            _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"unsharded_class": cls})
+        root.__class__ = _SHARDED_CLASSES[cls]
     return module
 
 
