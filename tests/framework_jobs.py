@@ -193,6 +193,40 @@ def lightning_manual_job(out: dict) -> None:
     _lightning_job(out, manual=True)
 
 
+def fabric_ddp_job(out: dict) -> None:
+    """Lightning Fabric ``strategy="ddp"``: 2 micro-batches accumulated under ``no_backward_sync`` (``no_sync``),
+    SGD with momentum, ``fabric.save`` of the model and optimizer after 2 steps; after the 4th, ``fabric.load`` of
+    that checkpoint into the same objects, and the last 2 steps again."""
+    from lightning_fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.launch()
+    model = fabric.setup_module(mlp(batch_norm=True))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    loader = fabric.setup_dataloaders(DataLoader(Regression(), batch_size=4))
+    checkpoint = os.path.join(out["directory"], "checkpoint.ckpt")
+
+    def train(batches: list) -> None:
+        for index, (x, y) in batches:
+            accumulating = index % 2 == 0
+            with fabric.no_backward_sync(model, enabled=accumulating):
+                loss = nn.functional.mse_loss(model(x), y)
+                out["losses"].append(loss.detach().clone())
+                fabric.backward(loss)
+            if not accumulating:
+                optimizer.step()
+                optimizer.zero_grad()
+
+    batches = list(enumerate(loader))
+    train(batches[:4])
+    fabric.save(checkpoint, {"model": model, "optimizer": optimizer})
+    train(batches[4:])
+    fabric.load(checkpoint, {"model": model, "optimizer": optimizer})  # back to the state after step 2
+    train(batches[4:])
+    out["wrapper"] = type(model._forward_module)
+    out["module"] = model.module
+
+
 def shard_blocks(model: nn.Module, mesh: Any) -> nn.Module:
     """The user's parallelisation, as Lightning's docs write it: ``fully_shard`` on each block, then on the root
     (found where :func:`swap_in_minidp` may have put minidp's)."""
@@ -320,6 +354,7 @@ JOBS: dict[str, Callable[[dict], None]] = {
     "lightning_auto": lightning_auto_job,
     "lightning_manual": lightning_manual_job,
     "ignite": ignite_job,
+    "fabric_ddp": fabric_ddp_job,
     "lightning_fsdp2": lightning_fsdp2_job,
     "fabric_fsdp2": fabric_fsdp2_job,
 }

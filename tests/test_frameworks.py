@@ -34,6 +34,7 @@ JOBS = {
     "lightning_auto": "pytorch_lightning",
     "lightning_manual": "pytorch_lightning",
     "ignite": "ignite",
+    "fabric_ddp": "lightning_fabric",
     "lightning_fsdp2": "pytorch_lightning",
     "fabric_fsdp2": "lightning_fabric",
 }
