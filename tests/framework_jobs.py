@@ -137,10 +137,36 @@ def accelerate_job(out: dict) -> None:
     out["module"] = accelerator.unwrap_model(model)
 
 
+def _recording_module(out: dict) -> type:
+    """A ``LightningModule`` of ``self.net`` whose every forward's MSE loss, training and validation, is recorded."""
+    import pytorch_lightning as pl
+
+    class Recording(pl.LightningModule):
+        def loss_of(self, batch: tuple) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            out["losses"].append(loss.detach().clone())
+            return loss
+
+        def validation_step(self, batch, index):
+            self.log("val_loss", self.loss_of(batch), sync_dist=True)
+
+    return Recording
+
+
+# Lightning's Trainer as the jobs run it: validation on 2 batches, nothing written but what a job asks for
+QUIET_TRAINER = dict(limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, deterministic=True)
+
+
+def _fit(module: Any, trainer: Any) -> None:
+    trainer.fit(module, DataLoader(Regression(), batch_size=4), DataLoader(Regression(n=16), batch_size=4))
+
+
 def _lightning_job(out: dict, manual: bool) -> None:
     import pytorch_lightning as pl
 
-    class Module(pl.LightningModule):
+    class Module(_recording_module(out)):
         """BatchNorm (buffers broadcast from rank 0), validation after every 2 steps."""
 
         def __init__(self) -> None:
@@ -150,9 +176,7 @@ def _lightning_job(out: dict, manual: bool) -> None:
 
         def training_step(self, batch, index):
             out["wrapper"] = type(self.trainer.strategy.model)  # teardown unwraps it: look while training
-            x, y = batch
-            loss = nn.functional.mse_loss(self.net(x), y)
-            out["losses"].append(loss.detach().clone())
+            loss = self.loss_of(batch)
             if manual:  # two micro-batches accumulated per step, no_sync on the first (Lightning's docs)
                 optimizer = self.optimizers()
                 last = (index + 1) % 2 == 0
@@ -163,23 +187,13 @@ def _lightning_job(out: dict, manual: bool) -> None:
                     optimizer.zero_grad()
             return loss
 
-        def validation_step(self, batch, index):
-            x, y = batch
-            loss = nn.functional.mse_loss(self.net(x), y)
-            out["losses"].append(loss.detach().clone())
-            self.log("val_loss", loss, sync_dist=True)
-
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     module = Module()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=4 if not manual else 8,
-        accumulate_grad_batches=1 if manual else 2, val_check_interval=2 if manual else 4, limit_val_batches=2,
-        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, deterministic=True,
-    )
-    trainer.fit(module, DataLoader(Regression(), batch_size=4), DataLoader(Regression(n=16), batch_size=4))
+    _fit(module, pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4 if not manual else 8,
+                            accumulate_grad_batches=1 if manual else 2, val_check_interval=2 if manual else 4,
+                            **QUIET_TRAINER))
     out["module"] = module
 
 
@@ -191,6 +205,20 @@ def lightning_auto_job(out: dict) -> None:
 def lightning_manual_job(out: dict) -> None:
     """PyTorch Lightning ``strategy="ddp"``, manual optimization with ``manual_backward``."""
     _lightning_job(out, manual=True)
+
+
+def _fabric_steps(fabric: Any, model: nn.Module, optimizer: Any, batches: list, out: dict) -> None:
+    """Fabric's gradient accumulation: ``batches`` (index, batch) in pairs, the even one's backward under
+    ``no_backward_sync``, a step after the odd one's; every loss recorded."""
+    for index, (x, y) in batches:
+        accumulating = index % 2 == 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            loss = nn.functional.mse_loss(model(x), y)
+            out["losses"].append(loss.detach().clone())
+            fabric.backward(loss)
+        if not accumulating:
+            optimizer.step()
+            optimizer.zero_grad()
 
 
 def fabric_ddp_job(out: dict) -> None:
@@ -205,24 +233,12 @@ def fabric_ddp_job(out: dict) -> None:
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     loader = fabric.setup_dataloaders(DataLoader(Regression(), batch_size=4))
     checkpoint = os.path.join(out["directory"], "checkpoint.ckpt")
-
-    def train(batches: list) -> None:
-        for index, (x, y) in batches:
-            accumulating = index % 2 == 0
-            with fabric.no_backward_sync(model, enabled=accumulating):
-                loss = nn.functional.mse_loss(model(x), y)
-                out["losses"].append(loss.detach().clone())
-                fabric.backward(loss)
-            if not accumulating:
-                optimizer.step()
-                optimizer.zero_grad()
-
     batches = list(enumerate(loader))
-    train(batches[:4])
+    _fabric_steps(fabric, model, optimizer, batches[:4], out)
     fabric.save(checkpoint, {"model": model, "optimizer": optimizer})
-    train(batches[4:])
+    _fabric_steps(fabric, model, optimizer, batches[4:], out)
     fabric.load(checkpoint, {"model": model, "optimizer": optimizer})  # back to the state after step 2
-    train(batches[4:])
+    _fabric_steps(fabric, model, optimizer, batches[4:], out)
     out["wrapper"] = type(model._forward_module)
     out["module"] = model.module
 
@@ -265,7 +281,7 @@ def lightning_fsdp2_job(out: dict) -> None:
     import pytorch_lightning as pl
     from pytorch_lightning.strategies import ModelParallelStrategy
 
-    class Module(pl.LightningModule):
+    class Module(_recording_module(out)):
         def __init__(self) -> None:
             super().__init__()
             self.net = Blocks()
@@ -275,28 +291,16 @@ def lightning_fsdp2_job(out: dict) -> None:
 
         def training_step(self, batch, index):
             out["wrapper"] = type(self.net)
-            x, y = batch
-            loss = nn.functional.mse_loss(self.net(x), y)
-            out["losses"].append(loss.detach().clone())
-            return loss
-
-        def validation_step(self, batch, index):
-            x, y = batch
-            loss = nn.functional.mse_loss(self.net(x), y)
-            out["losses"].append(loss.detach().clone())
-            self.log("val_loss", loss, sync_dist=True)
+            return self.loss_of(batch)
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=0.01)
 
     module = Module()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-        max_steps=4, accumulate_grad_batches=2, val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=0,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        deterministic=True,
-    )
-    trainer.fit(module, DataLoader(Regression(), batch_size=4), DataLoader(Regression(n=16), batch_size=4))
+    trainer = pl.Trainer(accelerator="cpu", devices=2,
+                         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                         max_steps=4, accumulate_grad_batches=2, val_check_interval=4, **QUIET_TRAINER)
+    _fit(module, trainer)
     out["checkpoint"] = os.path.join(out["directory"], "checkpoint")
     trainer.save_checkpoint(out["checkpoint"])
     out["state"] = full_state(module.net)
@@ -314,15 +318,7 @@ def fabric_fsdp2_job(out: dict) -> None:
     model = fabric.setup_module(Blocks())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.01))
     loader = fabric.setup_dataloaders(DataLoader(Regression(), batch_size=4))
-    for index, (x, y) in enumerate(loader):
-        accumulating = index % 2 == 0
-        with fabric.no_backward_sync(model, enabled=accumulating):
-            loss = nn.functional.mse_loss(model(x), y)
-            out["losses"].append(loss.detach().clone())
-            fabric.backward(loss)
-        if not accumulating:
-            optimizer.step()
-            optimizer.zero_grad()
+    _fabric_steps(fabric, model, optimizer, list(enumerate(loader)), out)
     out["wrapper"] = type(model.module)
     out["state"] = full_state(model.module)
 
