@@ -1021,11 +1021,6 @@ def raise_in_step_2(failing_rank: int) -> None:
         model(torch.randn(4, 13)).sum().backward()
 
 
-def run_checks(checks: dict[str, tuple[Callable[..., Any], dict]], seed: int) -> dict[str, Any]:
-    """Run ``checks`` (name: (function, keyword arguments)) in order, each given ``seed``; their results by name."""
-    return {name: function(seed=seed, **kwargs) for name, (function, kwargs) in checks.items()}
-
-
 def timeline_and_memory(seed: int, steps: int = 3) -> dict:
     """The third step's timeline of every rank (the first has nothing to prefetch), and the memory
     ledgers of the same model under minidp's DDP and sharded, after a step of AdamW; and, in the middle

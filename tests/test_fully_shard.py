@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import fsdp_checks as checks
+from .ddp_checks import run_checks
 from .helpers import each_rank, fresh_python, job_fixture, torchrun
 from .helpers import assert_no_differences as assert_same_as_fsdp2
 from minidp.cli import main
@@ -180,9 +181,9 @@ FOUR_PROCESSES = {
 }
 
 
-two = job_fixture("two", checks.run_checks, 2, TWO_PROCESSES, JOB_TIMEOUT)
-three = job_fixture("three", checks.run_checks, 3, THREE_PROCESSES, JOB_TIMEOUT)
-four = job_fixture("four", checks.run_checks, 4, FOUR_PROCESSES, JOB_TIMEOUT)
+two = job_fixture("two", run_checks, 2, TWO_PROCESSES, JOB_TIMEOUT)
+three = job_fixture("three", run_checks, 3, THREE_PROCESSES, JOB_TIMEOUT)
+four = job_fixture("four", run_checks, 4, FOUR_PROCESSES, JOB_TIMEOUT)
 
 
 def assert_trains_as_fsdp2(results: list[dict], check: str) -> None:

@@ -13,6 +13,9 @@ module each:
 * :mod:`~minidp.distributed.batchnorm`: :class:`minidp.SyncBatchNorm`'s statistics across processes;
 * :mod:`~minidp.distributed.logging_data`: torch DDP's runtime statistics (``_get_ddp_logging_data``);
 * :mod:`~minidp.distributed.ddp`: :class:`DistributedDataParallel`, which composes them;
+* :mod:`~minidp.distributed.replicate`: :func:`replicate`, the same as a composable API (the module left as it is,
+  DDP's steps in its forward hooks);
+* :mod:`~minidp.distributed.isinstance_only`: why minidp's classes derive from torch's, and what of torch's they refuse;
 * :mod:`~minidp.distributed.fully_shard`: :func:`fully_shard`, FSDP2's sharding of parameters,
   gradients and optimizer state (each rank keeps 1/W), :func:`full_state_dict`,
   :func:`register_fsdp_forward_method` and :func:`clip_grad_norm_` (the norm of the whole gradients);
@@ -34,6 +37,7 @@ from .fully_shard import (
 )
 from .launch import RankFailed, launch, run_demo
 from .memory import format_ledgers, memory_ledger
+from .replicate import replicate
 from .timeline import chrome_trace, gather_timelines, hidden_share, plot_timelines, write_chrome_trace
 from .zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
@@ -54,6 +58,7 @@ __all__ = [
     "optimizer_state_bytes",
     "plot_timelines",
     "register_fsdp_forward_method",
+    "replicate",
     "run_demo",
     "sharded_timeline",
     "write_chrome_trace",

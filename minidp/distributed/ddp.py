@@ -330,16 +330,28 @@ class DistributedDataParallel(TorchDistributedDataParallel):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiled("minidp.DistributedDataParallel.forward"):
-            recording = self._before_module()
-            if self._mixed is not None:  # the parameters and inputs in low precision (minidp.distributed.mixed_precision)
-                self._mixed.to_low_precision(recording)
-                inputs, kwargs = self._mixed.cast_inputs(inputs, kwargs)
-                if self.find_unused_parameters and recording:
-                    self.reducer.find_accumulators()  # the new dtype gave each parameter a new accumulator
+            recording, inputs, kwargs = self.enter_forward(inputs, kwargs)
             output = (self.module if self._replicas is None else self._replicas)(*inputs, **kwargs)
-            if self._mixed is not None and not recording:
-                self._mixed.after_unrecorded_forward()
-            return self._after_module(output, recording)
+            return self.leave_forward(output, recording)
+
+    def enter_forward(self, inputs: tuple, kwargs: dict) -> tuple[bool, tuple, dict]:
+        """What DDP does before the module's forward (torch's ``_pre_forward``): prepare the reducer, sync the
+        buffers, cast to low precision; whether this forward records a graph, and the inputs to give the module.
+        :func:`minidp.distributed.replicate` calls it from a forward pre-hook."""
+        recording = self._before_module()
+        if self._mixed is not None:  # the parameters and inputs in low precision (minidp.distributed.mixed_precision)
+            self._mixed.to_low_precision(recording)
+            inputs, kwargs = self._mixed.cast_inputs(inputs, kwargs)
+            if self.find_unused_parameters and recording:
+                self.reducer.find_accumulators()  # the new dtype gave each parameter a new accumulator
+        return recording, inputs, kwargs
+
+    def leave_forward(self, output: Any, recording: bool) -> Any:
+        """What DDP does after the module's forward (torch's ``_post_forward``): the next backward reduces if this
+        forward recorded and syncs (searching ``output``'s graph with ``find_unused_parameters``)."""
+        if self._mixed is not None and not recording:
+            self._mixed.after_unrecorded_forward()
+        return self._after_module(output, recording)
 
     # Under torch.compile, dynamo compiles the module's forward and runs the two steps around it as they are
     # (torch._disable_dynamo; torch DDP means the same, "dynamo only kicks in for the 'module_to_run' underneath",

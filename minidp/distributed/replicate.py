@@ -1,0 +1,143 @@
+"""replicate: DistributedDataParallel as a composable API, the module left as it is.
+
+``replicate(model)`` is torch's ``torch.distributed._composable.replicate.replicate`` (the data parallelism
+torchtitan applies with ``replicate(model, device_mesh=dp_mesh, bucket_cap_mb=...)``), rebuilt on minidp's
+:class:`~minidp.distributed.DistributedDataParallel`: no wrapper, so the model keeps its attributes and its
+state-dict keys, and its forward runs DDP's two halves around it, as two hooks:
+
+* a forward pre-hook runs what DDP does before the module (:meth:`DistributedDataParallel.enter_forward`: the
+  reducer prepared, buffers synced, low precision cast); at the first forward it first builds the DDP object, on
+  the module's parameters (``ignored_modules``' and those of sub-modules ``fully_shard`` shards left out), which
+  broadcasts rank 0's parameters as DDP's construction does;
+* a forward hook runs what DDP does after it (:meth:`DistributedDataParallel.leave_forward`), so that the backward
+  reduces every gradient in buckets, as under the wrapper.
+
+As torch's, the DDP object holds the parameters in an ``nn.ParameterList`` and not the module, so the module's
+buffers are not broadcast (torch's replicate does not sync them either), and the module's class becomes
+``Replicated<its class>``, which adds :meth:`ReplicatedModule.set_requires_gradient_sync` (gradient accumulation
+without the all-reduce) and :meth:`ReplicatedModule.register_comm_hook` (kept until the DDP object exists), and
+refuses ``copy.deepcopy``. Everything else is DistributedDataParallel's, with its keyword arguments.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from .ddp import DistributedDataParallel
+
+_STATE = "_minidp_replicate_state"
+
+
+class ReplicateState:
+    """What ``replicate`` keeps for a module: its DDP object once built, and what builds it (torch's
+    ``_ReplicateState``). ``_ddp_weakref``, as torch's: a weak reference to the DDP object, for tests."""
+
+    def __init__(self, module: nn.Module, ignored_modules: set[nn.Module], ddp_kwargs: dict[str, Any]) -> None:
+        self.module = module
+        self.ignored_modules = ignored_modules
+        self.ddp_kwargs = ddp_kwargs
+        self.ddp: Optional[DistributedDataParallel] = None
+        self._ddp_weakref: Optional[weakref.ref] = None
+        self.no_sync = False
+        self.comm_hooks: list[tuple[tuple, dict]] = []
+        self.recording = False
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The module's parameters DDP reduces: in the module's order, without the ignored modules' and those of
+        sub-modules ``fully_shard`` shards (either library's: their class derives from FSDPModule)."""
+        left_out = {id(p) for m in self.ignored_modules for p in m.parameters()}
+        left_out |= {id(p) for m in self.module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+        return [p for p in self.module.parameters() if id(p) not in left_out]
+
+    def build(self) -> DistributedDataParallel:
+        """The DDP object, made at the first forward (torch's ``lazy_init``), with the comm hooks registered so far."""
+        kwargs = dict(self.ddp_kwargs)
+        if "device_id" in kwargs:  # torch's replicate: a CPU device (or None) means device_ids=None
+            device_id = kwargs.pop("device_id")
+            cpu = device_id is None or (isinstance(device_id, torch.device) and device_id.type == "cpu")
+            kwargs["device_ids"] = None if cpu else [device_id]
+        self.ddp = DistributedDataParallel(nn.ParameterList(self.parameters()), **kwargs)
+        self._ddp_weakref = weakref.ref(self.ddp)
+        for args, hook_kwargs in self.comm_hooks:
+            self.ddp.register_comm_hook(*args, **hook_kwargs)
+        self.comm_hooks.clear()
+        return self.ddp
+
+    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ddp = self.ddp if self.ddp is not None else self.build()
+        ddp.require_backward_grad_sync = not self.no_sync
+        self.recording, args, kwargs = ddp.enter_forward(args, kwargs)
+        return args, kwargs
+
+    def after_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return self.ddp.leave_forward(output, self.recording)
+
+
+def state(module: nn.Module) -> ReplicateState:
+    """The state ``replicate`` keeps on ``module`` (torch's ``replicate.state(module)``)."""
+    found = module.__dict__.get(_STATE)
+    if found is None:
+        raise ValueError(f"replicate was not applied to this {type(module).__name__}")
+    return found
+
+
+class ReplicatedModule:
+    """The methods ``replicate`` adds to the module's class (torch's composable ``DDP`` class)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> nn.Module:
+        # A container's slice (``sequential[1:]``) is made by ``type(self)(...)``: of the original class, as torch's
+        # composable DDP class makes it (its __new__), since the slice is not replicated.
+        original = cls.unreplicated_class
+        module = original.__new__(original)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """``False``: the backwards that follow accumulate gradients locally, without the all-reduce (DDP's
+        ``no_sync()``); ``True``: the next backward reduces the sum."""
+        state(self).no_sync = not requires_gradient_sync
+
+    def register_comm_hook(self, *args: Any, **kwargs: Any) -> None:
+        """DDP's ``register_comm_hook``, registered on the DDP object when the first forward builds it."""
+        state(self).comm_hooks.append((args, kwargs))
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise AssertionError("DDP does not support deepcopy. Please use state dict for serialization.")
+
+
+_REPLICATED_CLASSES: dict[type, type] = {}
+
+
+def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] = None, **kwargs: Any) -> nn.Module:
+    """Make ``module`` data parallel in place, DDP's way; returns ``module``.
+
+    ``kwargs`` are :class:`DistributedDataParallel`'s (``process_group`` or ``device_mesh``, ``bucket_cap_mb``,
+    ``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph``...), and ``device_id`` (an int or a
+    ``torch.device``; a CPU device means ``device_ids=None``), as torch's ``replicate`` takes them.
+    ``ignored_modules``: sub-modules whose parameters are left alone (not broadcast, not reduced).
+    """
+    if "device_id" in kwargs and not isinstance(kwargs["device_id"], (int, torch.device)):
+        raise RuntimeError(f"Expected device_id to be int or torch.device, but got {type(kwargs['device_id'])}")
+    if isinstance(module, FSDPModule):
+        raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
+    if _STATE in module.__dict__:
+        raise RuntimeError(f"replicate was already applied to this {type(module).unreplicated_class.__name__}; "
+                           f"apply it once per module")
+    replicated = ReplicateState(module, set(ignored_modules or ()), kwargs)
+    module.__dict__[_STATE] = replicated
+    module.register_forward_pre_hook(replicated.before_forward, with_kwargs=True)
+    module.register_forward_hook(replicated.after_forward)
+    cls = type(module)
+    if cls not in _REPLICATED_CLASSES:  # Replicated<cls>: ReplicatedModule's methods first, then the class's own
+        _REPLICATED_CLASSES[cls] = type(f"Replicated{cls.__name__}", (ReplicatedModule, cls),
+                                        {"unreplicated_class": cls})
+    module.__class__ = _REPLICATED_CLASSES[cls]
+    return module
+
+
+replicate.state = state  # type: ignore[attr-defined]  # torch's replicate.state(module), by the same name

@@ -1,0 +1,135 @@
+"""Rank side of ``tests/test_replicate.py``: minidp's ``replicate`` beside torch's
+(``torch.distributed._composable.replicate``), each check run in every rank of one Gloo job.
+
+Each library trains its own copy of the same model on the same data; the checks return what the tests compare:
+every forward's loss and every parameter and buffer after the last step, bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate import replicate as torch_replicate
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import minidp.distributed as md
+
+LIBRARIES = {"minidp": (md.replicate, md.fully_shard), "torch": (torch_replicate, torch_fully_shard)}
+
+
+class Net(nn.Module):
+    """BatchNorm (buffers each rank keeps: replicate broadcasts parameters only), a branch some steps skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 16)
+        self.branch = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, skip_branch: bool = False) -> torch.Tensor:
+        x = torch.tanh(self.fc2(torch.tanh(self.norm(self.fc1(x)))))
+        return self.head(x if skip_branch else torch.tanh(self.branch(x)))
+
+
+def train(seed: int, library: str, steps: int = 4, micro_batches: int = 2, ignored: bool = False,
+          hook: Optional[Callable] = None, shard: Optional[str] = None, skip_branch: Optional[str] = None,
+          **ddp_kwargs: Any) -> dict:
+    """``steps`` optimizer steps of SGD with momentum, each over ``micro_batches`` forwards (all but the last with
+    ``set_requires_gradient_sync(False)``), every rank starting from other parameters (rank 0's are broadcast).
+    ``ignored``: fc1 left out; ``hook``: a comm hook registered before the first forward; ``shard``: the name of a
+    sub-module sharded first with the library's ``fully_shard``; ``skip_branch``: ``"odd"`` steps skip ``branch``, or
+    ``"always"`` (a static graph that leaves it unused)."""
+    replicate, fully_shard = LIBRARIES[library]
+    rank = dist.get_rank()
+    # each rank its own parameters, which the first forward's broadcast evens; alike where fully_shard needs them so
+    torch.manual_seed(seed if shard is not None else seed + rank)
+    model = Net()
+    if shard is not None:
+        fully_shard(getattr(model, shard))
+    replicate(model, ignored_modules=[model.fc1] if ignored else None, **ddp_kwargs)
+    if hook is not None:
+        model.register_comm_hook(dist.group.WORLD, hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = torch.Generator().manual_seed(seed * 7 + rank)
+    losses = []
+    for step in range(steps):
+        for micro in range(micro_batches):
+            model.set_requires_gradient_sync(micro == micro_batches - 1)
+            x = torch.randn(8, 6, generator=data)
+            skip = skip_branch == "always" or (skip_branch == "odd" and step % 2 == 1)
+            loss = model(x, skip_branch=skip).pow(2).mean()
+            loss.backward()
+            losses.append(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    return {"losses": losses, "state": state}
+
+
+def differences(ours: dict, theirs: dict) -> list[str]:
+    """Where minidp's run differs from torch's: each loss and each state-dict entry, bitwise."""
+    found = [f"loss {i}" for i, (a, b) in enumerate(zip(ours["losses"], theirs["losses"])) if not torch.equal(a, b)]
+    if list(ours["state"]) != list(theirs["state"]):
+        return found + [f"keys {list(ours['state'])} against {list(theirs['state'])}"]
+    return found + [name for name, tensor in theirs["state"].items()
+                    if not torch.equal(_local(ours["state"][name]), _local(tensor))]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def against_torch(seed: int, **kwargs: Any) -> dict:
+    """minidp's replicate and torch's, trained alike: where they differ (nothing, bitwise), and how many steps ran."""
+    ours, theirs = (train(seed, library, **kwargs) for library in ("minidp", "torch"))
+    return {"differences": differences(ours, theirs), "losses": len(theirs["losses"])}
+
+
+def the_module_stays_itself(seed: int) -> dict:
+    """What replicate leaves of the module: its class (a subclass of its own), its state-dict keys, a slice of a
+    replicated Sequential (of the plain class, as torch's), and ``copy.deepcopy`` (refused, as torch's)."""
+    results = {}
+    for library, (replicate, _) in LIBRARIES.items():
+        torch.manual_seed(seed)
+        model = Net()
+        keys = list(model.state_dict())
+        replicate(model)
+        sequential = replicate(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)))
+        try:
+            copy.deepcopy(model)
+            copied = "copied"
+        except AssertionError as error:
+            copied = str(error)
+        results[library] = {"is_net": isinstance(model, Net), "keys": list(model.state_dict()) == keys,
+                            "slice": type(sequential[1:]).__name__, "deepcopy": copied}
+    return results
+
+
+def refusals(seed: int) -> dict:
+    """minidp's refusals, each before anything changed: a second replicate of one module, replicate of a module
+    fully_shard sharded, a device_id that is a list."""
+    cases: dict[str, Callable[[nn.Module], Any]] = {
+        "twice": lambda model: md.replicate(md.replicate(model)),
+        "sharded": lambda model: md.replicate(md.fully_shard(model)),
+        "device_id": lambda model: md.replicate(model, device_id=["cpu"]),
+    }
+    results = {}
+    for name, call in cases.items():
+        torch.manual_seed(seed)
+        model = Net()
+        try:
+            call(model)
+            results[name] = "no error"
+        except RuntimeError as error:
+            results[name] = str(error)
+    return results
+
+
+HOOKS = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}
