@@ -1,77 +1,132 @@
-"""minidp.distributed.replicate against torch's composable ``replicate``, in real Gloo processes on 127.0.0.1.
-
-One job of 2 processes runs every check of ``tests/replicate_checks.py`` on a fresh seed; each check trains the same
-model with both libraries and returns where they differ, bitwise (``torch.equal``). The stock behaviour cited is
-torch 2.13's ``torch/distributed/_composable/replicate.py`` (replicate.py below). PyTorch's own tests of the API run
-in ``tests/test_upstream_replicate.py``.
-"""
+"""Step 2, replicate: one copy of the module per device (docs/stock-behaviour.md B18-B21, B31)."""
 
 from __future__ import annotations
 
-import pytest
+import copy
 
-from . import replicate_checks as checks
-from .ddp_checks import run_checks
-from .helpers import each_rank, job_fixture
+import torch
+from torch import nn
 
-
-@pytest.fixture(autouse=True)
-def dataparallel_configuration():
-    """These checks run in processes of their own, which start with DataParallel's defaults: the two
-    configurations of tests/conftest.py would run them twice alike, so they run once."""
+import minidp
+from .helpers import RTOL_FLOAT64, cpu_ids, max_relative_error
+from .stock_emulation import emulated_stock
 
 
-JOB_TIMEOUT = 180.0
-
-TRAINING = {
-    "plain": {},
-    "small-buckets": {"bucket_cap_mb": 0.001, "gradient_as_bucket_view": True},
-    "ignored": {"ignored": True},
-    "hook-allreduce": {"hook": checks.HOOKS["allreduce"]},
-    "hook-fp16": {"hook": checks.HOOKS["fp16"]},
-    "unused": {"skip_branch": "odd", "find_unused_parameters": True},
-    # one micro-batch a step: torch's replicate (and its wrapper under no_sync()) fails an internal assert of its C++
-    # reducer (expect_autograd_hooks_) when static_graph meets gradient accumulation
-    "static": {"skip_branch": "always", "static_graph": True, "micro_batches": 1},
-    "sharded-block": {"shard": "fc2"},
-}
-PLAN = {
-    **{f"train-{name}": (checks.against_torch, arguments) for name, arguments in TRAINING.items()},
-    "itself": (checks.the_module_stays_itself, {}),
-    "refusals": (checks.refusals, {}),
-}
-
-two = job_fixture("two", run_checks, 2, PLAN, JOB_TIMEOUT)
+def bn_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)).double()
 
 
-@pytest.mark.parametrize("case", list(TRAINING))
-def test_replicate_trains_bitwise_as_torchs(two, case):
-    # replicate.py: a DDP object on the module's parameters, built at the first forward (rank 0's parameters
-    # broadcast), its _pre_forward and _post_forward as forward hooks; set_requires_gradient_sync(False) for all but
-    # the last micro-batch of each step; register_comm_hook kept until the DDP object exists; ignored_modules' and
-    # fully-sharded sub-modules' parameters left out. Each rank starts from its own parameters (the broadcast evens
-    # them), keeps its own BatchNorm statistics (neither library broadcasts buffers), 4 steps of 2 micro-batches.
-    for result in each_rank(two, f"train-{case}"):
-        assert result["losses"] == 4 * TRAINING[case].get("micro_batches", 2)
-        assert result["differences"] == []
+def test_one_replica_per_device_with_the_same_tree():
+    model = bn_model()
+    replicas = minidp.replicate(model, cpu_ids(3))
+    assert len(replicas) == 3
+    for replica in replicas:
+        assert replica is not model and type(replica) is nn.Sequential
+        assert [type(m) for m in replica.modules()] == [type(m) for m in model.modules()]
+        assert all(r is not m for r, m in zip(replica.modules(), model.modules()))
 
 
-def test_the_replicated_module_keeps_its_class_and_state_dict_keys_and_refuses_deepcopy_as_torchs(two):
-    # replicate.py: the class becomes DDP<cls>, a subclass of (DDP, cls); its __new__ makes a container's slice of
-    # cls; __deepcopy__ raises "DDP does not support deepcopy"
-    for result in each_rank(two, "itself"):
-        assert result["minidp"]["is_net"] and result["minidp"]["keys"]
-        assert result["minidp"] == result["torch"]
-        assert result["minidp"]["slice"] == "Sequential"
-        assert result["minidp"]["deepcopy"].startswith("DDP does not support deepcopy")
+def test_no_devices_gives_no_replicas():
+    """B18: ``replicate(m, [])`` is ``[]``."""
+    assert minidp.replicate(bn_model(), []) == []
 
 
-@pytest.mark.parametrize("case,error", [
-    ("twice", "replicate was already applied to this Net"),
-    ("sharded", "Cannot apply `replicate()` on a Module already managed by `fully_shard`"),
-    ("device_id", "Expected device_id to be int or torch.device"),
-])
-def test_bad_input_is_refused_before_anything_changes(two, case, error):
-    # replicate.py's own refusals (the last two: its messages); twice: torch's contract refuses a second call too
-    for result in each_rank(two, "refusals"):
-        assert result[case].startswith(error), result[case]
+def test_same_device_replicas_alias_parameter_storage():
+    """On the module's own device a replica reads the original storage: no parameter is copied."""
+    model = bn_model()
+    for replica in minidp.replicate(model, cpu_ids(3)):
+        for original, copied in zip(model.parameters(), _replica_params(replica)):
+            assert copied.data_ptr() == original.data_ptr()
+
+
+def _replica_params(replica: nn.Module) -> list[torch.Tensor]:
+    """A replica's parameter tensors, in the original's ``parameters()`` order (they are attributes)."""
+    return [getattr(m, name) for m in replica.modules() for name in ("weight", "bias") if hasattr(m, name)]
+
+
+def test_replica_zero_shares_buffers_the_others_get_copies():
+    """B21: replica 0's in-place buffer updates reach the original; the others' are dropped."""
+    model = bn_model()
+    replicas = minidp.replicate(model, cpu_ids(3))
+    assert replicas[0][1].running_mean is model[1].running_mean
+    for replica in replicas[1:]:
+        assert replica[1].running_mean is not model[1].running_mean
+        assert replica[1].running_mean.data_ptr() != model[1].running_mean.data_ptr()
+        assert torch.equal(replica[1].running_mean, model[1].running_mean)
+
+
+def test_batchnorm_running_stats_come_from_chunk_zero(generator):
+    """B21: after a parallel forward, running statistics are those of chunk 0 alone, as in stock."""
+    model = bn_model()
+    alone = copy.deepcopy(model)
+    x = torch.randn(10, 4, generator=generator, dtype=torch.float64)
+    chunks = minidp.scatter(x, cpu_ids(3))
+    minidp.parallel_apply(minidp.replicate(model, cpu_ids(3)), [(c,) for c in chunks])
+    alone(chunks[0])
+    # Equal up to rounding: a replica's thread may use fewer intra-op threads, which splits the sums differently.
+    for name, buffer in alone.named_buffers():
+        assert max_relative_error(dict(model.named_buffers())[name].double(), buffer.double()) <= RTOL_FLOAT64, name
+
+
+def test_replica_parameters_are_not_listed_and_not_leaves():
+    """B20: ``replica.parameters()`` is empty; the copies are non-leaf outputs of Broadcast."""
+    model = bn_model()
+    with emulated_stock():
+        stock = nn.parallel.replicate(model, [0, 1])
+    for replica in minidp.replicate(model, cpu_ids(2)):
+        assert list(replica.parameters()) == []
+        assert all(not p.is_leaf and p.grad_fn is not None for p in _replica_params(replica))
+    assert [list(r.parameters()) for r in stock] == [[], []]
+
+
+def test_backward_sums_every_replicas_gradient_into_the_original(generator):
+    """B31: one backward puts sum_j dL/dp_j into each original parameter's ``.grad``."""
+    model = nn.Linear(3, 2).double()
+    x = torch.randn(3, 4, 3, generator=generator, dtype=torch.float64)
+    replicas = minidp.replicate(model, cpu_ids(3))
+    sum(r(xi).pow(2).sum() for r, xi in zip(replicas, x)).backward()
+    expected = copy.deepcopy(model)
+    for xi in x:
+        expected(xi).pow(2).sum().backward()
+    for ours, theirs in zip(model.parameters(), expected.parameters()):
+        assert max_relative_error(ours.grad, theirs.grad) <= RTOL_FLOAT64
+
+
+def test_detach_cuts_gradients():
+    """B19: ``detach=True`` (DataParallel under no_grad) gives replicas outside autograd."""
+    model = bn_model()
+    for replica in minidp.replicate(model, cpu_ids(2), detach=True):
+        assert all(not p.requires_grad and p.grad_fn is None for p in _replica_params(replica))
+        assert not replica(torch.randn(3, 4, dtype=torch.float64)).requires_grad
+
+
+def test_shared_parameters_stay_shared_in_replicas():
+    """Tied weights (one Parameter under two names) are one tensor in each replica too."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    model[1].weight = model[0].weight
+    for replica in minidp.replicate(model, cpu_ids(2)):
+        assert replica[0].weight is replica[1].weight
+
+
+def test_the_original_module_is_left_unchanged():
+    model = bn_model()
+    before = {k: (v, v.clone()) for k, v in model.state_dict(keep_vars=True).items()}
+    minidp.replicate(model, cpu_ids(3))
+    after = model.state_dict(keep_vars=True)
+    assert all(after[k] is obj and torch.equal(obj, saved) for k, (obj, saved) in before.items())
+
+
+def test_broadcast_coalesced_copies_a_tensor_listed_twice(generator):
+    """``tensors`` may repeat an object (two modules sharing a parameter): each slot gets its copy."""
+    t, u = torch.randn(3, generator=generator), torch.randn(2, generator=generator)
+    (copies,) = minidp.comm.broadcast_coalesced([t, u, t], ["meta"])
+    assert [tuple(c.shape) for c in copies] == [(3,), (2,), (3,)] and all(c.device.type == "meta" for c in copies)
+
+
+def test_broadcast_coalesced_copies_have_version_counters_of_their_own(generator):
+    """Copies unflattened from one buffer must not share its version counter (stock: fresh ones)."""
+    a, b = torch.randn(3, generator=generator), torch.randn(2, generator=generator)
+    (copies,) = minidp.comm.broadcast_coalesced([a, b], ["meta"])
+    before = copies[1]._version
+    copies[0].add_(1)
+    assert copies[1]._version == before

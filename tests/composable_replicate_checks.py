@@ -1,4 +1,4 @@
-"""Rank side of ``tests/test_replicate.py``: minidp's ``replicate`` beside torch's
+"""Rank side of ``tests/test_composable_replicate.py``: minidp's ``replicate`` beside torch's
 (``torch.distributed._composable.replicate``), each check run in every rank of one Gloo job.
 
 Each library trains its own copy of the same model on the same data; the checks return what the tests compare:

@@ -1,0 +1,77 @@
+"""minidp.distributed.replicate against torch's composable ``replicate``, in real Gloo processes on 127.0.0.1.
+
+One job of 2 processes runs every check of ``tests/composable_replicate_checks.py`` on a fresh seed; each check trains
+the same model with both libraries and returns where they differ, bitwise (``torch.equal``). The stock behaviour cited is
+torch 2.13's ``torch/distributed/_composable/replicate.py`` (replicate.py below). PyTorch's own tests of the API run
+in ``tests/test_upstream_replicate.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import composable_replicate_checks as checks
+from .ddp_checks import run_checks
+from .helpers import each_rank, job_fixture
+
+
+@pytest.fixture(autouse=True)
+def dataparallel_configuration():
+    """These checks run in processes of their own, which start with DataParallel's defaults: the two
+    configurations of tests/conftest.py would run them twice alike, so they run once."""
+
+
+JOB_TIMEOUT = 180.0
+
+TRAINING = {
+    "plain": {},
+    "small-buckets": {"bucket_cap_mb": 0.001, "gradient_as_bucket_view": True},
+    "ignored": {"ignored": True},
+    "hook-allreduce": {"hook": checks.HOOKS["allreduce"]},
+    "hook-fp16": {"hook": checks.HOOKS["fp16"]},
+    "unused": {"skip_branch": "odd", "find_unused_parameters": True},
+    # one micro-batch a step: torch's replicate (and its wrapper under no_sync()) fails an internal assert of its C++
+    # reducer (expect_autograd_hooks_) when static_graph meets gradient accumulation
+    "static": {"skip_branch": "always", "static_graph": True, "micro_batches": 1},
+    "sharded-block": {"shard": "fc2"},
+}
+PLAN = {
+    **{f"train-{name}": (checks.against_torch, arguments) for name, arguments in TRAINING.items()},
+    "itself": (checks.the_module_stays_itself, {}),
+    "refusals": (checks.refusals, {}),
+}
+
+two = job_fixture("two", run_checks, 2, PLAN, JOB_TIMEOUT)
+
+
+@pytest.mark.parametrize("case", list(TRAINING))
+def test_replicate_trains_bitwise_as_torchs(two, case):
+    # replicate.py: a DDP object on the module's parameters, built at the first forward (rank 0's parameters
+    # broadcast), its _pre_forward and _post_forward as forward hooks; set_requires_gradient_sync(False) for all but
+    # the last micro-batch of each step; register_comm_hook kept until the DDP object exists; ignored_modules' and
+    # fully-sharded sub-modules' parameters left out. Each rank starts from its own parameters (the broadcast evens
+    # them), keeps its own BatchNorm statistics (neither library broadcasts buffers), 4 steps of 2 micro-batches.
+    for result in each_rank(two, f"train-{case}"):
+        assert result["losses"] == 4 * TRAINING[case].get("micro_batches", 2)
+        assert result["differences"] == []
+
+
+def test_the_replicated_module_keeps_its_class_and_state_dict_keys_and_refuses_deepcopy_as_torchs(two):
+    # replicate.py: the class becomes DDP<cls>, a subclass of (DDP, cls); its __new__ makes a container's slice of
+    # cls; __deepcopy__ raises "DDP does not support deepcopy"
+    for result in each_rank(two, "itself"):
+        assert result["minidp"]["is_net"] and result["minidp"]["keys"]
+        assert result["minidp"] == result["torch"]
+        assert result["minidp"]["slice"] == "Sequential"
+        assert result["minidp"]["deepcopy"].startswith("DDP does not support deepcopy")
+
+
+@pytest.mark.parametrize("case,error", [
+    ("twice", "replicate was already applied to this Net"),
+    ("sharded", "Cannot apply `replicate()` on a Module already managed by `fully_shard`"),
+    ("device_id", "Expected device_id to be int or torch.device"),
+])
+def test_bad_input_is_refused_before_anything_changes(two, case, error):
+    # replicate.py's own refusals (the last two: its messages); twice: torch's contract refuses a second call too
+    for result in each_rank(two, "refusals"):
+        assert result[case].startswith(error), result[case]
