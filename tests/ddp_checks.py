@@ -139,7 +139,8 @@ def against_torch(
 
     ``micro_batches`` > 1: the first ones under ``no_sync()``. ``hook``: a name in :data:`HOOKS`.
     ``ignored``: names both leave alone (``_set_params_and_buffers_to_ignore_for_model``). ``mesh``: both
-    average over a 1-D ``DeviceMesh`` of every rank (``device_mesh=``) instead of a process group.
+    average over a 1-D ``DeviceMesh`` of every rank (``device_mesh=``) instead of a process group; ``"slice"``: over
+    the first dimension of a (ranks x 1) mesh.
     """
     rank = dist.get_rank()
     build, _, loss_of = MODELS[model]
@@ -149,7 +150,10 @@ def against_torch(
     if ignored:
         TorchDDP._set_params_and_buffers_to_ignore_for_model(theirs_module, list(ignored))
         md.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ours_module, list(ignored))
-    if mesh:
+    if mesh == "slice":  # the data-parallel dimension of a 2-D mesh, as Lightning and torchtitan hand it over
+        whole = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+        ddp_options["device_mesh"] = whole["dp"]
+    elif mesh:
         ddp_options["device_mesh"] = init_device_mesh("cpu", (dist.get_world_size(),))
     with warnings.catch_warnings():  # torch 2.13 deprecates the name broadcast_buffers (same meaning); both warn
         warnings.simplefilter("ignore", FutureWarning)

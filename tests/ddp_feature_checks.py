@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms import Join
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 import minidp
@@ -167,6 +169,20 @@ def distributed_checkpoint_as_stock(seed: int) -> dict:
         shutil.rmtree(directory[0])
     return {"same_state_dicts": same_state_dicts, "resumed": resumed, "plain_loaded": plain_loaded,
             "is_torchs_class": isinstance(ours, TorchDDP)}
+
+
+def tensor_parallel_parameters_on_a_sliced_mesh(seed: int) -> str:
+    """minidp's DDP given the data-parallel slice of a (ranks x 1) mesh and a module whose weight is a DTensor on the
+    other dimension (tensor parallelism, which torch DDP makes local around each forward): what it raises."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 4)
+    model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh["tp"], [Replicate()]))
+    try:
+        md.DistributedDataParallel(model, device_mesh=mesh["dp"])
+    except NotImplementedError as error:
+        return str(error)
+    return "no error"
 
 
 def pickling_with_a_subgroup(seed: int) -> dict:

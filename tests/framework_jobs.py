@@ -17,6 +17,7 @@ imports it from ``torch.distributed.fsdp``, where the swap puts minidp's; Lightn
 modules by ``isinstance(module, FSDPModule)``. Everything else is the framework's own code.
 """
 
+import importlib
 import os
 import sys
 import tempfile
@@ -29,8 +30,9 @@ from torch.utils.data import DataLoader, Dataset
 
 
 def swap_in_minidp() -> None:
-    """Put minidp's DistributedDataParallel where frameworks look for torch's, and minidp's ``fully_shard`` where
-    the user's parallelisation (:func:`shard_blocks`) imports torch's from: call it first."""
+    """Put minidp's DistributedDataParallel where frameworks look for torch's, and minidp's ``fully_shard`` and
+    ``replicate`` where the user's parallelisation (:func:`shard_blocks`, :func:`replicate_model`) imports torch's
+    from: call it first."""
     import torch.distributed.fsdp
     import torch.nn.parallel.distributed
 
@@ -39,6 +41,8 @@ def swap_in_minidp() -> None:
     torch.nn.parallel.DistributedDataParallel = minidp.distributed.DistributedDataParallel
     torch.nn.parallel.distributed.DistributedDataParallel = minidp.distributed.DistributedDataParallel
     torch.distributed.fsdp.fully_shard = minidp.distributed.fully_shard
+    # (the package binds the name replicate to the function, which hides the module of the same name)
+    importlib.import_module("torch.distributed._composable.replicate").replicate = minidp.distributed.replicate
 
 
 class Regression(Dataset):
@@ -253,6 +257,14 @@ def shard_blocks(model: nn.Module, mesh: Any) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
+def replicate_model(model: nn.Module, mesh: Any) -> nn.Module:
+    """The user's parallelisation as torchtitan writes data parallelism: the composable ``replicate`` on the data
+    parallel mesh (found where :func:`swap_in_minidp` may have put minidp's)."""
+    from torch.distributed._composable.replicate import replicate
+
+    return replicate(model, device_mesh=mesh["data_parallel"], bucket_cap_mb=0.001)
+
+
 class Blocks(nn.Module):
     """Two sharded blocks and a head: three groups."""
 
@@ -306,13 +318,13 @@ def lightning_fsdp2_job(out: dict) -> None:
     out["state"] = full_state(module.net)
 
 
-def fabric_fsdp2_job(out: dict) -> None:
-    """Lightning Fabric ``ModelParallelStrategy`` (FSDP2) with a ``parallelize_fn``, 2 micro-batches accumulated under
-    ``no_backward_sync`` (which switches the sync off on each ``FSDPModule``), AdamW."""
+def _fabric_model_parallel(parallelize: Callable[[nn.Module, Any], nn.Module], out: dict) -> nn.Module:
+    """Lightning Fabric ``ModelParallelStrategy(parallelize)`` on 2 ranks (data parallel 2, tensor parallel 1):
+    :class:`Blocks` set up with AdamW, trained by :func:`_fabric_steps`; the model Fabric parallelised."""
     from lightning_fabric import Fabric
     from lightning_fabric.strategies import ModelParallelStrategy
 
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(shard_blocks, data_parallel_size=2,
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(parallelize, data_parallel_size=2,
                                                                                    tensor_parallel_size=1))
     fabric.launch()
     model = fabric.setup_module(Blocks())
@@ -320,7 +332,20 @@ def fabric_fsdp2_job(out: dict) -> None:
     loader = fabric.setup_dataloaders(DataLoader(Regression(), batch_size=4))
     _fabric_steps(fabric, model, optimizer, list(enumerate(loader)), out)
     out["wrapper"] = type(model.module)
-    out["state"] = full_state(model.module)
+    return model.module
+
+
+def fabric_fsdp2_job(out: dict) -> None:
+    """Lightning Fabric ``ModelParallelStrategy`` (FSDP2) with a ``parallelize_fn``, 2 micro-batches accumulated under
+    ``no_backward_sync`` (which switches the sync off on each ``FSDPModule``), AdamW."""
+    out["state"] = full_state(_fabric_model_parallel(shard_blocks, out))
+
+
+def fabric_replicate_job(out: dict) -> None:
+    """Lightning Fabric ``ModelParallelStrategy`` whose ``parallelize_fn`` applies the composable ``replicate``
+    (torchtitan's data parallelism), small buckets, AdamW, 2 micro-batches a step (``no_backward_sync`` switches off
+    FSDP2's modules only: both micro-batches are reduced)."""
+    out["module"] = _fabric_model_parallel(replicate_model, out)
 
 
 def ignite_job(out: dict) -> None:
@@ -353,6 +378,7 @@ JOBS: dict[str, Callable[[dict], None]] = {
     "fabric_ddp": fabric_ddp_job,
     "lightning_fsdp2": lightning_fsdp2_job,
     "fabric_fsdp2": fabric_fsdp2_job,
+    "fabric_replicate": fabric_replicate_job,
 }
 
 

@@ -100,6 +100,8 @@ TWO_PROCESSES = {
         "model": "partly_used", "ignored": ["head.bias", "never.weight"], "find_unused_parameters": True}),
     "no_init_sync": (ddp_checks.against_torch, {"model": "resnet_bn", "init_sync": False}),
     "device_mesh": (ddp_checks.against_torch, {"mesh": True}),
+    "device_mesh_slice": (ddp_checks.against_torch, {"mesh": "slice"}),
+    "device_mesh_slice_tensor_parallel": (checks.tensor_parallel_parameters_on_a_sliced_mesh, {}),
     **{f"mixed_precision_{name}": (checks.mixed_precision_as_stock, options) for name, options in MIXED_PRECISION.items()},
 }
 
@@ -405,6 +407,19 @@ def test_init_sync_false_neither_checks_nor_broadcasts_as_stock(two):
 
 def test_a_one_dimensional_device_mesh_averages_over_its_ranks_as_stock(two):
     assert_no_differences(two, "device_mesh")
+
+
+def test_a_mesh_sliced_from_a_larger_one_averages_over_its_ranks_as_stock(two):
+    # distributed.py: a device_mesh whose root mesh is larger goes through _pre_dp_module_transform (DTensor
+    # parameters made local around the forward; none here) and DDP averages over the slice's group
+    assert_no_differences(two, "device_mesh_slice")
+
+
+def test_a_sliced_mesh_with_tensor_parallel_parameters_is_refused_with_the_way_out(two):
+    # distributed.py: torch DDP turns DTensor parameters local around each forward there (_pre_dp_module_transform)
+    for result in each_rank(two, "device_mesh_slice_tensor_parallel"):
+        assert "is a slice of a larger mesh and the module has DTensor parameters" in result
+        assert "Use torch.nn.parallel.DistributedDataParallel for this model" in result
 
 
 @needs_torch_argument("forward_sync_buffers")

@@ -37,13 +37,17 @@ JOBS = {
     "fabric_ddp": "lightning_fabric",
     "lightning_fsdp2": "pytorch_lightning",
     "fabric_fsdp2": "lightning_fabric",
+    "fabric_replicate": "lightning_fabric",
 }
 
-# the class of the wrapper (DDP), or of the sharded model (fully_shard's, made from the model's class Blocks)
+# the class of the wrapper (DDP), or of the sharded or replicated model (fully_shard's, replicate's, made from the
+# model's class Blocks)
 DDP_CLASSES = {"torch": "torch.nn.parallel.distributed.DistributedDataParallel",
                "minidp": "minidp.distributed.ddp.DistributedDataParallel"}
 SHARDED_CLASSES = {"torch": "torch.distributed.fsdp._fully_shard._fsdp_init.FSDPBlocks",
                    "minidp": "minidp.distributed.fully_shard.ShardedBlocks"}
+REPLICATED_CLASSES = {"torch": "torch.distributed._composable.replicate.DDPBlocks",
+                      "minidp": "minidp.distributed.replicate.ReplicatedBlocks"}
 
 
 def run_job(job: str, wrapper: str, directory: Path) -> list[dict]:
@@ -82,7 +86,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("job", list(JOBS))
 def test_framework_trains_bitwise_as_with_torch(job, runs):
     stock, ours = runs(job)
-    classes = SHARDED_CLASSES if job.endswith("fsdp2") else DDP_CLASSES
+    classes = (SHARDED_CLASSES if job.endswith("fsdp2") else REPLICATED_CLASSES if job.endswith("replicate")
+               else DDP_CLASSES)
     assert [r["wrapper"] for r in stock] == [classes["torch"]] * 2
     assert [r["wrapper"] for r in ours] == [classes["minidp"]] * 2  # minidp's did the wrapping, or the sharding
     for rank in range(2):

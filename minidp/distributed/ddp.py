@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.optim import apply_optimizer_in_backward
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
@@ -87,7 +88,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
             the first backward, which reduces everything at its end; a parameter used several times
             per backward (re-entrant checkpointing) is reduced after its last use
             (:meth:`~minidp.distributed.reducer.Reducer.set_static_graph`).
-        device_mesh: a 1-D ``DeviceMesh`` whose group to average over, instead of ``process_group``.
+        device_mesh: a 1-D ``DeviceMesh`` whose group to average over, instead of ``process_group`` (a slice of a
+            larger mesh too, ``mesh["dp"]``, for a module without DTensor parameters: :func:`process_group_of`).
         forward_sync_buffers: copy rank 0's buffers to every rank before each forward (default True), or
             let the hook of :meth:`_register_buffer_comm_hook` make them alike.
         check_reduction: deprecated by torch, no effect (a warning).
@@ -145,7 +147,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                 "(torchrun sets the environment it reads), or start the processes with minidp.distributed.launch()"
             )
         self.module = module
-        self.process_group = process_group_of(process_group, device_mesh)
+        self.process_group = process_group_of(process_group, device_mesh, module)
         if device_mesh is not None:
             self.device_mesh = device_mesh
         self.dim = dim
@@ -607,19 +609,26 @@ def refuse_unsupported(**arguments: Any) -> None:
         )
 
 
-def process_group_of(process_group: Optional[dist.ProcessGroup], device_mesh: Optional[Any]) -> dist.ProcessGroup:
-    """The group DDP averages over: ``process_group``, else the one dimension of ``device_mesh``, else the default."""
+def process_group_of(process_group: Optional[dist.ProcessGroup], device_mesh: Optional[Any],
+                     module: nn.Module) -> dist.ProcessGroup:
+    """The group DDP averages over: ``process_group``, else the one dimension of ``device_mesh``, else the default.
+
+    A ``device_mesh`` sliced from a larger one (``mesh["data_parallel"]``, as Lightning's ``ModelParallelStrategy``
+    and torchtitan hand it over) is taken as its own group. torch DDP takes it so too, and turns ``module``'s
+    ``DTensor`` parameters (tensor parallelism over the other dimensions) into their local shards around each
+    forward (``_pre_dp_module_transform``); minidp does not do that, and refuses a module that has them.
+    """
     if device_mesh is None:
         return process_group if process_group is not None else dist.group.WORLD
     if process_group is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh.ndim != 1:
         raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
-    if device_mesh._get_root_mesh() != device_mesh:
+    if device_mesh._get_root_mesh() != device_mesh and any(isinstance(p, DTensor) for p in module.parameters()):
         raise NotImplementedError(
-            f"device_mesh {device_mesh} is a slice of a larger mesh, which torch DDP takes for data parallelism over "
-            f"tensor-parallel modules (DTensor parameters); minidp does not: pass a 1-D mesh of its own, or its "
-            f"process group (device_mesh.get_group(0))"
+            f"device_mesh {device_mesh} is a slice of a larger mesh and the module has DTensor parameters: torch DDP "
+            f"takes that for data parallelism over tensor-parallel modules; minidp does not. Use "
+            f"torch.nn.parallel.DistributedDataParallel for this model"
         )
     return device_mesh.get_group(mesh_dim=0)
 
