@@ -1,8 +1,8 @@
 """Rank side of ``tests/test_composable_replicate.py``: minidp's ``replicate`` beside torch's
 (``torch.distributed._composable.replicate``), each check run in every rank of one Gloo job.
 
-Each library trains its own copy of the same model on the same data; the checks return what the tests compare:
-every forward's loss and every parameter and buffer after the last step, bitwise.
+Each library trains its own copy of the same model on the same data; the checks return where they first differ
+(``tests.helpers.state_difference``: every forward's loss and every parameter and buffer after the last step, bitwise).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import minidp.distributed as md
+
+from .helpers import state_difference
 
 LIBRARIES = {"minidp": (md.replicate, md.fully_shard), "torch": (torch_replicate, torch_fully_shard)}
 
@@ -73,23 +75,11 @@ def train(seed: int, library: str, steps: int = 4, micro_batches: int = 2, ignor
     return {"losses": losses, "state": state}
 
 
-def differences(ours: dict, theirs: dict) -> list[str]:
-    """Where minidp's run differs from torch's: each loss and each state-dict entry, bitwise."""
-    found = [f"loss {i}" for i, (a, b) in enumerate(zip(ours["losses"], theirs["losses"])) if not torch.equal(a, b)]
-    if list(ours["state"]) != list(theirs["state"]):
-        return found + [f"keys {list(ours['state'])} against {list(theirs['state'])}"]
-    return found + [name for name, tensor in theirs["state"].items()
-                    if not torch.equal(_local(ours["state"][name]), _local(tensor))]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def against_torch(seed: int, **kwargs: Any) -> dict:
-    """minidp's replicate and torch's, trained alike: where they differ (nothing, bitwise), and how many steps ran."""
+    """minidp's replicate and torch's, trained alike: where their losses and states first differ (None: nowhere,
+    bitwise), and how many losses there were."""
     ours, theirs = (train(seed, library, **kwargs) for library in ("minidp", "torch"))
-    return {"differences": differences(ours, theirs), "losses": len(theirs["losses"])}
+    return {"difference": state_difference(ours, theirs, where="minidp's run"), "losses": len(theirs["losses"])}
 
 
 def the_module_stays_itself(seed: int) -> dict:

@@ -95,7 +95,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference
-from .isinstance_only import refuse_inherited
+from .isinstance_only import give_methods, refuse_inherited
 from .sharded_optimizer_state import SHARDED_BY, group_of_shard, watch_optimizers
 
 
@@ -882,7 +882,8 @@ class ShardedModule(FSDPModule):
     FSDP2 returns the module itself, its class swapped for a subclass of (``FSDPModule``, its class),
     and users call the methods of ``FSDPModule`` on it (``model.set_requires_gradient_sync(False)``).
     ``fully_shard`` does the same with this class: ``type(module)`` becomes ``Sharded<its class>``
-    (one per class, made once), so that the module keeps its attributes, its forward and
+    (one per class, made once: :func:`~minidp.distributed.isinstance_only.give_methods`), so that the module keeps
+    its attributes, its forward and
     ``isinstance`` to its class, and gains these methods. The state stays in the module's group.
 
     A subclass of torch's ``FSDPModule`` so that ``isinstance(module, FSDPModule)`` holds, as code that drives FSDP2
@@ -1073,11 +1074,6 @@ def _groups_of_modules(modules: list[nn.Module]) -> list[ShardGroup]:
     return groups
 
 
-# One subclass of (ShardedModule, cls) per class, as FSDP2 caches its FSDP<cls> classes (_fsdp_init.py,
-# _apply_to_module).
-_SHARDED_CLASSES: dict[type, type] = {}
-
-
 def _own_group(module: nn.Module) -> ShardGroup:
     group = _group_of(module)
     if group is None:
@@ -1087,7 +1083,7 @@ def _own_group(module: nn.Module) -> ShardGroup:
 
 def _class_name(module: nn.Module) -> str:
     """The name of ``module``'s class before ``fully_shard`` swapped it ("Net", not "ShardedNet")."""
-    return getattr(type(module), "unsharded_class", type(module)).__name__
+    return getattr(type(module), "original_class", type(module)).__name__
 
 
 # Set on a parameter that a fully_shard call replaced by shards (its name there): a module that still
@@ -1264,10 +1260,7 @@ def fully_shard(
         holder.register_state_dict_pre_hook(functools.partial(_reshard_before_state_dict, shard_group))
         holder.register_state_dict_post_hook(functools.partial(_shards_as_dtensors, shard_group))
     for root in roots:
-        cls = type(root)
-        if cls not in _SHARDED_CLASSES:  # Sharded<cls>: ShardedModule's methods first, then the class's own
-            _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"unsharded_class": cls})
-        root.__class__ = _SHARDED_CLASSES[cls]
+        give_methods(root, ShardedModule, "Sharded")
     return module
 
 

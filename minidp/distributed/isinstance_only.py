@@ -8,11 +8,17 @@ modules minidp's ``fully_shard`` shards from ``FSDPModule``, without running the
 torch's class that minidp's does not define would then run torch's code on state minidp does not keep (a C++
 reducer, FSDP2's param groups) and fail somewhere inside it: :func:`refuse_inherited` replaces each such method
 with one that raises, naming it and the way out.
+
+The composable APIs (``fully_shard``, ``replicate``) keep the module itself and swap its class instead, as torch's
+do: :func:`give_methods` makes the module an instance of ``<Prefix><its class>``, a subclass of (the methods' class,
+its class), so that ``isinstance`` to its own class still holds.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
+
+from torch import nn
 
 
 def _refusal(name: str, message: Callable[[str], str]) -> Callable[..., Any]:
@@ -33,3 +39,17 @@ def refuse_inherited(ours: type, theirs: type, message: Callable[[str], str], ke
     for name, member in vars(theirs).items():
         if callable(member) and not name.startswith("__") and name not in kept and name not in vars(ours):
             setattr(ours, name, _refusal(name, message))
+
+
+# One class per (methods, original class), made once, as FSDP2 caches its FSDP<cls> classes (_fsdp_init.py).
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def give_methods(module: nn.Module, methods: type, prefix: str) -> None:
+    """Swap ``module``'s class for ``<prefix><its class>``, a subclass of (``methods``, its class): ``methods``' come
+    first, then the class's own; the module keeps its attributes, its forward and ``isinstance`` to its class.
+    ``original_class`` on the new class is the module's class before the swap."""
+    cls = type(module)
+    if (methods, cls) not in _CLASSES:
+        _CLASSES[methods, cls] = type(f"{prefix}{cls.__name__}", (methods, cls), {"original_class": cls})
+    module.__class__ = _CLASSES[methods, cls]

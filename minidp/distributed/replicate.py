@@ -29,23 +29,28 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from .ddp import DistributedDataParallel
+from .isinstance_only import give_methods
 
 _STATE = "_minidp_replicate_state"
 
 
 class ReplicateState:
     """What ``replicate`` keeps for a module: its DDP object once built, and what builds it (torch's
-    ``_ReplicateState``). ``_ddp_weakref``, as torch's: a weak reference to the DDP object, for tests."""
+    ``_ReplicateState``)."""
 
     def __init__(self, module: nn.Module, ignored_modules: set[nn.Module], ddp_kwargs: dict[str, Any]) -> None:
         self.module = module
         self.ignored_modules = ignored_modules
         self.ddp_kwargs = ddp_kwargs
         self.ddp: Optional[DistributedDataParallel] = None
-        self._ddp_weakref: Optional[weakref.ref] = None
         self.no_sync = False
         self.comm_hooks: list[tuple[tuple, dict]] = []
         self.recording = False
+
+    @property
+    def _ddp_weakref(self) -> weakref.ref:
+        """A weak reference to the DDP object, by torch's name (upstream's tests read it)."""
+        return weakref.ref(self.ddp)
 
     def parameters(self) -> list[nn.Parameter]:
         """The module's parameters DDP reduces: in the module's order, without the ignored modules' and those of
@@ -62,7 +67,6 @@ class ReplicateState:
             cpu = device_id is None or (isinstance(device_id, torch.device) and device_id.type == "cpu")
             kwargs["device_ids"] = None if cpu else [device_id]
         self.ddp = DistributedDataParallel(nn.ParameterList(self.parameters()), **kwargs)
-        self._ddp_weakref = weakref.ref(self.ddp)
         for args, hook_kwargs in self.comm_hooks:
             self.ddp.register_comm_hook(*args, **hook_kwargs)
         self.comm_hooks.clear()
@@ -92,7 +96,7 @@ class ReplicatedModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> nn.Module:
         # A container's slice (``sequential[1:]``) is made by ``type(self)(...)``: of the original class, as torch's
         # composable DDP class makes it (its __new__), since the slice is not replicated.
-        original = cls.unreplicated_class
+        original = cls.original_class
         module = original.__new__(original)
         module.__init__(*args, **kwargs)
         return module
@@ -110,9 +114,6 @@ class ReplicatedModule:
         raise AssertionError("DDP does not support deepcopy. Please use state dict for serialization.")
 
 
-_REPLICATED_CLASSES: dict[type, type] = {}
-
-
 def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] = None, **kwargs: Any) -> nn.Module:
     """Make ``module`` data parallel in place, DDP's way; returns ``module``.
 
@@ -126,17 +127,13 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
     if isinstance(module, FSDPModule):
         raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
     if _STATE in module.__dict__:
-        raise RuntimeError(f"replicate was already applied to this {type(module).unreplicated_class.__name__}; "
+        raise RuntimeError(f"replicate was already applied to this {type(module).original_class.__name__}; "
                            f"apply it once per module")
     replicated = ReplicateState(module, set(ignored_modules or ()), kwargs)
     module.__dict__[_STATE] = replicated
     module.register_forward_pre_hook(replicated.before_forward, with_kwargs=True)
     module.register_forward_hook(replicated.after_forward)
-    cls = type(module)
-    if cls not in _REPLICATED_CLASSES:  # Replicated<cls>: ReplicatedModule's methods first, then the class's own
-        _REPLICATED_CLASSES[cls] = type(f"Replicated{cls.__name__}", (ReplicatedModule, cls),
-                                        {"unreplicated_class": cls})
-    module.__class__ = _REPLICATED_CLASSES[cls]
+    give_methods(module, ReplicatedModule, "Replicated")
     return module
 
 
