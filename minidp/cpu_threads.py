@@ -8,7 +8,9 @@ pays"). So
 
 * a forward of CPU replicas runs each with its *share* of the caller's count (:func:`share`), and
 * their backwards run in parallel, by default, only where their teams fit the cores
-  (:func:`minidp.parallel_backward.applies`).
+  (:func:`minidp.parallel_backward.applies`), and
+* the idle OpenMP team of a thread that is about to run a replica on its share is let go first, so that it
+  does not spin on the cores the replicas need (:func:`let_idle_team_go`).
 
 They also share the libraries below torch, whose first call in a process is not always safe to make from
 two threads at once: minidp makes it before any replica runs (:func:`finish_vector_math_setup`).
@@ -16,7 +18,10 @@ two threads at once: minidp makes it before any replica runs (:func:`finish_vect
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+from typing import Callable, Optional
 
 import torch
 
@@ -66,3 +71,43 @@ def teams_fit(replicas: int, threads_each: int) -> bool:
     time-sliced like any threads).
     """
     return threads_each == 1 or replicas * threads_each <= cores()
+
+
+def let_idle_team_go() -> None:
+    """End the idle intra-op threads of the calling thread's OpenMP team, which would spin on cores others need.
+
+    GNU OpenMP (libgomp, the runtime of torch's Linux wheels) keeps the members of a team that finished a parallel
+    region spinning for a few milliseconds (300,000 spins by default), so that the next region starts without
+    waking them. A training step of CPU replicas ends with the caller's kernels on its whole team (the backward, the
+    optimizer) and begins with the replicas' forwards on their shares of it: for the first milliseconds of every
+    forward the caller's idle members spin on the cores that the replicas' threads need. Measured on 2 cores
+    (BENCHMARKS.md, "The caller's idle team"): 10 to 15% of the step of 2 replicas of the CNN.
+
+    So a thread about to run a replica on fewer threads than its caller's lets its team go first, through OpenMP
+    5.0's ``omp_pause_resource(omp_pause_soft, host)``: libgomp ends the calling thread's team threads (and only
+    that thread's) at once, and the next region that needs them starts new ones, about 50 us later. Nothing is
+    computed differently. Where the runtime is not libgomp, or lacks the call, nothing is done.
+    """
+    pause = _pause_openmp_team()
+    if pause is not None:
+        pause()
+
+
+@functools.cache
+def _pause_openmp_team() -> Optional[Callable[[], int]]:
+    """The call that ends the calling thread's idle OpenMP team, where libgomp is the runtime and has it; else None."""
+    try:
+        with open("/proc/self/maps") as maps:  # the copy of libgomp torch loaded (a wheel may carry its own)
+            path = next((line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]), None)
+    except OSError:  # not Linux: another runtime, whose teams this does not know
+        return None
+    if path is None:
+        return None
+    try:
+        libgomp = ctypes.CDLL(path)  # the library already mapped: no second copy is loaded
+    except OSError:  # its file is gone (replaced since it was loaded)
+        return None
+    if not hasattr(libgomp, "omp_pause_resource"):  # before OpenMP 5.0 (GCC 9)
+        return None
+    omp_pause_soft, host = 1, libgomp.omp_get_initial_device()
+    return functools.partial(libgomp.omp_pause_resource, omp_pause_soft, host)

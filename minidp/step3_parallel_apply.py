@@ -225,6 +225,8 @@ class _CallerState:
                 if enabled:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
             if device.type == "cpu" and self.replica_threads is not None:
+                if self.replica_threads < self.caller_threads:  # this thread's team, idle now, would spin meanwhile
+                    cpu_threads.let_idle_team_go()  # (first: the count set next is then set on what remains)
                 torch.set_num_threads(self.replica_threads)
             if device.type == "cuda":
                 stack.enter_context(torch.cuda.device(device))

@@ -103,3 +103,61 @@ def test_after_import_two_threads_first_tanh_at_once_is_exact():
     done = fresh_python("tests/first_math_calls_at_once.py", "300", timeout=180)
     assert done.returncode == 0, done.stderr
     assert "children with a call that was not exact: [] failed: []" in done.stdout, done.stdout + done.stderr
+
+
+# ---- the caller's idle OpenMP team (cpu_threads.let_idle_team_go) ----------------------------------------------
+
+# Run in a fresh interpreter. After a parallel region of the caller's whole team, a parallel_apply whose replica 0
+# (in the calling thread) sleeps 50 ms and measures the CPU time every other thread of the process takes meanwhile:
+# an idle team member that spins shows there. Printed: the median of 5 tries, in ns, for one CPU replica (it keeps
+# the caller's count: nothing is let go) and for two (each on a share of it).
+IDLE_TEAM_SCRIPT = """
+import os, threading, time
+import torch, minidp
+from minidp import cpu_threads
+
+def others_cpu_ns():
+    me = str(threading.get_native_id())
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        if task != me:
+            with open(f"/proc/self/task/{task}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+    return total
+
+class Sleeps(torch.nn.Module):
+    def forward(self, x):
+        if threading.current_thread() is threading.main_thread():
+            before = others_cpu_ns()
+            time.sleep(0.05)
+            spins.append(others_cpu_ns() - before)
+        return x
+
+torch.set_num_threads(cpu_threads.cores())
+x = torch.ones(1 << 22)
+for replicas in (1, 2):
+    spins = []
+    for _ in range(5):
+        x.mul_(1.0)  # a parallel region of the caller's whole team
+        minidp.parallel_apply([Sleeps()] * replicas, [(x,)] * replicas, devices=["cpu"] * replicas)
+    print(sorted(spins)[2])
+"""
+
+
+@pytest.mark.fresh_interpreter
+@per_thread
+@pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
+                    reason="reads each thread's CPU time from /proc (Linux with scheduler statistics)")
+@pytest.mark.skipif(importlib.import_module("minidp.cpu_threads").cores() < 2, reason="needs 2 cores or more")
+def test_the_callers_idle_team_does_not_spin_while_replicas_run_on_shares_of_it():
+    """libgomp keeps the members of a team that finished a region spinning for milliseconds; a step's backward ends
+    on the caller's whole team and the next forward's replicas need those cores, so a thread about to run a replica
+    on a share of its caller's threads lets its idle team go (minidp/cpu_threads.py, let_idle_team_go). The control,
+    one replica on the caller's whole count, must show the spinning, or this runtime does not spin here and the test
+    cannot tell."""
+    result = fresh_python("-c", IDLE_TEAM_SCRIPT)
+    assert result.returncode == 0, result.stderr
+    whole_team_ns, shares_ns = map(int, result.stdout.split())
+    if whole_team_ns < 1_000_000:
+        pytest.skip(f"the idle team spun {whole_team_ns / 1e6:.3f} ms: this OpenMP runtime does not spin here")
+    assert shares_ns < whole_team_ns / 10, (shares_ns, whole_team_ns)
