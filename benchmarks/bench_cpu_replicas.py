@@ -9,7 +9,11 @@
 Variants, all on the same global batch (``--batch`` rows of 1x28x28 images, ``minidp.zoo.SmallCNN``,
 cross-entropy, SGD):
 
-* ``one device``: the model itself, in this process, with all its intra-op threads;
+* ``one device``: the model itself with all the intra-op threads of this process, in a process of its own (started
+  once, idle, blocked on a pipe, while the others run): a process that never ran CPU replicas, as a user's
+  one-device training is. minidp's first forward of CPU replicas changes how idle OpenMP threads wait, for the
+  whole process (``minidp.cpu_threads.keep_idle_threads_from_spinning``), so ``one device, this process`` (the
+  same model in this process, among minidp's variants) is printed beside it, for comparison;
 * ``minidp xK``: ``minidp.DataParallel`` on K CPU replicas in this process, as configured by default: the
   replicas' backwards in parallel where their thread teams fit the cores, else one after the other
   (``set_parallel_backward("auto")``; the line says which it chose); ``minidp xK parallel backward``: in
@@ -75,35 +79,46 @@ def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     return step
 
 
-def _ddp_rank(rank: int, world: int, store_path: str, threads: int, batch: int, commands, replies) -> None:
-    """One DDP process: join the group, then time ``number`` steps for every command, until told to stop."""
+def _rank(rank: int, world: int, ddp: bool, store_path: str, threads: int, batch: int, commands, replies) -> None:
+    """One process of a group: join it (``ddp``), then time ``number`` steps for every command, until told to stop.
+
+    Without ``ddp`` the group is one process that trains the plain model on the whole batch: one device, in a
+    process that minidp's replicas never ran in (see ``main``).
+    """
     torch.set_num_threads(threads)
-    interface = loopback_interface()
-    if interface:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(SmallCNN())
     x, y = _batch(batch, 0)
-    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    if ddp:
+        interface = loopback_interface()
+        if interface:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        model = nn.parallel.DistributedDataParallel(SmallCNN())
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    else:
+        model = SmallCNN()
     step = _stepper(model, x, y)
     while True:
         number = commands.recv()
         if number is None:
             break
-        dist.barrier()
+        if ddp:
+            dist.barrier()
         elapsed = _Costs.of(step, number)
         wall = torch.tensor([elapsed.wall])
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        if ddp:
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
         replies.send(_Costs(wall.item(), elapsed.cpu, elapsed.system, elapsed.faults))
-    dist.destroy_process_group()
+    if ddp:
+        dist.destroy_process_group()
 
 
-class _DDPGroup:
-    """``world`` DDP processes, started once; :meth:`time` runs ``number`` steps on all of them."""
+class _ProcessGroup:
+    """``world`` processes, started once, each with this process's intra-op threads divided among them: torch DDP
+    ranks (``ddp``), or one process with the plain model; :meth:`time` runs ``number`` steps on all of them."""
 
-    def __init__(self, world: int, batch: int) -> None:
+    def __init__(self, world: int, batch: int, ddp: bool = True) -> None:
         self.directory = tempfile.mkdtemp(prefix="bench-ddp-")
         context = mp.get_context("spawn")
         threads = max(1, torch.get_num_threads() // world)
@@ -111,8 +126,8 @@ class _DDPGroup:
         for rank in range(world):
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=_ddp_rank,
-                args=(rank, world, os.path.join(self.directory, "store"), threads, batch, theirs, theirs),
+                target=_rank,
+                args=(rank, world, ddp, os.path.join(self.directory, "store"), threads, batch, theirs, theirs),
                 daemon=True,
             )
             process.start()
@@ -155,17 +170,18 @@ def main() -> None:
 
         return run
 
-    local = {"one device": _stepper(copy.deepcopy(model), x, y)}
+    local = {"one device, this process": _stepper(copy.deepcopy(model), x, y)}
     for k in args.replicas:
         step = _stepper(minidp.DataParallel(copy.deepcopy(model), ["cpu"] * k), x, y)
         local[f"minidp x{k}"] = with_parallel_backward("auto", "caller", step)
         local[f"minidp x{k} parallel backward"] = with_parallel_backward(True, "caller", step)
         local[f"minidp x{k} shared threads"] = with_parallel_backward(True, "share", step)
         local[f"minidp x{k} serial backward"] = with_parallel_backward(False, "caller", step)
-    groups = {k: _DDPGroup(k, args.batch) for k in args.replicas}
+    groups = {f"torch DDP x{k}": _ProcessGroup(k, args.batch) for k in args.replicas}
+    groups["one device"] = _ProcessGroup(1, args.batch, ddp=False)
     try:
         timers = {name: (lambda step=step: _Costs.of(step, args.number)) for name, step in local.items()}
-        timers.update({f"torch DDP x{k}": (lambda g=g: g.time(args.number)) for k, g in groups.items()})
+        timers.update({name: (lambda g=g: g.time(args.number)) for name, g in groups.items()})
         for timer in timers.values():  # warm-up, DDP's bucket rebuild included
             timer()
             timer()
