@@ -68,7 +68,6 @@ from .cpu_threads import share, teams_fit
 from .nested import tensors_in
 
 _enabled: Union[bool, str] = "auto"
-_SETTINGS = (True, False, "auto")
 _threads = "caller"
 _THREAD_COUNTS = ("caller", "share")
 
@@ -85,9 +84,11 @@ def set_parallel_backward(enabled: Union[bool, str]) -> Union[bool, str]:
     :func:`set_parallel_backward_threads`): they only decide which threads run the replicas' graphs.
     """
     global _enabled
-    if not any(enabled is setting for setting in _SETTINGS):
+    # A bool, not 1 or 0 (which equal True and False); "auto" by value: a string read from a config or a pickle
+    # is another object than the literal.
+    if not (isinstance(enabled, bool) or (isinstance(enabled, str) and enabled == "auto")):
         raise TypeError(f"set_parallel_backward: enabled must be 'auto', True or False, got {enabled!r}")
-    previous, _enabled = _enabled, enabled
+    previous, _enabled = _enabled, "auto" if isinstance(enabled, str) else enabled
     return previous
 
 

@@ -183,6 +183,16 @@ def test_an_unknown_parallel_backward_setting_is_refused_and_changes_nothing(set
     assert minidp.get_parallel_backward() is before
 
 
+def test_auto_is_taken_by_value_as_a_config_file_or_a_pickle_gives_it():
+    built = "".join(["au", "to"])  # equal to "auto", another object
+    previous = minidp.set_parallel_backward(False)
+    try:
+        minidp.set_parallel_backward(built)
+        assert minidp.get_parallel_backward() == "auto"
+    finally:
+        minidp.set_parallel_backward(previous)
+
+
 def test_settings_for_a_block_are_set_back_when_it_raises_and_none_leaves_one_alone():
     before = (minidp.get_parallel_backward(), minidp.get_parallel_backward_threads())
     with pytest.raises(KeyError):
