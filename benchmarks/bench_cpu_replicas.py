@@ -7,23 +7,20 @@
         # glibc keeps freed memory mapped, in every process of the run: page faults all but gone
 
 Variants, all on the same global batch (``--batch`` rows of 1x28x28 images, ``minidp.zoo.SmallCNN``,
-cross-entropy, SGD):
+cross-entropy, SGD), each in processes of its own, started once and idle, blocked on a pipe, while the others run:
+a process keeps state that outlives a step and changes the next variant's speed (glibc's free memory, hence the
+page faults; OpenMP's thread teams, and how their idle threads wait), so each variant runs in a process that only
+ever ran it, as a user's training does:
 
-* ``one device``: the model itself with all the intra-op threads of this process, in a process of its own (started
-  once, idle, blocked on a pipe, while the others run): a process that never ran CPU replicas, as a user's
-  one-device training is. minidp's first forward of CPU replicas changes how idle OpenMP threads wait, for the
-  whole process (``minidp.cpu_threads.keep_idle_threads_from_spinning``), so ``one device, this process`` (the
-  same model in this process, among minidp's variants) is printed beside it, for comparison;
-* ``minidp xK``: ``minidp.DataParallel`` on K CPU replicas in this process, as configured by default: the
-  replicas' backwards in parallel where their thread teams fit the cores, else one after the other
-  (``set_parallel_backward("auto")``; the line says which it chose); ``minidp xK parallel backward``: in
-  parallel always (``set_parallel_backward(True)``), each with the caller's intra-op threads (bitwise the
-  serial backward); ``minidp xK shared threads``: in parallel with ``set_parallel_backward_threads("share")``
-  (each backward with its forward's share of the threads); ``minidp xK serial backward``:
-  ``set_parallel_backward(False)``;
+* ``one device``: the model itself, with all the intra-op threads;
+* ``minidp xK``: ``minidp.DataParallel`` on K CPU replicas, as configured by default: the replicas' backwards in
+  parallel where their thread teams fit the cores, else one after the other (``set_parallel_backward("auto")``;
+  the line says which it chose); ``minidp xK parallel backward``: in parallel always
+  (``set_parallel_backward(True)``), each with the caller's intra-op threads (bitwise the serial backward);
+  ``minidp xK shared threads``: in parallel with ``set_parallel_backward_threads("share")`` (each backward with its
+  forward's share of the threads); ``minidp xK serial backward``: ``set_parallel_backward(False)``;
 * ``torch DDP xK``: ``torch.nn.parallel.DistributedDataParallel`` in K Gloo processes on this machine,
-  each with batch/K rows and cores/K intra-op threads, started once (``minidp.distributed.launch``'s
-  file rendezvous, over the loopback interface) and idle, blocked on a pipe, while the others run.
+  each with batch/K rows and cores/K intra-op threads (file rendezvous, over the loopback interface).
 
 A step is ``zero_grad``, forward, loss, backward, ``optimizer.step``. Each round runs every variant for
 ``--number`` steps, in an order that rotates from round to round; a DDP variant's time is its slowest
@@ -37,7 +34,6 @@ compare ratios of one run only.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import resource
 import statistics
@@ -59,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import minidp  # noqa: E402
 from minidp.cpu_threads import cores  # noqa: E402
 from minidp.distributed.launch import loopback_interface  # noqa: E402
-from minidp.parallel_backward import applies, parallel_backward_settings  # noqa: E402
+from minidp.parallel_backward import applies  # noqa: E402
 from minidp.zoo import SmallCNN  # noqa: E402
 
 
@@ -79,25 +75,51 @@ def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     return step
 
 
-def _rank(rank: int, world: int, ddp: bool, store_path: str, threads: int, batch: int, commands, replies) -> None:
-    """One process of a group: join it (``ddp``), then time ``number`` steps for every command, until told to stop.
+class _Variant(NamedTuple):
+    """What one variant's processes run: ``"one device"``, ``"minidp"`` (K replicas, the parallel backward's two
+    settings) or ``"torch DDP"`` (K ranks)."""
 
-    Without ``ddp`` the group is one process that trains the plain model on the whole batch: one device, in a
-    process that minidp's replicas never ran in (see ``main``).
-    """
+    kind: str
+    replicas: int = 1
+    parallel_backward: Union[bool, str] = "auto"
+    backward_threads: str = "caller"
+
+    @property
+    def processes(self) -> int:
+        return self.replicas if self.kind == "torch DDP" else 1
+
+
+def _variants(replicas: list[int]) -> dict[str, _Variant]:
+    variants = {"one device": _Variant("one device")}
+    for k in replicas:
+        variants[f"minidp x{k}"] = _Variant("minidp", k)
+        variants[f"minidp x{k} parallel backward"] = _Variant("minidp", k, True)
+        variants[f"minidp x{k} shared threads"] = _Variant("minidp", k, True, "share")
+        variants[f"minidp x{k} serial backward"] = _Variant("minidp", k, False)
+    variants.update({f"torch DDP x{k}": _Variant("torch DDP", k) for k in replicas})
+    return variants
+
+
+def _rank(variant: _Variant, rank: int, store_path: str, threads: int, batch: int, commands, replies) -> None:
+    """One process of a variant: build its step, then time ``number`` steps for every command, until told to stop."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
+    model = SmallCNN()
     x, y = _batch(batch, 0)
+    ddp = variant.kind == "torch DDP"
     if ddp:
         interface = loopback_interface()
         if interface:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        model = nn.parallel.DistributedDataParallel(SmallCNN())
-        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-    else:
-        model = SmallCNN()
+        store = dist.FileStore(store_path, variant.processes)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=variant.processes,
+                                timeout=timedelta(seconds=120))
+        model = nn.parallel.DistributedDataParallel(model)
+        x, y = x.chunk(variant.processes)[rank], y.chunk(variant.processes)[rank]
+    elif variant.kind == "minidp":
+        minidp.set_parallel_backward(variant.parallel_backward)
+        minidp.set_parallel_backward_threads(variant.backward_threads)
+        model = minidp.DataParallel(model, ["cpu"] * variant.replicas)
     step = _stepper(model, x, y)
     while True:
         number = commands.recv()
@@ -114,20 +136,20 @@ def _rank(rank: int, world: int, ddp: bool, store_path: str, threads: int, batch
         dist.destroy_process_group()
 
 
-class _ProcessGroup:
-    """``world`` processes, started once, each with this process's intra-op threads divided among them: torch DDP
-    ranks (``ddp``), or one process with the plain model; :meth:`time` runs ``number`` steps on all of them."""
+class _Processes:
+    """A variant's processes, started once, each with this process's intra-op threads divided among them;
+    :meth:`time` runs ``number`` steps on all of them."""
 
-    def __init__(self, world: int, batch: int, ddp: bool = True) -> None:
-        self.directory = tempfile.mkdtemp(prefix="bench-ddp-")
+    def __init__(self, variant: _Variant, batch: int) -> None:
+        self.directory = tempfile.mkdtemp(prefix="bench-cpu-replicas-")
         context = mp.get_context("spawn")
-        threads = max(1, torch.get_num_threads() // world)
+        threads = max(1, torch.get_num_threads() // variant.processes)
         self.pipes, self.processes = [], []
-        for rank in range(world):
+        for rank in range(variant.processes):
             ours, theirs = context.Pipe()
             process = context.Process(
                 target=_rank,
-                args=(rank, world, ddp, os.path.join(self.directory, "store"), threads, batch, theirs, theirs),
+                args=(variant, rank, os.path.join(self.directory, "store"), threads, batch, theirs, theirs),
                 daemon=True,
             )
             process.start()
@@ -154,49 +176,30 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--number", type=int, default=3, help="steps per variant per round")
-    parser.add_argument("--threads", type=int, help="intra-op threads of this process (default: torch's)")
+    parser.add_argument("--threads", type=int, help="intra-op threads of each process but DDP's (default: torch's)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    torch.manual_seed(0)
-    model = SmallCNN()
-    x, y = _batch(args.batch, 0)
-
-    def with_parallel_backward(enabled: Union[bool, str], threads: str, step):
-        def run() -> None:
-            with parallel_backward_settings(enabled, threads):
-                step()
-
-        return run
-
-    local = {"one device, this process": _stepper(copy.deepcopy(model), x, y)}
-    for k in args.replicas:
-        step = _stepper(minidp.DataParallel(copy.deepcopy(model), ["cpu"] * k), x, y)
-        local[f"minidp x{k}"] = with_parallel_backward("auto", "caller", step)
-        local[f"minidp x{k} parallel backward"] = with_parallel_backward(True, "caller", step)
-        local[f"minidp x{k} shared threads"] = with_parallel_backward(True, "share", step)
-        local[f"minidp x{k} serial backward"] = with_parallel_backward(False, "caller", step)
-    groups = {f"torch DDP x{k}": _ProcessGroup(k, args.batch) for k in args.replicas}
-    groups["one device"] = _ProcessGroup(1, args.batch, ddp=False)
+    groups: dict[str, _Processes] = {}
     try:
-        timers = {name: (lambda step=step: _Costs.of(step, args.number)) for name, step in local.items()}
-        timers.update({name: (lambda g=g: g.time(args.number)) for name, g in groups.items()})
-        for timer in timers.values():  # warm-up, DDP's bucket rebuild included
-            timer()
-            timer()
-        costs: dict[str, list[_Costs]] = {name: [] for name in timers}
-        names = list(timers)
+        for name, variant in _variants(args.replicas).items():
+            groups[name] = _Processes(variant, args.batch)
+        for group in groups.values():  # warm-up, DDP's bucket rebuild included
+            group.time(args.number)
+            group.time(args.number)
+        costs: dict[str, list[_Costs]] = {name: [] for name in groups}
+        names = list(groups)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                costs[name].append(timers[name]())
+                costs[name].append(groups[name].time(args.number))
     finally:
         for group in groups.values():
             group.close()
 
     median = {name: _Costs.median(values, args.number) for name, values in costs.items()}
     one = median["one device"].wall
-    print(f"SmallCNN, global batch {args.batch}, {torch.get_num_threads()} intra-op threads in this process, "
+    print(f"SmallCNN, global batch {args.batch}, {torch.get_num_threads()} intra-op threads a process (DDP's divided), "
           f"{args.rounds} rounds x {args.number} steps, medians per step")
     for k in args.replicas:
         chosen = "in parallel" if applies([torch.device("cpu")] * k) else "one after the other"

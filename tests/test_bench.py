@@ -66,10 +66,10 @@ def test_the_forward_rows_floor_reuses_its_replicas_where_the_others_replicate_a
 
 @pytest.mark.fresh_interpreter
 def test_the_cpu_replicas_benchmark_runs_every_variant_and_says_where_the_time_goes():
-    """benchmarks/bench_cpu_replicas.py end to end, shortest run: one device (in a process of its own, the ratios'
-    base, and in this one), minidp (the default, which says the way it took; parallel backward with the caller's
-    threads and with shared ones; serial backward) and torch DDP on 2 Gloo processes, each row with its CPU time,
-    cores, system time and page faults."""
+    """benchmarks/bench_cpu_replicas.py end to end, shortest run: one device, minidp (the default, which says the
+    way it took; parallel backward with the caller's threads and with shared ones; serial backward) and torch DDP
+    on 2 Gloo processes, each variant in processes of its own, each row with its CPU time, cores, system time and
+    page faults."""
     done = fresh_python(str(ROOT / "benchmarks" / "bench_cpu_replicas.py"), "--rounds", "1", "--number", "1",
                         "--replicas", "2", "--batch", "16", timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -77,7 +77,7 @@ def test_the_cpu_replicas_benchmark_runs_every_variant_and_says_where_the_time_g
     header = next(line for line in lines if line.startswith("variant"))
     assert header.split()[-6:] == ["CPU", "ms", "cores", "sys", "ms", "faults"]
     rows = {line[:30].strip(): line[30:].split() for line in lines[lines.index(header) + 1:] if line.strip()}
-    assert set(rows) == {"one device", "one device, this process", "minidp x2", "minidp x2 parallel backward", "minidp x2 shared threads",
+    assert set(rows) == {"one device", "minidp x2", "minidp x2 parallel backward", "minidp x2 shared threads",
                          "minidp x2 serial backward", "torch DDP x2"}
     assert any(line.startswith("minidp x2 (the default, 'auto'): the replicas' backwards run ") for line in lines)
     assert all(len(values) == 7 for values in rows.values())  # ms, two ratios, CPU ms, cores, sys ms, faults
