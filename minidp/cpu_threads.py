@@ -81,12 +81,14 @@ def let_idle_team_go() -> None:
     waking them. A training step of CPU replicas ends with the caller's kernels on its whole team (the backward, the
     optimizer) and begins with the replicas' forwards on their shares of it: for the first milliseconds of every
     forward the caller's idle members spin on the cores that the replicas' threads need. Measured on 2 cores
-    (BENCHMARKS.md, "The caller's idle team"): 10 to 15% of the step of 2 replicas of the CNN.
+    (``python benchmarks/idle_team.py``, BENCHMARKS.md, "The caller's idle team"): 10 to 16% of the step of 2
+    replicas of the CNN.
 
     So a thread about to run a replica on fewer threads than its caller's lets its team go first, through OpenMP
     5.0's ``omp_pause_resource(omp_pause_soft, host)``: libgomp ends the calling thread's team threads (and only
-    that thread's) at once, and the next region that needs them starts new ones, about 50 us later. Nothing is
-    computed differently. Where the runtime is not libgomp, or lacks the call, nothing is done.
+    that thread's) at once, and the next region that needs them starts new ones (0.1 to 0.2 ms on that machine, once
+    a step: the backward's first kernel). Nothing is computed differently. Where the runtime is not libgomp, or
+    lacks the call, nothing is done.
     """
     pause = _pause_openmp_team()
     if pause is not None:

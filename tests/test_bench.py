@@ -83,6 +83,19 @@ def test_the_cpu_replicas_benchmark_runs_every_variant_and_says_where_the_time_g
     assert all(len(values) == 7 for values in rows.values())  # ms, two ratios, CPU ms, cores, sys ms, faults
 
 
+@pytest.mark.fresh_interpreter
+def test_the_idle_team_benchmark_times_both_ways_and_their_ratio():
+    """benchmarks/idle_team.py end to end, shortest run: the step with the caller's idle OpenMP team let go and left
+    spinning, alternating, and the rounds' median ratio."""
+    done = fresh_python(str(ROOT / "benchmarks" / "idle_team.py"), "--rounds", "2", "--number", "1", "--batch", "16",
+                        timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("SmallCNN, batch 16, 2 CPU replicas")
+    assert [line.split()[0] for line in lines[1:3]] == ["let", "left"]
+    assert lines[3].startswith("let go / left spinning, round by round: median ")
+
+
 @pytest.mark.parametrize("model", ["cnn", "deep"])
 @pytest.mark.fresh_interpreter
 def test_the_tracer_overhead_benchmark_runs_on_either_model(model):
