@@ -226,7 +226,7 @@ class _CallerState:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
             if device.type == "cpu" and self.replica_threads is not None:
                 if self.replica_threads < self.caller_threads:  # this thread's team, idle now, would spin meanwhile
-                    cpu_threads.let_idle_team_go()  # (first: the count set next is then set on what remains)
+                    cpu_threads.let_idle_team_go()  # first: ending a team may reset the thread's OpenMP settings
                 torch.set_num_threads(self.replica_threads)
             if device.type == "cuda":
                 stack.enter_context(torch.cuda.device(device))

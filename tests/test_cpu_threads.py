@@ -121,8 +121,11 @@ def others_cpu_ns():
     total = 0
     for task in os.listdir("/proc/self/task"):
         if task != me:
-            with open(f"/proc/self/task/{task}/schedstat") as stat:
-                total += int(stat.read().split()[0])
+            try:
+                with open(f"/proc/self/task/{task}/schedstat") as stat:
+                    total += int(stat.read().split()[0])
+            except OSError:  # the thread ended meanwhile (a team let go)
+                pass
     return total
 
 class Sleeps(torch.nn.Module):

@@ -241,7 +241,7 @@ def distributed_device(requested: str, processes: int) -> str:
         raise SystemExit(
             f"--device cuda with --processes {processes}: NCCL needs one GPU per process and this machine has {gpus}; "
             f"use --processes {gpus} or fewer, or --device cpu (Gloo, CPU tensors)" if gpus else
-            f"--device cuda: this machine has no GPU; use --device cpu (Gloo, CPU tensors)"
+            "--device cuda: this machine has no GPU; use --device cpu (Gloo, CPU tensors)"
         )
     return requested
 
