@@ -48,11 +48,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import minidp  # noqa: E402
+from minidp.cli.bench import training_step  # noqa: E402
 from minidp.cpu_threads import cores  # noqa: E402
 from minidp.distributed.launch import loopback_interface  # noqa: E402
 from minidp.parallel_backward import applies  # noqa: E402
@@ -62,17 +62,6 @@ from minidp.zoo import SmallCNN  # noqa: E402
 def _batch(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(rows, 1, 28, 28, generator=generator), torch.randint(0, 10, (rows,), generator=generator)
-
-
-def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-
-    return step
 
 
 class _Variant(NamedTuple):
@@ -120,7 +109,7 @@ def _rank(variant: _Variant, rank: int, store_path: str, threads: int, batch: in
         minidp.set_parallel_backward(variant.parallel_backward)
         minidp.set_parallel_backward_threads(variant.backward_threads)
         model = minidp.DataParallel(model, ["cpu"] * variant.replicas)
-    step = _stepper(model, x, y)
+    step = training_step(model, x, y)
     while True:
         number = commands.recv()
         if number is None:

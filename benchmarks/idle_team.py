@@ -20,10 +20,10 @@ import statistics
 import time
 
 import torch
-from torch.nn import functional as F
 
 import minidp
 from minidp import cpu_threads
+from minidp.cli.bench import training_step
 from minidp.zoo import SmallCNN
 
 
@@ -38,14 +38,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, 1, 28, 28, generator=generator)
     y = torch.randint(0, 10, (args.batch,), generator=generator)
-    model = minidp.DataParallel(SmallCNN(), ["cpu"] * args.replicas)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-
+    step = training_step(minidp.DataParallel(SmallCNN(), ["cpu"] * args.replicas), x, y)
     ways = {"let go": cpu_threads.let_idle_team_go, "left spinning": lambda: None}
     times: dict[str, list[float]] = {way: [] for way in ways}
     try:
