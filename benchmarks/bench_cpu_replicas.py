@@ -52,16 +52,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import minidp  # noqa: E402
+from benchmarks import models  # noqa: E402
 from minidp.cli.bench import training_step  # noqa: E402
 from minidp.cpu_threads import cores  # noqa: E402
 from minidp.distributed.launch import loopback_interface  # noqa: E402
 from minidp.parallel_backward import applies  # noqa: E402
 from minidp.zoo import SmallCNN  # noqa: E402
-
-
-def _batch(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 1, 28, 28, generator=generator), torch.randint(0, 10, (rows,), generator=generator)
 
 
 class _Variant(NamedTuple):
@@ -94,7 +90,7 @@ def _rank(variant: _Variant, rank: int, store_path: str, threads: int, batch: in
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = SmallCNN()
-    x, y = _batch(batch, 0)
+    x, y = models.batch("cnn", "cpu", size=batch)
     ddp = variant.kind == "torch DDP"
     if ddp:
         interface = loopback_interface()

@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import minidp
-from minidp import cpu_threads
-from minidp.cli.bench import training_step
-from minidp.zoo import SmallCNN
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import minidp  # noqa: E402
+from benchmarks import models  # noqa: E402
+from minidp import cpu_threads  # noqa: E402
+from minidp.cli.bench import training_step  # noqa: E402
+from minidp.zoo import SmallCNN  # noqa: E402
 
 
 def main() -> None:
@@ -35,9 +40,7 @@ def main() -> None:
     parser.add_argument("--number", type=int, default=5, help="steps per way per round")
     args = parser.parse_args()
 
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(args.batch, 1, 28, 28, generator=generator)
-    y = torch.randint(0, 10, (args.batch,), generator=generator)
+    x, y = models.batch("cnn", "cpu", size=args.batch)
     step = training_step(minidp.DataParallel(SmallCNN(), ["cpu"] * args.replicas), x, y)
     ways = {"let go": cpu_threads.let_idle_team_go, "left spinning": lambda: None}
     times: dict[str, list[float]] = {way: [] for way in ways}

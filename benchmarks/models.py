@@ -6,7 +6,7 @@ never imports from ``benchmarks/``); this module fixes their sizes for the bench
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -29,8 +29,10 @@ def resnet50_tree() -> nn.Module:
     return resnet50(base=8)
 
 
-def batch(name: str, device: str, generator_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    _, size, shape, classes = STEP_MODELS[name]
+def batch(name: str, device: str, generator_seed: int = 0, size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and class labels for ``name``'s step, ``size`` rows (by default the model's batch size), seeded."""
+    _, default_size, shape, classes = STEP_MODELS[name]
+    size = default_size if size is None else size
     generator = torch.Generator().manual_seed(generator_seed)
     x = torch.randn(size, *shape, generator=generator)
     y = torch.randint(0, classes, (size,), generator=generator)

@@ -86,9 +86,9 @@ def let_idle_team_go() -> None:
 
     So a thread about to run a replica on fewer threads than its caller's lets its team go first, through OpenMP
     5.0's ``omp_pause_resource(omp_pause_soft, host)``: libgomp ends the calling thread's team threads (and only
-    that thread's) at once, and the next region that needs them starts new ones (0.1 to 0.2 ms on that machine, once
-    a step: the backward's first kernel). Nothing is computed differently. Where the runtime is not libgomp, or
-    lacks the call, nothing is done.
+    that thread's) at once, and the next region that needs them starts new ones, once a step (the backward's first
+    kernel): a cost that the benchmark's step includes. Nothing is computed differently. Where the runtime is not
+    libgomp, or lacks the call, nothing is done.
     """
     pause = _pause_openmp_team()
     if pause is not None:
