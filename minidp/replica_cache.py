@@ -42,7 +42,8 @@ fresh replica) and any mutable attribute changed in place.
 
 The life of one entry (:class:`EntryState`): ``CLEAN`` (built or reset, holding no tensor) ->
 ``BOUND`` by a call; if that binding is recorded by autograd it is ``BACKWARD_PENDING`` until the
-backward of its ``Broadcast`` node has run (a hook on the node says so), then ``RELEASED``;
+backward of its ``Broadcast`` node has run (a hook on the node says so; the node of an earlier binding,
+in a graph kept with ``retain_graph`` and run again, does not), then ``RELEASED``;
 :meth:`ReplicaCache.release` releases it by hand. Only a ``CLEAN``, ``BOUND`` (no graph) or
 ``RELEASED`` entry is re-bound; while its backward is pending a call builds new skeletons, because
 autograd may still run the old ones: activation checkpointing re-runs a replica's forward during the
@@ -171,6 +172,7 @@ class _Entry:
         self.replicas = build_skeletons(modules, len(devices))
         self.state = EntryState.BOUND  # built skeletons are not reset yet: the first bind resets them
         self._pending_nodes = 0  # Broadcast nodes of the current binding whose backward has not run
+        self._binding = 0  # how many times the skeletons were bound: which binding a node's hook speaks for
         # A fresh replica's __dict__, and the containers it owns (not shared with the original: its
         # registries, an RNN's `_flat_weights`): copied at each reset, since binding and forward fill them.
         self.templates = [[dict(r.__dict__) for r in replica_modules] for replica_modules in self.replicas]
@@ -253,11 +255,15 @@ class _Entry:
         nodes.discard(None)
         self._pending_nodes = len(nodes)
         self.state = EntryState.BACKWARD_PENDING if nodes else EntryState.BOUND
+        self._binding += 1
+        binding = self._binding
         entry = weakref.ref(self)  # the node must not keep the skeletons alive: they hold its outputs
 
         def backward_done(grad_inputs: Any, grad_outputs: Any) -> None:
             live = entry()
-            if live is not None and live.state is EntryState.BACKWARD_PENDING:
+            # Only this binding's nodes count: an earlier step's graph, kept with retain_graph and run again now,
+            # says nothing of the replicas' current binding (a checkpoint may still recompute them).
+            if live is not None and live._binding == binding and live.state is EntryState.BACKWARD_PENDING:
                 live._pending_nodes -= 1
                 if live._pending_nodes == 0:
                     live.state = EntryState.RELEASED
