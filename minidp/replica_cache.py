@@ -239,7 +239,7 @@ class _Entry:
         param_copies, buffer_copies = replica_tensors(self.params, self.buffers, devices, detach, reduce_backend)
         bind(self.replicas, self.param_slots, self.buffer_slots, param_copies, buffer_copies,
              entered=through_entries(devices, detach))
-        self._watch_backward(param_copies[0] + buffer_copies[0])
+        self._watch_backward(param_copies[0], buffer_copies[0])
         return [replica_modules[0] for replica_modules in self.replicas]
 
     def release(self) -> None:
@@ -248,11 +248,15 @@ class _Entry:
         self.state = EntryState.RELEASED
         self.reset()
 
-    def _watch_backward(self, tensors: list[torch.Tensor]) -> None:
-        """BACKWARD_PENDING until every autograd node that made ``tensors`` (one ``Broadcast`` per step) has run backward."""
-        # One Broadcast node for all the parameters (through a CPU replica's entry: minidp.parallel_backward), None for plain buffers
-        nodes = {made_by(t) for t in {t.grad_fn: t for t in tensors}.values()}  # made_by once per distinct grad_fn
-        nodes.discard(None)
+    def _watch_backward(self, *groups: list[torch.Tensor]) -> None:
+        """BACKWARD_PENDING until every autograd node that made ``groups`` (one ``Broadcast`` a group) has run backward.
+
+        A group is replica 0's parameters or its buffers, as :func:`replica_tensors` gave them: the tensors of a group
+        that autograd records came out of one ``Broadcast`` (through a CPU replica's entry: minidp.parallel_backward),
+        so its first such tensor names the node; the others (frozen parameters, plain buffers) were made by none.
+        """
+        firsts = [next((t for t in group if t.requires_grad), None) for group in groups]
+        nodes = {made_by(t) for t in firsts if t is not None}
         self._pending_nodes = len(nodes)
         self.state = EntryState.BACKWARD_PENDING if nodes else EntryState.BOUND
         self._binding += 1
@@ -295,7 +299,8 @@ class ReplicaCache:
     with the module copies reused.
 
     One skeleton set per (thread, device list), at most ``max_entries`` of them (least recently
-    used dropped). :meth:`info` says how often the skeletons were reused and why they were last rebuilt.
+    used dropped). :meth:`info` says how often the skeletons were reused and why they were last rebuilt;
+    :meth:`original_buffers` gives the buffers replica 0 shares with the original without walking the tree.
     """
 
     def __init__(self, max_entries: int = 4) -> None:
@@ -350,6 +355,17 @@ class ReplicaCache:
         entry = self._entries.get((threading.get_ident(), tuple(as_devices(devices, "devices"))))
         if entry is not None:
             entry.release()
+
+    def original_buffers(self, replica: nn.Module) -> Optional[list[torch.Tensor]]:
+        """The original's buffers (``network.buffers()``, in order) if ``replica`` is the root of replicas this cache
+        bound and has not emptied since: the list their tree was checked against at that call, no walk of the tree.
+        ``None`` for any other module (replicas built elsewhere, or these replicas released)."""
+        with self._lock:
+            entries = list(self._entries.values())
+        for entry in entries:
+            if entry.replicas[0][0] is replica:
+                return entry.buffers if entry.state in (EntryState.BOUND, EntryState.BACKWARD_PENDING) else None
+        return None
 
     def info(self) -> ReplicaCacheInfo:
         return ReplicaCacheInfo(self._hits, self._misses, self._last_rebuild_reason, len(self._entries))

@@ -238,6 +238,32 @@ def test_a_step_that_fails_in_one_replica_leaves_the_running_statistics_as_they_
     assert_untouched(model, before)
 
 
+@pytest.mark.parametrize("cache_replicas", [True, False], ids=["cached", "built-anew"])
+def test_a_failed_step_puts_back_the_buffers_of_replicas_cached_or_built_anew(cache_replicas, generator):
+    """The buffers to put back come from the replica cache where it bound the replicas, from the tree elsewhere:
+    both give back what the step before left, the third step failing after two that ran."""
+    model = FailsOnShortChunks()
+    wrapper = minidp.DataParallel(model, cpu_ids(3), cache_replicas=cache_replicas)
+    for _ in range(2):
+        wrapper(torch.randn(12, 4, generator=generator)).sum().backward()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="replica 2"):
+        wrapper(torch.randn(11, 4, generator=generator))
+    assert_untouched(model, before)
+
+
+def test_a_failed_step_puts_back_a_buffer_replaced_since_the_replicas_were_cached(generator):
+    """A buffer replaced between steps (``.to()`` does so) rebuilds the cached replicas, and the snapshot is of the new one."""
+    model = FailsOnShortChunks()
+    wrapper = minidp.DataParallel(model, cpu_ids(3))
+    wrapper(torch.randn(12, 4, generator=generator)).sum().backward()
+    model.bn.running_mean = torch.randn(4, generator=generator)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="replica 2"):
+        wrapper(torch.randn(11, 4, generator=generator))
+    assert_untouched(model, before)
+
+
 def test_stock_keeps_half_of_a_failed_step(generator):
     """The behaviour the test above improves on, measured on stock under the emulation of its CUDA calls."""
     from .stock_emulation import emulated_stock

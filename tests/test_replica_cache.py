@@ -467,6 +467,32 @@ def test_replicas_whose_backward_has_not_run_are_not_re_bound(generator):
     first.sum().backward()
 
 
+def test_replicas_whose_first_parameter_is_frozen_are_watched_until_their_backward_has_run(generator):
+    """The Broadcast node is found through the first parameter that autograd records, not the first parameter."""
+    model = _mlp()
+    next(model.parameters()).requires_grad_(False)
+    wrapper = minidp.DataParallel(model, cpu_ids(2))
+    first = wrapper(torch.randn(4, 5, generator=generator))
+    wrapper(torch.randn(4, 5, generator=generator))
+    assert "backward has not run" in wrapper.replica_cache_info().last_rebuild_reason
+    first.sum().backward()
+    wrapper(torch.randn(4, 5, generator=generator)).sum().backward()
+    wrapper(torch.randn(4, 5, generator=generator))
+    assert wrapper.replica_cache_info().hits == 1
+
+
+def test_original_buffers_are_known_only_for_replicas_the_cache_bound_and_still_holds(generator):
+    """What DataParallel snapshots before the replicas run (a failed step puts them back): the cache's list where it
+    bound the replicas, with no walk of the tree; any other replica root gets None, and the caller walks."""
+    model = ResNetBlockBN()
+    cache = ReplicaCache()
+    root = cache.replicate(model, cpu_ids(2))[0]
+    assert [id(b) for b in cache.original_buffers(root)] == [id(b) for b in model.buffers()]
+    assert cache.original_buffers(minidp.replicate(model, cpu_ids(2))[0]) is None
+    cache.release(cpu_ids(2))
+    assert cache.original_buffers(root) is None
+
+
 def test_release_declares_the_last_replicas_finished_and_empties_them(generator):
     wrapper = minidp.DataParallel(_mlp(), cpu_ids(2))
     wrapper(torch.randn(4, 5, generator=generator))  # no backward: e.g. an evaluation with grad enabled
