@@ -422,42 +422,6 @@ def test_checkpointed_replicas_rerun_with_their_own_step_s_parameters(steps, gen
         assert torch.equal(cached, uncached)
 
 
-class CheckpointedScale(nn.Module):
-    """A layer times a buffer under activation checkpointing: replica 1's recomputation reads its own buffer copy."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(5, 5)
-        self.register_buffer("scale", torch.randn(5))
-
-    def scaled(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) * self.scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.utils.checkpoint.checkpoint(self.scaled, x, use_reentrant=False).tanh()
-
-
-def _an_old_graph_run_again_before_a_pending_backward(wrapper, batches):
-    kept = wrapper(batches[0]).pow(2).sum()
-    kept.backward(retain_graph=True)
-    pending = wrapper(batches[1]).pow(2).sum()
-    kept.backward()  # the first step's Broadcast runs again: it says nothing of the second step's replicas
-    with torch.no_grad():
-        wrapper.module.scale.mul_(2)  # replica 1 of the next forward gets a copy of the new value
-    wrapper(batches[2]).sum()
-    pending.backward()  # recomputes the second step's replicas: with their own buffer copies
-
-
-def test_a_graph_run_again_does_not_release_the_replicas_of_a_later_step(generator):
-    """Replicas are re-bound only after the backward of *their* step; a retained graph of an earlier step running
-    again in between must not count as it (checkpointing would recompute with another step's buffer copies)."""
-    model = CheckpointedScale().double()
-    batches = [torch.randn(6, 5, generator=generator, dtype=torch.float64) for _ in range(3)]
-    steps = _an_old_graph_run_again_before_a_pending_backward
-    for cached, uncached in zip(_grads_after(steps, True, model, batches), _grads_after(steps, False, model, batches)):
-        assert torch.equal(cached, uncached)
-
-
 def test_replicas_whose_backward_has_not_run_are_not_re_bound(generator):
     wrapper = minidp.DataParallel(_mlp(), cpu_ids(2))
     first = wrapper(torch.randn(4, 5, generator=generator))
@@ -529,6 +493,34 @@ class ScaledByBuffer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x) * self.scale
+
+
+class CheckpointedScale(ScaledByBuffer):
+    """The same under activation checkpointing: replica 1's recomputation reads its own buffer copy."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False).tanh()
+
+
+def _an_old_graph_run_again_before_a_pending_backward(wrapper, batches):
+    kept = wrapper(batches[0]).pow(2).sum()
+    kept.backward(retain_graph=True)
+    pending = wrapper(batches[1]).pow(2).sum()
+    kept.backward()  # the first step's Broadcast runs again: it says nothing of the second step's replicas
+    with torch.no_grad():
+        wrapper.module.scale.mul_(2)  # replica 1 of the next forward gets a copy of the new value
+    wrapper(batches[2]).sum()
+    pending.backward()  # recomputes the second step's replicas: with their own buffer copies
+
+
+def test_a_graph_run_again_does_not_release_the_replicas_of_a_later_step(generator):
+    """Replicas are re-bound only after the backward of *their* step; a retained graph of an earlier step running
+    again in between must not count as it (checkpointing would recompute with another step's buffer copies)."""
+    model = CheckpointedScale().double()
+    batches = [torch.randn(6, 4, generator=generator, dtype=torch.float64) for _ in range(3)]
+    steps = _an_old_graph_run_again_before_a_pending_backward
+    for cached, uncached in zip(_grads_after(steps, True, model, batches), _grads_after(steps, False, model, batches)):
+        assert torch.equal(cached, uncached)
 
 
 def test_a_frozen_model_runs_two_forwards_then_one_backward(generator):
