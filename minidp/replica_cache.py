@@ -47,7 +47,10 @@ in a graph kept with ``retain_graph`` and run again, does not), then ``RELEASED`
 :meth:`ReplicaCache.release` releases it by hand. Only a ``CLEAN``, ``BOUND`` (no graph) or
 ``RELEASED`` entry is re-bound; while its backward is pending a call builds new skeletons, because
 autograd may still run the old ones: activation checkpointing re-runs a replica's forward during the
-backward. The replicas returned by one call are the objects the next call (same thread, same
+backward. A backward that ran does not always end that: a branch of the graph not back-propagated yet, or
+a graph kept with ``retain_graph``, may still recompute a replica, or hand it to a backward hook. Whatever
+can do so holds the replica module, so the skeletons are also re-bound only while no replica module has
+a reference the cache did not count when it bound them (:attr:`_Entry.referenced`). The replicas returned by one call are the objects the next call (same thread, same
 devices) re-binds, down to their empty registries (checked still empty, not replaced). Each thread
 gets its own skeletons, so concurrent forwards never share replicas.
 """
@@ -55,6 +58,7 @@ gets its own skeletons, so concurrent forwards never share replicas.
 from __future__ import annotations
 
 import enum
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -170,6 +174,8 @@ class _Entry:
         self.device = devices[0]  # where check_module_device found them all
         self.dtypes = tuple(map(_dtype_of, self.tensors))
         self.replicas = build_skeletons(modules, len(devices))
+        self.flat_replicas = list(chain.from_iterable(self.replicas))
+        self.references: tuple[int, ...] = ()  # counted by bind
         self.state = EntryState.BOUND  # built skeletons are not reset yet: the first bind resets them
         self._pending_nodes = 0  # Broadcast nodes of the current binding whose backward has not run
         self._binding = 0  # how many times the skeletons were bound: which binding a node's hook speaks for
@@ -227,9 +233,23 @@ class _Entry:
         return "the module tree changed"
 
     @property
-    def reusable(self) -> bool:
-        """Whether the skeletons may be re-bound: no autograd graph can still run their current binding."""
-        return self.state is not EntryState.BACKWARD_PENDING
+    def pending(self) -> bool:
+        """Whether autograd has yet to run the backward of the skeletons' current binding."""
+        return self.state is EntryState.BACKWARD_PENDING
+
+    @property
+    def referenced(self) -> bool:
+        """Whether anything outside the cache holds a replica module: what may still run it after its backward.
+
+        A graph that reads a replica's attributes when it runs holds the module: activation checkpointing (its
+        recomputation calls the replica's code), a full backward hook (torch keeps the module to hand it over). Such a
+        graph may run after the backward of its step: kept with ``retain_graph`` and run again, or a branch of it
+        not back-propagated yet. Re-bound, the replicas would give it another step's tensors. So the skeletons are
+        re-bound only while every replica module has the references the cache itself holds, counted when it last
+        bound them (the cache's lists, each parent's ``_modules`` and its template's copy of it). Anything else
+        holding one (a graph, a traceback, a user's variable) makes the next call build new replicas, as stock does.
+        """
+        return tuple(map(sys.getrefcount, self.flat_replicas)) != self.references
 
     def bind(
         self, devices: list[torch.device], detach: bool, reduce_backend: Optional[str]
@@ -240,6 +260,7 @@ class _Entry:
         bind(self.replicas, self.param_slots, self.buffer_slots, param_copies, buffer_copies,
              entered=through_entries(devices, detach))
         self._watch_backward(param_copies[0], buffer_copies[0])
+        self.references = tuple(map(sys.getrefcount, self.flat_replicas))  # the cache's own, as `referenced` reads them
         return [replica_modules[0] for replica_modules in self.replicas]
 
     def release(self) -> None:
@@ -327,10 +348,15 @@ class ReplicaCache:
                 self._entries.move_to_end(key)
         if entry is None:
             reason: Optional[str] = "first call for these devices in this thread"
-        elif not entry.reusable:
+        elif entry.pending:
             reason = (
                 "the last replicas' backward has not run yet, and autograd may still run them (checkpointing); "
                 "run forwards you do not backpropagate under torch.no_grad() to keep the cache"
+            )
+        elif entry.referenced:
+            reason = (
+                "the last replicas are held outside the cache (by a graph that may run them again: checkpointing, "
+                "a full backward hook; or by a variable or a traceback): they are left to it"
             )
         else:
             reason = entry.change(network)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import minidp
+from minidp.parallel_backward import parallel_backward_settings
 from minidp.replica_cache import ReplicaCache
 from minidp.zoo import ZOO, LSTMModel, ResNetBlockBN
 
@@ -480,7 +481,9 @@ def test_cached_replicas_start_each_step_with_the_originals_buffers(generator):
         for name, buffer in model.named_buffers():
             copy_ = replica.get_buffer(name)
             assert copy_ is not buffer and torch.equal(copy_, buffer), name
+        del replica  # a replica held outside the cache is left to its holder: the next call would build new ones
         wrapper.replica_cache.release(cpu_ids(2))
+    assert wrapper.replica_cache_info().misses == 1  # refilled, not built anew
 
 
 class ScaledByBuffer(nn.Module):
@@ -521,6 +524,104 @@ def test_a_graph_run_again_does_not_release_the_replicas_of_a_later_step(generat
     steps = _an_old_graph_run_again_before_a_pending_backward
     for cached, uncached in zip(_grads_after(steps, True, model, batches), _grads_after(steps, False, model, batches)):
         assert torch.equal(cached, uncached)
+
+
+class CheckpointedTwoHeads(nn.Module):
+    """One layer twice: as it is, and under activation checkpointing (its recomputation calls the replica's layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.linear(x), torch.utils.checkpoint.checkpoint(lambda x: self.linear(x).tanh(), x, use_reentrant=False)
+
+
+def _doubled_weight(wrapper) -> None:
+    wrapper.module.linear.weight.data = wrapper.module.linear.weight.data * 2  # a new storage: the next step's aliases
+
+
+def _a_branch_back_propagated_after_the_next_step(wrapper, batches):
+    first, pending = wrapper(batches[0])
+    first.pow(2).sum().backward()  # the Broadcast's backward ran, the second head's branch has not
+    _doubled_weight(wrapper)
+    second, other = wrapper(batches[1])
+    (second.sum() + other.sum()).backward()
+    pending.pow(2).sum().backward()
+
+
+def _a_kept_graph_run_again_after_the_next_step(wrapper, batches):
+    kept = wrapper(batches[0])[1].pow(2).sum()
+    kept.backward(retain_graph=True)
+    _doubled_weight(wrapper)
+    wrapper(batches[1])[1].pow(2).sum().backward()
+    kept.backward()
+
+
+@pytest.mark.parametrize("steps", [_a_branch_back_propagated_after_the_next_step, _a_kept_graph_run_again_after_the_next_step])
+def test_a_graph_that_runs_after_the_next_step_recomputes_with_its_own_replicas(steps, generator):
+    """After the Broadcast's backward, a graph may still run a replica's code: a branch not back-propagated yet, or
+    a graph kept with retain_graph. While it holds the replicas, the next forward builds new ones, as stock always does.
+    (The serial backward: the parallel one's node runs once per graph, so one branch at a time is refused there.)"""
+    model = CheckpointedTwoHeads().double()
+    batches = [torch.randn(6, 4, generator=generator, dtype=torch.float64) for _ in range(2)]
+    with parallel_backward_settings(False):
+        pairs = zip(_grads_after(steps, True, model, batches), _grads_after(steps, False, model, batches))
+        for cached, uncached in pairs:
+            assert torch.equal(cached, uncached)
+
+
+class RecordsItsInput(nn.Module):
+    """A layer whose full backward hook reads what its forward hook wrote on the module: the input it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.linear.register_forward_hook(lambda module, inputs, output: setattr(module, "seen", inputs[0].detach()))
+        self.linear.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * module.seen.sum(),))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def test_a_frozen_model_s_backward_hook_reads_its_own_step_after_a_second_forward(generator):
+    """No parameter requires grad (no Broadcast node to watch), the input does: the first forward's backward, run
+    after a second forward, must find on its replicas what its own forward wrote there."""
+    model = RecordsItsInput().double().requires_grad_(False)
+    x1, x2 = (torch.randn(6, 4, generator=generator, dtype=torch.float64) for _ in range(2))
+    grads = []
+    for cache in (True, False):
+        wrapper = minidp.DataParallel(copy.deepcopy(model), cpu_ids(2), cache_replicas=cache)
+        first = x1.clone().requires_grad_()
+        out = wrapper(first)
+        wrapper(x2.clone().requires_grad_())
+        out.pow(2).sum().backward()
+        grads.append(first.grad)
+    assert torch.equal(*grads)
+
+
+def test_replicas_held_by_a_kept_graph_are_left_to_it(generator):
+    """A graph kept with retain_graph may recompute a checkpointed replica again: while it lives, the next forward
+    builds new replicas (the cost of a step built anew, as stock's), and the reason says so."""
+    wrapper = minidp.DataParallel(Checkpointed(), cpu_ids(2))
+    kept = wrapper(torch.randn(4, 5, generator=generator)).pow(2).sum()
+    kept.backward(retain_graph=True)
+    wrapper(torch.randn(4, 5, generator=generator)).pow(2).sum().backward()
+    assert wrapper.replica_cache_info().misses == 2
+    assert "held outside the cache" in wrapper.replica_cache_info().last_rebuild_reason
+
+
+@pytest.mark.parametrize("parallel_backward", [True, False], ids=["parallel-backward", "serial-backward"])
+def test_a_training_loop_with_checkpointing_keeps_its_cached_replicas(parallel_backward, generator):
+    """A finished backward lets go of the replicas (non-reentrant checkpointing frees its recomputation with the
+    saved tensors, the parallel backward's node its runner), so the usual loop, which holds the last loss while
+    the next forward runs, is served from the cache."""
+    wrapper = minidp.DataParallel(Checkpointed(), cpu_ids(2))
+    with parallel_backward_settings(parallel_backward):
+        for _ in range(4):
+            loss = wrapper(torch.randn(4, 5, generator=generator)).pow(2).sum()
+            loss.backward()
+    assert (wrapper.replica_cache_info().hits, wrapper.replica_cache_info().misses) == (3, 1)
 
 
 def test_a_frozen_model_runs_two_forwards_then_one_backward(generator):
