@@ -212,6 +212,7 @@ class _CallerState:
         split = cpu_replicas > 0 and cpu_threads.PER_THREAD_INTRA_OP
         self.replica_threads = cpu_threads.share(self.caller_threads, cpu_replicas) if split else None
         self.grad_enabled = torch.is_grad_enabled()
+        self.inference_mode = torch.is_inference_mode_enabled()  # stock leaves it behind (docs/stock-behaviour.md B27)
         self.autocast = {
             device_type: (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
             for device_type in ("cpu", "cuda")
@@ -221,6 +222,8 @@ class _CallerState:
     def enter(self, device: torch.device, stream: Optional["torch.cuda.Stream"]):
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            if self.inference_mode:  # else a replica's in-place update of a buffer copied under it (BatchNorm's) raises
+                stack.enter_context(torch.inference_mode())
             for device_type, (enabled, dtype) in self.autocast.items():
                 if enabled:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))

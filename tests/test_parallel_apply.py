@@ -31,6 +31,7 @@ class Probe(nn.Module):
             "grad": torch.is_grad_enabled(),
             "autocast": torch.is_autocast_enabled("cpu"),
             "autocast_dtype": torch.get_autocast_dtype("cpu"),
+            "inference_mode": torch.is_inference_mode_enabled(),
         }
         return x * self.tag + offset
 
@@ -111,6 +112,26 @@ def test_autocast_and_its_dtype_are_carried_into_every_thread():
     with torch.autocast("cpu", dtype=torch.float16):
         minidp.parallel_apply(probes, [(torch.zeros(1),)] * 3)
     assert [(p.seen["autocast"], p.seen["autocast_dtype"]) for p in probes] == [(True, torch.float16)] * 3
+
+
+def test_inference_mode_is_carried_into_every_thread():
+    """B27: stock leaves inference mode behind in the caller's thread; minidp's workers re-enter it."""
+    probes = [Probe(1) for _ in range(3)]
+    with torch.inference_mode():
+        minidp.parallel_apply(probes, [(torch.zeros(1),)] * 3)
+    assert [p.seen["inference_mode"] for p in probes] == [True] * 3
+
+
+def test_a_training_batchnorm_runs_under_inference_mode_as_on_one_device(generator):
+    """Replica 1's buffer copies are made under inference mode; updated in place by a worker outside it, they raise."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5)).double()
+    twin = copy.deepcopy(model)
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    with torch.inference_mode():
+        output = minidp.DataParallel(model, cpu_ids(2))(x)
+    expected = minidp.reference.chunked_reference(twin, (x,), replicas=2)
+    assert torch.allclose(output, expected, rtol=1e-12, atol=0)
+    assert torch.equal(model[1].running_mean, twin[1].running_mean)
 
 
 def test_an_exception_is_reraised_with_its_type_replica_device_and_traceback(generator):
