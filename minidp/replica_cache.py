@@ -175,6 +175,7 @@ class _Entry:
         self.dtypes = tuple(map(_dtype_of, self.tensors))
         self.replicas = build_skeletons(modules, len(devices))
         self.flat_replicas = list(chain.from_iterable(self.replicas))
+        self.replica_types = tuple(map(type, self.flat_replicas))
         self.references: tuple[int, ...] = ()  # counted by bind
         self.state = EntryState.BOUND  # built skeletons are not reset yet: the first bind resets them
         self._pending_nodes = 0  # Broadcast nodes of the current binding whose backward has not run
@@ -250,6 +251,11 @@ class _Entry:
         holding one (a graph, a traceback, a user's variable) makes the next call build new replicas, as stock does.
         """
         return tuple(map(sys.getrefcount, self.flat_replicas)) != self.references
+
+    @property
+    def reclassed(self) -> bool:
+        """Whether a replica's forward replaced its class (``self.__class__ = Other``), which a reset does not undo."""
+        return not all(map(is_, map(type, self.flat_replicas), self.replica_types))
 
     def bind(
         self, devices: list[torch.device], detach: bool, reduce_backend: Optional[str]
@@ -358,6 +364,8 @@ class ReplicaCache:
                 "the last replicas are held outside the cache (by a graph that may run them again: checkpointing, "
                 "a full backward hook; or by a variable or a traceback): they are left to it"
             )
+        elif entry.reclassed:
+            reason = "a replica's forward replaced its class"
         else:
             reason = entry.change(network)
         if reason is not None:

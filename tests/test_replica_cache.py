@@ -653,6 +653,24 @@ class Doubled(nn.Linear):
         return 2 * super().forward(x)
 
 
+class BecomesDoubled(nn.Linear):
+    """Replaces its own class in its forward: on a replica, for that replica (fresh replicas start as the original)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.__class__ = Doubled
+        return nn.Linear.forward(self, x)
+
+
+def test_a_replica_whose_forward_replaces_its_class_is_not_reused(generator):
+    model = BecomesDoubled(4, 4)
+    wrapper = minidp.DataParallel(model, cpu_ids(2))
+    x = torch.randn(4, 4, generator=generator)
+    with torch.no_grad():
+        wrapper(x)
+        assert torch.equal(wrapper(x), nn.Linear.forward(model, x))
+    assert "replaced its class" in wrapper.replica_cache_info().last_rebuild_reason
+
+
 def test_a_sub_module_whose_class_is_replaced_rebuilds_the_replicas(generator):
     """``module.__class__ = Other`` changes ``forward`` without touching ``__dict__``: the class is in the signature."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
