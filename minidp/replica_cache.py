@@ -47,12 +47,13 @@ in a graph kept with ``retain_graph`` and run again, does not), then ``RELEASED`
 :meth:`ReplicaCache.release` releases it by hand. Only a ``CLEAN``, ``BOUND`` (no graph) or
 ``RELEASED`` entry is re-bound; while its backward is pending a call builds new skeletons, because
 autograd may still run the old ones: activation checkpointing re-runs a replica's forward during the
-backward. A backward that ran does not always end that: a branch of the graph not back-propagated yet, or
-a graph kept with ``retain_graph``, may still recompute a replica, or hand it to a backward hook. Whatever
-can do so holds the replica module, so the skeletons are also re-bound only while no replica module has
-a reference the cache did not count when it bound them (:attr:`_Entry.referenced`). The replicas returned by one call are the objects the next call (same thread, same
-devices) re-binds, down to their empty registries (checked still empty, not replaced). Each thread
-gets its own skeletons, so concurrent forwards never share replicas.
+backward. A backward that ran does not always end that: a branch of the graph not back-propagated yet,
+or a graph kept with ``retain_graph``, may still recompute a replica, or hand it to a backward hook.
+Whatever can do so holds the replica module, so the skeletons are also re-bound only while no replica
+module has a reference the cache did not count when it bound them (:attr:`_Entry.referenced`), and
+while each still has its class (a forward may replace it). The replicas returned by one call are the
+objects the next call (same thread, same devices) re-binds, down to their empty registries (checked
+still empty, not replaced). Each thread gets its own skeletons, so concurrent forwards never share replicas.
 """
 
 from __future__ import annotations

@@ -79,9 +79,11 @@ def _warn_if_imbalanced(devices: list[torch.device]) -> None:
             return
 
 
-def buffers_replica_0_shares(module: nn.Module, replicas: Sequence[nn.Module], cache: Optional[ReplicaCache]) -> list[torch.Tensor]:
+def buffers_replica_0_shares(
+    module: nn.Module, replicas: Sequence[nn.Module], cache: Optional[ReplicaCache]
+) -> list[torch.Tensor]:
     """``module``'s buffers, which ``replicas[0]`` shares: from ``cache`` where it bound those replicas (a list it holds,
-    checked against the tree at that call), else by walking the tree (0.17 ms for ResNet-50's 151 modules)."""
+    checked against the tree at that call), else by walking the tree (0.16 ms for ResNet-50's 151 modules)."""
     known = cache.original_buffers(replicas[0]) if cache is not None else None
     return list(module.buffers()) if known is None else known
 
