@@ -348,8 +348,8 @@ class ParallelBackward(torch.autograd.Function):
             calls.append(call)
         # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph.
         results = ctx.run(calls, create_graph)
-        if not keep_graph:  # this node cannot run again (its saved outputs are freed): let go of the replicas the
-            ctx.run = None  # runner holds, which a replica cache would otherwise see held by a graph (minidp.replica_cache)
+        if not keep_graph:  # this node cannot run again (its saved outputs are freed): let go of the replica modules
+            ctx.run = None  # its runner holds, as a finished graph holds no module (a cache of replicas reuses them then)
         return (None, *(g for replica in results for g in replica))
 
 
