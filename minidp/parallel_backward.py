@@ -36,7 +36,7 @@ steps at 2 CPU replicas on 2 cores, 3 to 8% at 4 in five runs (`python benchmark
 Hooks fire once, where the gradient is made: a hook on a replica's parameter or input (the entry's
 outputs) fires in the replica's thread when its gradient is captured (the entry node itself never
 runs); a hook on an original parameter fires when autograd accumulates the sum. ``retain_graph``
-reaches each replica's backward; a second backward without it raises autograd's own error. A
+reaches each replica's backward; a second backward without it raises autograd's error. A
 replica whose backward raises is named by its index, once every replica is done, and autograd stops
 before the reduction: the original parameters' gradients are untouched.
 
@@ -81,7 +81,9 @@ def set_parallel_backward(enabled: Union[bool, str]) -> Union[bool, str]:
     (``True``) or never (``False``: one after the other, as autograd runs them); returns the previous setting.
 
     Every setting gives the same gradients, bit for bit (with the default thread count,
-    :func:`set_parallel_backward_threads`): they only decide which threads run the replicas' graphs.
+    :func:`set_parallel_backward_threads`): they only decide which threads run the replicas' graphs. (Not the
+    second-order ones: a backward through gradients made with ``create_graph=True`` meets this module's nodes in
+    their graph, and can sum some gradients in another order than the serial path: they agree up to rounding.)
     """
     global _enabled
     # A bool, not 1 or 0 (which equal True and False); "auto" by value: a string read from a config or a pickle
@@ -316,13 +318,20 @@ class ParallelBackward(torch.autograd.Function):
         ctx.outputs_per_replica = [len(r.outputs) for r in spec.regions]
         # Per replica, the entries' outputs as edges: where its backward ends, and what its gradients are for.
         ctx.edges = [[GradientEdge(n, k) for n in r.entries for k in range(len(n.outer))] for r in spec.regions]
-        outputs = [t for r in spec.regions for t in r.outputs]
-        ctx.save_for_backward(*outputs)  # freed by a backward without retain_graph, as autograd frees saved tensors
-        return tuple(t.detach() for t in outputs)
+        # Held, not saved (save_for_backward): each alias returned shares its output's version counter, so an in-place
+        # change of an alias, which autograd takes where no node saved that output (a linear layer's), would fail a
+        # saved tensor's version check. Let go of by a backward without retain_graph, as autograd frees saved tensors.
+        ctx.outputs = [t for r in spec.regions for t in r.outputs]
+        return tuple(t.detach() for t in ctx.outputs)
 
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):
-        outputs = ctx.saved_tensors  # raises autograd's error on a second backward without retain_graph
+        outputs = ctx.outputs
+        if outputs is None:  # let go of by an earlier backward: autograd's error, in its words, for code that matches them
+            raise RuntimeError(
+                "Trying to backward through the graph a second time: the replicas' outputs were let go of by the first "
+                "backward. Specify retain_graph=True if you need to backward through the graph a second time."
+            )
         keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
         create_graph = torch.is_grad_enabled()  # autograd runs a backward in grad mode only for create_graph=True
         # After a create_graph=True backward, the gradients it made lead back into the replicas' graphs (their
@@ -348,8 +357,8 @@ class ParallelBackward(torch.autograd.Function):
             calls.append(call)
         # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph.
         results = ctx.run(calls, create_graph)
-        if not keep_graph:  # this node cannot run again (its saved outputs are freed): let go of the replica modules
-            ctx.run = None  # its runner holds, as a finished graph holds no module (a cache of replicas reuses them then)
+        if not keep_graph:  # this node cannot run again: let go of its outputs, and of the replica modules its runner
+            ctx.outputs = ctx.run = None  # holds, as a finished graph holds no module (a cache of replicas reuses them)
         return (None, *(g for replica in results for g in replica))
 
 

@@ -386,6 +386,25 @@ def test_a_grad_that_captures_at_a_shared_node_runs_every_output_s_hooks_hence_a
     assert len(seen[0]) == 1 and seen[1] == [None]  # replica 1's hook ran in replica 0's backward
 
 
+def test_a_replica_output_changed_in_place_is_back_propagated_as_on_the_serial_path(generator):
+    # Autograd takes an in-place change of a tensor that no node saved (a linear layer's output): so does the serial
+    # path, and so must the parallel one, whose outputs are aliases of the replicas' (the same version counter).
+    model, x = nn.Linear(4, 3).double(), torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    grads = {}
+    for parallel in (False, True):
+        previous = minidp.set_parallel_backward(parallel)
+        try:
+            module = copy.deepcopy(model)
+            outputs = minidp.DataParallel(module, cpu_ids(2), gather_output=False)(x)
+            for output in outputs:
+                output.mul_(2)
+            torch.cat(outputs).square().sum().backward()
+            grads[parallel] = [p.grad for p in module.parameters()]
+        finally:
+            minidp.set_parallel_backward(previous)
+    assert _equal(grads[True], grads[False])
+
+
 def test_retain_graph_lets_a_second_backward_add_the_same_gradients(generator):
     model, x = SmallCNN(), _images(generator)
     once, _ = _step(model, x, True)
