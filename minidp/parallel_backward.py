@@ -36,7 +36,10 @@ steps at 2 CPU replicas on 2 cores, 3 to 8% at 4 in five runs (`python benchmark
 Hooks fire once, where the gradient is made: a hook on a replica's parameter or input (the entry's
 outputs) fires in the replica's thread when its gradient is captured (the entry node itself never
 runs); a hook on an original parameter fires when autograd accumulates the sum. ``retain_graph``
-reaches each replica's backward; a second backward without it raises autograd's error. A
+reaches each replica's backward; a second backward without it raises autograd's error, and so does one
+that reaches outputs the first did not (a forward's two heads back-propagated by two ``backward()`` calls: the
+first lets go of every replica's outputs, as autograd frees a node's saved tensors; keep the graph with
+``retain_graph=True``, sum the losses, or ``set_parallel_backward(False)``, where the second is taken). A
 replica whose backward raises is named by its index, once every replica is done, and autograd stops
 before the reduction: the original parameters' gradients are untouched.
 

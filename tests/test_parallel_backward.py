@@ -405,6 +405,40 @@ def test_a_replica_output_changed_in_place_is_back_propagated_as_on_the_serial_p
     assert _equal(grads[True], grads[False])
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 3), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.first(x), self.second(x)
+
+
+def test_heads_back_propagated_one_by_one_give_the_serial_gradients_where_the_first_keeps_the_graph(generator):
+    # The module docstring: the first backward lets go of every replica's outputs, so the second head's backward is
+    # taken where the first kept the graph; the serial path takes it without (autograd frees only what the first ran).
+    model, x = _TwoHeads().double(), torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    grads = {}
+    for parallel in (False, True):
+        previous = minidp.set_parallel_backward(parallel)
+        try:
+            module = copy.deepcopy(model)
+            first, second = minidp.DataParallel(module, cpu_ids(2))(x)
+            first.sum().backward(retain_graph=parallel)
+            second.square().sum().backward()
+            grads[parallel] = [p.grad for p in module.parameters()]
+        finally:
+            minidp.set_parallel_backward(previous)
+    assert _equal(grads[True], grads[False])
+
+
+def test_a_second_head_back_propagated_after_the_graph_was_let_go_of_raises_autograds_error(generator):
+    first, second = minidp.DataParallel(_TwoHeads(), cpu_ids(2))(torch.randn(8, 4, generator=generator))
+    first.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        second.sum().backward()
+
+
 def test_retain_graph_lets_a_second_backward_add_the_same_gradients(generator):
     model, x = SmallCNN(), _images(generator)
     once, _ = _step(model, x, True)
