@@ -94,6 +94,13 @@ def broadcast(
     return tuple(move(tensor, device) for device in as_devices(devices, "devices"))
 
 
+def storage_start(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    """Where a strided ``tensor``'s memory starts: its device and its storage's first byte, the same for every view of
+    that memory. Computed from the tensor's own pointer and offset, without making the storage's Python object
+    (``untyped_storage()``), which costs more and stays alive as long as the memory does."""
+    return tensor.device, tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+
+
 def broadcast_coalesced(
     tensors: Sequence[torch.Tensor], devices: Sequence[DeviceLike], buffer_size: int = 10485760
 ) -> list[tuple[torch.Tensor, ...]]:

@@ -46,10 +46,22 @@ before the reduction: the original parameters' gradients are untouched.
 When. parallel_apply cuts the graph only if every replica's graph, walked from its outputs, ends at
 its own entries: nothing else requiring grad is reached (a tensor the replica captured from outside,
 another replica's tensors as :class:`minidp.SyncBatchNorm` exchanges them, a parameter that did not
-come through an entry). Otherwise it leaves the outputs as they are and autograd runs the replicas'
-backwards one after the other, as before (the entries are then identity nodes on the way). Second-
-order gradients (``create_graph=True``) run the replicas' backwards one after the other in the
-calling thread, inside the node: the gradients it returns are differentiable, as the serial path's.
+come through an entry), and no two outputs share memory (:func:`join`). Otherwise it leaves the outputs as they
+are and autograd runs the replicas' backwards one after the other, as before (the entries are then identity nodes
+on the way). Second-order gradients (``create_graph=True``) run the replicas' backwards one after the other in
+the calling thread, inside the node: the gradients it returns are differentiable, as the serial path's.
+
+What the cut changes. Each replica's backward is a graph task of its own, so the backward the user started sees
+the replicated region as one node. A gradient with respect to a tensor made inside a replica is out of its reach
+(``torch.autograd.grad(loss, activation)`` raises autograd's "not have been used in the graph";
+``loss.backward(inputs=[activation])`` leaves its ``.grad`` as it was); a hook on a replica's tensor fires in
+every backward that reaches the replica, whatever that backward's ``inputs``; a
+``torch.autograd.graph.register_multi_grad_hook`` over tensors of several replicas fires once per replica; a
+callback queued from a hook (``Variable._execution_engine.queue_callback``) runs when its replica's backward
+ends, before the reduction. And replicas that one graph runs more than once (replicate once, parallel_apply
+twice) get each run's gradients summed apart, then added: the serial path's up to rounding. Hooks on the
+tensors themselves see every gradient, in the replica's thread; for code that needs the rest,
+``set_parallel_backward(False)``.
 
 On by default for CPU replicas wherever their intra-op thread teams fit the cores (``"auto"``, see
 :func:`applies`); :func:`set_parallel_backward` asks for it always (``True``) or never (``False``: the
@@ -67,6 +79,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 from torch.utils import checkpoint
 
+from .comm import storage_start
 from .cpu_threads import share, teams_fit
 from .nested import tensors_in
 
@@ -368,10 +381,17 @@ class ParallelBackward(torch.autograd.Function):
 def join(regions: Sequence[Region], run: Runner) -> Optional[list[torch.Tensor]]:
     """One :class:`ParallelBackward` node for the replicas' regions; the aliases of their outputs, in order.
 
-    ``None`` where two replicas share a tensor they enter with: autograd would sum its gradients in
-    an order of its own, so the replicas' backwards stay as autograd runs them.
+    ``None``, the replicas' backwards then left as autograd runs them, where
+
+    * two replicas share a tensor they enter with: autograd would sum its gradients in an order of its own;
+    * two outputs share memory (a tensor returned twice, or with a view of it): the node would return each as an
+      alias of its own, so an in-place change of one would not reach the other's gradient, as autograd makes it
+      reach a view's; and a tensor's gradients from its several places would be summed in another order.
     """
     outer = [t for r in regions for node in r.entries for t in node.outer]
     if len({id(t) for t in outer}) != len(outer):
+        return None
+    outputs = [t for r in regions for t in r.outputs]
+    if len({storage_start(t) if t.layout == torch.strided else id(t) for t in outputs}) != len(outputs):
         return None
     return list(ParallelBackward.apply(_Spec(regions, run), *outer))

@@ -110,7 +110,9 @@ class _ReplicaThreads:
             first = fns[0]()
         finally:
             rest = self._wait_for(futures)
-        return [first, *rest]
+        results = [first, *rest]
+        del first, rest, futures  # a replica's error kept here would be kept by this frame, which its traceback holds
+        return results
 
     @staticmethod
     def _wait_for(futures: Sequence[Future]) -> list[Any]:
@@ -267,7 +269,12 @@ class _ReplicaFailure:
             wrapped = type(self.error)(message)
         except Exception:
             wrapped = RuntimeError(message)
-        raise wrapped from self.error
+        try:
+            raise wrapped from self.error
+        finally:
+            # The error's traceback holds this frame: without these names, which hold the error and the replica's own
+            # error (its frames, the replica and its graph), no loop is left for the garbage collector to find later.
+            del wrapped, self
 
 
 def parallel_apply(
@@ -351,16 +358,10 @@ def parallel_apply(
             return output
 
     results = _in_workers([functools.partial(run, i) for i in range(n)], caller)
-
-    for device, stream, result in zip(devices, streams, results):
-        if stream is not None and stream != torch.cuda.current_stream(device):
-            current = torch.cuda.current_stream(device)
-            current.wait_stream(stream)
-            # The output was allocated on the side stream and is used next on the current one: tell
-            # the allocator, or it could hand the memory to the side stream's next work too early.
-            for _, tensor in tensors_in(result, "output"):
-                if tensor.device == device:
-                    tensor.record_stream(current)
+    # Done with: the group keeps what each replica raised, whose traceback holds `run`'s frame, whose closure holds the
+    # group. Let go of, it leaves no loop behind (a loop that only the garbage collector frees, replicas and all).
+    group = None
+    _back_on_current_streams(devices, streams, results)
     _reraise_first_failure(results, devices, "forward")
     for device, replicas in shared.items():
         if generator_states[device] != generator_state(device):
@@ -373,6 +374,25 @@ def parallel_apply(
         replaced = iter(aliases)
         results = [map_tensors(lambda t: next(replaced) if t.requires_grad else t, r) for r in results]
     return results
+
+
+def _back_on_current_streams(
+    devices: Sequence[torch.device], streams: Sequence[Optional["torch.cuda.Stream"]], results: Sequence[Any]
+) -> None:
+    """Make each device's current stream wait for the side stream a replica ran on, and hand it that replica's outputs.
+
+    (A function of its own, not a loop in parallel_apply: its loop variable would keep a failed replica's error in
+    parallel_apply's frame, which that error's traceback holds.)
+    """
+    for device, stream, result in zip(devices, streams, results):
+        if stream is not None and stream != torch.cuda.current_stream(device):
+            current = torch.cuda.current_stream(device)
+            current.wait_stream(stream)
+            # The output was allocated on the side stream and is used next on the current one: tell
+            # the allocator, or it could hand the memory to the side stream's next work too early.
+            for _, tensor in tensors_in(result, "output"):
+                if tensor.device == device:
+                    tensor.record_stream(current)
 
 
 def _warn_shared_draws(device: torch.device, replicas: int) -> None:
@@ -440,8 +460,15 @@ def _in_workers(calls: Sequence[Callable[[], Any]], caller: _CallerState) -> lis
         caller.restore()
 
 
-def _reraise_first_failure(results: Sequence[Any], devices: Sequence[torch.device], stage: str) -> None:
-    """Re-raise the error of the first replica whose ``stage`` failed, naming it and its device."""
-    for i, result in enumerate(results):
-        if isinstance(result, _ReplicaFailure):
-            result.reraise(i, devices[i], stage)
+def _reraise_first_failure(results: list[Any], devices: Sequence[torch.device], stage: str) -> None:
+    """Re-raise the error of the first replica whose ``stage`` failed, naming it and its device; ``results`` emptied then.
+
+    Emptied because the caller's frame holds the list, and the error raised holds that frame through its traceback
+    (a failed replica 0 ran in it): a loop, which only the garbage collector would free, with every replica and
+    graph the errors' frames hold. So the replicas go at once, as after a step that failed without minidp.
+    """
+    index = next((i for i, result in enumerate(results) if isinstance(result, _ReplicaFailure)), None)
+    if index is not None:
+        failure = results[index]
+        results.clear()
+        failure.reraise(index, devices[index], stage)

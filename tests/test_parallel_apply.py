@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import minidp
-from .helpers import cpu_ids, requires_cuda
+from .helpers import cpu_ids, garbage_left_by, requires_cuda
 from .stock_emulation import emulated_stock
 
 
@@ -146,6 +146,19 @@ def test_an_exception_is_reraised_with_its_type_replica_device_and_traceback(gen
     assert isinstance(original, KeyError)
     frames = traceback.extract_tb(original.__traceback__)
     assert frames[-1].name == "forward" and frames[-1].filename == __file__
+
+
+def test_replicas_that_raise_leave_no_reference_cycles(generator):
+    """B36: stock's error keeps no traceback, so it leaves no cycle; minidp's keeps each replica's as its cause (the
+    test above), and leaves none either: the replicas, and what their frames hold, go at once."""
+    x = torch.randn(2, generator=generator)
+
+    def failing_call():
+        with pytest.raises(KeyError):
+            minidp.parallel_apply([Fails(), Fails()], [(x,)] * 2, devices=cpu_ids(2))
+
+    failing_call()  # the process's first replica threads load what it keeps (ctypes' types: cycles of their own)
+    assert garbage_left_by(failing_call) == 0
 
 
 def test_no_thread_is_left_running_after_an_exception(generator):

@@ -25,7 +25,7 @@ import minidp
 from minidp import cpu_threads, parallel_backward
 from minidp.zoo import SmallCNN, VGGSplit
 
-from .helpers import cpu_ids, forked_child, fresh_python
+from .helpers import cpu_ids, forked_child, fresh_python, garbage_left_by
 
 
 @pytest.fixture(autouse=True)
@@ -405,6 +405,39 @@ def test_a_replica_output_changed_in_place_is_back_propagated_as_on_the_serial_p
     assert _equal(grads[True], grads[False])
 
 
+class _SharedOutputs(nn.Module):
+    """Returns one tensor in several places: twice, with a view of it, or three times."""
+
+    def __init__(self, returns: str) -> None:
+        super().__init__()
+        self.linear, self.returns = nn.Linear(4, 3), returns
+
+    def forward(self, x):
+        y = self.linear(x)
+        return {"twice": (y, y), "with_a_view": (y, y[:, :1]), "thrice": (y, y, y)}[self.returns]
+
+
+@pytest.mark.parametrize("returns", ["twice", "with_a_view", "thrice"])
+def test_outputs_that_share_memory_give_the_serial_gradients(generator, returns):
+    # join's docstring: outputs that share memory keep the serial backward. Changed in place, the first output's
+    # change must reach the second's gradient (autograd tracks it between a tensor and its views); three gradients of
+    # one tensor must be summed in the serial path's order.
+    model, x = _SharedOutputs(returns).double(), torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    grads = {}
+    for parallel in (False, True):
+        previous = minidp.set_parallel_backward(parallel)
+        try:
+            module = copy.deepcopy(model)
+            outputs = minidp.DataParallel(module, cpu_ids(2), gather_output=False)(x)
+            for first, *rest in outputs:
+                first.mul_(3)
+            sum((rest[0] * t).sum() for _, *rest in outputs for t in rest).backward()
+            grads[parallel] = [p.grad for p in module.parameters()]
+        finally:
+            minidp.set_parallel_backward(previous)
+    assert _equal(grads[True], grads[False])
+
+
 class _TwoHeads(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -492,6 +525,20 @@ def test_a_replica_whose_backward_raises_is_named_and_leaves_the_gradients_untou
     reference.zero_grad(set_to_none=True)
     reference(x).sum().backward()
     assert all(torch.allclose(p.grad, b + r.grad) for p, b, r in zip(model.parameters(), before, reference.parameters()))
+
+
+def test_a_replica_whose_backward_raises_leaves_no_reference_cycles(generator):
+    """docs/stock-behaviour.md B36, for the backward: the error keeps the replica's traceback as its cause, and no loop."""
+    model, x = _FailsInReplica(failing=0), torch.randn(6, 4, generator=generator)
+
+    def failing_step():
+        output = minidp.DataParallel(model, cpu_ids(2))(x)
+        assert _in_parallel(output)
+        with pytest.raises(ValueError, match="backward of replica 0"):
+            output.sum().backward()
+
+    failing_step()  # the process's first replica threads load what it keeps (ctypes' types: cycles of their own)
+    assert garbage_left_by(failing_step) == 0
 
 
 def test_second_order_gradients_run_serially_and_equal_the_serial_path(generator):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from ..comm import reduce_backends
+from ..comm import reduce_backends, storage_start
 from ..device_ids import as_device, as_devices
 from ..nested import tensors_in
 
@@ -38,20 +38,13 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for _, t in tensors_in(obj)]
 
 
-def _storage_of(t: torch.Tensor) -> tuple[torch.device, int]:
-    """Where ``t``'s memory starts: its device and its storage's first byte. Computed from the tensor's own
-    pointer and offset, without making the storage's Python object (``untyped_storage()``), which costs more
-    and stays alive as long as the memory does."""
-    return t.device, t.data_ptr() - t.storage_offset() * t.element_size()
-
-
 def _storages(tensors: Sequence[torch.Tensor]) -> set[tuple[torch.device, int]]:
-    return set(map(_storage_of, tensors))
+    return set(map(storage_start, tensors))
 
 
 def _bytes_outside(tensors: Sequence[torch.Tensor], owned: set[tuple[torch.device, int]]) -> int:
     """Bytes of ``tensors`` that live in memory none of ``owned`` is (so they were copied)."""
-    return sum(t.nbytes for t in tensors if _storage_of(t) not in owned)
+    return sum(t.nbytes for t in tensors if storage_start(t) not in owned)
 
 
 def _device_of(tensors: Sequence[torch.Tensor], default: Any) -> str:
