@@ -282,6 +282,30 @@ def gradient_penalty_as_stock(seed: int, steps: int = 3) -> list:
     return differences
 
 
+def post_accumulate_grad_hooks_as_stock(seed: int, steps: int = 3, **options: Any) -> dict:
+    """A user's post-accumulate-grad hook registered after wrapping, which doubles ``.grad`` in place: what it saw and
+    the modules after every step, stock against minidp (stock's reducer hook runs after every such hook)."""
+    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed, **options)
+    seen: dict[str, list] = {"stock": [], "minidp": []}
+    for name, module in (("stock", theirs_module), ("minidp", ours_module)):
+        for parameter in module.parameters():
+            def doubled(p: torch.Tensor, kept: list = seen[name]) -> None:
+                kept.append(p.grad.clone())
+                p.grad.mul_(2)
+
+            parameter.register_post_accumulate_grad_hook(doubled)
+    optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in (theirs, ours)]
+    differences = []
+    for step in range(steps):
+        for ddp, optimizer in zip((theirs, ours), optimizers):
+            optimizer.zero_grad()
+            ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+            optimizer.step()
+        differences.append(_difference(ours_module, theirs_module))
+    same_seen = len(seen["stock"]) == len(seen["minidp"]) and all(map(torch.equal, seen["stock"], seen["minidp"]))
+    return {"differences": differences, "same_seen": same_seen, "hook_calls": len(seen["minidp"])}
+
+
 def compiled_as_stock(seed: int, steps: int = 3) -> dict:
     """``torch.compile(ddp)`` (AOTAutograd, eager kernels: the backward compiled too), then SGD: bitwise stock's
     parameters after every step; then, compiled alone, where dynamo broke minidp's graph (each reason's first

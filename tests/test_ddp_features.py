@@ -66,6 +66,8 @@ TWO_PROCESSES = {
     "create_graph_second": (checks.create_graph_with_several_parameters, {}),
     "gradient_penalty": (checks.gradient_penalty_as_stock, {}),
     "compiled": (checks.compiled_as_stock, {}),
+    "post_accumulate_hooks": (checks.post_accumulate_grad_hooks_as_stock, {}),
+    "post_accumulate_hooks_bucket_view": (checks.post_accumulate_grad_hooks_as_stock, {"gradient_as_bucket_view": True}),
     "comm_hook_errors": (checks.comm_hook_errors, {}),
     "builtin_allreduce": (checks.builtin_hook_as_stock, {"hook_type": "ALLREDUCE"}),
     "builtin_fp16": (checks.builtin_hook_as_stock, {"hook_type": "FP16_COMPRESS"}),
@@ -207,6 +209,15 @@ def test_create_graph_with_several_parameters_averages_the_values_where_stock_ra
 def test_gradient_penalty_on_the_inputs_matches_stock_bitwise(two):
     for differences in each_rank(two, "gradient_penalty"):
         assert differences == [None] * 3
+
+
+@pytest.mark.parametrize("check", ["post_accumulate_hooks", "post_accumulate_hooks_bucket_view"])
+def test_a_users_post_accumulate_grad_hook_runs_before_the_reduction_as_in_stock(two, check):
+    # torch's reducer hook is a post-hook of each parameter's gradient accumulator (reducer.cpp, Reducer's
+    # constructor: grad_accumulator->add_post_hook), run after every post-accumulate-grad hook of the tensor
+    for result in each_rank(two, check):
+        assert result["differences"] == [None] * 3
+        assert result["same_seen"] and result["hook_calls"] == 3 * 6  # every parameter of the MLP, every step
 
 
 def test_torch_compile_of_the_wrapper_trains_as_stock_bitwise_and_traces_only_the_module(two):

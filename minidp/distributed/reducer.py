@@ -185,6 +185,7 @@ class Reducer:
         self._backward_start: Optional[float] = None
         self._last_gradient = 0.0
         self._handles = [p.register_post_accumulate_grad_hook(_hook(self, i)) for i, p in enumerate(self.params)]
+        self._hook_dicts = [p._post_accumulate_grad_hooks for p in self.params]  # each parameter's, ours among them
         weakref.finalize(self, _remove, self._handles)
 
     def find_accumulators(self) -> None:
@@ -282,6 +283,7 @@ class Reducer:
         whose tensors are searched for unused parameters (torch's Reducer takes their list; accelerate and
         Lightning call it again from outside, with ``[]`` or the loss)."""
         self._stamps["backward_compute_start"] = time.perf_counter()
+        self._hooks_last()
         self._grad_ready_order = []
         self._marked_unused = False
         self._expect_hooks = True
@@ -310,6 +312,21 @@ class Reducer:
                 self._graph_static = False
             self._last_search = self._unused
             self._unused_set = set(self._unused)
+
+    def _hooks_last(self) -> None:
+        """Each parameter's hook of this reducer after the other post-accumulate-grad hooks of that parameter.
+
+        torch's reducer hook is a post-hook of the parameter's gradient accumulator, which autograd runs after every
+        post-accumulate-grad hook of the tensor, whenever that was registered: a user's hook registered after the
+        wrapper (a gradient scaled or clipped in place) changes what is averaged. Autograd runs the tensor's hooks in
+        the order of their dict, so ours is moved to its end by taking it out and putting it back (``move_to_end``
+        would reorder an OrderedDict's own list only, not the dict that autograd walks).
+        """
+        if max(map(len, self._hook_dicts), default=0) < 2:  # the usual case: ours are the only ones
+            return
+        for hooks, handle in zip(self._hook_dicts, self._handles):
+            if len(hooks) > 1 and handle.id in hooks and next(reversed(hooks)) != handle.id:
+                hooks[handle.id] = hooks.pop(handle.id)
 
     def _note_backward_start(self, grad: torch.Tensor) -> None:
         """The gradient reached an output: the backward of this forward started, in the outermost
