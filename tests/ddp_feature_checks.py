@@ -306,6 +306,69 @@ def post_accumulate_grad_hooks_as_stock(seed: int, steps: int = 3, **options: An
     return {"differences": differences, "same_seen": same_seen, "hook_calls": len(seen["minidp"])}
 
 
+def output_changed_in_place_as_stock(seed: int, steps: int = 3, sink_clone: bool = True, **options: Any) -> dict:
+    """The forward's output changed in place before the loss (``out.mul_(2)`` after a tanh, which saved its output):
+    stock clones the outputs with ``find_unused_parameters`` and in a static graph's first iteration
+    (``_DDPSink``), so the backward works there; per step, the first difference, or each wrapper's error."""
+    theirs, ours, theirs_module, ours_module = _pair(lambda: nn.Sequential(_tanh_mlp(), nn.Tanh()), seed, **options)
+    for ddp in (theirs, ours):
+        ddp._set_ddp_sink_clone(sink_clone)
+    optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in (theirs, ours)]
+    differences: list = []
+    for step in range(steps):
+        errors = {}
+        for name, ddp, optimizer in (("stock", theirs, optimizers[0]), ("minidp", ours, optimizers[1])):
+            optimizer.zero_grad()
+            output = ddp(_inputs(seed, step, 5, 6))
+            try:  # raised before any gradient reaches a parameter: no collective is left open
+                output.mul_(2)  # stock without its clone: its function's output is a view, refused here
+                output.pow(2).mean().backward()  # else the tanh's backward finds its saved output changed
+            except RuntimeError as error:
+                errors[name] = type(error).__name__
+                continue
+            optimizer.step()
+        if errors:
+            return {"differences": differences, "errors": errors}
+        differences.append(_difference(ours_module, theirs_module))
+    return {"differences": differences, "errors": {}}
+
+
+class _MainAndAuxiliary(nn.Module):
+    """Two heads on one trunk, returned in a dict: an auxiliary loss may use the second, or not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.main, self.auxiliary = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        hidden = torch.tanh(self.trunk(x))
+        return {"main": self.main(hidden), "auxiliary": self.auxiliary(hidden)}
+
+
+def static_graph_auxiliary_output_as_stock(seed: int, auxiliary_from: Optional[int], steps: int = 4) -> dict:
+    """A static graph whose auxiliary output enters the loss from step ``auxiliary_from`` on (``None``: never): per
+    step, the first difference from stock; where a wrapper raises, what each raised, and the step."""
+    theirs, ours, theirs_module, ours_module = _pair(_MainAndAuxiliary, seed, static_graph=True)
+    optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in (theirs, ours)]
+    differences: list = []
+    for step in range(steps):
+        errors = {}
+        for name, ddp, optimizer in (("stock", theirs, optimizers[0]), ("minidp", ours, optimizers[1])):
+            optimizer.zero_grad()
+            try:  # stock and minidp raise in the forward, before any collective of the step
+                output = ddp(_inputs(seed, step, 5, 6))
+            except RuntimeError as error:
+                errors[name] = str(error).split(".")[0]
+                continue
+            uses_auxiliary = auxiliary_from is not None and step >= auxiliary_from
+            (output["main"].pow(2).mean() + (output["auxiliary"].pow(2).mean() if uses_auxiliary else 0)).backward()
+            optimizer.step()
+        if errors:
+            return {"differences": differences, "errors": errors, "step": step}
+        differences.append(_difference(ours_module, theirs_module))
+    return {"differences": differences, "errors": {}, "step": None}
+
+
 def compiled_as_stock(seed: int, steps: int = 3) -> dict:
     """``torch.compile(ddp)`` (AOTAutograd, eager kernels: the backward compiled too), then SGD: bitwise stock's
     parameters after every step; then, compiled alone, where dynamo broke minidp's graph (each reason's first

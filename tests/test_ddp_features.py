@@ -67,6 +67,10 @@ TWO_PROCESSES = {
     "gradient_penalty": (checks.gradient_penalty_as_stock, {}),
     "compiled": (checks.compiled_as_stock, {}),
     "post_accumulate_hooks": (checks.post_accumulate_grad_hooks_as_stock, {}),
+    "output_in_place_find_unused": (checks.output_changed_in_place_as_stock, {"find_unused_parameters": True}),
+    "output_in_place_static": (checks.output_changed_in_place_as_stock, {"static_graph": True}),
+    "output_in_place_not_cloned": (checks.output_changed_in_place_as_stock, {
+        "find_unused_parameters": True, "sink_clone": False}),
     "post_accumulate_hooks_bucket_view": (checks.post_accumulate_grad_hooks_as_stock, {"gradient_as_bucket_view": True}),
     "comm_hook_errors": (checks.comm_hook_errors, {}),
     "builtin_allreduce": (checks.builtin_hook_as_stock, {"hook_type": "ALLREDUCE"}),
@@ -78,6 +82,8 @@ TWO_PROCESSES = {
     "static_buckets": (checks.static_graph_buckets, {"late": False}),
     "static_buckets_late": (checks.static_graph_buckets, {"late": True}),
     "static_set_late": (checks.static_graph_set_late, {}),
+    "static_auxiliary_later": (checks.static_graph_auxiliary_output_as_stock, {"auxiliary_from": 1}),
+    "static_auxiliary_never": (checks.static_graph_auxiliary_output_as_stock, {"auxiliary_from": None}),
     "join": (checks.uneven_inputs_as_stock, {}),
     "join_effective_world_size": (checks.uneven_inputs_as_stock, {"divide_by_initial_world_size": False}),
     "join_generic": (checks.uneven_inputs_as_stock, {"through": "Join", "divide_by_initial_world_size": False}),
@@ -220,6 +226,26 @@ def test_a_users_post_accumulate_grad_hook_runs_before_the_reduction_as_in_stock
         assert result["same_seen"] and result["hook_calls"] == 3 * 6  # every parameter of the MLP, every step
 
 
+def test_an_output_changed_in_place_trains_as_stock_where_stock_clones_the_outputs(two):
+    # distributed.py, _post_forward: with find_unused_parameters (and until a static graph's first backward) the
+    # outputs go through _DDPSink, whose forward clones them; a tanh's output changed in place is then the clone
+    for result in each_rank(two, "output_in_place_find_unused"):
+        assert result == {"differences": [None] * 3, "errors": {}}
+
+
+def test_a_static_graphs_first_output_changed_in_place_raises_after_it_as_in_stock(two):
+    # the clone only until the first backward: the second step's in-place change meets the tanh's saved output
+    for result in each_rank(two, "output_in_place_static"):
+        assert result == {"differences": [None], "errors": {"stock": "RuntimeError", "minidp": "RuntimeError"}}
+
+
+def test_without_the_sink_clone_an_output_changed_in_place_raises_as_in_stock(two):
+    # _set_ddp_sink_clone(False): no clone (upstream's test_ddp_sink_noclone); stock's function output, a view, refuses
+    # the in-place change; minidp's output, the module's own, is refused by autograd's version check in the backward
+    for result in each_rank(two, "output_in_place_not_cloned"):
+        assert result == {"differences": [], "errors": {"stock": "RuntimeError", "minidp": "RuntimeError"}}
+
+
 def test_torch_compile_of_the_wrapper_trains_as_stock_bitwise_and_traces_only_the_module(two):
     # torch DDP means dynamo to compile the module only (distributed.py, _inside_ddp_forward: "dynamo only kicks in
     # for the 'module_to_run' underneath"; measured, its forward also breaks the graph at its logger); minidp's steps
@@ -299,6 +325,22 @@ def test_set_static_graph_warns_and_refuses_as_stock(two):
     for seen in each_rank(two, "static_set_late"):
         assert seen["minidp"] == seen["stock"]
         assert seen["minidp"][0] == ["You've set static_graph to be True, no need to set it again."]
+
+
+def test_a_static_graphs_output_the_loss_uses_from_the_second_step_on_trains_as_stock(two):
+    # distributed.py, _post_forward: the first iteration's outputs go through _DDPSink, whose backward gives an
+    # output the loss did not use an undefined gradient; the reducer's hooks still run for the parameters it reaches
+    # and count them used (reducer.cpp, autograd_hook), so using that output later is no change of the graph
+    for result in each_rank(two, "static_auxiliary_later"):
+        assert result == {"differences": [None] * 4, "errors": {}, "step": None}
+
+
+def test_a_static_graphs_output_the_loss_never_uses_raises_at_the_third_forward_as_in_stock(two):
+    # counted in the first backward, awaited in the second, which never brings its gradients: the next forward raises
+    for result in each_rank(two, "static_auxiliary_never"):
+        assert result["differences"] == [None, None] and result["step"] == 2
+        assert result["errors"] == {"stock": "Expected to have finished reduction in the prior iteration before "
+                                             "starting a new one", "minidp": result["errors"]["stock"]}
 
 
 # ---- uneven inputs: join() (distributed.py:1989), Join (torch/distributed/algorithms/join.py), _DDPJoinHook ----

@@ -66,6 +66,13 @@ def test_mixed_precision_with_several_replicas_per_process_is_refused_with_the_w
     assert not hasattr(model.weight, "_mp_param")
 
 
+def test_a_module_on_two_device_types_is_refused_with_stocks_words_before_any_process_group_is_needed():
+    # torch/nn/parallel/distributed.py, DistributedDataParallel.__init__: "must be on the same type of devices"
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match=r"must be on the same type of devices.*\{'cpu', 'meta'\}.*model.to\('cpu'\)"):
+        DistributedDataParallel(model)
+
+
 def test_without_a_process_group_the_error_says_how_to_make_one():
     with pytest.raises(RuntimeError, match="init_process_group.*minidp.distributed.launch"):
         DistributedDataParallel(nn.Linear(2, 2))

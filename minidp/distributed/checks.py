@@ -132,6 +132,18 @@ def sparse_gradient_flags(module: nn.Module, params: list[nn.Parameter]) -> list
     return [id(p) in sparse for p in params]
 
 
+def check_one_device_type(module: nn.Module, ignored: frozenset[str] = frozenset()) -> None:
+    """Raise torch DDP's ``ValueError`` unless the parameters it handles (those not ``ignored``) share a device type:
+    one reducer's buckets hold one device's gradients (a module half on ``meta`` would fail in the backward)."""
+    types = sorted({p.device.type for name, p in module.named_parameters() if name not in ignored})
+    if len(types) > 1:
+        locations = "{" + ", ".join(map(repr, types)) + "}"
+        raise ValueError(
+            f"DistributedDataParallel's input module must be on the same type of devices, but input module "
+            f"parameters locate in {locations}. Move the module first, e.g. model.to('{types[0]}')."
+        )
+
+
 def reducer_parameters(
     module: nn.Module, ignored: frozenset[str] = frozenset()
 ) -> tuple[list[nn.Parameter], list[str]]:

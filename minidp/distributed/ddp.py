@@ -36,14 +36,15 @@ from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistri
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
 from ..hooks import profiled
+from ..nested import map_tensors
 from ..torch_versions import DDP_DEPRECATES_BROADCAST_BUFFERS
 from ..wrapper import DataParallel
 from .batchnorm import attach_exchange, check_torch_sync_batchnorm
 from .broadcast import broadcast_from, broadcast_from_rank0
 from .buckets import BucketCaps
 from .checks import (
-    IGNORED_ATTRIBUTE, check_same_model, collectives_on, ignored_names, reducer_parameters, sparse_gradient_flags,
-    synced_tensors,
+    IGNORED_ATTRIBUTE, check_one_device_type, check_same_model, collectives_on, ignored_names, reducer_parameters,
+    sparse_gradient_flags, synced_tensors,
 )
 from .comm_hooks import CommHook, builtin_hook, check_comm_hook, optimizer_in_backward_hook
 from .isinstance_only import refuse_inherited
@@ -141,6 +142,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                     f"implemented: pass one device_id (or None) to train in mixed precision"
                 )
         caps = BucketCaps.from_mb(bucket_cap_mb, bucket_cap_mb_list)
+        check_one_device_type(module, ignored_names(module))
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call torch.distributed.init_process_group() first "
@@ -162,6 +164,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.batched_grad_copy = batched_grad_copy
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.static_graph = static_graph
+        self._ddp_sink_clone = True  # the outputs cloned where torch's _DDPSink clones them (_after_module)
         self.device_ids = None if device_ids is None else list(device_ids)
         self.output_device = output_device
         self.mixed_precision = mixed_precision
@@ -390,6 +393,13 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.require_forward_param_sync = recording and self.require_backward_grad_sync
         if self.require_forward_param_sync:
             self.reducer.prepare_for_backward(output)
+        # torch passes the outputs through its _DDPSink where it searches for unused parameters, or counts a static
+        # graph's first backward, and that function returns clones: an output then changed in place (`out.mul_(2)`
+        # after a tanh, which saved its output) is the clone, and the backward works. Clones are not seen otherwise
+        # (the gradient of a clone is its output's), so minidp clones where torch does.
+        static_first = self.static_graph and self.reducer._counting()
+        if self._ddp_sink_clone and ((self.find_unused_parameters and not self.static_graph) or static_first):
+            output = map_tensors(lambda t: t.clone() if t.grad_fn is not None else t, output)
         return output
 
     def _named_buffers_to_sync(self) -> dict[str, torch.Tensor]:
@@ -567,9 +577,9 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.reducer._check_reducer_finalized()
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
-        """torch DDP clones the forward's outputs (``_DDPSink``) unless told not to, a copy of each output that only
-        its autograd function needs; minidp has no such function (its reducer hooks the outputs themselves), so it
-        never clones them, whatever ``val`` says: nothing to set."""
+        """Whether the forward's outputs are cloned where torch DDP's ``_DDPSink`` clones them (with
+        ``find_unused_parameters``, and until a static graph's first backward); ``True`` by default, as in torch."""
+        self._ddp_sink_clone = val
 
     def _remove_autograd_hooks(self) -> None:
         """Stop reducing gradients in the backward (the reducer's hooks removed)."""

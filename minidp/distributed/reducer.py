@@ -151,6 +151,7 @@ class Reducer:
         # everything at its end; later ones reduce a parameter at its last hook of the count.
         self.static_graph = False
         self._static_counts: Optional[list[int]] = None  # hooks per parameter in the first backward
+        self._reached: set[int] = set()  # parameters the first backward's outputs reach (counted once at least)
         self._remaining: list[int] = []  # this backward's hooks still to come, per parameter
         self._static_unused: Optional[set[int]] = None  # used by no rank in the first backward
 
@@ -301,6 +302,11 @@ class Reducer:
             t.register_hook(self._note_backward_start)
         if self._counting():
             self._remaining = [0] * len(self.params)  # counted up in this backward
+            # torch passes this forward's outputs through its _DDPSink, whose backward gives an output that the loss
+            # did not use an undefined gradient: the hooks of the parameters it reaches run all the same, and count
+            # them (reducer.cpp), so a later backward that uses that output is no change of the graph
+            self.find_accumulators()  # now: the first backward of a static graph, whatever the parameters' dtype
+            self._reached = set(range(len(self.params))).difference(self._unreached(outputs))
         elif self.static_graph:
             self._remaining = list(self._static_counts)
             self._unused = [i for i, count in enumerate(self._static_counts) if count == 0]
@@ -583,7 +589,7 @@ class Reducer:
             if self._tracks_use():
                 self._wait_for_use()
                 if counting:  # what every later backward waits for, and leaves alone
-                    self._static_counts = list(self._remaining)
+                    self._static_counts = [max(n, 1) if i in self._reached else n for i, n in enumerate(self._remaining)]
                     self._static_unused = {i for i, used in enumerate(self._local_used.tolist()) if not used}
                 self._local_used.zero_()
             if self._will_rebuild and self._grad_ready_order:
