@@ -857,6 +857,33 @@ def optimizer_in_backward(seed: int, steps: int = 3) -> dict[str, Any]:
             "gradients_left": sum(p.grad is not None for p in ours.parameters())}
 
 
+def frozen_and_unfrozen_midway_as_fsdp2(seed: int, steps: int = 4) -> list[Optional[str]]:
+    """Train FSDP2 and minidp side by side; after the first step freeze a sharded block's weight, and unfreeze one
+    frozen from the start (fine-tuning that thaws layers as it goes): per step, the first difference from FSDP2."""
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    theirs = Net()
+    theirs.blocks[2].linear.weight.requires_grad_(False)
+    ours = copy.deepcopy(theirs)
+    shard(theirs, torch_fully_shard, True)
+    shard(ours, md.fully_shard, True)
+    optimizers = (OPTIMIZERS["sgd"](ours.parameters()), OPTIMIZERS["sgd"](theirs.parameters()))
+    differences = []
+    for step in range(steps):
+        if step == 1:
+            for model in (ours, theirs):
+                model.blocks[0].linear.weight.requires_grad_(False)
+                model.blocks[2].linear.weight.requires_grad_(True)
+        x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + rank))
+        for model, optimizer in zip((ours, theirs), optimizers):
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+        differences.append(first_difference(ours, theirs, optimizers))
+        for optimizer in optimizers:
+            optimizer.step()
+    return differences
+
+
 def clips_as_fsdp2(seed: int, norm_type: float, dtype: torch.dtype = torch.float64,
                    mesh: Optional[tuple[int, ...]] = None, steps: int = 3) -> dict[str, Any]:
     """Gradient clipping beside FSDP2: ``md.clip_grad_norm_`` on minidp's shards, torch's ``clip_grad_norm_`` on
@@ -953,6 +980,19 @@ def refusals(seed: int) -> dict[str, Any]:
             results[name] = {"error": f"{type(error).__name__}: {error}"}
         results[name]["untouched"] = (type(model) is Net and [p.shape for p in model.parameters()] == before)
     return results
+
+
+def child_sharded_after_its_parent(seed: int) -> dict[str, Any]:
+    """fully_shard on the root, then on one of its blocks (the wrong order): the second call's error, and whether the
+    root's shards kept their shapes (a second sharding of a shard would cut it again)."""
+    model = md.fully_shard(Net())
+    before = [p.shape for p in model.parameters()]
+    try:
+        md.fully_shard(model.blocks[0])
+        error = "no error"
+    except Exception as caught:  # noqa: BLE001 - the type is part of what is compared
+        error = f"{type(caught).__name__}: {caught}"
+    return {"error": error, "untouched": [p.shape for p in model.parameters()] == before}
 
 
 class SkipsHead(Net):

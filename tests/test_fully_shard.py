@@ -122,6 +122,10 @@ TWO_PROCESSES = {
     "clip-2": (checks.clips_as_fsdp2, {"norm_type": 2.0, "dtype": torch.float32}),
     "clip-1": (checks.clips_as_fsdp2, {"norm_type": 1.0}),
     "clip-inf": (checks.clips_as_fsdp2, {"norm_type": float("inf"), "dtype": torch.float32}),
+    "clip-minus-inf": (checks.clips_as_fsdp2, {"norm_type": float("-inf")}),
+    "clip-0": (checks.clips_as_fsdp2, {"norm_type": 0.0}),
+    "frozen_midway": (checks.frozen_and_unfrozen_midway_as_fsdp2, {}),
+    "child_after_parent": (checks.child_sharded_after_its_parent, {}),
     "loss_scalers": (checks.loss_scalers_seeing_an_inf, {}),
     "meta": (checks.against_fsdp2, {"meta": True, "optimizer": "adamw"}),
     "meta-tied": (checks.against_fsdp2, {"meta": True, "model": "tied", "dtype": torch.float64}),
@@ -590,6 +594,32 @@ def test_clipping_the_gradient_norm_of_the_shards_clips_as_fsdp2_clips_its_dtens
             else:
                 assert step["ours"] == step["theirs"]
                 assert step["gradients"] == 0.0 and step["parameters"] == 0.0
+
+
+@pytest.mark.parametrize("check", ["clip-minus-inf", "clip-0"])
+def test_the_smallest_entry_and_the_count_of_nonzero_entries_clip_as_fsdp2(two, check):
+    # DTensor's norm reduces -inf over the ranks by their smallest and 0 by the sum of their counts (then torch's
+    # clip_grad_norm_ takes the same order over the parameters' norms): the same norm, gradients and parameters
+    for result in each_rank(two, check):
+        for step in result["steps"]:
+            assert step["ours"] == step["theirs"]
+            assert step["gradients"] == 0.0 and step["parameters"] == 0.0
+
+
+def test_a_parameter_frozen_or_unfrozen_between_steps_trains_as_fsdp2(two):
+    # FSDP2 copies each shard's requires_grad onto the whole parameter at every all-gather (_fsdp_param.py,
+    # to_unsharded: set_requires_grad_if_needed): a weight frozen after the first step gets no gradient, one frozen
+    # from the start and thawed gets its gradients, as in FSDP2, at every step
+    for differences in each_rank(two, "frozen_midway"):
+        assert differences == [None] * 4
+
+
+def test_a_sub_module_sharded_after_its_parent_is_refused_before_its_shards_are_cut_again(two):
+    # FSDP2 refuses this order too (sub-modules first, the root last), with an internal assertion; minidp names the
+    # parameter and the order to follow
+    for result in each_rank(two, "child_after_parent"):
+        assert result["error"].startswith("ValueError: fully_shard(Block): parameter 'linear.weight' is already a shard")
+        assert result["untouched"]
 
 
 def test_only_a_sharded_grad_scaler_sees_an_inf_in_another_ranks_rows(two):

@@ -454,6 +454,8 @@ class ShardGroup:
             if p.full is None:
                 view = p.gathered[: p.full_size.numel()].view(p.full_size)  # the padding rows left out
                 p.full = nn.Parameter(view, requires_grad=p.shard.requires_grad)
+            elif p.full.requires_grad != p.shard.requires_grad:  # frozen or unfrozen since: FSDP2 copies the flag at
+                p.full.requires_grad_(p.shard.requires_grad)  # every gather (to_unsharded, set_requires_grad_if_needed)
             p.set_on_modules(p.full)
         self.gathered = True
         self._record("copy-out", start)
@@ -1207,6 +1209,11 @@ def fully_shard(
     called = type(roots[0]).__name__ if len(roots) == 1 else "[" + ", ".join(type(root).__name__ for root in roots) + "]"
     for param in order:
         name = names.get(id(param), owners[param][1])
+        if hasattr(param, SHARDED_BY):  # its module's parent went first, and left a shard here
+            raise ValueError(
+                f"fully_shard({called}): parameter '{name}' is already a shard: an earlier fully_shard call on a module "
+                f"that holds this one sharded it. Call fully_shard on the sub-modules first, then on their parent "
+                f"(the root last), as FSDP2 asks")
         if hasattr(param, _SHARDED_AS):
             raise ValueError(
                 f"fully_shard({called}): parameter '{name}' is also {getattr(param, _SHARDED_AS)}, "
@@ -1489,13 +1496,19 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
     collective a group; parameters not sharded count once. Norms, clipped gradients and the steps after them
     equal FSDP2's bit for bit where two ranks shard (HSDP's 2 x 2 too), and within an ulp or two of the norm on
     three, whose sums over the ranks run in another order (tests/test_fully_shard.py, ``-k clipping``); where a
-    rank's shard is empty, ``inf`` counts it as 0 (FSDP2's own norm fails there).
+    rank's shard is empty, ``inf`` counts it as 0 (FSDP2's own norm fails there). ``-inf`` takes the smallest over
+    the ranks and 0 sums the counts of nonzero entries, as torch's norms of DTensors do.
     """
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     with_grad = [p for p in parameters if p.grad is not None]
     p_norm = float(norm_type)
-    # (a rank past the last rows holds an empty shard: its norm is 0, which neither a sum nor a largest changes)
-    norms = [torch.linalg.vector_norm(p.grad.detach(), p_norm) if p.grad.numel() else p.grad.new_zeros(())
+    # How the shards' norms make the whole parameter's, as DTensor's norm reduces them: the largest for inf, the
+    # smallest for -inf, the sum of the counts of nonzero entries for 0, else the sum of p-th powers. A rank past
+    # the last rows holds an empty shard, whose norm is the reduction's neutral value (inf for the smallest, else 0).
+    op = {float("inf"): dist.ReduceOp.MAX, float("-inf"): dist.ReduceOp.MIN}.get(p_norm, dist.ReduceOp.SUM)
+    powered = op == dist.ReduceOp.SUM and p_norm != 0
+    empty = float("inf") if op == dist.ReduceOp.MIN else 0.0
+    norms = [torch.linalg.vector_norm(p.grad.detach(), p_norm) if p.grad.numel() else p.grad.new_full((), empty)
              for p in with_grad]
     by_group: dict[int, tuple[ShardGroup, list[int]]] = {}  # in the parameters' order: the same on every rank
     for index, param in enumerate(with_grad):
@@ -1504,13 +1517,10 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
             by_group.setdefault(id(group), (group, []))[1].append(index)
     for group, indices in by_group.values():
         local = torch.stack([norms[i] for i in indices])
-        if p_norm == float("inf"):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group.process_group)
-            whole = local
-        else:
+        if powered:
             local = local.pow(p_norm)
-            dist.all_reduce(local, group=group.process_group)
-            whole = local.pow(1.0 / p_norm)
+        dist.all_reduce(local, op=op, group=group.process_group)
+        whole = local.pow(1.0 / p_norm) if powered else local
         for i, norm in zip(indices, whole):
             norms[i] = norm
     if not norms:

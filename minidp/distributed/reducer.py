@@ -9,7 +9,7 @@ is the same sequence in Python, function for function. One synchronised training
    parameter; with ``find_unused_parameters``, walk the autograd graph from the outputs and note
    the parameters it does not reach (``search_unused_parameters``).
 3. **In the backward**, once per parameter, when autograd has accumulated its gradient into
-   ``.grad`` (a ``register_post_accumulate_grad_hook``, :meth:`Reducer.autograd_hook`): copy the
+   ``.grad`` (a ``register_post_accumulate_grad_hook``, kept after the user's own, :meth:`Reducer.autograd_hook`): copy the
    gradient into its bucket, multiplied by ``1 / world_size`` on the way in (``mark_variable_ready_dense``:
    ``at::mul_out(bucket_view, grad, 1. / div_factor)``, so that the all-reduce's *sum* is the mean).
    When a bucket's last gradient is in, launch the all-reduces of every full bucket from the next one
