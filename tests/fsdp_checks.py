@@ -995,6 +995,19 @@ def child_sharded_after_its_parent(seed: int) -> dict[str, Any]:
     return {"error": error, "untouched": [p.shape for p in model.parameters()] == before}
 
 
+def refused_on_one_rank_only(seed: int) -> str:
+    """A model whose head's bias is a scalar on rank 1 only (ranks that built different models): the error each rank
+    raised. Rank 1 finds it alone, before any collective; the others must hear of it, not wait for rank 1."""
+    model = Net()
+    if dist.get_rank() == 1:
+        model.head.bias = nn.Parameter(torch.zeros(()))
+    try:
+        md.fully_shard(model)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 class SkipsHead(Net):
     """The chunked-loss pattern: a forward that can stop before the head (called later, chunk by chunk)."""
 

@@ -126,6 +126,7 @@ TWO_PROCESSES = {
     "clip-0": (checks.clips_as_fsdp2, {"norm_type": 0.0}),
     "frozen_midway": (checks.frozen_and_unfrozen_midway_as_fsdp2, {}),
     "child_after_parent": (checks.child_sharded_after_its_parent, {}),
+    "refused_on_one_rank": (checks.refused_on_one_rank_only, {}),
     "loss_scalers": (checks.loss_scalers_seeing_an_inf, {}),
     "meta": (checks.against_fsdp2, {"meta": True, "optimizer": "adamw"}),
     "meta-tied": (checks.against_fsdp2, {"meta": True, "model": "tied", "dtype": torch.float64}),
@@ -620,6 +621,14 @@ def test_a_sub_module_sharded_after_its_parent_is_refused_before_its_shards_are_
     for result in each_rank(two, "child_after_parent"):
         assert result["error"].startswith("ValueError: fully_shard(Block): parameter 'linear.weight' is already a shard")
         assert result["untouched"]
+
+
+def test_a_model_refused_on_one_rank_only_is_refused_on_every_rank(two):
+    # README: ranks that build different models get the same error on every rank; one that only this rank can see
+    # (a scalar parameter) is told to the others, whose first collective would otherwise wait for it in vain
+    refused = each_rank(two, "refused_on_one_rank")
+    assert refused[1].startswith("fully_shard: parameter 'head.bias' is a scalar")
+    assert refused[0].startswith("fully_shard(Net) failed on rank 1: fully_shard: parameter 'head.bias' is a scalar")
 
 
 def test_only_a_sharded_grad_scaler_sees_an_inf_in_another_ranks_rows(two):

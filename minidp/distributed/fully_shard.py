@@ -94,7 +94,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..nested import map_tensors, tensors_in
-from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference
+from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference, raise_on_every_rank
 from .isinstance_only import give_methods, refuse_inherited
 from .sharded_optimizer_state import SHARDED_BY, group_of_shard, watch_optimizers
 
@@ -1207,38 +1207,17 @@ def fully_shard(
                 order.append(param)
     names = {id(p): n for root in roots for n, p in root.named_parameters(remove_duplicate=False)}
     called = type(roots[0]).__name__ if len(roots) == 1 else "[" + ", ".join(type(root).__name__ for root in roots) + "]"
-    for param in order:
-        name = names.get(id(param), owners[param][1])
-        if hasattr(param, SHARDED_BY):  # its module's parent went first, and left a shard here
-            raise ValueError(
-                f"fully_shard({called}): parameter '{name}' is already a shard: an earlier fully_shard call on a module "
-                f"that holds this one sharded it. Call fully_shard on the sub-modules first, then on their parent "
-                f"(the root last), as FSDP2 asks")
-        if hasattr(param, _SHARDED_AS):
-            raise ValueError(
-                f"fully_shard({called}): parameter '{name}' is also {getattr(param, _SHARDED_AS)}, "
-                f"which an earlier fully_shard call sharded; a parameter can belong to one group only: call "
-                f"fully_shard on a module that holds every user of it (their common parent), not on each user")
-        if param.dim() == 0:
-            raise ValueError(f"fully_shard: parameter '{name}' is a scalar; sharding needs at least one dimension "
-                             f"(make it a tensor of shape (1,))")
-        if not param.is_contiguous():
-            raise ValueError(f"fully_shard: parameter '{name}' is not contiguous; make it contiguous first")
-    dims = {param: _shard_dim(param, names.get(id(param), owners[param][1]), shard_placement_fn, world_size)
-            for param in order}
-    devices = {p.device for p in order}
-    if len(devices) > 1:
-        raise ValueError(f"fully_shard: the parameters of one call must be on one device, found {sorted(map(str, devices))}")
-    device = next(iter(devices)) if devices else torch.device("cpu")
-    _check_placement(device, mesh, offload_policy)
-    dtypes = {p.dtype for p in order}  # frozen ones too: one all-gather buffer carries them all
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"fully_shard: the parameters of one call must share one dtype, found {sorted(map(str, dtypes))}: cast "
-            f"the module to one dtype first (mp_policy computes in another), or leave the others out (ignored_params)")
+    named = [(names.get(id(p), owners[p][1]), p) for p in order]
+    local_error: Optional[Exception] = None
+    try:  # what this rank can check alone: another rank's model may pass, and must not wait for this one in vain
+        dims, device = _checked_here(named, called, shard_placement_fn, world_size, mesh, offload_policy)
+    except Exception as error:  # noqa: BLE001 - told to the other ranks, then raised here as it is
+        local_error = error
+    groups = [ranks for ranks in (group, replicate_group) if ranks is not None]
     with collectives_on(order):
-        for ranks in filter(None, (group, replicate_group)):
-            _check_same_parameters([(names.get(id(p), owners[p][1]), p) for p in order], ranks)
+        _raise_on_every_rank_of(groups, local_error, called)
+        for ranks in groups:
+            _check_same_parameters(named, ranks)
     params = []
     for param in order:
         owner, name = owners[param]
@@ -1533,6 +1512,59 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
             f"`error_if_nonfinite=False`")
     torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach)
     return total
+
+
+def _checked_here(
+    named: list[tuple[str, nn.Parameter]], called: str, shard_placement_fn: Optional[Callable[[nn.Parameter], Any]],
+    world_size: int, mesh: Optional[DeviceMesh], offload_policy: OffloadPolicy,
+) -> tuple[dict[nn.Parameter, int], torch.device]:
+    """What one fully_shard call can check on this rank alone, before any shard is made: each parameter sharded once
+    (sub-modules before their parent), with a dimension to cut, on one device and of one dtype; the dimension each is
+    cut along, and that device."""
+    for name, param in named:
+        if hasattr(param, SHARDED_BY):  # its module's parent went first, and left a shard here
+            raise ValueError(
+                f"fully_shard({called}): parameter '{name}' is already a shard: an earlier fully_shard call on a module "
+                f"that holds this one sharded it. Call fully_shard on the sub-modules first, then on their parent "
+                f"(the root last), as FSDP2 asks")
+        if hasattr(param, _SHARDED_AS):
+            raise ValueError(
+                f"fully_shard({called}): parameter '{name}' is also {getattr(param, _SHARDED_AS)}, "
+                f"which an earlier fully_shard call sharded; a parameter can belong to one group only: call "
+                f"fully_shard on a module that holds every user of it (their common parent), not on each user")
+        if param.dim() == 0:
+            raise ValueError(f"fully_shard: parameter '{name}' is a scalar; sharding needs at least one dimension "
+                             f"(make it a tensor of shape (1,))")
+        if not param.is_contiguous():
+            raise ValueError(f"fully_shard: parameter '{name}' is not contiguous; make it contiguous first")
+    dims = {param: _shard_dim(param, name, shard_placement_fn, world_size) for name, param in named}
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise ValueError(f"fully_shard: the parameters of one call must be on one device, found {sorted(map(str, devices))}")
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    _check_placement(device, mesh, offload_policy)
+    dtypes = {p.dtype for _, p in named}  # frozen ones too: one all-gather buffer carries them all
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"fully_shard: the parameters of one call must share one dtype, found {sorted(map(str, dtypes))}: cast "
+            f"the module to one dtype first (mp_policy computes in another), or leave the others out (ignored_params)")
+    return dims, device
+
+
+def _raise_on_every_rank_of(groups: list[dist.ProcessGroup], error: Optional[Exception], called: str) -> None:
+    """Raise ``error`` here if there is one, and on the other ranks of ``groups`` the first failing rank's: each rank
+    votes in every group before any raises, so that none is left waiting in a vote (ranks that built different models
+    all hear of it, as the README says)."""
+    shared: Optional[Exception] = None
+    for ranks in groups:
+        try:
+            raise_on_every_rank(error, ranks, f"fully_shard({called})")
+        except Exception as raised:  # noqa: BLE001 - raised once every group has voted
+            shared = shared or raised
+    if error is not None:
+        raise error
+    if shared is not None:
+        raise shared
 
 
 def _check_same_parameters(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup) -> None:
