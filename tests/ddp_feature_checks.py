@@ -369,6 +369,19 @@ def static_graph_auxiliary_output_as_stock(seed: int, auxiliary_from: Optional[i
     return {"differences": differences, "errors": {}, "step": None}
 
 
+def description_as_stock(seed: int) -> dict:
+    """What torch DDP says of the module it wraps (``device``, ``device_type``, ``is_multi_device_module``,
+    ``_module_parameters``), stock's and minidp's, and what each makes of ``device_ids=[]``."""
+    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)
+
+    def described(ddp: nn.Module, module: nn.Module) -> tuple:
+        positions = {id(p): i for i, p in enumerate(module.parameters())}
+        return (ddp.device, ddp.device_type, ddp.is_multi_device_module, [positions[id(p)] for p in ddp._module_parameters])
+
+    empty = [_quiet(lambda: wrapper(_tanh_mlp(), device_ids=[])).device_ids for wrapper in (TorchDDP, md.DistributedDataParallel)]
+    return {"stock": described(theirs, theirs_module), "minidp": described(ours, ours_module), "empty_device_ids": empty}
+
+
 def compiled_as_stock(seed: int, steps: int = 3) -> dict:
     """``torch.compile(ddp)`` (AOTAutograd, eager kernels: the backward compiled too), then SGD: bitwise stock's
     parameters after every step; then, compiled alone, where dynamo broke minidp's graph (each reason's first

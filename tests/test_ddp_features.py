@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
 from . import ddp_checks, ddp_feature_checks as checks
 from .helpers import RTOL_FLOAT64, assert_no_differences, cpu_ids, each_rank, job_fixture
@@ -66,6 +67,7 @@ TWO_PROCESSES = {
     "create_graph_second": (checks.create_graph_with_several_parameters, {}),
     "gradient_penalty": (checks.gradient_penalty_as_stock, {}),
     "compiled": (checks.compiled_as_stock, {}),
+    "description": (checks.description_as_stock, {}),
     "post_accumulate_hooks": (checks.post_accumulate_grad_hooks_as_stock, {}),
     "output_in_place_find_unused": (checks.output_changed_in_place_as_stock, {"find_unused_parameters": True}),
     "output_in_place_static": (checks.output_changed_in_place_as_stock, {"static_graph": True}),
@@ -244,6 +246,14 @@ def test_without_the_sink_clone_an_output_changed_in_place_raises_as_in_stock(tw
     # the in-place change; minidp's output, the module's own, is refused by autograd's version check in the backward
     for result in each_rank(two, "output_in_place_not_cloned"):
         assert result == {"differences": [], "errors": {"stock": "RuntimeError", "minidp": "RuntimeError"}}
+
+
+def test_the_wrappers_description_of_its_module_is_stocks(two):
+    # distributed.py, DistributedDataParallel.__init__: _module_parameters, is_multi_device_module, device_type,
+    # device; device_ids=[] taken as None "for backward compatibility"
+    for result in each_rank(two, "description"):
+        assert result["minidp"] == result["stock"] == (torch.device("cpu"), "cpu", False, list(range(6)))
+        assert result["empty_device_ids"] == [None, None]
 
 
 def test_torch_compile_of_the_wrapper_trains_as_stock_bitwise_and_traces_only_the_module(two):

@@ -165,7 +165,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.static_graph = static_graph
         self._ddp_sink_clone = True  # the outputs cloned where torch's _DDPSink clones them (_after_module)
-        self.device_ids = None if device_ids is None else list(device_ids)
+        self.device_ids = None if device_ids is None or len(device_ids) == 0 else list(device_ids)  # [] as torch: None
         self.output_device = output_device
         self.mixed_precision = mixed_precision
         self.parameters_to_ignore = ignored_names(module)
@@ -174,6 +174,12 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.broadcast_bucket_size = 250 * 1024 * 1024
         self._bucket_caps = caps
         self._attach_replicas()  # before the parameters are listed: DataParallel may move a module to its one device
+        # torch DDP's description of the module (frameworks and torch's tests read it): its parameters not ignored,
+        # whether they are on several devices, the type of those devices and the first one
+        self._module_parameters = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+        self.is_multi_device_module = len({p.device for p in self._module_parameters}) > 1
+        self.device = self._module_parameters[0].device if self._module_parameters else torch.device("cpu")
+        self.device_type = self.device.type
         if init_sync:
             with collectives_on(module.parameters()):
                 check_same_model(module, self.process_group, init_sync_buffers, self.parameters_to_ignore)
