@@ -343,7 +343,7 @@ class ParallelBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):
         outputs = ctx.outputs
-        if outputs is None:  # let go of by an earlier backward: autograd's error, in its words, for code that matches them
+        if outputs is None:  # let go of by an earlier backward: autograd's error, in its words (code matches them)
             raise RuntimeError(
                 "Trying to backward through the graph a second time: the replicas' outputs were let go of by the first "
                 "backward. Specify retain_graph=True if you need to backward through the graph a second time."

@@ -376,9 +376,11 @@ def description_as_stock(seed: int) -> dict:
 
     def described(ddp: nn.Module, module: nn.Module) -> tuple:
         positions = {id(p): i for i, p in enumerate(module.parameters())}
-        return (ddp.device, ddp.device_type, ddp.is_multi_device_module, [positions[id(p)] for p in ddp._module_parameters])
+        listed = [positions[id(p)] for p in ddp._module_parameters]
+        return (ddp.device, ddp.device_type, ddp.is_multi_device_module, listed)
 
-    empty = [_quiet(lambda: wrapper(_tanh_mlp(), device_ids=[])).device_ids for wrapper in (TorchDDP, md.DistributedDataParallel)]
+    empty = [_quiet(lambda: wrapper(_tanh_mlp(), device_ids=[])).device_ids
+             for wrapper in (TorchDDP, md.DistributedDataParallel)]
     return {"stock": described(theirs, theirs_module), "minidp": described(ours, ours_module), "empty_device_ids": empty}
 
 

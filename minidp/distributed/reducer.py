@@ -9,8 +9,8 @@ is the same sequence in Python, function for function. One synchronised training
    parameter; with ``find_unused_parameters``, walk the autograd graph from the outputs and note
    the parameters it does not reach (``search_unused_parameters``).
 3. **In the backward**, once per parameter, when autograd has accumulated its gradient into
-   ``.grad`` (a ``register_post_accumulate_grad_hook``, kept after the user's own, :meth:`Reducer.autograd_hook`): copy the
-   gradient into its bucket, multiplied by ``1 / world_size`` on the way in (``mark_variable_ready_dense``:
+   ``.grad`` (a ``register_post_accumulate_grad_hook``, kept after the user's own, :meth:`Reducer.autograd_hook`):
+   copy the gradient into its bucket, multiplied by ``1 / world_size`` on the way in (``mark_variable_ready_dense``:
    ``at::mul_out(bucket_view, grad, 1. / div_factor)``, so that the all-reduce's *sum* is the mean).
    When a bucket's last gradient is in, launch the all-reduces of every full bucket from the next one
    due, in bucket order (``mark_bucket_ready``): all ranks issue the same collectives in the same
@@ -589,7 +589,8 @@ class Reducer:
             if self._tracks_use():
                 self._wait_for_use()
                 if counting:  # what every later backward waits for, and leaves alone
-                    self._static_counts = [max(n, 1) if i in self._reached else n for i, n in enumerate(self._remaining)]
+                    reached = self._reached
+                    self._static_counts = [max(n, 1) if i in reached else n for i, n in enumerate(self._remaining)]
                     self._static_unused = {i for i, used in enumerate(self._local_used.tolist()) if not used}
                 self._local_used.zero_()
             if self._will_rebuild and self._grad_ready_order:
