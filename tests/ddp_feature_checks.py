@@ -306,31 +306,43 @@ def post_accumulate_grad_hooks_as_stock(seed: int, steps: int = 3, **options: An
     return {"differences": differences, "same_seen": same_seen, "hook_calls": len(seen["minidp"])}
 
 
-def output_changed_in_place_as_stock(seed: int, steps: int = 3, sink_clone: bool = True, **options: Any) -> dict:
-    """The forward's output changed in place before the loss (``out.mul_(2)`` after a tanh, which saved its output):
-    stock clones the outputs with ``find_unused_parameters`` and in a static graph's first iteration
-    (``_DDPSink``), so the backward works there; per step, the first difference, or each wrapper's error."""
-    theirs, ours, theirs_module, ours_module = _pair(lambda: nn.Sequential(_tanh_mlp(), nn.Tanh()), seed, **options)
-    for ddp in (theirs, ours):
-        ddp._set_ddp_sink_clone(sink_clone)
+def _steps_until_an_error(pair: tuple, seed: int, steps: int, step_of: Callable[[nn.Module, int], None]) -> dict:
+    """Train ``pair`` (:func:`_pair`) side by side with SGD, ``step_of(wrapper, step)`` running each step's forward and
+    backward: per step the first difference, until a step where a wrapper raised (then each one's error, as its type
+    and first sentence, and the step)."""
+    theirs, ours, theirs_module, ours_module = pair
     optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in (theirs, ours)]
     differences: list = []
     for step in range(steps):
         errors = {}
         for name, ddp, optimizer in (("stock", theirs, optimizers[0]), ("minidp", ours, optimizers[1])):
             optimizer.zero_grad()
-            output = ddp(_inputs(seed, step, 5, 6))
-            try:  # raised before any gradient reaches a parameter: no collective is left open
-                output.mul_(2)  # stock without its clone: its function's output is a view, refused here
-                output.pow(2).mean().backward()  # else the tanh's backward finds its saved output changed
+            try:  # the cases here raise before any gradient reaches a parameter: no collective is left open
+                step_of(ddp, step)
             except RuntimeError as error:
-                errors[name] = type(error).__name__
+                errors[name] = (type(error).__name__, str(error).split(".")[0])
                 continue
             optimizer.step()
         if errors:
-            return {"differences": differences, "errors": errors}
+            return {"differences": differences, "errors": errors, "step": step}
         differences.append(_difference(ours_module, theirs_module))
-    return {"differences": differences, "errors": {}}
+    return {"differences": differences, "errors": {}, "step": None}
+
+
+def output_changed_in_place_as_stock(seed: int, steps: int = 3, sink_clone: bool = True, **options: Any) -> dict:
+    """The forward's output changed in place before the loss (``out.mul_(2)`` after a tanh, which saved its output):
+    stock clones the outputs with ``find_unused_parameters`` and in a static graph's first iteration
+    (``_DDPSink``), so the backward works there (:func:`_steps_until_an_error`)."""
+    pair = _pair(lambda: nn.Sequential(_tanh_mlp(), nn.Tanh()), seed, **options)
+    for ddp in pair[:2]:
+        ddp._set_ddp_sink_clone(sink_clone)
+
+    def step_of(ddp: nn.Module, step: int) -> None:
+        output = ddp(_inputs(seed, step, 5, 6))
+        output.mul_(2)  # stock without its clone: its function's output is a view, refused here
+        output.pow(2).mean().backward()  # else the tanh's backward finds its saved output changed
+
+    return _steps_until_an_error(pair, seed, steps, step_of)
 
 
 class _MainAndAuxiliary(nn.Module):
@@ -346,27 +358,15 @@ class _MainAndAuxiliary(nn.Module):
 
 
 def static_graph_auxiliary_output_as_stock(seed: int, auxiliary_from: Optional[int], steps: int = 4) -> dict:
-    """A static graph whose auxiliary output enters the loss from step ``auxiliary_from`` on (``None``: never): per
-    step, the first difference from stock; where a wrapper raises, what each raised, and the step."""
-    theirs, ours, theirs_module, ours_module = _pair(_MainAndAuxiliary, seed, static_graph=True)
-    optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in (theirs, ours)]
-    differences: list = []
-    for step in range(steps):
-        errors = {}
-        for name, ddp, optimizer in (("stock", theirs, optimizers[0]), ("minidp", ours, optimizers[1])):
-            optimizer.zero_grad()
-            try:  # stock and minidp raise in the forward, before any collective of the step
-                output = ddp(_inputs(seed, step, 5, 6))
-            except RuntimeError as error:
-                errors[name] = str(error).split(".")[0]
-                continue
-            uses_auxiliary = auxiliary_from is not None and step >= auxiliary_from
-            (output["main"].pow(2).mean() + (output["auxiliary"].pow(2).mean() if uses_auxiliary else 0)).backward()
-            optimizer.step()
-        if errors:
-            return {"differences": differences, "errors": errors, "step": step}
-        differences.append(_difference(ours_module, theirs_module))
-    return {"differences": differences, "errors": {}, "step": None}
+    """A static graph whose auxiliary output enters the loss from step ``auxiliary_from`` on (``None``: never), beside
+    stock (:func:`_steps_until_an_error`; both raise in the forward, if at all)."""
+
+    def step_of(ddp: nn.Module, step: int) -> None:
+        output = ddp(_inputs(seed, step, 5, 6))
+        uses_auxiliary = auxiliary_from is not None and step >= auxiliary_from
+        (output["main"].pow(2).mean() + (output["auxiliary"].pow(2).mean() if uses_auxiliary else 0)).backward()
+
+    return _steps_until_an_error(_pair(_MainAndAuxiliary, seed, static_graph=True), seed, steps, step_of)
 
 
 def description_as_stock(seed: int) -> dict:

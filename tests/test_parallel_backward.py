@@ -59,6 +59,21 @@ def _equal(a: list, b: list) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _gradients_both_ways(model: nn.Module, step) -> dict[bool, list]:
+    """The parameters' gradients after ``step(copy of model, parallel)`` with the serial backward (``False``) and
+    the parallel one (``True``)."""
+    grads = {}
+    for parallel in (False, True):
+        previous = minidp.set_parallel_backward(parallel)
+        try:
+            module = copy.deepcopy(model)
+            step(module, parallel)
+            grads[parallel] = [p.grad for p in module.parameters()]
+        finally:
+            minidp.set_parallel_backward(previous)
+    return grads
+
+
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_gradients_are_bitwise_those_of_the_serial_backward(generator, replicas):
     model, x = SmallCNN(), _images(generator, 24)
@@ -389,19 +404,15 @@ def test_a_grad_that_captures_at_a_shared_node_runs_every_output_s_hooks_hence_a
 def test_a_replica_output_changed_in_place_is_back_propagated_as_on_the_serial_path(generator):
     # Autograd takes an in-place change of a tensor that no node saved (a linear layer's output): so does the serial
     # path, and so must the parallel one, whose outputs are aliases of the replicas' (the same version counter).
-    model, x = nn.Linear(4, 3).double(), torch.randn(8, 4, generator=generator, dtype=torch.float64)
-    grads = {}
-    for parallel in (False, True):
-        previous = minidp.set_parallel_backward(parallel)
-        try:
-            module = copy.deepcopy(model)
-            outputs = minidp.DataParallel(module, cpu_ids(2), gather_output=False)(x)
-            for output in outputs:
-                output.mul_(2)
-            torch.cat(outputs).square().sum().backward()
-            grads[parallel] = [p.grad for p in module.parameters()]
-        finally:
-            minidp.set_parallel_backward(previous)
+    x = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+
+    def step(module, parallel):
+        outputs = minidp.DataParallel(module, cpu_ids(2), gather_output=False)(x)
+        for output in outputs:
+            output.mul_(2)
+        torch.cat(outputs).square().sum().backward()
+
+    grads = _gradients_both_ways(nn.Linear(4, 3).double(), step)
     assert _equal(grads[True], grads[False])
 
 
@@ -422,19 +433,15 @@ def test_outputs_that_share_memory_give_the_serial_gradients(generator, returns)
     # join's docstring: outputs that share memory keep the serial backward. Changed in place, the first output's
     # change must reach the second's gradient (autograd tracks it between a tensor and its views); three gradients of
     # one tensor must be summed in the serial path's order.
-    model, x = _SharedOutputs(returns).double(), torch.randn(8, 4, generator=generator, dtype=torch.float64)
-    grads = {}
-    for parallel in (False, True):
-        previous = minidp.set_parallel_backward(parallel)
-        try:
-            module = copy.deepcopy(model)
-            outputs = minidp.DataParallel(module, cpu_ids(2), gather_output=False)(x)
-            for first, *rest in outputs:
-                first.mul_(3)
-            sum((rest[0] * t).sum() for _, *rest in outputs for t in rest).backward()
-            grads[parallel] = [p.grad for p in module.parameters()]
-        finally:
-            minidp.set_parallel_backward(previous)
+    x = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+
+    def step(module, parallel):
+        outputs = minidp.DataParallel(module, cpu_ids(2), gather_output=False)(x)
+        for first, *rest in outputs:
+            first.mul_(3)
+        sum((rest[0] * t).sum() for _, *rest in outputs for t in rest).backward()
+
+    grads = _gradients_both_ways(_SharedOutputs(returns).double(), step)
     assert _equal(grads[True], grads[False])
 
 
@@ -450,18 +457,14 @@ class _TwoHeads(nn.Module):
 def test_heads_back_propagated_one_by_one_give_the_serial_gradients_where_the_first_keeps_the_graph(generator):
     # The module docstring: the first backward lets go of every replica's outputs, so the second head's backward is
     # taken where the first kept the graph; the serial path takes it without (autograd frees only what the first ran).
-    model, x = _TwoHeads().double(), torch.randn(8, 4, generator=generator, dtype=torch.float64)
-    grads = {}
-    for parallel in (False, True):
-        previous = minidp.set_parallel_backward(parallel)
-        try:
-            module = copy.deepcopy(model)
-            first, second = minidp.DataParallel(module, cpu_ids(2))(x)
-            first.sum().backward(retain_graph=parallel)
-            second.square().sum().backward()
-            grads[parallel] = [p.grad for p in module.parameters()]
-        finally:
-            minidp.set_parallel_backward(previous)
+    x = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+
+    def step(module, parallel):
+        first, second = minidp.DataParallel(module, cpu_ids(2))(x)
+        first.sum().backward(retain_graph=parallel)
+        second.square().sum().backward()
+
+    grads = _gradients_both_ways(_TwoHeads().double(), step)
     assert _equal(grads[True], grads[False])
 
 
