@@ -113,6 +113,17 @@ def test_an_mlp_step_on_two_cpu_replicas_holds_what_is_counted_by_hand(generator
         assert own.held["parameters"] == own.held["inputs"] == 0  # aliases and views of the module's and batch's
 
 
+@pytest.mark.parametrize("parallel_backward", [False, True], ids=["serial_backward", "parallel_backward"])
+def test_two_replicas_of_even_chunks_hold_the_same_in_either_backward(generator, parallel_backward, monkeypatch):
+    # the replicas' backwards one after the other in this thread, or each in its worker, watched there as here: each
+    # replica's gradients made by its backward (not found already held when the step began), its temporaries counted
+    monkeypatch.setattr(minidp.parallel_backward, "_enabled", parallel_backward)
+    ledger, _ = traced_mlp_step(generator, 8)
+    first, second = row(ledger, replica=0), row(ledger, replica=1)
+    assert (first.peak, first.held) == (second.peak, second.held)
+    assert first.held["temporaries"] > 0
+
+
 def test_every_category_of_a_cpu_training_step_is_non_zero_on_the_device(generator):
     ledger, _ = traced_mlp_step(generator, 8)
     device = row(ledger)

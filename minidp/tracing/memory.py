@@ -491,6 +491,12 @@ class AllocationLedger:
         with self.watching(), self.phase(name, replica):
             return call()
 
+    def run_replica_backward(self, call: Callable[[], Any]) -> Any:
+        """Run a replica's backward ``call()`` in its thread (:mod:`minidp.parallel_backward`), watched there as the
+        serial backward is in the calling thread: what it allocates is the backward's."""
+        with self.watching():
+            return call()
+
     # -- the rows -------------------------------------------------------------------------------------------
 
     def category(self, record: _Storage) -> str:

@@ -225,7 +225,7 @@ class Trace:
         backward = self._backward_of.get(id(module))
         if backward is not None:  # a replica this trace saw made
             backward.start.append(self._mark(device))
-        gradients = call()
+        gradients = call() if self._allocations is None else self._allocations.run_replica_backward(call)
         if backward is not None:
             backward.end.append(self._mark(device, sum(g is not None for g in gradients)))
         return gradients
