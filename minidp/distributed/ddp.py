@@ -142,7 +142,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                     f"implemented: pass one device_id (or None) to train in mixed precision"
                 )
         caps = BucketCaps.from_mb(bucket_cap_mb, bucket_cap_mb_list)
-        check_one_device_type(module, ignored_names(module))
+        ignored = ignored_names(module)
+        check_one_device_type(module, ignored)
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call torch.distributed.init_process_group() first "
@@ -168,7 +169,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.device_ids = None if device_ids is None or len(device_ids) == 0 else list(device_ids)  # [] as torch: None
         self.output_device = output_device
         self.mixed_precision = mixed_precision
-        self.parameters_to_ignore = ignored_names(module)
+        self.parameters_to_ignore = ignored
         # What torch's helpers take as the broadcast's bucket size (torch.distributed.utils._sync_module_states);
         # minidp's own broadcasts send one flat tensor per dtype.
         self.broadcast_bucket_size = 250 * 1024 * 1024
