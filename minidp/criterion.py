@@ -17,7 +17,8 @@ sum of the per-element losses over a *denominator*, and for several criteria tha
 not the number of rows. So every replica returns its chunk's ``reduction="sum"`` loss (the sum of
 its ``reduction="none"`` losses) and its chunk's share of the denominator; the loss is
 ``sum of numerators / sum of denominators``, which is the full batch's ratio, summed in a
-different order. The denominators, as ``torch`` defines them:
+different order (a float16 or bfloat16 loss's terms in float32, the mean returned in its dtype, as
+``torch``'s mean accumulates it: its sum may pass float16's range where the mean does not). The denominators, as ``torch`` defines them:
 
 * ``nn.CrossEntropyLoss``, ``nn.NLLLoss`` with class-index targets: the total ``weight[t]`` of the
   targets ``t != ignore_index`` (without ``weight``: their count). For cross-entropy this holds
@@ -190,19 +191,20 @@ def parallel_criterion(
         )
     destination = devices[0] if output_device is None else as_device(output_device, "output_device")
     chunks = _scatter_targets(targets, devices, dim, rows)
+    loss_dtypes: list[torch.dtype] = []  # each replica's loss dtype, which the mean's terms may leave for float32
     if rule is None:
         _warn_row_weighted(criterion)
-        per_replica = [_row_weighted_terms(criterion, i, n) for i, n in enumerate(rows)]
+        per_replica = [_row_weighted_terms(criterion, i, n, loss_dtypes) for i, n in enumerate(rows)]
     else:
         tensors = _criterion_tensors(criterion, rule, outputs[0].dim(), dim, rows, devices)
-        per_replica = [_rule_terms(criterion, rule, tensors_i) for tensors_i in tensors]
+        per_replica = [_rule_terms(criterion, rule, tensors_i, loss_dtypes) for tensors_i in tensors]
     terms = parallel_apply(per_replica, list(zip(outputs, chunks)), None, devices)
     if reduction == "none":
         # The batch axis of the per-element loss, counted from the right: broadcasting may add
         # leading axes to it. (Class criteria: dim 0, their class axis 1 is gone.)
         return gather(terms, destination, dim=0 if rule.class_targets else dim - outputs[0].dim())
     gathered = gather(terms, destination)
-    return gathered.sum() if reduction == "sum" else _ratio(gathered)
+    return gathered.sum() if reduction == "sum" else _ratio(gathered).to(loss_dtypes[0])
 
 
 def _check_outputs(outputs: Sequence[torch.Tensor], dim: int) -> tuple[int, list[int], list[torch.device]]:
@@ -268,23 +270,35 @@ def _criterion_tensors(
     return per_replica
 
 
-def _rule_terms(criterion: nn.Module, rule: _Rule, tensors: dict) -> Callable[..., torch.Tensor]:
+def _summed_in(dtype: torch.dtype) -> torch.dtype:
+    """Where a mean's terms are summed: float32 for a half-precision loss, as torch's ``mean`` accumulates it. Its
+    numerator may pass the dtype's range (65504 for float16) where the mean does not; summed in float16 it would
+    give ``inf`` where torch's loss is finite."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _mean_terms(numerator: torch.Tensor, denominator: Any, loss_dtypes: list[torch.dtype], loss_dtype: torch.dtype) -> torch.Tensor:
+    loss_dtypes.append(loss_dtype)
+    dtype = numerator.dtype
+    return torch.stack([numerator, torch.as_tensor(denominator, dtype=dtype, device=numerator.device)])
+
+
+def _rule_terms(criterion: nn.Module, rule: _Rule, tensors: dict, loss_dtypes: list[torch.dtype]) -> Callable[..., torch.Tensor]:
     """One replica's part: its per-element losses (``none``), its numerator (``sum``), or both terms (``mean``)."""
 
     def terms(output: torch.Tensor, target: Any) -> torch.Tensor:
         per_element = rule.per_element(criterion, output, target, tensors)
         if criterion.reduction == "none":
             return per_element
-        numerator = per_element.sum()
         if criterion.reduction == "sum":
-            return numerator.view(1)
+            return per_element.sum().view(1)  # in the loss's dtype, as torch sums it
         denominator = rule.denominator(criterion, output, target, tensors, per_element)
-        return torch.stack([numerator, torch.as_tensor(denominator, dtype=numerator.dtype, device=numerator.device)])
+        return _mean_terms(per_element.sum(dtype=_summed_in(per_element.dtype)), denominator, loss_dtypes, per_element.dtype)
 
     return terms
 
 
-def _row_weighted_terms(criterion: Callable, replica: int, rows: int) -> Callable[..., torch.Tensor]:
+def _row_weighted_terms(criterion: Callable, replica: int, rows: int, loss_dtypes: list[torch.dtype]) -> Callable[..., torch.Tensor]:
     """One replica's ``[rows * loss, rows]`` for a criterion without a rule."""
 
     def terms(output: torch.Tensor, target: Any) -> torch.Tensor:
@@ -295,7 +309,7 @@ def _row_weighted_terms(criterion: Callable, replica: int, rows: int) -> Callabl
                 f"criterion returned {shape} for replica {replica}: parallel_criterion needs a 0-dim loss "
                 f"per replica from a criterion it has no rule for"
             )
-        return torch.stack([loss * rows, torch.as_tensor(rows, dtype=loss.dtype, device=loss.device)])
+        return _mean_terms(loss.to(_summed_in(loss.dtype)) * rows, rows, loss_dtypes, loss.dtype)
 
     return terms
 

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
+
+
+PLAIN = (str, bytes, numbers.Number)  # leaves that are values, never a place for a tensor
 
 
 def is_namedtuple(obj: Any) -> bool:
@@ -79,6 +83,17 @@ def tensors_in(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
         return
     for suffix, child in children(obj) or ():
         yield from tensors_in(child, path + suffix)
+
+
+def holds_opaque(obj: Any) -> bool:
+    """Whether some leaf inside ``obj`` is an object the walkers do not look inside (neither a tensor, nor a
+    plain value, nor ``None``): it may hold tensors that :func:`tensors_in` does not list."""
+    if isinstance(obj, torch.Tensor):
+        return False
+    parts = children(obj)
+    if parts is None:
+        return not (obj is None or isinstance(obj, PLAIN))
+    return any(holds_opaque(child) for _, child in parts)
 
 
 def leaves(obj: Any, path: str = "") -> dict[str, Any]:

@@ -46,7 +46,8 @@ before the reduction: the original parameters' gradients are untouched.
 When. parallel_apply cuts the graph only if every replica's graph, walked from its outputs, ends at
 its own entries: nothing else requiring grad is reached (a tensor the replica captured from outside,
 another replica's tensors as :class:`minidp.SyncBatchNorm` exchanges them, a parameter that did not
-come through an entry), and no two outputs share memory (:func:`join`). Otherwise it leaves the outputs as they
+come through an entry), no output holds an object the walk cannot look inside (one that gather rebuilds from its
+items may hold tensors of the graph), and no two outputs share memory (:func:`join`). Otherwise it leaves the outputs as they
 are and autograd runs the replicas' backwards one after the other, as before (the entries are then identity nodes
 on the way). Second-order gradients (``create_graph=True``) run the replicas' backwards one after the other in
 the calling thread, inside the node: the gradients it returns are differentiable, as the serial path's.
@@ -81,7 +82,7 @@ from torch.utils import checkpoint
 
 from .comm import storage_start
 from .cpu_threads import share, teams_fit
-from .nested import tensors_in
+from .nested import holds_opaque, tensors_in
 
 _enabled: Union[bool, str] = "auto"
 _threads = "caller"
@@ -245,6 +246,10 @@ def region(entries: Sequence[Any], output: Any) -> Optional[Region]:
     of a nested ``data_parallel`` whose replicas stayed serial) or leads outside to a leaf, as the
     entries of another replica do, whose outputs a replica may receive (SyncBatchNorm's statistics).
     """
+    if holds_opaque(output):
+        # An object that gather rebuilds from its items (docs/stock-behaviour.md B28) may hold tensors of this
+        # graph that the cut would not reroute: autograd would reach the replica's nodes from them as well.
+        return None
     own = {id(node) for node in entries}
     outputs = [t for _, t in tensors_in(output) if t.requires_grad]
     stack = [t.grad_fn for t in outputs]

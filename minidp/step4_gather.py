@@ -21,7 +21,6 @@ a plain function, not a closure that calls itself, so a call leaves no reference
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from typing import Any, Sequence
 
@@ -29,12 +28,8 @@ import torch
 
 from . import comm
 from .device_ids import DeviceLike, as_device
-from .nested import children, is_per_replica, rebuild, rebuild_dict
+from .nested import PLAIN, children, is_per_replica, rebuild, rebuild_dict
 from .hooks import observed
-
-# Leaves gathered into the list of the replicas' values (stock: "<map object ...>" for a string, a
-# TypeError for a number; docs/stock-behaviour.md B28).
-LISTED = (str, bytes, numbers.Number)
 
 
 @observed("gather")
@@ -66,7 +61,9 @@ def _gather_map(values: list[Any], path: str, destination: torch.device, dim: in
         return rebuild_dict(first, [(k, _gather_map([v[k] for v in values], f"{path}[{k!r}]", destination, dim)) for k in first])
     parts = children(first)
     if parts is None:
-        return list(values) if isinstance(first, LISTED) else _gather_by_items(values, path, destination, dim)
+        # A plain value is gathered into the list of the replicas' values (stock: "<map object ...>" for a string,
+        # a TypeError for a number; docs/stock-behaviour.md B28).
+        return list(values) if isinstance(first, PLAIN) else _gather_by_items(values, path, destination, dim)
     per_replica = [children(v) for v in values]
     gathered = [
         _gather_map([p[position][1] for p in per_replica], path + suffix, destination, dim)

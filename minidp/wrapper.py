@@ -199,9 +199,10 @@ class DataParallel(nn.Module):
             used = self.device_ids[: len(inputs)]
             replicas = self.replicate(self.module, used)
             shared = buffers_replica_0_shares(self.module, replicas, self.replica_cache if self.cache_replicas else None)
-            with buffers_restored_on_failure(shared):  # a replica that fails leaves no half-updated statistics
+            # A replica that fails, or outputs that gather refuses, leave no half-updated statistics.
+            with buffers_restored_on_failure(shared):
                 outputs = self.parallel_apply(replicas, inputs, kwargs)
-            return self.gather(outputs, self.output_device) if self.gather_output else outputs
+                return self.gather(outputs, self.output_device) if self.gather_output else outputs
 
     def scatter(
         self, inputs: tuple, kwargs: Optional[dict[str, Any]], device_ids: Sequence[DeviceLike]
@@ -272,10 +273,10 @@ def data_parallel(
         chunk_inputs, chunk_kwargs = ((),), ({},)
     used = devices[: len(chunk_inputs)]
     if len(devices) == 1:
-        outputs = [observe_module(devices[0], module, lambda: module(*chunk_inputs[0], **chunk_kwargs[0]))]
-    else:
-        detach = not torch.is_grad_enabled()
-        replicas = replica_cache.replicate(module, used, detach) if replica_cache else replicate(module, used, detach)
-        with buffers_restored_on_failure(buffers_replica_0_shares(module, replicas, replica_cache)):
-            outputs = parallel_apply(replicas, chunk_inputs, chunk_kwargs, used)
-    return outputs[0] if len(devices) == 1 and output_device == devices[0] else gather(outputs, output_device, dim=dim)
+        output = observe_module(devices[0], module, lambda: module(*chunk_inputs[0], **chunk_kwargs[0]))
+        return output if output_device == devices[0] else gather([output], output_device, dim=dim)
+    detach = not torch.is_grad_enabled()
+    replicas = replica_cache.replicate(module, used, detach) if replica_cache else replicate(module, used, detach)
+    with buffers_restored_on_failure(buffers_replica_0_shares(module, replicas, replica_cache)):
+        outputs = parallel_apply(replicas, chunk_inputs, chunk_kwargs, used)
+        return gather(outputs, output_device, dim=dim)

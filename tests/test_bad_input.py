@@ -204,6 +204,32 @@ def test_outputs_must_have_the_same_structure_in_every_replica(odd_output, messa
     assert_untouched(model, before)
 
 
+class BatchNormThenOddOutput(nn.Module):
+    """BatchNorm, then an output with one key more in every replica whose chunk has fewer than 3 rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        y = self.bn(x)
+        return {"y": y} if x.shape[0] >= 3 else {"y": y, "extra": y}
+
+
+def test_outputs_gather_refuses_leave_the_running_statistics_as_they_were(generator):
+    """Stock gathers a dict by replica 0's keys, so it drops the extra key and keeps the step (B28); minidp refuses
+    the outputs, and a step refused changes nothing: replica 0's BatchNorm update is put back, as when a replica
+    raises (test below)."""
+    model = BatchNormThenOddOutput()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="extra keys"):
+        minidp.DataParallel(model, cpu_ids(2))(torch.randn(5, 4, generator=generator))  # chunks 3, 2
+    assert_untouched(model, before)
+    with pytest.raises(ValueError, match="extra keys"):
+        minidp.data_parallel(model, torch.randn(5, 4, generator=generator), cpu_ids(2))
+    assert_untouched(model, before)
+
+
 # --------------------------------------------------------------------------------------------------
 # a step that fails part way
 # --------------------------------------------------------------------------------------------------

@@ -223,6 +223,29 @@ def test_the_function_behind_a_criterion_class_follows_that_classs_rule_bitwise(
     assert_same(by_function, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("criterion", [nn.MSELoss(), nn.L1Loss(), nn.BCEWithLogitsLoss()], ids=lambda c: type(c).__name__)
+def test_a_half_precision_mean_whose_sum_passes_the_dtype_range_is_torchs_finite_loss(criterion, dtype):
+    # torch's mean sums a half-precision loss in float32 and returns the mean in the loss's dtype: here 4.0 (2.0 for
+    # L1, 2.13 for BCE), where the sum of 40000 per-element losses (80000 and more) is past float16's largest value
+    # (65504); bfloat16's range is float32's, its sum rounds alike.
+    outputs = torch.full((40000, 1), 2.0, dtype=dtype)
+    targets = torch.zeros(40000, 1, dtype=dtype)
+    loss = minidp.parallel_criterion(criterion, list(outputs.chunk(2)), targets)
+    assert loss.dtype == dtype
+    assert torch.equal(loss, criterion(outputs, targets))
+
+
+def test_a_half_precision_row_weighted_mean_past_the_dtype_range_is_finite():
+    def mean_squared_error(output, target):
+        return ((output - target) ** 2).mean()
+
+    outputs, targets = torch.full((20000, 1), 2.0, dtype=torch.float16), torch.zeros(20000, 1, dtype=torch.float16)
+    with pytest.warns(UserWarning, match="no rule for"):
+        loss = minidp.parallel_criterion(mean_squared_error, list(outputs.chunk(2)), targets)
+    assert loss.dtype == torch.float16 and torch.equal(loss, mean_squared_error(outputs, targets))
+
+
 # --------------------------------------------------------------------------------------------------
 # any other callable: the row-weighted mean, with a warning
 # --------------------------------------------------------------------------------------------------

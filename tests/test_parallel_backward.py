@@ -445,6 +445,42 @@ def test_outputs_that_share_memory_give_the_serial_gradients(generator, returns)
     assert _equal(grads[True], grads[False])
 
 
+class _Bag:
+    """An output object gather rebuilds from its items (``type(first)(items)``, docs/stock-behaviour.md B28), as it does
+    Hugging Face's ``DynamicCache``: the walkers do not look inside it."""
+
+    def __init__(self, items) -> None:
+        self.items = list(items)
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+class _ReturnsABag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.linear(x))
+        return h * 3, _Bag([h * 2])  # both made from one saved activation
+
+
+def test_an_output_holding_tensors_in_an_object_gather_rebuilds_from_its_items_keeps_the_serial_backward(generator):
+    # The cut would reroute the tensor it sees and not the one in the bag; the loss reaching the replica's nodes
+    # through both, the parallel backward freed what the other path still needed ("backward through the graph a
+    # second time"). Stock back-propagates it; so does the serial path, which such an output keeps.
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+
+    def step(module, parallel):
+        y, bag = minidp.DataParallel(module, cpu_ids(2))(x)
+        assert not _in_parallel(y)
+        (y.square().sum() + list(bag)[0].pow(3).sum()).backward()
+
+    grads = _gradients_both_ways(_ReturnsABag().double(), step)
+    assert _equal(grads[True], grads[False])
+
+
 class _TwoHeads(nn.Module):
     def __init__(self) -> None:
         super().__init__()
