@@ -32,7 +32,8 @@ exchange is a callable it is given.
 
 When nothing is synchronised, a call is exactly ``nn.BatchNorm``'s: outside parallel_apply, with
 one replica, and whenever ``F.batch_norm`` would use the running statistics rather than the batch's
-(eval mode with running statistics). Eval mode without running statistics normalises by batch
+(eval mode with running statistics). A layer that met other replicas is refused when activation checkpointing
+recomputes it in the backward: it would run alone there. Eval mode without running statistics normalises by batch
 statistics, so there the replicas of one process do meet, and the result is that process's full batch's;
 processes exchange statistics in training only, as ``torch.nn.SyncBatchNorm`` synchronises in training
 only.
@@ -40,6 +41,7 @@ only.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -48,6 +50,12 @@ from torch import nn
 from . import replica_group
 from .replica_group import Membership
 from .torch_versions import BATCHNORM_TAKES_BIAS
+
+
+# The layers that met other replicas in a forward. Recomputed in the backward (activation checkpointing), such a layer
+# runs outside parallel_apply, alone: it would normalise its chunk by the chunk's statistics, and its gradients would
+# miss the other replicas' (the edges a recomputation makes stay inside the replica). Refused there.
+_met_replicas: "weakref.WeakSet[SyncBatchNorm]" = weakref.WeakSet()
 
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -101,8 +109,17 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         # Processes exchange statistics in training only, as torch.nn.SyncBatchNorm does: in eval mode a rank
         # may run batches the others do not run (inference on rank 0 alone), and would wait for them forever.
         exchange = self.across_processes if self.training else None
+        if alone and batch_statistics and torch._C._current_graph_task_id() != -1 and self in _met_replicas:
+            raise RuntimeError(
+                "SyncBatchNorm: a layer that met other replicas in the forward is run again in the backward, alone "
+                "(activation checkpointing recomputes it): it would normalise its chunk by the chunk's own statistics "
+                "and give wrong gradients. Leave the SyncBatchNorm out of the checkpointed function (checkpoint the "
+                "layers around it), or put an nn.BatchNorm there"
+            )
         if (alone and exchange is None) or not batch_statistics:
             return super().forward(input)
+        if not alone:
+            _met_replicas.add(self)
         return self._synchronised_forward(input, None if alone else membership, exchange)
 
     def _synchronised_forward(
