@@ -23,6 +23,11 @@ statistics twice, each other replica its own private copy twice (and drops it). 
 outlives the call gets that right; a swap undone when the call returns would send the other
 chunks' second updates into the original's buffers.
 
+Layers that meet the other replicas (:class:`minidp.SyncBatchNorm` normalises by the statistics of every chunk)
+need every chunk at once: for a module that has one, the chunks run side by side, each in a thread of its own as
+member i of one :class:`minidp.replica_group.ReplicaGroup`, with the caller's intra-op thread count; the copies share
+each layer's meeting point, as replicas do. That is all the parallelism here: no streams, no replicate, no reduction.
+
 Autograd records the plain single-device graph: one loss on the joined output sends every chunk's
 gradient into the original parameters (the copies hold the same parameter tensors), where they add
 up. :func:`minidp.verify` compares a parallel run with this reference, and the tests check the
@@ -33,13 +38,17 @@ emulation of its CUDA calls).
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional, Sequence
+import functools
+import threading
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from .replica_group import ReplicaGroup
 from .step1_scatter import scatter_kwargs
 from .step4_gather import gather
+from .sync_batchnorm import SyncBatchNorm
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -58,6 +67,8 @@ def private_copy(module: nn.Module) -> nn.Module:
     """
     shared = {id(p): p for p in module.parameters()}
     shared.update({id(b): b.clone() for b in module.buffers()})
+    # where the copies of a SyncBatchNorm meet (a replica, a shallow copy, shares the layer's meeting key)
+    shared.update({id(m._meeting_key): m._meeting_key for m in module.modules() if isinstance(m, SyncBatchNorm)})
     return copy.deepcopy(module, memo=shared)
 
 
@@ -75,7 +86,34 @@ def chunked_reference(
     if not chunk_inputs:  # no arguments at all: one call, as DataParallel makes
         chunk_inputs, chunk_kwargs = ((),), ({},)
     copies = [private_copy(module) for _ in chunk_inputs[1:]]  # before chunk 0 changes the buffers
-    outputs = [module(*chunk_inputs[0], **chunk_kwargs[0])]
-    for args, chunk_kw, module_copy in zip(chunk_inputs[1:], chunk_kwargs[1:], copies):
-        outputs.append(module_copy(*args, **chunk_kw))
+    calls = [functools.partial(m, *args, **kw) for m, args, kw in zip([module, *copies], chunk_inputs, chunk_kwargs)]
+    if len(calls) > 1 and any(isinstance(m, SyncBatchNorm) for m in module.modules()):
+        outputs = _side_by_side(calls)
+    else:
+        outputs = [call() for call in calls]
     return outputs[0] if replicas == 1 else gather(outputs, device, dim)
+
+
+def _side_by_side(calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Every call at once, call i in a thread of its own as member i of one replica group (the module docstring)."""
+    group, threads = ReplicaGroup(len(calls)), torch.get_num_threads()
+    results: list[Any] = [None] * len(calls)
+    errors: list[Optional[BaseException]] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        torch.set_num_threads(threads)
+        try:
+            with group.member(i):
+                results[i] = calls[i]()
+        except BaseException as error:  # re-raised in the caller's thread
+            errors[i] = error
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    first = next((error for error in errors if error is not None), None)
+    if first is not None:
+        raise first
+    return results

@@ -337,6 +337,15 @@ def test_verify_explains_the_batch_statistics_of_batchnorm_kin_and_names_them(ge
     assert report.batch_statistics == [name]
 
 
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_verify_passes_minidps_syncbatchnorm_whose_replicas_compute_the_full_batch(generator, replicas):
+    # Its replicas meet, so the chunked reference runs its chunks side by side where they meet too (minidp.reference);
+    # chunk by chunk, each normalised by its own statistics, the reference had the step FAIL by 2 to 38%.
+    model = minidp.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 4)))
+    report = minidp.verify(model, torch.randn(7, 16, generator=generator), cpu_ids(replicas))
+    assert report.ok and not report.batch_dependent, str(report)
+
+
 def test_verify_explains_the_running_statistics_of_a_tracking_instancenorm(generator):
     # InstanceNorm normalizes each sample by itself; only its running statistics average over the batch.
     model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.InstanceNorm1d(4, track_running_stats=True), nn.Flatten(), nn.Linear(24, 2))
