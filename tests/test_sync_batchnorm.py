@@ -230,6 +230,19 @@ def test_second_derivatives_equal_batchnorms(generator):
     assert_same_state(model, reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_half_precision_input_is_normalised_to_batchnorms_accuracy(generator, dtype):
+    # BatchNorm's kernel computes in float32 and rounds once; rounding scale and shift to the input's dtype first, the
+    # layer was 13 (bfloat16) and 19 (float16) units of rounding off where the mean is large against the spread.
+    reference = nn.BatchNorm2d(CHANNELS)
+    model = minidp.DataParallel(minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference)), cpu_ids(3))
+    x = (torch.randn(12, CHANNELS, 8, 8, generator=generator) + 20).to(dtype)
+    exact = copy.deepcopy(reference).double()(x.double())
+    unit = torch.finfo(dtype).eps
+    batchnorm_error = (reference(x).double() - exact).abs().max().item() / unit
+    assert (model(x).double() - exact).abs().max().item() / unit <= batchnorm_error + 1
+
+
 class CheckpointsTheNorm(nn.Module):
     """Linear, then BatchNorm and tanh under activation checkpointing, then Linear."""
 
