@@ -14,7 +14,7 @@ import os
 import time
 import warnings
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -725,10 +725,11 @@ def sparse_gradients_as_stock(seed: int, steps: int = 3, **options: Any) -> dict
 
 
 def sync_batchnorm_matches_global_batch(seed: int, device_ids: Optional[list] = None, steps: int = 3,
-                                        per_rank: int = 6) -> float:
+                                        per_rank: Union[int, Sequence[int]] = 6) -> float:
     """minidp.SyncBatchNorm inside minidp's DDP (``device_ids``: replicas in each process) against
     ``nn.BatchNorm1d`` in one process on every rank's samples at once, float64, SGD with momentum: the
-    largest relative difference in parameters and running statistics."""
+    largest relative difference in parameters and running statistics. ``per_rank``: each rank's rows (one count
+    for all, or one per rank)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(seed)
     reference = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
@@ -737,12 +738,15 @@ def sync_batchnorm_matches_global_batch(seed: int, device_ids: Optional[list] = 
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, reference)]
     worst = 0.0
     for step in range(steps):
-        inputs = [_inputs(seed, step, per_rank, 6).double()]
-        everyone = [torch.empty_like(inputs[0]) for _ in range(world)]
-        dist.all_gather(everyone, inputs[0])
-        for model, optimizer, x in ((ddp, optimizers[0], everyone[rank]), (reference, optimizers[1], torch.cat(everyone))):
+        rows = per_rank if isinstance(per_rank, int) else per_rank[rank]
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, _inputs(seed, step, rows, 6).double())
+        total = sum(len(x) for x in everyone)
+        # the mean over the global batch: DDP averages the ranks' gradients, so each rank's sum weighs world / total
+        for model, optimizer, x, weight in ((ddp, optimizers[0], everyone[rank], world / total),
+                                            (reference, optimizers[1], torch.cat(everyone), 1 / total)):
             optimizer.zero_grad()
-            model(x).pow(2).mean().backward()
+            (model(x).pow(2).sum() * weight).backward()
             optimizer.step()
         pairs = list(zip(module.parameters(), reference.parameters())) + [
             (module[1].running_mean, reference[1].running_mean), (module[1].running_var, reference[1].running_var)]

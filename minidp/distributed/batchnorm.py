@@ -11,7 +11,9 @@ What moves: per layer and step, one all-reduce of a ``world_size x replicas x 2 
 which each process fills its own rows (the others are zeros), and one of the counts. The table's
 all-reduce is differentiable (:class:`_SumOverProcesses`): its backward is the all-reduce of the
 gradients, so the gradient of the loss of every rank reaches every rank's inputs through the shared
-statistics, as in torch's ``SyncBatchNorm`` backward. Every process must run the same number of replicas.
+statistics, as in torch's ``SyncBatchNorm`` backward. Every process must be given the same number of replicas
+(``device_ids``); a process whose batch has fewer rows than that runs fewer, and fills the rows of the others
+with a count of 0, which weighs nothing in the combination.
 
 ``torch.nn.SyncBatchNorm`` synchronises only GPU inputs; torch DDP refuses it on the CPU at
 construction (``_passing_sync_batchnorm_handle``), and so does minidp's wrapper, with torch's words.
@@ -47,19 +49,20 @@ class _SumOverProcesses(torch.autograd.Function):
 class ProcessExchange:
     """This process's replicas' statistics -> every process's, in rank order (a differentiable collective)."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, replicas: int) -> None:
+        self.group, self.replicas = group, replicas  # replicas: how many each process is given, the rows it fills
 
     def __call__(self, mine: list[_Statistics]) -> list[_Statistics]:
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        replicas = len(mine)
+        world, rank, replicas = dist.get_world_size(self.group), dist.get_rank(self.group), self.replicas
         device = mine[0].mean.device
         rows = torch.stack([torch.stack([s.mean.to(device), s.variance.to(device)]) for s in mine])
         blank = rows.new_zeros((replicas, *rows.shape[1:]))
+        # a process that runs fewer replicas this step (fewer rows than replicas) leaves its other rows blank, count 0
+        rows = torch.cat([rows, blank[len(mine):]])
         table = torch.cat([blank] * rank + [rows] + [blank] * (world - rank - 1))
         table = _SumOverProcesses.apply(table, self.group)
         counts = torch.zeros(world * replicas, dtype=torch.int64, device=device)
-        counts[rank * replicas:(rank + 1) * replicas] = torch.tensor([s.count for s in mine])
+        counts[rank * replicas:rank * replicas + len(mine)] = torch.tensor([s.count for s in mine])
         dist.all_reduce(counts, group=self.group)
         ready = None
         if table.is_cuda:  # the other replicas read these on their own streams
@@ -68,9 +71,10 @@ class ProcessExchange:
         return [_Statistics(int(count), row[0], row[1], ready) for count, row in zip(counts.tolist(), table)]
 
 
-def attach_exchange(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Give every :class:`minidp.SyncBatchNorm` in ``module`` the exchange over ``group`` (more than one process)."""
-    exchange = ProcessExchange(group) if dist.get_world_size(group) > 1 else None
+def attach_exchange(module: nn.Module, group: dist.ProcessGroup, replicas: int) -> None:
+    """Give every :class:`minidp.SyncBatchNorm` in ``module`` the exchange over ``group`` (more than one process),
+    for ``replicas`` replicas per process."""
+    exchange = ProcessExchange(group, replicas) if dist.get_world_size(group) > 1 else None
     for layer in module.modules():
         if isinstance(layer, SyncBatchNorm):
             layer.across_processes = exchange

@@ -270,7 +270,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         unpickling on one rank alone works."""
         params, names = reducer_parameters(self.module, self.parameters_to_ignore)
         check_torch_sync_batchnorm(self.module, params[0].device)
-        attach_exchange(self.module, self.process_group)  # minidp.SyncBatchNorm: statistics of every process
+        # minidp.SyncBatchNorm: statistics of every replica of every process
+        attach_exchange(self.module, self.process_group, 1 if self._replicas is None else len(self._replicas.device_ids))
         sparse = sparse_gradient_flags(self.module, params)
         if any(sparse) and self._replicas is not None and len(self._replicas.device_ids) > 1:
             raise ValueError(
