@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 import numbers
 from fractions import Fraction
+from itertools import chain
+from operator import attrgetter
 from typing import Optional, Sequence
 
 import torch
@@ -192,6 +194,17 @@ def _check_reduce_inputs(inputs: Sequence[Sequence[torch.Tensor]]) -> None:
                 raise ValueError(f"reduce: tensor {i} of replica {r} has dtype {t.dtype} but replica 0's has {ref.dtype}")
 
 
+_is_sparse = attrgetter("is_sparse")
+
+
+def _dense_where_layouts_differ(inputs: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """``inputs`` with the sparse tensors of every position that is not sparse in all replicas made dense: such a
+    position is summed dense, as stock's ``reduce_add_coalesced`` sums it. (A replica whose chunk took another path
+    past an ``nn.Embedding(sparse=True)`` hands autograd's dense zeros beside the others' sparse gradients.)"""
+    mixed = {i for i, position in enumerate(zip(*inputs)) if not all(map(_is_sparse, position))}
+    return [[t.to_dense() if i in mixed and t.is_sparse else t for i, t in enumerate(replica)] for replica in inputs]
+
+
 def reduce_backends(tensors: Sequence[torch.Tensor], backend: Optional[str] = None) -> list[str]:
     """The concrete backend (``"torch"`` or ``"ext"``) that will sum each position of ``tensors``.
 
@@ -242,6 +255,8 @@ def reduce_add_coalesced(
     _check_reduce_inputs(inputs)
     if not inputs[0]:
         return ()
+    if any(map(_is_sparse, chain.from_iterable(inputs))):
+        inputs = _dense_where_layouts_differ(inputs)
     destination = as_device(destination, "destination") if destination is not None else inputs[0][0].device
     positions: dict[str, list[int]] = {}
     for i, name in enumerate(reduce_backends(inputs[0], backend)):

@@ -151,3 +151,34 @@ def test_dataparallel_trains_a_complex_model_with_auto_once_the_extension_is_loa
     model.zero_grad()
     model(x).abs().sum().backward()
     assert (parallel - model.weight.grad).abs().max() <= 1e-10 * model.weight.grad.abs().max()
+
+
+class _EmbedsSomeChunks(torch.nn.Module):
+    """A sparse-gradient embedding that a chunk uses only where its first value is positive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(10, 4, sparse=True, dtype=torch.float64)
+        self.linear = torch.nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, indices, x):
+        return self.linear(self.embedding(indices).sum(1) if x[0, 0] > 0 else x)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("first_uses_it", [True, False], ids=["sparse-then-dense", "dense-then-sparse"])
+def test_a_sparse_gradient_beside_a_replicas_dense_zeros_is_summed_dense_as_stock_sums_it(extension, generator, backend, first_uses_it):
+    # A replica that did not use the embedding hands autograd's dense zeros for it; stock's reduce_add_coalesced makes
+    # the position dense (docs/stock-behaviour.md B31). minidp's torch backend added dense to sparse (RuntimeError),
+    # "auto" gave the extension a sparse tensor (ValueError).
+    from .stock_emulation import emulated_stock
+
+    indices, x = torch.randint(0, 10, (6, 5), generator=generator), torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    x[:, 0] = torch.tensor([1.0, 1, -1, -1, 1, 1]) * (1 if first_uses_it else -1) * x[:, 0].abs()
+    model = _EmbedsSomeChunks()
+    twin = copy.deepcopy(model)
+    minidp.DataParallel(model, cpu_ids(3), reduce_backend=backend)(indices, x).sum().backward()
+    with emulated_stock(3):
+        torch.nn.DataParallel(twin, [0, 1, 2])(indices, x).sum().backward()
+    for mine, stock in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(mine.grad.to_dense(), stock.grad.to_dense()) and mine.grad.layout == stock.grad.layout
