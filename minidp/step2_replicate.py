@@ -104,6 +104,8 @@ def _copy_buffers(buffers: list[torch.Tensor], devices: list[torch.device]) -> l
 
     Fresh at every call, never refilled in place: a graph recorded by an earlier step may have saved
     an earlier copy (a buffer multiplied with an input that requires grad), and must find it unchanged.
+    The copies are made outside autograd: a buffer that requires grad comes here only under ``detach``, whose copies
+    stock makes detached (``broadcast_coalesced``).
     """
     if not buffers:
         return [[] for _ in devices]
@@ -113,10 +115,11 @@ def _copy_buffers(buffers: list[torch.Tensor], devices: list[torch.device]) -> l
     # calls from Python and 872 us for a packed copy and its views (`python -m timeit -s "import torch; from
     # minidp.zoo import resnet50; b = list(resnet50(base=8).buffers())" "torch._foreach_clone(b)"`, the others
     # likewise). To another device, packed buffers make few large copies.
-    return [list(buffers)] + [
-        clone_all(buffers) if device == source else list(comm.copy_coalesced(buffers, device))
-        for device in devices[1:]
-    ]
+    with torch.no_grad():
+        return [list(buffers)] + [
+            clone_all(buffers) if device == source else list(comm.copy_coalesced(buffers, device))
+            for device in devices[1:]
+        ]
 
 
 @observed("replicate")

@@ -100,6 +100,17 @@ def test_detach_cuts_gradients():
         assert not replica(torch.randn(3, 4, dtype=torch.float64)).requires_grad
 
 
+def test_detach_copies_a_buffer_that_requires_grad_outside_autograd():
+    """B19: under ``detach`` every buffer is a plain copy (``broadcast_coalesced``): replica 0 holds the original,
+    the others copies that do not require grad, through which no backward reaches the original (they were clones
+    recorded by autograd, and a backward through them filled the original buffer's ``.grad``)."""
+    model = nn.Linear(4, 4)
+    model.register_buffer("scale", torch.ones(4).requires_grad_())
+    replicas = minidp.replicate(model, cpu_ids(3), detach=True)
+    assert replicas[0].scale is model.scale
+    assert all(not r.scale.requires_grad and r.scale.grad_fn is None for r in replicas[1:])
+
+
 def test_shared_parameters_stay_shared_in_replicas():
     """Tied weights (one Parameter under two names) are one tensor in each replica too."""
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
