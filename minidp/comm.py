@@ -368,18 +368,20 @@ def check_chunk_sizes(chunk_sizes: Sequence[int], batch_size: Optional[int], num
     chunk_sizes = list(chunk_sizes)
     if len(chunk_sizes) != num_devices:
         raise ValueError(f"chunk_sizes has {len(chunk_sizes)} entries but there are {num_devices} devices; give one size per device")
-    if any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in chunk_sizes):
+    if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s <= 0 for s in chunk_sizes):
         raise ValueError(f"chunk_sizes must be positive ints, got {chunk_sizes}; drop a device from the device list to give it nothing")
+    chunk_sizes = [int(s) for s in chunk_sizes]  # numpy's integers too, as torch.split takes them
     if batch_size is not None and sum(chunk_sizes) != batch_size:
         raise ValueError(f"chunk_sizes {chunk_sizes} add up to {sum(chunk_sizes)}, but the batch has {batch_size} rows")
     return chunk_sizes
 
 
 def check_dim(dim: int, argument: str = "dim") -> int:
-    """Raise unless ``dim`` is an int (a dimension index; negative counts from the end)."""
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    """``dim`` as an int, or an error unless it is an integer (numpy's too; a dimension index, negative counts from the
+    end)."""
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"{argument} must be an int (the batch dimension, e.g. 0), got {dim!r} of type {type(dim).__name__}")
-    return dim
+    return int(dim)
 
 
 def check_splittable(tensor: torch.Tensor, dim: int, name: str = "tensor") -> None:
@@ -457,6 +459,8 @@ def scatter(
             target.copy_(piece)
         return tuple(out)
     devices = as_devices(devices, "devices")
+    if not devices:
+        raise ValueError("scatter: devices is empty: give at least one device to send a chunk to")
     batch_size = tensor.shape[dim]
     if chunk_sizes is None:
         chunk_sizes = chunk_sizes_for(batch_size, len(devices))

@@ -4,7 +4,8 @@
 inputs[K-1][i]`` for every tensor position i in one pass over all tensors: each element is read
 once from each replica and written once, instead of the K-1 separate read-read-write passes of
 the plain torch loop. It adds in replica order with the same accumulation types as that loop
-(float16/bfloat16 in float32, rounded once at the end), so the results are bitwise equal.
+(float16/bfloat16 in float32, rounded once at the end), so the results are bitwise equal, but for the sign and
+payload of a NaN (which operand's NaN an addition keeps is the kernel's choice: torch's add keeps the other's).
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` and cached on
 disk by torch. ``MINIDP_EXT`` controls it:

@@ -202,7 +202,7 @@ def verify(
             ``(MyNorm,)``: differences from the full batch are put down to them (module docstring).
     """
     check_is_module(module, "module")
-    check_dim(dim, "dim")
+    dim = check_dim(dim, "dim")
     devices = as_devices(device_ids if device_ids is not None else default_device_ids(replicas=2), "device_ids")
     if not devices:
         raise ValueError("device_ids is empty: give at least one device, e.g. ['cpu'] * 2")

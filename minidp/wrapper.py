@@ -151,7 +151,7 @@ class DataParallel(nn.Module):
     ) -> None:
         super().__init__()
         check_is_module(module, "module")
-        comm.check_dim(dim, "dim")
+        dim = comm.check_dim(dim, "dim")
         if not isinstance(gather_output, bool):  # "False" would read as true
             raise TypeError(f"gather_output must be True or False, got {gather_output!r}")
         if not isinstance(cache_replicas, (bool, ReplicaCache)):
@@ -252,7 +252,7 @@ def data_parallel(
     ``chunk_weights``: split the batch in proportion to them, as in :class:`DataParallel`.
     """
     check_is_module(module, "module")
-    comm.check_dim(dim, "dim")
+    dim = comm.check_dim(dim, "dim")
     if module_kwargs is not None and not isinstance(module_kwargs, dict):
         raise TypeError(f"module_kwargs must be a dict of keyword arguments or None, got a {type(module_kwargs).__name__}")
     if replica_cache is not None and not isinstance(replica_cache, ReplicaCache):

@@ -309,3 +309,21 @@ def test_scatter_leaves_no_reference_cycles(generator):
     inputs = (x, [x, {"a": x}], Pair(x, x), Batch(x, x))
     assert garbage_left_by(lambda: minidp.scatter(inputs, cpu_ids(3))) == 0
     assert garbage_left_by(lambda: minidp.scatter_kwargs((x,), {"k": [x]}, cpu_ids(2))) == 0
+
+
+def test_numpy_integers_are_taken_for_dim_and_chunk_sizes(generator):
+    # torch.split and torch.cat take numpy's integers (they have __index__), and stock passes dim to them.
+    np = pytest.importorskip("numpy")
+    x = torch.randn(6, 4, generator=generator)
+    pieces = minidp.comm.scatter(x, cpu_ids(2), chunk_sizes=[np.int64(4), np.int64(2)], dim=np.int64(0))
+    assert [p.shape[0] for p in pieces] == [4, 2]
+    assert torch.equal(minidp.comm.gather(pieces, dim=np.int64(0)), x)
+    assert torch.equal(minidp.DataParallel(nn.Identity(), cpu_ids(2), dim=np.int64(0))(x), x)
+
+
+def test_comm_scatter_to_no_device_is_refused_by_name(generator):
+    # stock's torch.chunk(0) refuses it; the rows were divided by the device count (ZeroDivisionError), and an empty
+    # batch gave no chunk at all.
+    for rows in (6, 0):
+        with pytest.raises(ValueError, match="devices is empty"):
+            minidp.comm.scatter(torch.randn(rows, 4, generator=generator), [])
