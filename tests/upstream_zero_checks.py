@@ -153,7 +153,9 @@ class SingleRank:
     @staticmethod
     def test_zero_grad() -> None:
         """``zero_grad`` sets every parameter's gradient to None."""
-        x = torch.rand(1)
+        # Upstream draws x = torch.rand(1) under its one fixed seed; under the suite's fresh seeds x may come out below
+        # 0.003, whose gradient x * x then reads as zero within assert_not_close's tolerance: x is kept from zero here.
+        x = torch.rand(1) + 0.5
         m = nn.Linear(1, 1)
         o = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=SGD, lr=0.01)
         m(x).backward(x)
