@@ -345,6 +345,58 @@ def output_changed_in_place_as_stock(seed: int, steps: int = 3, sink_clone: bool
     return _steps_until_an_error(pair, seed, steps, step_of)
 
 
+class _Heads(dict):
+    """A dict subclass of the user's whose constructor takes the heads by name, and carries an attribute."""
+
+    def __init__(self, main: torch.Tensor, auxiliary: torch.Tensor) -> None:
+        super().__init__(main=main, auxiliary=auxiliary)
+
+
+class _Pair(tuple):
+    """A tuple subclass with a constructor of its own."""
+
+    def __new__(cls, main: torch.Tensor, auxiliary: torch.Tensor) -> "_Pair":
+        return super().__new__(cls, (main, auxiliary))
+
+
+class _ReturnsAContainer(nn.Module):
+    def __init__(self, container: str) -> None:
+        super().__init__()
+        self.trunk, self.main, self.auxiliary, self.container = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 2), container
+
+    def forward(self, x: torch.Tensor) -> Any:
+        hidden = torch.tanh(self.trunk(x))
+        if self.container == "pair":
+            return _Pair(self.main(hidden), self.auxiliary(hidden))
+        heads = _Heads(self.main(hidden), self.auxiliary(hidden))
+        heads.rows = x.shape[0]
+        return heads
+
+
+def output_container_as_stock(seed: int, container: str, steps: int = 2, **options: Any) -> dict:
+    """A forward returning a container type of the user's where stock passes the outputs through ``_DDPSink``
+    (``find_unused_parameters``; a static graph's first iteration): stock flattens them with torch's pytree, which
+    leaves a type it does not know as it is; per step the output's type name and ``rows`` attribute in each wrapper,
+    and the differences of :func:`_steps_until_an_error`."""
+    pair = _pair(lambda: _ReturnsAContainer(container), seed, **options)
+    seen: dict[str, list] = {"stock": [], "minidp": []}
+
+    def step_of(ddp: nn.Module, step: int) -> None:
+        output = ddp(_inputs(seed, step, 5, 6))
+        seen["stock" if ddp is pair[0] else "minidp"].append((type(output).__name__, getattr(output, "rows", None)))
+        main, auxiliary = output if container == "pair" else (output["main"], output["auxiliary"])
+        (main.pow(2).mean() + auxiliary.mean()).backward()
+
+    result = _steps_until_an_error(pair, seed, steps, step_of)
+    agree = {}  # whether each wrapper's ranks hold the same parameters: their gradients were averaged
+    for name, module in (("stock", pair[2]), ("minidp", pair[3])):
+        flat = torch.cat([p.detach().flatten() for p in module.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, flat)
+        agree[name] = all(torch.equal(flat, other) for other in everyone)
+    return {**result, "seen": seen, "ranks_agree": agree}
+
+
 class _MainAndAuxiliary(nn.Module):
     """Two heads on one trunk, returned in a dict: an auxiliary loss may use the second, or not."""
 

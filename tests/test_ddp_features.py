@@ -73,6 +73,9 @@ TWO_PROCESSES = {
     "output_in_place_static": (checks.output_changed_in_place_as_stock, {"static_graph": True}),
     "output_in_place_not_cloned": (checks.output_changed_in_place_as_stock, {
         "find_unused_parameters": True, "sink_clone": False}),
+    **{f"output_container_{container}_{name}": (checks.output_container_as_stock, {"container": container, **options})
+       for container in ("heads", "pair")
+       for name, options in (("find_unused", {"find_unused_parameters": True}), ("static", {"static_graph": True}))},
     "post_accumulate_hooks_bucket_view": (checks.post_accumulate_grad_hooks_as_stock, {"gradient_as_bucket_view": True}),
     "comm_hook_errors": (checks.comm_hook_errors, {}),
     "builtin_allreduce": (checks.builtin_hook_as_stock, {"hook_type": "ALLREDUCE"}),
@@ -249,6 +252,22 @@ def test_without_the_sink_clone_an_output_changed_in_place_raises_as_in_stock(tw
     for result in each_rank(two, "output_in_place_not_cloned"):
         assert result["differences"] == [] and result["step"] == 0
         assert [kind for kind, _ in result["errors"].values()] == ["RuntimeError"] * 2
+
+
+@pytest.mark.parametrize("container", ["heads", "pair"])
+@pytest.mark.parametrize("when", ["find_unused", "static"])
+def test_an_output_container_of_the_users_comes_back_as_it_is_where_stock_clones_the_outputs(two, container, when):
+    # distributed.py, _post_forward: _DDPSink's tensors come from torch's pytree, which takes a container type it does
+    # not know (a dict subclass with a constructor of its own and an attribute, a tuple subclass) as one leaf. minidp
+    # rebuilt it with type(container)(items): the forward raised TypeError, or the attribute was lost.
+    # In a static graph stock then has no tensor to pass through _DDPSink, whose backward queues the first iteration's
+    # delayed all-reduce: its gradients stay each rank's own, at every step, and its ranks drift apart; minidp's are
+    # averaged there as in any static graph.
+    for result in each_rank(two, f"output_container_{container}_{when}"):
+        assert result["errors"] == {} and (when == "static" or result["differences"] == [None, None])
+        assert result["ranks_agree"] == {"stock": when != "static", "minidp": True}
+        expected = ("_Pair", None) if container == "pair" else ("_Heads", 5)
+        assert result["seen"]["minidp"] == result["seen"]["stock"] == [expected] * 2
 
 
 def test_the_wrappers_description_of_its_module_is_stocks(two):

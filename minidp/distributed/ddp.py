@@ -34,9 +34,9 @@ from torch.distributed.optim import apply_optimizer_in_backward
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
+from torch.utils._pytree import tree_map_only
 
 from ..hooks import profiled
-from ..nested import map_tensors
 from ..torch_versions import DDP_DEPRECATES_BROADCAST_BUFFERS
 from ..wrapper import DataParallel
 from .batchnorm import attach_exchange, check_torch_sync_batchnorm
@@ -404,10 +404,11 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         # torch passes the outputs through its _DDPSink where it searches for unused parameters, or counts a static
         # graph's first backward, and that function returns clones: an output then changed in place (`out.mul_(2)`
         # after a tanh, which saved its output) is the clone, and the backward works. Clones are not seen otherwise
-        # (the gradient of a clone is its output's), so minidp clones where torch does.
+        # (the gradient of a clone is its output's), so minidp clones where torch does, and finds them as torch does,
+        # with torch's pytree: a container type it does not know (a dict subclass of the user's) is left as it is.
         static_first = self.static_graph and self.reducer._counting()
         if self._ddp_sink_clone and ((self.find_unused_parameters and not self.static_graph) or static_first):
-            output = map_tensors(lambda t: t.clone() if t.grad_fn is not None else t, output)
+            output = tree_map_only(torch.Tensor, lambda t: t.clone() if t.grad_fn is not None else t, output)
         return output
 
     def _named_buffers_to_sync(self) -> dict[str, torch.Tensor]:
