@@ -398,15 +398,16 @@ def output_container_as_stock(seed: int, container: str, steps: int = 2, **optio
 
 
 class _MainAndAuxiliary(nn.Module):
-    """Two heads on one trunk, returned in a dict: an auxiliary loss may use the second, or not."""
+    """Two heads on one trunk, returned in a dict: an auxiliary loss may use the second, or not (or the forward may
+    not run it: ``auxiliary=False``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.trunk, self.main, self.auxiliary = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 2)
 
-    def forward(self, x: torch.Tensor) -> dict:
+    def forward(self, x: torch.Tensor, auxiliary: bool = True) -> dict:
         hidden = torch.tanh(self.trunk(x))
-        return {"main": self.main(hidden), "auxiliary": self.auxiliary(hidden)}
+        return {"main": self.main(hidden), **({"auxiliary": self.auxiliary(hidden)} if auxiliary else {})}
 
 
 def static_graph_auxiliary_output_as_stock(seed: int, auxiliary_from: Optional[int], steps: int = 4) -> dict:
@@ -696,11 +697,23 @@ def _with_batch_norm() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
 
 
+class _WithAnIdleLayer(nn.Module):
+    """A layer that no rank's forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.idle, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.a(x)))
+
+
 def logging_data_as_stock(seed: int, steps: int, sample_rate: Optional[int] = None, hook: Optional[str] = None,
-                          under_join: bool = False, **options: Any) -> dict:
+                          under_join: bool = False, idle_layer: bool = False, **options: Any) -> dict:
     """``_get_ddp_logging_data()`` of both after ``steps`` training steps (``sample_rate``: set first;
-    ``hook``: "python" or "builtin"; ``under_join``: inside ``ddp.join()``), per wrapper."""
-    theirs, ours, _, _ = _pair(_with_batch_norm, seed, **options)
+    ``hook``: "python" or "builtin"; ``under_join``: inside ``ddp.join()``; ``idle_layer``: a model with a layer
+    that no forward runs), per wrapper."""
+    theirs, ours, _, _ = _pair(_WithAnIdleLayer if idle_layer else _with_batch_norm, seed, **options)
     data = {}
     for name, ddp in (("stock", theirs), ("minidp", ours)):
         if sample_rate is not None:
@@ -714,6 +727,24 @@ def logging_data_as_stock(seed: int, steps: int, sample_rate: Optional[int] = No
                 ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
         data[name] = ddp._get_ddp_logging_data()
     return data
+
+
+def graph_not_static_logged_as_stock(seed: int, steps: int = 3) -> dict:
+    """Two pairs of wrappers in turn, each trained ``steps`` steps with ``find_unused_parameters`` and a forward that
+    runs the auxiliary head at even steps only (the unused parameters change at every step): per pair and wrapper, the
+    logged ``can_set_static_graph`` and ``iteration`` (``None``: not logged)."""
+    logged: list[dict] = []
+    for _ in range(2):
+        pair = _pair(_MainAndAuxiliary, seed, find_unused_parameters=True)
+        entries = {}
+        for name, ddp in (("stock", pair[0]), ("minidp", pair[1])):
+            for step in range(steps):
+                output = ddp(_inputs(seed, step, 5, 6), auxiliary=step % 2 == 0)
+                sum(head.pow(2).mean() for head in output.values()).backward()
+            data = ddp._get_ddp_logging_data()
+            entries[name] = (data.get("can_set_static_graph"), data.get("iteration"))
+        logged.append(entries)
+    return {"logged": logged}
 
 
 def sample_rate_errors(seed: int) -> dict:

@@ -101,6 +101,9 @@ TWO_PROCESSES = {
         "steps": 14, "sample_rate": 2, "find_unused_parameters": True, "gradient_as_bucket_view": True}),
     "logging_static_hook": (checks.logging_data_as_stock, {"steps": 3, "static_graph": True, "hook": "python"}),
     "logging_builtin_join": (checks.logging_data_as_stock, {"steps": 2, "hook": "builtin", "under_join": True}),
+    # a static graph's first backward, reduced in torch's delay_all_reduce, then the next one
+    **{f"logging_static_idle_{steps}": (checks.logging_data_as_stock, {"steps": steps, "static_graph": True, "idle_layer": True})
+       for steps in (1, 2)},
     "logging_sample_rate_errors": (checks.sample_rate_errors, {}),
     "sparse": (checks.sparse_gradients_as_stock, {}),
     "sparse_small_buckets": (checks.sparse_gradients_as_stock, {"bucket_cap_mb": 0.0001}),
@@ -157,6 +160,9 @@ if "bucket_cap_mb_list" in TORCH_DDP_ARGUMENTS:
         "bucket_cap_mb_list": [2, 1], "find_unused_parameters": True})
 
 
+# torch logs a graph seen not static once per process (logger.cpp): a job of its own, where no other check came first
+ONE_PROCESS = {"graph_not_static": (checks.graph_not_static_logged_as_stock, {})}
+one = job_fixture("one", _run_checks, 1, ONE_PROCESS, JOB_TIMEOUT)
 two = job_fixture("two", _run_checks, 2, TWO_PROCESSES, JOB_TIMEOUT)
 three = job_fixture("three", _run_checks, 3, THREE_PROCESSES, JOB_TIMEOUT)
 
@@ -397,7 +403,7 @@ def test_throw_on_early_termination_raises_stocks_errors_on_every_rank(two):
 # ---- runtime statistics: _get_ddp_logging_data (distributed.py:2552), _set_ddp_runtime_logging_sample_rate ----
 
 LOGGING_CASES = ["logging_constructed", "logging_rebuilt", "logging_sampled", "logging_static_hook",
-                 "logging_builtin_join"]
+                 "logging_builtin_join", "logging_static_idle_1", "logging_static_idle_2"]
 
 
 def _is_timing(key: str) -> bool:
@@ -451,6 +457,16 @@ def test_sync_batchnorm_across_every_replica_of_every_process_is_batchnorm_on_th
     for results in (two, three):
         for worst in each_rank(results, check):
             assert worst <= RTOL_FLOAT64
+
+
+def test_unused_parameters_that_change_are_logged_as_a_graph_not_static_once_per_process_as_stock(one):
+    # reducer.cpp, search_unused_parameters: from the second iteration on, an unused set other than the last one's
+    # calls Logger::log_if_graph_static(false), which logs can_set_static_graph = 0 and the iteration under a
+    # process-wide once flag: the first wrapper logs it at its second step; the next wrappers of the process do not.
+    for result in each_rank(one, "graph_not_static"):
+        first, second = result["logged"]
+        assert first["minidp"] == first["stock"] and first["stock"][0] == 0
+        assert second["minidp"] == second["stock"] and second["stock"][0] is None
 
 
 def test_a_process_with_fewer_rows_than_replicas_still_normalises_by_the_global_batch(two):

@@ -287,6 +287,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                                bucket_dtype=None if mixed is None else mixed.param_dtype)
         self._logging = LoggingData()
         self.reducer.log_error = self._logging.set_reducer_error
+        self.reducer.log_graph_not_static = self._logging.log_graph_not_static
         self._logging.set_construction_data(
             self.module, params, self.process_group, device_ids=self.device_ids, output_device=self.output_device,
             broadcast_buffers=self.broadcast_buffers, bucket_cap_bytes=self._bucket_caps.cap,

@@ -65,6 +65,10 @@ def epoch_ns(perf_counter_time: float) -> int:
 _ANCHOR_WALL_NS, _ANCHOR_PERF = time.time_ns(), time.perf_counter()
 
 
+# Whether a wrapper of this process has logged its graph as not static (logger.cpp: a `c10::once_flag` for the process)
+_graph_static_logged = False
+
+
 def _joined(values: Sequence[Any], separator: str = ", ") -> str:
     return separator.join(str(v) for v in values)
 
@@ -108,6 +112,15 @@ class LoggingData:
             threads = getattr(getattr(group._get_backend(torch.device("cpu")), "options", None), "_threads", None)
             if threads is not None:
                 self.entries["gloo_num_threads"] = threads
+
+    def log_graph_not_static(self, iteration: int) -> None:
+        """The unused parameters changed between iterations (``Logger::log_if_graph_static(false)``): the graph could
+        not have been declared static. torch logs it once per process, for the first wrapper to see it."""
+        global _graph_static_logged
+        if not _graph_static_logged:
+            _graph_static_logged = True
+            self.entries["can_set_static_graph"] = 0
+            self.entries["iteration"] = iteration
 
     def set_error(self, error: Exception) -> None:
         """The wrapper refused a call with ``error`` (torch's ``_log_and_throw``: its type, then its message)."""

@@ -177,6 +177,7 @@ class Reducer:
             self.set_static_graph()
 
         self.log_error: Callable[[Exception], None] = lambda error: None  # the wrapper's logging data records them
+        self.log_graph_not_static: Callable[[int], None] = lambda iteration: None  # and the graph seen not static
         self._graph_static = True  # the same unused parameters found at every search so far
         self._last_search: Optional[list[int]] = None
         self._post_backward_futures: list[torch.futures.Future] = []  # a buffer hook's, waited for at the end
@@ -314,8 +315,9 @@ class Reducer:
         elif self.find_unused_parameters:
             with torch.autograd.profiler.record_function("torch.distributed.ddp.reducer::search_unused_parameters"):
                 self._unused = self._unreached(outputs)
-            if self._last_search is not None and self._unused != self._last_search:
+            if self._graph_static and self._last_search is not None and self._unused != self._last_search:
                 self._graph_static = False
+                self.log_graph_not_static(self.iteration)
             self._last_search = self._unused
             self._unused_set = set(self._unused)
 
@@ -604,8 +606,14 @@ class Reducer:
             self._stamps["backward_comm_end"] = self._events[-1]["end"]
             self.last_stamps = self._stamps
             # Kept as they are; the statistics are computed from them only when sampled (runtime_facts).
-            reduced = sum(bucket.future is not None for bucket in self.buckets)  # skip_all_reduce_unused_params
-            self._last_backward = (reduced, list(self._unused), list(self._grad_ready_order))
+            if counting:
+                # torch reduces a static graph's first backward in delay_all_reduce: every bucket outside its count of
+                # buckets reduced, the parameters no hook of this rank reached as the unused, no arrival order noted
+                unused = [i for i, count in enumerate(self._static_counts) if count == 0]
+                self._last_backward = (0, unused, [])
+            else:
+                reduced = sum(bucket.future is not None for bucket in self.buckets)  # skip_all_reduce_unused_params
+                self._last_backward = (reduced, list(self._unused), list(self._grad_ready_order))
 
     def runtime_facts(self) -> dict[str, Any]:
         """The last finished backward's facts for the runtime statistics (:mod:`.logging_data`)."""
@@ -614,7 +622,8 @@ class Reducer:
             buckets, unused, ready_order = self._last_backward
             facts["num_buckets_reduced"] = buckets
             facts["unused_parameter_size"] = sum(self.params[i].numel() * self.params[i].element_size() for i in unused)
-            facts["prev_iteration_grad_ready_order_indices"] = ", ".join(map(str, ready_order))
+            if ready_order:  # else torch leaves the last one logged
+                facts["prev_iteration_grad_ready_order_indices"] = ", ".join(map(str, ready_order))
         if self.has_rebuilt_buckets:
             facts["rebuilt_bucket_sizes"] = ", ".join(str(b.buffer.numel() * b.buffer.element_size()) for b in self.buckets)
             facts["rebuilt_per_bucket_param_indices"] = ", ".join(" ".join(map(str, b.indices)) for b in self.buckets)
