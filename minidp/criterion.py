@@ -18,7 +18,8 @@ not the number of rows. So every replica returns its chunk's ``reduction="sum"``
 its ``reduction="none"`` losses) and its chunk's share of the denominator; the loss is
 ``sum of numerators / sum of denominators``, which is the full batch's ratio, summed in a
 different order (a float16 or bfloat16 loss's terms in float32, the mean returned in its dtype, as
-``torch``'s mean accumulates it: its sum may pass float16's range where the mean does not). The denominators, as ``torch`` defines them:
+``torch``'s mean accumulates it: its sum may pass float16's range where the mean does not). The
+denominators, as ``torch`` defines them:
 
 * ``nn.CrossEntropyLoss``, ``nn.NLLLoss`` with class-index targets: the total ``weight[t]`` of the
   targets ``t != ignore_index`` (without ``weight``: their count). For cross-entropy this holds
@@ -278,6 +279,7 @@ def _summed_in(dtype: torch.dtype) -> torch.dtype:
 
 
 def _mean_terms(numerator: torch.Tensor, denominator: Any, loss_dtypes: list[torch.dtype], loss_dtype: torch.dtype) -> torch.Tensor:
+    """A replica's ``[numerator, denominator]``, in the numerator's dtype; its loss's dtype noted in ``loss_dtypes``."""
     loss_dtypes.append(loss_dtype)
     dtype = numerator.dtype
     return torch.stack([numerator, torch.as_tensor(denominator, dtype=dtype, device=numerator.device)])

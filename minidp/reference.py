@@ -1,7 +1,7 @@
-"""The single-device reference: what data parallelism must compute, written without any parallelism.
+"""The single-device reference: what data parallelism must compute, written without data parallelism's machinery.
 
 :func:`chunked_reference` runs a module the way ``DataParallel`` runs it on K replicas, but on one
-device and one chunk after the other:
+device and one chunk after the other (side by side only where layers must meet, below):
 
 1. the batch is cut by :func:`minidp.scatter_kwargs`, so the chunks are exactly the replicas' chunks
    (``torch.chunk``'s sizes, or ``chunk_sizes``), here all on the module's own device (views);
