@@ -263,10 +263,34 @@ def test_trainers_num_items_in_batch_gives_each_replica_one_row_as_stock_does(ge
     assert all(torch.equal(a, b) for a, b in zip(grads, stock_grads))
 
 
-@pytest.mark.parametrize("rows,replicas", [((6, 2), 4), ((6, 1), 2), ((5, 4), 4)])
+@pytest.mark.parametrize("rows,replicas", [(1, 2), (5, 4), (4, 3)])
+def test_one_row_per_device_beside_a_short_last_batch_gives_the_replicas_that_run_their_rows_as_stock(rows, replicas, generator):
+    """Trainer's last batch may cut into fewer chunks than there are devices (1 row on 2; torch.chunk cuts 5 rows on 4,
+    and 4 on 3, into 3 and 2), beside ``num_items_in_batch``'s one row per device. Stock's zip (B14) runs the replicas
+    the batch fills, each with its row; minidp does the same (it raised, and Trainer stopped at its last step)."""
+    torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
+    model = CausalLMWithLossKeywords()
+    ids = torch.randint(13, (rows, 7), generator=generator)
+    num_items = torch.arange(1.0, replicas + 1, dtype=torch.float64)[:, None]
+    results = []
+    for wrapper, emulation, ids_ in ((minidp.DataParallel, contextlib.nullcontext(), cpu_ids(replicas)),
+                                     (nn.DataParallel, emulated_stock(replicas), list(range(replicas)))):
+        model.zero_grad()
+        model.received.clear()
+        with emulation:
+            out = wrapper(model, ids_)(input_ids=ids, labels=ids, num_items_in_batch=num_items)
+            out["loss"].mean().backward()
+        results.append((out["loss"].detach(), [p.grad.clone() for p in model.parameters()], sorted(model.received)))
+    (ours, grads, received), (stock, stock_grads, stock_received) = results
+    assert received == stock_received and len(received) == len(ids.chunk(replicas)) < replicas
+    assert torch.equal(ours, stock) and all(torch.equal(a, b) for a, b in zip(grads, stock_grads))
+
+
+@pytest.mark.parametrize("rows,replicas", [((6, 2), 4), ((6, 1), 2), ((9, 2), 3)])
 def test_tensors_that_cut_into_different_numbers_of_chunks_are_an_error_naming_both(rows, replicas, generator):
     """B14: stock zips the chunks to the smallest number and silently drops the rest: the tensor with
-    more chunks loses rows (checked here against stock). minidp names both tensors, their sizes and chunk counts."""
+    more chunks loses rows (checked here against stock). minidp names both tensors, their sizes and chunk counts,
+    unless those that cut into more have one row per device (the test above)."""
     tensors = tuple(torch.randn(n, 2, generator=generator) for n in rows)
     with emulated_stock():
         stock = nn.parallel.scatter(tensors, list(range(replicas)))
