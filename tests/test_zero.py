@@ -39,6 +39,7 @@ TWO_PROCESSES = {
     "bucket_view_sgd": (checks.against_torch, {"optimizer": "sgd", "parameters_as_bucket_view": True}),
     "bucket_view_adamw": (checks.against_torch, {"optimizer": "adamw", "parameters_as_bucket_view": True, "wrapper": "torch"}),
     "add_param_group": (checks.add_param_group, {}),
+    "add_param_group_after_lr_change": (checks.add_param_group, {"optimizer": "sgd", "lr_changed_first": True}),
     "closure": (checks.closure, {}),
     "checkpoint": (checks.checkpoint, {"to": 1}),
     "state_memory": (checks.state_memory, {}),
@@ -123,6 +124,12 @@ def test_add_param_group_deals_out_the_new_group_as_torch_does(two, three):
         assert_same_as_torch(results, "add_param_group")
         for result in each_rank(results, "add_param_group"):
             assert result["partitions"][0] == result["partitions"][1]
+
+
+def test_add_param_group_keeps_the_settings_changed_since_the_last_step_as_torch_does(two):
+    # ZRO add_param_group leaves the existing groups' settings alone; they reach the local optimizer at the next step.
+    # minidp copied the local optimizer's settings of the last step back over them: a scheduler's cut lr was undone.
+    assert_same_as_torch(two, "add_param_group_after_lr_change")
 
 
 def test_step_with_a_closure_returns_its_loss_and_equals_torch(two):

@@ -160,8 +160,9 @@ def closure(seed: int, steps: int = 3) -> dict:
     return {"differences": differences, "losses": losses}
 
 
-def add_param_group(seed: int, optimizer: str = "adamw", steps: int = 4) -> dict:
-    """Both ZeROs start with the weights only; after two steps the biases are added as a group of their own."""
+def add_param_group(seed: int, optimizer: str = "adamw", steps: int = 4, lr_changed_first: bool = False) -> dict:
+    """Both ZeROs start with the weights only; after two steps the biases are added as a group of their own
+    (``lr_changed_first``: after the first group's lr was cut tenfold, as a scheduler cuts it between steps)."""
     optimizer_class, defaults = OPTIMIZERS[optimizer]
     ours, theirs, ours_ddp, theirs_ddp = _pair(seed, torch.float64, "minidp")
     zeros = [md.ZeroRedundancyOptimizer(_groups(ours, defaults["lr"], only_weights=True), optimizer_class, **defaults),
@@ -170,6 +171,8 @@ def add_param_group(seed: int, optimizer: str = "adamw", steps: int = 4) -> dict
     for step in range(steps):
         if step == 2:
             for zero, module in zip(zeros, (ours, theirs)):
+                if lr_changed_first:
+                    zero.param_groups[0]["lr"] /= 10
                 zero.add_param_group(_groups(module, defaults["lr"])[1])
             partitions = [_index_partition(ours, zeros[0].shares), _torch_partition(theirs, zeros[1])]
         _train_step([(ours_ddp, zeros[0]), (theirs_ddp, zeros[1])], seed, step, torch.float64)

@@ -211,7 +211,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise
         self.shares = partition([g["params"] for g in self.param_groups], self.world_size)
         self.optim.add_param_group(self._local_groups()[-1])
-        _copy_settings(self.optim.param_groups, self.param_groups)
+        # the new group's settings the local optimizer's defaults filled in, shown here; the other groups keep theirs,
+        # which a scheduler may have changed since the last step (the local optimizer takes them at the next)
+        _copy_settings(self.optim.param_groups[-1:], self.param_groups[-1:])
         self._build_buckets()
 
     def _local_groups(self) -> list[dict[str, Any]]:
