@@ -157,6 +157,27 @@ def test_the_replicas_of_a_data_parallel_inside_a_replica_have_their_backward_sp
     assert all(last_forward_end <= e.start <= e.end <= step.duration for e in backwards)
 
 
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel-backward", "serial-backward"])
+def test_each_backward_of_a_kept_graph_is_a_backward_event_of_its_own(generator, parallel):
+    """Two backwards of one graph (the first with ``retain_graph``) in one trace: as there are two reduce events per
+    replica, there are two backward events, neither covering what ran between them (one event, first start to last
+    end, counted the pause as backward)."""
+    wrapper = minidp.DataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), cpu_ids(2))
+    previous = minidp.set_parallel_backward(parallel)
+    try:
+        with minidp.trace() as step:
+            loss = wrapper(torch.randn(8, 4, generator=generator)).sum()
+            loss.backward(retain_graph=True)
+            loss.backward()
+    finally:
+        minidp.set_parallel_backward(previous)
+    for replica in (0, 1):
+        backwards = [e for e in step.events if e.stage == "backward" and e.replica == replica]
+        reduces = [e for e in step.events if e.stage == "reduce" and e.replica == replica]
+        assert len(backwards) == len(reduces) == 2
+        assert backwards[0].end <= reduces[0].end <= backwards[1].start  # the first backward's reduction ends it
+
+
 def test_traces_do_not_nest():
     with minidp.trace():
         with pytest.raises(RuntimeError, match="already active"):

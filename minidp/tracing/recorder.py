@@ -49,7 +49,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
 import torch
 
@@ -105,7 +105,8 @@ class _Mark:
     cuda: Optional["torch.cuda.Event"]
     device: torch.device
     thread: threading.Thread
-    gradients: int = 1  # how many gradients the mark stands for
+    gradients: int  # how many gradients the mark stands for
+    backward: Hashable  # which backward pass: autograd's graph task, or the replica's backward call
 
 
 @dataclass
@@ -223,11 +224,12 @@ class Trace:
 
     def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         backward = self._backward_of.get(id(module))
+        this_call = object()  # one backward pass of the replica: a span of its own
         if backward is not None:  # a replica this trace saw made
-            backward.start.append(self._mark(device))
+            backward.start.append(self._mark(device, 1, this_call))
         gradients = call() if self._allocations is None else self._allocations.run_replica_backward(call)
         if backward is not None:
-            backward.end.append(self._mark(device, sum(g is not None for g in gradients)))
+            backward.end.append(self._mark(device, sum(g is not None for g in gradients), this_call))
         return gradients
 
     def watch_replicas(self, replicas: Sequence[Any], parameters: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -324,10 +326,13 @@ class Trace:
 
     # -- backward, seen through autograd hooks -------------------------------------------------------
 
-    def _mark(self, device: torch.device, gradients: int = 1) -> _Mark:
-        """Now, in this thread (and on ``device``'s stream, for a GPU): the least it can, names made in __exit__."""
+    def _mark(self, device: torch.device, gradients: int = 1, backward: Optional[Hashable] = None) -> _Mark:
+        """Now, in this thread (and on ``device``'s stream, for a GPU): the least it can, names made in __exit__.
+        ``backward``: the pass it belongs to; by default the graph task of the autograd hook that marks it."""
         cuda = self._cuda_event(device) if device.type == "cuda" else None
-        return _Mark(time.perf_counter() - self._origin, cuda, device, threading.current_thread(), gradients)
+        if backward is None:
+            backward = torch._C._current_graph_task_id()
+        return _Mark(time.perf_counter() - self._origin, cuda, device, threading.current_thread(), gradients, backward)
 
     # The hooks below reach the trace through a weak reference. A strong one would close a loop that Python's
     # garbage collector cannot see, and so never breaks: the trace holds the step's tensors until its events are
@@ -361,14 +366,18 @@ class Trace:
             return self._cuda_time(mark.cuda) if mark.cuda is not None else mark.host
 
         for backward in self._backwards:
-            if not backward.start or not backward.end:
-                continue  # no backward ran (inference), or it ran after the trace ended
-            first = min(backward.start, key=when)
-            start, end = when(first), max(when(m) for m in backward.end)
-            self._events.append(
-                Event("backward", backward.replica, str(first.device), start, max(end - start, 0.0), 0,
-                      first.thread.name, f"{sum(m.gradients for m in backward.end)} gradients at its end")
-            )
+            # One event per backward pass (a graph kept with retain_graph may be back-propagated twice in one trace)
+            for key in dict.fromkeys(m.backward for m in backward.start):
+                starts = [m for m in backward.start if m.backward == key]
+                ends = [m for m in backward.end if m.backward == key]
+                if not ends:
+                    continue  # the pass ended after the trace did
+                first = min(starts, key=when)
+                start, end = when(first), max(when(m) for m in ends)
+                self._events.append(
+                    Event("backward", backward.replica, str(first.device), start, max(end - start, 0.0), 0,
+                          first.thread.name, f"{sum(m.gradients for m in ends)} gradients at its end")
+                )
 
     # -- views (minidp/tracing/views.py) --------------------------------------------------------------
 
