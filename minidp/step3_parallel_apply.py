@@ -177,13 +177,13 @@ def _replica_stream(device: torch.device, occurrence: int) -> Optional["torch.cu
     return _side_streams[key]
 
 
-def _module_device(module: nn.Module, inputs: Any) -> torch.device:
-    """Where a module runs when ``devices`` is not given: where its tensors are, else its inputs.
+def _module_device(module: Callable, inputs: Any) -> torch.device:
+    """Where a module runs when ``devices`` is not given: where its tensors are, else its inputs (a plain function's).
 
     A replica's parameters are plain attributes (``parameters()`` is empty), so the attributes of
     its sub-modules are searched too.
     """
-    for submodule in module.modules():
+    for submodule in module.modules() if isinstance(module, nn.Module) else ():
         for tensor in chain(submodule._parameters.values(), submodule._buffers.values(), submodule.__dict__.values()):
             if isinstance(tensor, torch.Tensor):
                 return tensor.device

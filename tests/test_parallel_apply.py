@@ -176,6 +176,16 @@ def test_devices_default_to_each_modules_device(generator):
     assert [o.device.type for o in outputs] == ["cpu", "cpu"]
 
 
+def test_without_devices_a_plain_function_runs_where_its_inputs_are(generator):
+    """Any callable is a replica (B24: stock takes the device of a function's inputs); a function has no tree to
+    search for tensors (``modules()`` was called on it: AttributeError)."""
+    x = torch.randn(2, 2, generator=generator)
+    with emulated_stock():
+        stock = nn.parallel.parallel_apply([lambda t: t * 2, lambda t: t * 3], [(x,), (x,)])
+    ours = minidp.parallel_apply([lambda t: t * 2, lambda t: t * 3], [(x,), (x,)])
+    assert all(torch.equal(a, b) for a, b in zip(ours, stock))
+
+
 def test_each_replica_of_a_call_gets_a_thread_of_its_own_and_threads_are_reused_across_calls():
     """Stock starts one new thread per replica per call (B25); minidp keeps its threads."""
     probes = [Probe(i) for i in range(4)]
