@@ -98,6 +98,18 @@ def test_replicate_aliases_parameters_and_clones_buffers_for_replicas_after_the_
     assert copied == {0: 0, **{r: buffer_bytes for r in range(1, REPLICAS)}}
 
 
+def test_replicate_counts_a_buffer_two_modules_share_once(generator):
+    """One buffer registered in two modules is one tensor, cloned once for replica 1 (as the memory ledger counts it);
+    the replicate event summed it once per module."""
+    shared = torch.randn(256, generator=generator)
+    model = nn.Sequential(nn.Identity(), nn.Identity())
+    for module in model:
+        module.register_buffer("scale", shared)
+    with minidp.trace() as step:
+        minidp.replicate(model, cpu_ids(2))
+    assert {e.replica: e.bytes for e in step.events if e.stage == "replicate"} == {0: 0, 1: shared.nbytes}
+
+
 def test_nothing_is_recorded_after_the_trace_ends(generator):
     model = ZOO["mlp"].build()
     step = traced_step(model, (torch.randn(4, 16, generator=generator),))
