@@ -102,6 +102,12 @@ BAD_OPTION_VALUES = [
     (["trace", "--devices", "cpu*2,gpu"], "argument --devices: 'gpu' is not a device"),
     (["bench", "--device", "gpu"], "argument --device: 'gpu' is not a device"),
     (["demo", "--seed", str(2**64)], "argument --seed: must be between -2**63 and 2**63 - 1"),
+    (["demo", "--lr", "-1"], "argument --lr: must be a finite number above 0, got -1"),
+    (["demo", "--lr", "nan"], "argument --lr: must be a finite number above 0, got nan"),
+    (["trace", "--devices", "cpu*"], "argument --devices: 'cpu*': the repeat after '*' must be a number from 1 to 1024"),
+    (["trace", "--devices", "cpu*99999999999"], "the repeat after '*' must be a number from 1 to 1024"),
+    (["trace", "--devices", "cpu*0"], "the repeat after '*' must be a number from 1 to 1024"),
+    (["trace", "--out", __file__], "is a file; give a directory"),
 ]
 
 

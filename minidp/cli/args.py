@@ -9,8 +9,12 @@ into that one line instead of a traceback from deep inside the run.
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
 
 from ..device_ids import DeviceLike, as_device
+
+MAX_REPEAT = 1024  # replicas one --devices entry may name: more is a typo, and would fill memory with the list
 
 
 def positive_int(text: str) -> int:
@@ -29,6 +33,22 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite number above 0 (``--lr``)."""
+    value = float(text)  # not a number: argparse says "invalid positive_float value"
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def output_directory(text: str) -> Path:
+    """A directory to write into (``--out``, ``--trace``): one that exists, or a path where none is yet."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a directory, existing or to be made")
+    return path
+
+
 def seed(text: str) -> int:
     """A seed for ``torch.manual_seed``: a signed 64-bit integer (torch overflows beyond)."""
     value = int(text)
@@ -44,10 +64,12 @@ def parse_device_ids(text: str) -> list[DeviceLike]:
     """
     ids: list[DeviceLike] = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, repeat = item.partition("*")
-        if repeat and not repeat.isdigit():
-            raise argparse.ArgumentTypeError(f"{item!r}: the repeat after '*' must be a number, e.g. cpu*4")
-        ids += [parse_device(name)] * (int(repeat) if repeat else 1)
+        name, star, repeat = item.partition("*")
+        if star and not (repeat.isdigit() and 1 <= int(repeat) <= MAX_REPEAT):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: the repeat after '*' must be a number from 1 to {MAX_REPEAT}, e.g. cpu*4"
+            )
+        ids += [parse_device(name)] * (int(repeat) if star else 1)
     if not ids:
         raise argparse.ArgumentTypeError(f"{text!r} names no device; e.g. 0,1 or cpu*4")
     return ids

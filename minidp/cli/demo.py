@@ -13,6 +13,7 @@ import argparse
 import time
 from copy import deepcopy as copy_module
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
@@ -28,7 +29,7 @@ from ..tracing import trace, write_trace_artifacts
 from ..tracing.views import ledgers_side_by_side
 from ..wrapper import DataParallel
 from ..zoo import SmallCNN
-from .args import positive_int, seed
+from .args import output_directory, positive_float, positive_int, seed
 
 DEFAULT_CPU_REPLICAS = 2
 
@@ -45,13 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", choices=["auto", "cpu", "cuda"], default="auto",
         help="where the replicas run; auto: the GPUs if any, else the CPU (default: auto)",
     )
-    parser.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default: 2e-3)")
+    parser.add_argument("--lr", type=positive_float, default=2e-3, help="Adam learning rate (default: 2e-3)")
     parser.add_argument("--seed", type=seed, default=0, help="seeds the data, the weights and the shuffling (default: 0)")
     parser.add_argument(
         "--samples", type=positive_int, default=6000, help="training images; a quarter as many more are held out (default: 6000)"
     )
     parser.add_argument(
-        "--trace", metavar="DIR", default=None,
+        "--trace", metavar="DIR", type=output_directory, default=None,
         help="after training, trace one more training step and write its table, Chrome trace and timeline PNG to DIR",
     )
     parser.add_argument(
@@ -187,7 +188,7 @@ def train(args: argparse.Namespace) -> list[EpochResult]:
 
 
 def trace_one_step(model: nn.Module, data: dict, optimizer: torch.optim.Optimizer, device: torch.device,
-                   directory: str) -> None:
+                   directory: Union[str, Path]) -> None:
     """One more training step under ``minidp.trace()``; prints its table and writes the artifacts."""
     model.train()
     with trace() as step:

@@ -17,7 +17,7 @@ from ..parallel_backward import parallel_backward_settings
 from ..tracing import trace, write_trace_artifacts
 from ..wrapper import DataParallel
 from ..zoo import ZOO
-from .args import non_negative_int, parse_device_ids, positive_int, seed
+from .args import non_negative_int, output_directory, parse_device_ids, positive_int, seed
 
 
 _PARALLEL_BACKWARD = {"auto": "auto", "on": True, "off": False}  # --parallel-backward: set_parallel_backward's settings
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel-backward", choices=list(_PARALLEL_BACKWARD), default="auto",
                         help="CPU replicas' backwards in parallel where their threads fit the cores (auto, the "
                              "default), always (on) or never (off): minidp.set_parallel_backward")
-    parser.add_argument("--out", type=Path, default=Path("minidp-trace"), help="directory for the artifacts")
+    parser.add_argument("--out", type=output_directory, default=Path("minidp-trace"), help="directory for the artifacts")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ def train(
     lr: float = 2e-3,
     seed: int = 0,
     samples: int = 6000,
-    trace: Optional[str] = None,
+    trace: Optional[Union[str, Path]] = None,
     shard: bool = False,
 ) -> list[dict]:
     """Train in this process as one rank of the current process group; returns one dict per epoch.
