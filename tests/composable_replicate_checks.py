@@ -42,12 +42,13 @@ class Net(nn.Module):
 
 def train(seed: int, library: str, steps: int = 4, micro_batches: int = 2, ignored: bool = False,
           hook: Optional[Callable] = None, shard: Optional[str] = None, skip_branch: Optional[str] = None,
-          **ddp_kwargs: Any) -> dict:
+          compiled: bool = False, **ddp_kwargs: Any) -> dict:
     """``steps`` optimizer steps of SGD with momentum, each over ``micro_batches`` forwards (all but the last with
     ``set_requires_gradient_sync(False)``), every rank starting from other parameters (rank 0's are broadcast).
     ``ignored``: fc1 left out; ``hook``: a comm hook registered before the first forward; ``shard``: the name of a
     sub-module sharded first with the library's ``fully_shard``; ``skip_branch``: ``"odd"`` steps skip ``branch``, or
-    ``"always"`` (a static graph that leaves it unused)."""
+    ``"always"`` (a static graph that leaves it unused); ``compiled``: every forward, the first too, through
+    ``torch.compile`` (the eager backend)."""
     replicate, fully_shard = LIBRARIES[library]
     rank = dist.get_rank()
     # each rank its own parameters, which the first forward's broadcast evens; alike where fully_shard needs them so
@@ -58,6 +59,7 @@ def train(seed: int, library: str, steps: int = 4, micro_batches: int = 2, ignor
     replicate(model, ignored_modules=[model.fc1] if ignored else None, **ddp_kwargs)
     if hook is not None:
         model.register_comm_hook(dist.group.WORLD, hook)
+    forward = torch.compile(model, backend="eager") if compiled else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(seed * 7 + rank)
     losses = []
@@ -66,7 +68,7 @@ def train(seed: int, library: str, steps: int = 4, micro_batches: int = 2, ignor
             model.set_requires_gradient_sync(micro == micro_batches - 1)
             x = torch.randn(8, 6, generator=data)
             skip = skip_branch == "always" or (skip_branch == "odd" and step % 2 == 1)
-            loss = model(x, skip_branch=skip).pow(2).mean()
+            loss = forward(x, skip_branch=skip).pow(2).mean()
             loss.backward()
             losses.append(loss.detach())
         optimizer.step()

@@ -34,6 +34,9 @@ TRAINING = {
     # reducer (expect_autograd_hooks_) when static_graph meets gradient accumulation
     "static": {"skip_branch": "always", "static_graph": True, "micro_batches": 1},
     "sharded-block": {"shard": "fc2"},
+    # the DDP object is built at the first forward, out of dynamo's sight (torch's lazy_init): compiled, minidp's
+    # raised there, dynamo tracing the check that every rank holds the same model
+    "compiled": {"compiled": True},
 }
 PLAN = {
     **{f"train-{name}": (checks.against_torch, arguments) for name, arguments in TRAINING.items()},

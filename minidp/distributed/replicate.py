@@ -59,8 +59,11 @@ class ReplicateState:
         left_out |= {id(p) for m in self.module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
         return [p for p in self.module.parameters() if id(p) not in left_out]
 
+    @torch._disable_dynamo(recursive=True)
     def build(self) -> DistributedDataParallel:
-        """The DDP object, made at the first forward (torch's ``lazy_init``), with the comm hooks registered so far."""
+        """The DDP object, made at the first forward (torch's ``lazy_init``), with the comm hooks registered so far.
+        Out of ``torch.compile``'s sight, as torch's ``lazy_init`` is: a first forward compiled would trace its
+        collectives (the check that every rank holds the same model)."""
         kwargs = dict(self.ddp_kwargs)
         if "device_id" in kwargs:  # torch's replicate: a CPU device (or None) means device_ids=None
             device_id = kwargs.pop("device_id")
