@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import sys
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -274,6 +275,16 @@ def raise_in_step_2(failing_rank: int) -> None:
     for step in range(1, 4):
         if step == 2 and dist.get_rank() == failing_rank:
             raise RuntimeError(f"planted failure in step 2 on rank {failing_rank}")
+        ddp(torch.randn(4, 16)).sum().backward()
+
+
+def exit_in_step_2(failing_rank: int) -> None:
+    """Train; rank ``failing_rank`` ends in step 2 without raising (``os._exit``, as a signal would end it) while the
+    others go on into the all-reduce."""
+    ddp = md.DistributedDataParallel(MLP())
+    for step in range(1, 4):
+        if step == 2 and dist.get_rank() == failing_rank:
+            os._exit(3)
         ddp(torch.randn(4, 16)).sum().backward()
 
 

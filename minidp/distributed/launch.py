@@ -153,9 +153,29 @@ def _collect(workers: list, results: "mp.Queue", deadline: Optional[float]) -> l
                 raise RankFailed(None, f"the job ran past its job_timeout; ranks {waiting} had not finished")
             continue
         if kind == "error":
-            raise RankFailed(rank, f"rank {rank} raised:\n{payload}")
+            raise _first_failure(workers, results, done, rank, payload)
         done[rank] = pickle.loads(payload)
     return [done[rank] for rank in range(len(workers))]
+
+
+def _first_failure(workers: list, results: "mp.Queue", done: dict[int, Any], rank: int, payload: str) -> RankFailed:
+    """What to report when rank ``rank`` raised: its error, unless another rank has died already. A rank that a signal
+    or ``os._exit`` ended (the out-of-memory killer, a crash in native code) sends nothing, and the others then fail in
+    a collective that lost it: that rank is the first failure, and named first."""
+    dead = [k for k, worker in enumerate(workers) if k != rank and k not in done and worker.exitcode not in (None, 0)]
+    if not dead:
+        return RankFailed(rank, f"rank {rank} raised:\n{payload}")
+    wait_until = time.monotonic() + 1.0  # a dead rank's own error may still be on its way
+    while time.monotonic() < wait_until:
+        try:
+            kind, other, other_payload = results.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if kind == "error" and other in dead:
+            return RankFailed(other, f"rank {other} raised:\n{other_payload}\nthen rank {rank} raised:\n{payload}")
+    first = dead[0]
+    return RankFailed(first, f"rank {first} exited with code {workers[first].exitcode} without a result (see its "
+                             f"output above); then rank {rank} raised:\n{payload}")
 
 
 def run_demo(processes: int, *, backend: str = "gloo", timeout: float = 60.0, **demo_options: Any) -> list[dict]:
