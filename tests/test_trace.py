@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import minidp
@@ -188,6 +189,24 @@ def test_each_backward_of_a_kept_graph_is_a_backward_event_of_its_own(generator,
         reduces = [e for e in step.events if e.stage == "reduce" and e.replica == replica]
         assert len(backwards) == len(reduces) == 2
         assert backwards[0].end <= reduces[0].end <= backwards[1].start  # the first backward's reduction ends it
+
+
+class _CheckpointedInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.layers, x, use_reentrant=True)
+
+
+def test_a_replica_whose_layers_are_recomputed_by_a_reentrant_checkpoint_has_its_backward_event(generator):
+    """The checkpoint's own backward (a graph task inside the step's) delivers the parameters' gradients: their marks
+    belong to the pass that began before them (grouped by graph task alone, the event was lost)."""
+    with minidp.trace() as step:
+        x = torch.randn(8, 4, generator=generator, requires_grad=True)  # a re-entrant checkpoint needs an input that does
+        minidp.DataParallel(_CheckpointedInside(), cpu_ids(2))(x).sum().backward()
+    assert sorted(e.replica for e in step.events if e.stage == "backward") == [0, 1]
 
 
 def test_traces_do_not_nest():

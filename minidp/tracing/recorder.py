@@ -366,10 +366,19 @@ class Trace:
             return self._cuda_time(mark.cuda) if mark.cuda is not None else mark.host
 
         for backward in self._backwards:
-            # One event per backward pass (a graph kept with retain_graph may be back-propagated twice in one trace)
-            for key in dict.fromkeys(m.backward for m in backward.start):
-                starts = [m for m in backward.start if m.backward == key]
-                ends = [m for m in backward.end if m.backward == key]
+            # One event per backward pass (a graph kept with retain_graph may be back-propagated twice in one trace),
+            # named by the pass its first gradient came in; an end marked in another graph task (a re-entrant
+            # checkpoint's inner backward) belongs to the latest pass begun before it
+            passes = {m.backward: m for m in sorted(backward.start, key=when, reverse=True)}  # key -> its first start
+            ends_of: dict[Hashable, list[_Mark]] = {key: [] for key in passes}
+            for mark in backward.end:
+                key = mark.backward if mark.backward in passes else max(
+                    (k for k, first in passes.items() if when(first) <= when(mark)), key=lambda k: when(passes[k]),
+                    default=None)
+                if key is not None:
+                    ends_of[key].append(mark)
+            for key in passes:
+                starts, ends = [m for m in backward.start if m.backward == key], ends_of[key]
                 if not ends:
                     continue  # the pass ended after the trace did
                 first = min(starts, key=when)
