@@ -109,7 +109,9 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         # Processes exchange statistics in training only, as torch.nn.SyncBatchNorm does: in eval mode a rank
         # may run batches the others do not run (inference on rank 0 alone), and would wait for them forever.
         exchange = self.across_processes if self.training else None
-        if alone and batch_statistics and torch._C._current_graph_task_id() != -1 and self in _met_replicas:
+        if alone and batch_statistics and torch._C._current_graph_task_id() == -1:
+            _met_replicas.discard(self)  # a forward of its own: what a backward recomputes now ran alone
+        elif alone and batch_statistics and self in _met_replicas:
             raise RuntimeError(
                 "SyncBatchNorm: a layer that met other replicas in the forward is run again in the backward, alone "
                 "(activation checkpointing recomputes it): it would normalise its chunk by the chunk's own statistics "

@@ -270,12 +270,20 @@ def test_a_layer_that_met_replicas_and_is_recomputed_in_the_backward_is_refused(
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("met_as", ["copies", "itself"])
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_a_layer_recomputed_without_other_replicas_is_batchnorm_exactly(generator, use_reentrant):
-    """Nothing to synchronise (a plain call), nothing refused: checkpointing recomputes BatchNorm's own call."""
+def test_a_layer_recomputed_without_other_replicas_is_batchnorm_exactly(generator, use_reentrant, met_as):
+    """Nothing to synchronise (a plain call), nothing refused: checkpointing recomputes BatchNorm's own call, though the
+    layer met replicas before (as DataParallel's copies, or itself, run as every replica of a parallel_apply)."""
     reference = CheckpointsTheNorm(use_reentrant).double()
     model = minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
-    minidp.DataParallel(model, cpu_ids(2))(torch.randn(10, 4, generator=generator, dtype=torch.float64))  # met, no backward
+    chunks = torch.randn(10, 4, generator=generator, dtype=torch.float64).chunk(2)
+    with torch.no_grad():  # met, no backward
+        if met_as == "copies":
+            minidp.DataParallel(model, cpu_ids(2))(torch.cat(chunks))
+        else:
+            minidp.parallel_apply([model, model], [(c,) for c in chunks], devices=cpu_ids(2))
+    model.load_state_dict(reference.state_dict())  # the running statistics as before the meeting
     x = torch.randn(10, 4, generator=generator, dtype=torch.float64)
     for network in (model, reference):
         network.zero_grad()
