@@ -25,8 +25,9 @@ chunks' second updates into the original's buffers.
 
 Layers that meet the other replicas (:class:`minidp.SyncBatchNorm` normalises by the statistics of every chunk)
 need every chunk at once: for a module that has one, the chunks run side by side, each in a thread of its own as
-member i of one :class:`minidp.replica_group.ReplicaGroup`, with the caller's intra-op thread count; the copies share
-each layer's meeting point, as replicas do. That is all the parallelism here: no streams, no replicate, no reduction.
+member i of one :class:`minidp.replica_group.ReplicaGroup`, in the caller's thread-local state as parallel_apply
+carries it (grad mode, inference mode, autocast) and the caller's intra-op thread count; the copies share each
+layer's meeting point, as replicas do. That is all the parallelism here: no streams, no replicate, no reduction.
 
 Autograd records the plain single-device graph: one loss on the joined output sends every chunk's
 gradient into the original parameters (the copies hold the same parameter tensors), where they add
@@ -47,6 +48,7 @@ from torch import nn
 
 from .replica_group import ReplicaGroup
 from .step1_scatter import scatter_kwargs
+from .step3_parallel_apply import CallerState
 from .step4_gather import gather
 from .sync_batchnorm import SyncBatchNorm
 
@@ -88,22 +90,23 @@ def chunked_reference(
     copies = [private_copy(module) for _ in chunk_inputs[1:]]  # before chunk 0 changes the buffers
     calls = [functools.partial(m, *args, **kw) for m, args, kw in zip([module, *copies], chunk_inputs, chunk_kwargs)]
     if len(calls) > 1 and any(isinstance(m, SyncBatchNorm) for m in module.modules()):
-        outputs = _side_by_side(calls)
+        outputs = _side_by_side(calls, device)
     else:
         outputs = [call() for call in calls]
     return outputs[0] if replicas == 1 else gather(outputs, device, dim)
 
 
-def _side_by_side(calls: Sequence[Callable[[], Any]]) -> list[Any]:
-    """Every call at once, call i in a thread of its own as member i of one replica group (the module docstring)."""
-    group, threads = ReplicaGroup(len(calls)), torch.get_num_threads()
+def _side_by_side(calls: Sequence[Callable[[], Any]], device: torch.device) -> list[Any]:
+    """Every call at once, call i in a thread of its own as member i of one replica group (the module docstring), in
+    the caller's grad mode, inference mode, autocast and intra-op thread count."""
+    group, threads, caller = ReplicaGroup(len(calls)), torch.get_num_threads(), CallerState(cpu_replicas=0)
     results: list[Any] = [None] * len(calls)
     errors: list[Optional[BaseException]] = [None] * len(calls)
 
     def run(i: int) -> None:
         torch.set_num_threads(threads)
         try:
-            with group.member(i):
+            with group.member(i), caller.enter(device, None):
                 results[i] = calls[i]()
         except BaseException as error:  # re-raised in the caller's thread
             errors[i] = error

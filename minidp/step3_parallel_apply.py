@@ -192,7 +192,7 @@ def _module_device(module: Callable, inputs: Any) -> torch.device:
     return torch.device("cpu")
 
 
-class _CallerState:
+class CallerState:
     """The thread-local state of the calling thread that every worker re-enters.
 
     ``cpu_replicas`` CPU replicas share the caller's intra-op threads: each runs with
@@ -334,7 +334,7 @@ def parallel_apply(
             for tensor in chain((t for _, t in tensors_in((inputs[i], kwargs_tup[i]))), buffers):
                 if tensor.device == device and tensor.layout == torch.strided:
                     tensor.record_stream(stream)
-    caller = _CallerState(sum(d.type == "cpu" for d in devices))
+    caller = CallerState(sum(d.type == "cpu" for d in devices))
     group = ReplicaGroup(n, modules)  # what the replicas meet in (minidp.replica_group)
     # The devices on which replicas share a random number generator (a meta device has none). Their states are read
     # before and after the replicas run: 5 to 7 us a read (`python -m timeit -s "import torch; from minidp.device_ids
@@ -430,7 +430,7 @@ def _run_backwards(
     if in_this_thread:
         return [observe_replica_backward(i, devices[i], modules[i], call) for i, call in enumerate(calls)]
     # The caller's whole count, set in every worker, or each its forward's share.
-    caller = _CallerState(parallel_backward.threads_divided_among(len(calls)))
+    caller = CallerState(parallel_backward.threads_divided_among(len(calls)))
 
     def run(i: int) -> Any:
         with caller.enter(devices[i], None):
@@ -441,7 +441,7 @@ def _run_backwards(
     return results
 
 
-def _in_workers(calls: Sequence[Callable[[], Any]], caller: _CallerState) -> list[Any]:
+def _in_workers(calls: Sequence[Callable[[], Any]], caller: CallerState) -> list[Any]:
     """``calls[i]()`` in replica i's worker thread (replica 0's in this one); the results in order.
 
     A call that raises returns its error (a ``_ReplicaFailure``), so that every replica finishes before

@@ -243,6 +243,17 @@ def test_a_half_precision_input_is_normalised_to_batchnorms_accuracy(generator, 
     assert (model(x).double() - exact).abs().max().item() / unit <= batchnorm_error + 1
 
 
+def test_the_chunked_reference_runs_a_synchronised_model_in_the_callers_autocast(generator):
+    # its chunks run side by side in threads of their own, which start without the caller's autocast: they ran in
+    # float32 where DataParallel's replicas run in bfloat16, and verify under autocast reported FAILED
+    model = minidp.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(4, CHANNELS), nn.BatchNorm1d(CHANNELS)))
+    x = torch.randn(10, 4, generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = minidp.reference.chunked_reference(copy.deepcopy(model), (x,), replicas=2)
+        parallel = minidp.DataParallel(model, cpu_ids(2))(x)
+    assert reference.dtype == parallel.dtype == torch.bfloat16
+
+
 class CheckpointsTheNorm(nn.Module):
     """Linear, then BatchNorm and tanh under activation checkpointing, then Linear."""
 
