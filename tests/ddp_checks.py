@@ -278,13 +278,13 @@ def raise_in_step_2(failing_rank: int) -> None:
         ddp(torch.randn(4, 16)).sum().backward()
 
 
-def exit_in_step_2(failing_rank: int) -> None:
-    """Train; rank ``failing_rank`` ends in step 2 without raising (``os._exit``, as a signal would end it) while the
-    others go on into the all-reduce."""
+def exit_in_step_2(failing_rank: int, code: int) -> None:
+    """Train; rank ``failing_rank`` ends in step 2 with exit status ``code``, without raising (``os._exit``, as a
+    signal would end it), while the others go on into the all-reduce."""
     ddp = md.DistributedDataParallel(MLP())
     for step in range(1, 4):
         if step == 2 and dist.get_rank() == failing_rank:
-            os._exit(3)
+            os._exit(code)
         ddp(torch.randn(4, 16)).sum().backward()
 
 

@@ -31,11 +31,12 @@ def test_a_rank_that_raises_in_step_2_ends_the_launched_job_with_its_error():
     assert multiprocessing.active_children() == []  # rank 0, stuck in its all-reduce, was ended
 
 
-def test_a_rank_that_dies_without_raising_is_named_before_the_rank_its_death_made_fail():
+@pytest.mark.parametrize("code", [3, 0])
+def test_a_rank_that_dies_without_raising_is_named_before_the_rank_its_death_made_fail(code):
     # rank 1 ends itself mid-training (os._exit: it sends no error); rank 0's all-reduce then fails on the lost peer.
     # The job named rank 0, whose error came in first, and never rank 1; torchrun lists both.
-    with pytest.raises(RankFailed, match="rank 1 exited with code 3 without a result") as failure:
-        launch(checks.exit_in_step_2, 2, (1,), timeout=300, job_timeout=90)
+    with pytest.raises(RankFailed, match=f"rank 1 exited with code {code} without a result") as failure:
+        launch(checks.exit_in_step_2, 2, (1, code), timeout=300, job_timeout=90)
     assert failure.value.rank == 1
     assert multiprocessing.active_children() == []
 

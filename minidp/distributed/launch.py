@@ -159,21 +159,21 @@ def _collect(workers: list, results: "mp.Queue", deadline: Optional[float]) -> l
 
 
 def _first_failure(workers: list, results: "mp.Queue", done: dict[int, Any], rank: int, payload: str) -> RankFailed:
-    """What to report when rank ``rank`` raised: its error, unless another rank has died already. A rank that a signal
-    or ``os._exit`` ended (the out-of-memory killer, a crash in native code) sends nothing, and the others then fail in
-    a collective that lost it: that rank is the first failure, and named first."""
-    dead = [k for k, worker in enumerate(workers) if k != rank and k not in done and worker.exitcode not in (None, 0)]
-    if not dead:
-        return RankFailed(rank, f"rank {rank} raised:\n{payload}")
-    wait_until = time.monotonic() + 1.0  # a dead rank's own error may still be on its way
-    while time.monotonic() < wait_until:
+    """What to report when rank ``rank`` raised: its error, unless another rank ended without sending anything. A rank
+    that a signal or ``os._exit`` ended (the out-of-memory killer, a crash in native code) sends nothing, and the others
+    then fail in a collective that lost it: that rank is the first failure, and named first. A rank that ended after
+    sending its message (an error, which came after this one; a result) is not."""
+    ended = {k for k, worker in enumerate(workers) if k != rank and k not in done and worker.exitcode is not None}
+    wait_until = time.monotonic() + 1.0  # an ended rank's message may still be on its way
+    while ended and time.monotonic() < wait_until:
         try:
-            kind, other, other_payload = results.get(timeout=0.05)
+            _, other, _ = results.get(timeout=0.05)
         except queue.Empty:
             continue
-        if kind == "error" and other in dead:
-            return RankFailed(other, f"rank {other} raised:\n{other_payload}\nthen rank {rank} raised:\n{payload}")
-    first = dead[0]
+        ended.discard(other)
+    if not ended:
+        return RankFailed(rank, f"rank {rank} raised:\n{payload}")
+    first = min(ended)
     return RankFailed(first, f"rank {first} exited with code {workers[first].exitcode} without a result (see its "
                              f"output above); then rank {rank} raised:\n{payload}")
 
