@@ -10,9 +10,9 @@ different sizes may travel together (Hugging Face's ``Trainer`` passes ``num_ite
 one row per replica beside a batch of many rows), as long as every tensor cuts into the same
 *number* of chunks. Where the numbers differ, stock silently drops the chunks beyond the smallest
 number (the rows of a replica that never runs); minidp raises an error that names both tensors,
-except where the tensors cut into more chunks have one row per device, beside a batch that cuts into
-fewer (``Trainer``'s last, short batch: 1 row on 2 devices): the replicas that run take their rows, as
-in stock, and the rows of the replicas that do not run are left.
+except where the tensors cut into more chunks hold one value per device (``num_devices`` rows of one
+value each), beside a batch that cuts into fewer (``Trainer``'s last, short batch: 1 row on 2 devices):
+the replicas that run take their values, as in stock, and those of the replicas that do not run are left.
 Explicit ``chunk_sizes`` are one split of one size: every tensor must have that size.
 
 What moves: each chunk is copied to its device, except chunks for the device the tensor is on,
@@ -50,14 +50,16 @@ def plan_splits(
     """How every tensor in the ``(name, object)`` roots is cut, by its size along ``dim``; ``{}`` if none holds a tensor.
 
     Raises, naming the tensors, unless every tensor can be cut and all cut into the same number of
-    chunks, but for tensors of one row per device beside a batch cut into fewer chunks (see the module
+    chunks, but for tensors of one value per device beside a batch cut into fewer chunks (see the module
     docstring); with explicit ``chunk_sizes``, unless all have the size they split.
     """
     splits: Splits = {}
     first_of_size: dict[int, str] = {}  # each size met, with the first tensor of that size
+    one_value_a_row: dict[int, bool] = {}  # whether every tensor of that size holds one value per row
     for path, tensor in (found for name, obj in roots for found in tensors_in(obj, name)):
         comm.check_splittable(tensor, dim, path)
         size = tensor.shape[dim]
+        one_value_a_row[size] = one_value_a_row.get(size, True) and tensor.numel() == size
         if size in splits:
             continue
         if chunk_sizes is not None and splits:
@@ -70,20 +72,22 @@ def plan_splits(
             )
         splits[size] = split_for(size, num_devices, chunk_sizes, chunk_weights)
         first_of_size[size] = path
-    _check_chunk_counts(splits, first_of_size, dim, num_devices, chunk_weights)
+    _check_chunk_counts(splits, first_of_size, one_value_a_row, dim, num_devices, chunk_weights)
     return splits
 
 
 def _check_chunk_counts(
-    splits: Splits, first_of_size: dict[int, str], dim: int, num_devices: int, chunk_weights: Optional[Sequence[float]]
+    splits: Splits, first_of_size: dict[int, str], one_value_a_row: dict[int, bool], dim: int, num_devices: int,
+    chunk_weights: Optional[Sequence[float]],
 ) -> None:
     """Raise, naming two tensors, unless every size cuts into the same number of chunks, or the sizes that cut into more
-    are one row per device (``num_devices`` rows) beside a batch whose sizes all cut into one smaller number."""
+    are one value per device (``num_devices`` rows of one value each, as Trainer's ``num_items_in_batch``) beside a
+    batch whose sizes all cut into one smaller number."""
     if len({len(sizes) for sizes in splits.values()}) <= 1:
         return
-    batch = {size: sizes for size, sizes in splits.items() if size != num_devices}
+    batch = {size: sizes for size, sizes in splits.items() if size != num_devices or not one_value_a_row[size]}
     if len({len(sizes) for sizes in batch.values()}) == 1:
-        return  # one row per device beside a short batch: the replicas that run get their rows (stock's zip)
+        return  # one value per device beside a short batch: the replicas that run get theirs (stock's zip)
     sizes_met = list(batch or splits)
     first_size, count = sizes_met[0], len(splits[sizes_met[0]])
     size = next(s for s in sizes_met if len(splits[s]) != count)
@@ -96,7 +100,7 @@ def _check_chunk_counts(
         f"chunk(s) {splits[first_size]}: every tensor must cut into the same number of chunks (stock "
         f"DataParallel would silently keep the first {min(count, len(sizes))} chunks of each, dropping "
         f"rows of {more}). Pass tensors that every replica needs whole inside a non-tensor object, or "
-        f"give them a size that cuts into as many chunks, or one row per device."
+        f"give them a size that cuts into as many chunks, or one value per device."
     )
 
 
@@ -176,7 +180,7 @@ def _scatter(
     splits = plan_splits(roots, dim, len(devices), chunk_sizes, chunk_weights)
     if not splits:
         return [inputs for _ in devices]
-    count = min(map(len, splits.values()))  # a tensor of one row per device beside a short batch: the batch's
+    count = min(map(len, splits.values()))  # a tensor of one value per device beside a short batch: the batch's
     pieces = _scatter_map(inputs, devices[:count], splits, dim)
     return tuple(pieces) if isinstance(inputs, torch.Tensor) else pieces
 

@@ -266,7 +266,7 @@ def test_trainers_num_items_in_batch_gives_each_replica_one_row_as_stock_does(ge
 @pytest.mark.parametrize("rows,replicas", [(1, 2), (5, 4), (4, 3)])
 def test_one_row_per_device_beside_a_short_last_batch_gives_the_replicas_that_run_their_rows_as_stock(rows, replicas, generator):
     """Trainer's last batch may cut into fewer chunks than there are devices (1 row on 2; torch.chunk cuts 5 rows on 4,
-    and 4 on 3, into 3 and 2), beside ``num_items_in_batch``'s one row per device. Stock's zip (B14) runs the replicas
+    and 4 on 3, into 3 and 2), beside ``num_items_in_batch``'s one value per device. Stock's zip (B14) runs the replicas
     the batch fills, each with its row; minidp does the same (it raised, and Trainer stopped at its last step)."""
     torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
     model = CausalLMWithLossKeywords()
@@ -286,11 +286,12 @@ def test_one_row_per_device_beside_a_short_last_batch_gives_the_replicas_that_ru
     assert torch.equal(ours, stock) and all(torch.equal(a, b) for a, b in zip(grads, stock_grads))
 
 
-@pytest.mark.parametrize("rows,replicas", [((6, 2), 4), ((6, 1), 2), ((9, 2), 3)])
+@pytest.mark.parametrize("rows,replicas", [((6, 2), 4), ((6, 1), 2), ((9, 2), 3), ((4, 3), 4)])
 def test_tensors_that_cut_into_different_numbers_of_chunks_are_an_error_naming_both(rows, replicas, generator):
     """B14: stock zips the chunks to the smallest number and silently drops the rest: the tensor with
     more chunks loses rows (checked here against stock). minidp names both tensors, their sizes and chunk counts,
-    unless those that cut into more have one row per device (the test above)."""
+    unless those that cut into more hold one value per device (the test above): 4 rows of 2 values on 4 devices are a
+    batch, and still an error beside 3 rows."""
     tensors = tuple(torch.randn(n, 2, generator=generator) for n in rows)
     with emulated_stock():
         stock = nn.parallel.scatter(tensors, list(range(replicas)))
