@@ -93,6 +93,8 @@ def holds_opaque(obj: Any) -> bool:
     parts = children(obj)
     if parts is None:
         return not (obj is None or isinstance(obj, PLAIN))
+    if is_dataclass_instance(obj) and getattr(obj, "__dict__", {}).keys() - {f.name for f in dataclasses.fields(obj)}:
+        return True  # an attribute beside its fields (set in __post_init__): rebuild copies it, the walkers skip it
     return any(holds_opaque(child) for _, child in parts)
 
 

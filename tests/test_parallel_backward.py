@@ -14,6 +14,7 @@ The stock behaviours it keeps are those of docs/stock-behaviour.md and of torch'
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 
 import pytest
@@ -478,6 +479,37 @@ def test_an_output_holding_tensors_in_an_object_gather_rebuilds_from_its_items_k
         (y.square().sum() + list(bag)[0].pow(3).sum()).backward()
 
     grads = _gradients_both_ways(_ReturnsABag().double(), step)
+    assert _equal(grads[True], grads[False])
+
+
+@dataclasses.dataclass
+class _WithAnAuxiliary:
+    """A dataclass output with a tensor beside its fields, set in ``__post_init__``: gather's shallow copy keeps it,
+    the walkers see only the fields."""
+
+    main: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.auxiliary = self.main * 2
+
+
+class _ReturnsADataclassWithAnAuxiliary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _WithAnAuxiliary(torch.tanh(self.linear(x)))
+
+
+def test_a_dataclass_output_with_a_tensor_beside_its_fields_keeps_the_serial_backward(generator):
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+
+    def step(module, parallel):
+        output = minidp.DataParallel(module, cpu_ids(2))(x)
+        (output.main.square().sum() + output.auxiliary.sum()).backward()
+
+    grads = _gradients_both_ways(_ReturnsADataclassWithAnAuxiliary().double(), step)
     assert _equal(grads[True], grads[False])
 
 
