@@ -367,22 +367,22 @@ class Trace:
 
         for backward in self._backwards:
             # One event per backward pass (a graph kept with retain_graph may be back-propagated twice in one trace),
-            # named by the pass its first gradient came in; an end marked in another graph task (a re-entrant
-            # checkpoint's inner backward) belongs to the latest pass begun before it
-            passes = {m.backward: m for m in sorted(backward.start, key=when, reverse=True)}  # key -> its first start
-            ends_of: dict[Hashable, list[_Mark]] = {key: [] for key in passes}
+            # named by the graph task, or the call, that its first gradient came in
+            first_of: dict[Hashable, _Mark] = {}  # each pass's first start, in the order the passes began
+            for mark in sorted(backward.start, key=when):
+                first_of.setdefault(mark.backward, mark)
+            ends_of: dict[Hashable, list[_Mark]] = {key: [] for key in first_of}
             for mark in backward.end:
-                key = mark.backward if mark.backward in passes else max(
-                    (k for k, first in passes.items() if when(first) <= when(mark)), key=lambda k: when(passes[k]),
-                    default=None)
+                key = mark.backward
+                if key not in first_of:  # marked in a task inside a pass (a re-entrant checkpoint's): the latest begun
+                    key = next((k for k, first in reversed(first_of.items()) if when(first) <= when(mark)), None)
                 if key is not None:
                     ends_of[key].append(mark)
-            for key in passes:
-                starts, ends = [m for m in backward.start if m.backward == key], ends_of[key]
+            for key, first in first_of.items():
+                ends = ends_of[key]
                 if not ends:
                     continue  # the pass ended after the trace did
-                first = min(starts, key=when)
-                start, end = when(first), max(when(m) for m in ends)
+                start, end = when(first), max(map(when, ends))
                 self._events.append(
                     Event("backward", backward.replica, str(first.device), start, max(end - start, 0.0), 0,
                           first.thread.name, f"{sum(m.gradients for m in ends)} gradients at its end")
