@@ -76,7 +76,8 @@ from .device_ids import DeviceLike, as_devices
 from .hooks import observed
 from .parallel_backward import made_by
 from .step2_replicate import (
-    Slots, bind, build_skeletons, check_is_module, check_module_device, replica_tensors, tensor_slots, through_entries,
+    Slots, bind, build_skeletons, check_is_module, check_module_device, replica_tensors, replicate, tensor_slots,
+    through_entries,
 )
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
@@ -371,6 +372,14 @@ class ReplicaCache:
             reason = entry.change(network)
         if reason is not None:
             check_module_device(network, devices[0])
+            if any(isinstance(module, torch.jit.ScriptModule) for module in network.modules()):
+                # A TorchScript module's registries are views of its C++ module, not the dicts a skeleton copies and
+                # the signature reads: such a tree is replicated anew at every call (replicate's own body, observed
+                # once, as this call).
+                with self._lock:
+                    self._misses += 1
+                    self._last_rebuild_reason = "the tree holds a TorchScript module: replicated anew at every call"
+                return replicate.__wrapped__(network, devices, detach, reduce_backend=reduce_backend)
             entry = _Entry(network, devices)
             with self._lock:
                 self._misses += 1

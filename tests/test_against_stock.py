@@ -88,6 +88,25 @@ def test_matches_stock_emulated_with_repeated_ids(generator):
     assert_same_results(actual, expected)
 
 
+@pytest.mark.parametrize("cache_replicas", [False, True])
+def test_a_scripted_sub_module_matches_stock_emulated(cache_replicas, generator):
+    """docs/stock-behaviour.md B22: stock replicates a ScriptModule (its replicas through the C++ module); minidp's
+    replicas of it, built anew or from the replica cache, give stock's outputs and gradients, bit for bit."""
+    model = nn.Sequential(torch.jit.script(nn.Linear(5, 6)), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = torch.randn(7, 5, dtype=torch.float64, generator=generator)
+
+    def output_and_gradients(wrapper: nn.Module) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        output = wrapper(x)
+        output.pow(2).sum().backward()
+        return [output] + [p.grad for p in model.parameters()]
+
+    ours = output_and_gradients(minidp.DataParallel(model, cpu_ids(2), cache_replicas=cache_replicas))
+    with emulated_stock():
+        stock = output_and_gradients(nn.DataParallel(model, [0, 1]))
+    assert all(torch.equal(a, b) for a, b in zip(ours, stock, strict=True))
+
+
 def test_stock_data_parallel_functional_matches(generator):
     """Stock ``data_parallel`` (B11) under emulation equals ``minidp.data_parallel`` with kwargs."""
     case = make_case("kwargs_dict", 10, generator)

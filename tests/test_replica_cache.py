@@ -686,3 +686,14 @@ def test_a_sub_module_whose_class_is_replaced_rebuilds_the_replicas(generator):
         model[0].__class__ = Doubled
         assert torch.allclose(wrapper(x), model(x), rtol=1e-12, atol=0)
     assert "class" in wrapper.replica_cache_info().last_rebuild_reason
+
+
+def test_a_torchscript_module_is_replicated_anew_at_every_call(generator):
+    """Stock replicates a scripted module (docs/stock-behaviour.md B22); its registries are views of a C++ module, not
+    the dicts a skeleton copies: such a tree gets new replicas at every step, with the fresh replicas' numbers."""
+    pair = Pair(_mlp(), cpu_ids(2))
+    pair.change(lambda model: model.__setitem__(0, torch.jit.script(model[0])))  # torch's deepcopy of one loses its grads
+    for _ in range(2):
+        pair.step(torch.randn(6, 5, generator=generator))
+    assert (pair.info.hits, pair.info.misses) == (0, 2)
+    assert "TorchScript" in pair.info.last_rebuild_reason
