@@ -4,9 +4,11 @@
     backward:  autograd runs it all in reverse; replicate's backward is the fifth step, the
                reduction of every replica's gradients into the original parameters.
 
-``DataParallel`` is a drop-in for ``torch.nn.DataParallel``: same constructor, same ``forward``,
-``state_dict()`` keys prefixed ``module.``, and the same overridable methods ``scatter``,
-``replicate``, ``parallel_apply`` and ``gather``. Beyond stock, device ids may name the CPU and
+``DataParallel`` is a drop-in for ``torch.nn.DataParallel``, and an instance of it (libraries unwrap
+``.module`` by ``isinstance``): same constructor, same ``forward``, the same attributes (``device_ids`` as
+stock's ints for GPUs, ``output_device``, ``src_device_obj``, ``dim``), ``state_dict()`` keys prefixed
+``module.``, and the same overridable methods ``scatter``, ``replicate``, ``parallel_apply`` and ``gather``,
+called with the same arguments. Beyond stock, device ids may name the CPU and
 may repeat: ``DataParallel(model, device_ids=["cpu"] * 4)`` runs four replicas in threads.
 """
 
@@ -113,7 +115,13 @@ def buffers_restored_on_failure(buffers: Sequence[torch.Tensor]) -> Iterator[Non
         raise
 
 
-class DataParallel(nn.Module):
+def stock_device_id(device: torch.device) -> Union[int, torch.device]:
+    """A device as stock's ``DataParallel`` keeps it in ``device_ids`` and ``output_device``: a GPU by its index
+    (``torch.device("cuda", dp.device_ids[0])`` works), the CPU, which stock has no id for, as the device."""
+    return device.index if device.type == "cuda" else device
+
+
+class DataParallel(nn.DataParallel):
     """Run ``module`` on several devices at once, splitting each batch along ``dim``.
 
     Args:
@@ -149,7 +157,9 @@ class DataParallel(nn.Module):
         chunk_weights: Optional[Sequence[float]] = None,
         gather_output: bool = True,
     ) -> None:
-        super().__init__()
+        # Derived from torch's class for isinstance only (accelerate's unwrap_model, ignite's Checkpoint and Lightning
+        # Fabric's state dicts find the model inside a DataParallel so); its constructor, which refuses CPU ids, not run.
+        nn.Module.__init__(self)
         check_is_module(module, "module")
         dim = comm.check_dim(dim, "dim")
         if not isinstance(gather_output, bool):  # "False" would read as true
@@ -157,27 +167,28 @@ class DataParallel(nn.Module):
         if not isinstance(cache_replicas, (bool, ReplicaCache)):
             raise TypeError(f"cache_replicas must be True, False or a ReplicaCache, got {cache_replicas!r}")
         self.module = module
-        self.device_ids = resolve_device_ids(device_ids)
-        if len(self.device_ids) > 1:
+        devices = resolve_device_ids(device_ids)
+        self.device_ids = [stock_device_id(d) for d in devices]
+        if len(devices) > 1:
             check_not_compiled(module)  # and again whenever replicas are built from it
         if chunk_weights is not None:  # checked here, before a batch arrives; count only where replicas run
-            chunk_weights = comm.check_chunk_weights(chunk_weights, len(self.device_ids) or None)
+            chunk_weights = comm.check_chunk_weights(chunk_weights, len(devices) or None)
         self.chunk_weights = chunk_weights
         self.gather_output = gather_output
         self.dim = dim
         self.reduce_backend = comm.check_reduce_backend(reduce_backend, "reduce_backend")
         self.cache_replicas = bool(cache_replicas)
         self.replica_cache = cache_replicas if isinstance(cache_replicas, ReplicaCache) else ReplicaCache()
-        if not self.device_ids:
+        if not devices:
             if output_device is not None:
                 parse_device(output_device, "output_device")  # unused without replicas, but spelled right
-            self.source_device = self.output_device = None
+            self.src_device_obj = self.output_device = None
             return
-        self.source_device = self.device_ids[0]
-        self.output_device = as_device(self.source_device if output_device is None else output_device, "output_device")
-        _warn_if_imbalanced(self.device_ids)
-        if len(self.device_ids) == 1:
-            self.module.to(self.source_device)  # as stock: one device is "just run it there"
+        self.src_device_obj = devices[0]  # stock's name: where the module lives
+        self.output_device = stock_device_id(as_device(devices[0] if output_device is None else output_device, "output_device"))
+        _warn_if_imbalanced(devices)
+        if len(devices) == 1:
+            self.module.to(self.src_device_obj)  # as stock: one device is "just run it there"
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiled("minidp.DataParallel.forward"):
@@ -190,11 +201,12 @@ class DataParallel(nn.Module):
             if len(self.device_ids) == 1:
                 # One device: the module itself is the only replica, and its output is returned as it
                 # is (as stock), unless it must move to another output_device (stock leaves it).
-                check_module_device(self.module, self.source_device, replicated=False)
-                output = observe_module(self.source_device, self.module, lambda: self.module(*inputs[0], **kwargs[0]))
+                check_module_device(self.module, self.src_device_obj, replicated=False)
+                output = observe_module(self.src_device_obj, self.module, lambda: self.module(*inputs[0], **kwargs[0]))
                 if not self.gather_output:
                     return [output]
-                return output if self.output_device == self.source_device else self.gather([output], self.output_device)
+                moves = as_device(self.output_device, "output_device") != self.src_device_obj
+                return self.gather([output], self.output_device) if moves else output
             # replicate checks where the module is (a cached replicate, only when its tree changed)
             used = self.device_ids[: len(inputs)]
             replicas = self.replicate(self.module, used)

@@ -202,6 +202,39 @@ def test_non_tensor_kwargs_with_a_small_batch_run_where_stock_fails(generator):
     assert torch.equal(minidp.DataParallel(Scale(), cpu_ids(4))(x2, scale=3.0), x2 * 3.0)
 
 
+def test_it_is_an_instance_of_torch_data_parallel_so_libraries_unwrap_it():
+    """Libraries find the model inside a DataParallel by ``isinstance(model, torch.nn.DataParallel)`` (accelerate's
+    ``extract_model_from_parallel``, ignite's ``Checkpoint``, Lightning Fabric's state dicts) and take its ``module``
+    (B5); torch's own functions that refuse a DataParallel refuse it too."""
+    model = bn_model()
+    dp = minidp.DataParallel(model, cpu_ids(2))
+    assert isinstance(dp, nn.DataParallel)
+    with pytest.raises(RuntimeError, match="stateless API can't be used with nn.DataParallel"):
+        torch.func.functional_call(dp, dict(dp.named_parameters()), (torch.randn(4, 4),))
+
+
+def test_accelerate_unwraps_it_as_it_unwraps_stock():
+    accelerate_utils = pytest.importorskip("accelerate.utils")
+    model = bn_model()
+    assert accelerate_utils.extract_model_from_parallel(minidp.DataParallel(model, cpu_ids(2))) is model
+
+
+def test_a_subclass_with_stocks_own_forward_runs_on_minidps_steps(generator):
+    """Subclasses written against stock copy its ``forward`` (B7: it reads ``device_ids``, ``src_device_obj`` and
+    ``output_device``, then calls the four overridable steps): stock's very code runs on minidp's steps."""
+
+    class StockForward(minidp.DataParallel):
+        forward = nn.DataParallel.forward
+
+    model = bn_model()
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 4, generator=generator)
+    StockForward(model, cpu_ids(2))(x).sum().backward()
+    minidp.DataParallel(reference, cpu_ids(2))(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+    assert all(torch.equal(b, c) for b, c in zip(model.buffers(), reference.buffers(), strict=True))
+
+
 # --------------------------------------------------------------------------------------------------
 # device ids (B1, B2)
 # --------------------------------------------------------------------------------------------------
@@ -228,6 +261,29 @@ def test_integer_ids_without_a_gpu_call_directly_and_warn_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         minidp.DataParallel(bn_model(), [0, 1])
+
+
+@pytest.mark.parametrize(
+    "device_ids,output_device,kept_ids,kept_output",
+    [([0, 1], None, [0, 1], 0), (["cuda:1", torch.device("cuda", 0)], "cuda:0", [1, 0], 0), ([1, 0], 1, [1, 0], 1)],
+)
+def test_gpu_ids_are_kept_as_stock_keeps_them(device_ids, output_device, kept_ids, kept_output, monkeypatch):
+    """B2: stock keeps each GPU as its index (``torch.device("cuda", dp.device_ids[0])`` works) and
+    ``src_device_obj`` as the device of ``device_ids[0]``. Two GPUs are made visible to minidp's checks; nothing runs."""
+    for module in (minidp.device_ids, data_parallel_module):
+        monkeypatch.setattr(module, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(data_parallel_module, "_warn_if_imbalanced", lambda devices: None)  # reads the GPUs' properties
+    dp = minidp.DataParallel(bn_model(), device_ids, output_device)
+    assert (dp.device_ids, dp.output_device) == (kept_ids, kept_output)
+    assert all(type(i) is int for i in dp.device_ids) and type(dp.output_device) is int
+    assert dp.src_device_obj == torch.device("cuda", kept_ids[0])
+
+
+def test_cpu_ids_are_kept_as_devices():
+    """Stock has no id for the CPU (B2 refuses it); minidp keeps a CPU replica's id as the device."""
+    dp = minidp.DataParallel(bn_model(), ["cpu", "cpu"], output_device="cpu")
+    assert dp.device_ids == [torch.device("cpu")] * 2
+    assert dp.output_device == dp.src_device_obj == torch.device("cpu")
 
 
 def test_an_id_beyond_the_visible_gpus_is_an_error_naming_cuda_visible_devices():
