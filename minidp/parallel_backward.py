@@ -60,7 +60,12 @@ every backward that reaches the replica, whatever that backward's ``inputs``; a
 ``torch.autograd.graph.register_multi_grad_hook`` over tensors of several replicas fires once per replica; a
 callback queued from a hook (``Variable._execution_engine.queue_callback``) runs when its replica's backward
 ends, before the reduction. And replicas that one graph runs more than once (replicate once, parallel_apply
-twice) get each run's gradients summed apart, then added: the serial path's up to rounding. Hooks on the
+twice) get each run's gradients summed apart, then added: the serial path's up to rounding. So are the gradients of a tensor that enters the region by several routes
+(passed as two arguments, or used outside it too): autograd adds its routes' gradients in the order it meets them,
+and the cut hands back every replica's input gradients at once, where the serial backward hands them back as each
+replica's graph (whose nodes' sequence numbers were counted in the worker threads) reaches them. Draws from the
+random number generator in the replicas' backwards happen at once, in threads, in an order no seed repeats
+(parallel_apply warns, as for the forward's). Hooks on the
 tensors themselves see every gradient, in the replica's thread; for code that needs the rest,
 ``set_parallel_backward(False)``.
 

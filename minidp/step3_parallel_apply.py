@@ -340,8 +340,7 @@ def parallel_apply(
     # before and after the replicas run: 5 to 7 us a read (`python -m timeit -s "import torch; from minidp.device_ids
     # import generator_state; d = torch.device('cpu')" "generator_state(d)"`), against 342 us for the whole call on
     # two nn.Identity replicas and tens of ms for a CNN's step.
-    shared = {d: k for d, k in Counter(devices).items() if k > 1 and d.type in ("cpu", "cuda")}
-    generator_states = {d: generator_state(d) for d in shared}
+    generator_states = _shared_generator_states(devices)
 
     cut = parallel_backward.applies(devices)  # CPU replicas: each one's backward in its thread, if it can
     regions: list[Optional[parallel_backward.Region]] = [None] * n
@@ -363,9 +362,7 @@ def parallel_apply(
     group = None
     _back_on_current_streams(devices, streams, results)
     _reraise_first_failure(results, devices, "forward")
-    for device, replicas in shared.items():
-        if generator_states[device] != generator_state(device):
-            _warn_shared_draws(device, replicas)
+    _warn_if_drawn(generator_states, "forward")
     aliases = None
     if cut and all(r is not None for r in regions):
         aliases = parallel_backward.join(regions, functools.partial(_run_backwards, modules, devices))
@@ -395,15 +392,34 @@ def _back_on_current_streams(
                     tensor.record_stream(current)
 
 
-def _warn_shared_draws(device: torch.device, replicas: int) -> None:
-    warnings.warn(
-        f"parallel_apply: the {replicas} replicas on {device} drew random numbers (Dropout?) from the one generator "
-        f"of {device}, all at once: which replica gets which numbers changes from run to run, so a seeded run "
-        "cannot be repeated exactly, and a layer that recomputes its forward in the backward from the random "
-        "state it saved (torch.utils.checkpoint) gets other numbers than its forward did, so its gradients are "
-        "wrong. For such a model, give each replica a device of its own, or a process of its own (minidp.distributed).",
-        stacklevel=2,
-    )
+def _shared_generator_states(devices: Sequence[torch.device]) -> dict[torch.device, tuple[int, Any]]:
+    """For each device whose random number generator several replicas share (a meta device has none): how many, and
+    its state now."""
+    return {d: (k, generator_state(d)) for d, k in Counter(devices).items() if k > 1 and d.type in ("cpu", "cuda")}
+
+
+# Per stage: what may draw there, and what then goes wrong.
+_DRAWS = {
+    "forward": ("Dropout?", "a layer that recomputes its forward in the backward from the random state it saved "
+                "(torch.utils.checkpoint) gets other numbers than its forward did, so its gradients are wrong. For "
+                "such a model, give each replica a device of its own, or a process of its own (minidp.distributed)."),
+    "backward": ("a custom autograd Function?", "the gradients differ from run to run: minidp.set_parallel_backward("
+                 "False) runs the replicas' backwards one after the other, as autograd does, drawing in a fixed order."),
+}
+
+
+def _warn_if_drawn(states: dict[torch.device, tuple[int, Any]], stage: str) -> None:
+    """Warn for each device of :func:`_shared_generator_states` whose generator moved since: its replicas drew from it
+    in their ``stage``, all at once (in threads), so in an order no seed repeats."""
+    what, consequence = _DRAWS[stage]
+    for device, (replicas, state) in states.items():
+        if state != generator_state(device):
+            warnings.warn(
+                f"parallel_apply: the {replicas} replicas on {device} drew random numbers in their {stage} ({what}) "
+                f"from the one generator of {device}, all at once: which replica gets which numbers changes from run "
+                f"to run, so a seeded run cannot be repeated exactly, and {consequence}",
+                stacklevel=3,
+            )
 
 
 def _enter_replica(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, list]:
@@ -436,8 +452,10 @@ def _run_backwards(
         with caller.enter(devices[i], None):
             return observe_replica_backward(i, devices[i], modules[i], calls[i])
 
+    generator_states = _shared_generator_states(devices)  # as the forward's: draws in threads are in no fixed order
     results = _in_workers([functools.partial(run, i) for i in range(len(calls))], caller)
     _reraise_first_failure(results, devices, "backward")
+    _warn_if_drawn(generator_states, "backward")
     return results
 
 

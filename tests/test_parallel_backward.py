@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import warnings
 
 import pytest
 import torch
@@ -777,3 +778,69 @@ except KeyboardInterrupt:
     done = fresh_python("-c", script, timeout=60)
     assert "KeyboardInterrupt; replica 1 finished: True" in done.stdout, done.stdout + done.stderr
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr
+
+
+class _NoisyGradient(torch.autograd.Function):
+    """The identity, whose backward adds noise drawn from the default generator."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return gradient + torch.randn_like(gradient)
+
+
+class _NoisyLinear(nn.Linear):
+    def forward(self, x):
+        return _NoisyGradient.apply(super().forward(x))
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+def test_replicas_whose_backwards_draw_random_numbers_at_once_are_warned_about(generator, parallel):
+    """As the forward's draws (tests/test_parallel_apply.py): the serial backward draws replica after replica in a fixed
+    order, as stock's does; backwards in parallel draw in threads, in an order no seed repeats, and say so."""
+    previous = minidp.set_parallel_backward(parallel)
+    try:
+        output = minidp.DataParallel(_NoisyLinear(3, 4), cpu_ids(2))(torch.randn(6, 3, generator=generator))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            output.sum().backward()
+    finally:
+        minidp.set_parallel_backward(previous)
+    warned = [w for w in caught if "drew random numbers in their backward" in str(w.message)]
+    assert _in_parallel(output) == parallel
+    assert len(warned) == parallel and (not warned or "set_parallel_backward(False)" in str(warned[0].message))
+
+
+def test_replicas_whose_backwards_draw_nothing_get_no_warning(generator):
+    output = minidp.DataParallel(nn.Linear(3, 4), cpu_ids(2))(torch.randn(6, 3, generator=generator))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        output.sum().backward()
+
+
+def test_a_tensor_entering_by_two_routes_gets_the_serial_gradient_up_to_rounding_and_the_replicas_bitwise(generator):
+    """The module's docstring: the routes' gradients of a tensor passed twice (and used outside) are added in another
+    order; the replicas' parameters get the serial backward's gradients bit for bit."""
+
+    class TwoArguments(nn.Linear):
+        def forward(self, a, b):
+            return super().forward(a) * b.sum(1, keepdim=True)
+
+    model = TwoArguments(5, 3).double()
+    x = torch.randn(8, 5, dtype=torch.float64, generator=generator)
+    results = {}
+    for parallel in (False, True):
+        previous = minidp.set_parallel_backward(parallel)
+        try:
+            module, leaf = copy.deepcopy(model), x.clone().requires_grad_()
+            output = minidp.DataParallel(module, cpu_ids(2))(leaf, leaf * 0.5)
+            (output.square().sum() + leaf.square().sum()).backward()
+            assert _in_parallel(output) == parallel
+            results[parallel] = [p.grad for p in module.parameters()], leaf.grad
+        finally:
+            minidp.set_parallel_backward(previous)
+    assert _equal(results[True][0], results[False][0])
+    torch.testing.assert_close(results[True][1], results[False][1], rtol=1e-14, atol=0)
