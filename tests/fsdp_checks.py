@@ -299,9 +299,12 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
     arguments = sharding_arguments(mesh, placement, offload)
     shard(theirs, torch_fully_shard, reshard_after_forward, policies, ignored, grouped, **arguments)
     shard(ours, md.fully_shard, reshard_after_forward, policies, ignored, grouped, **arguments)
+    devices_after_to_empty = None
     if meta:
         for sharded in (ours, theirs):
             sharded.to_empty(device="cpu")
+        # before any forward, where the sharded state dict a checkpoint is loaded into lives (DCP's resume)
+        devices_after_to_empty = [sorted({v.device.type for v in m.state_dict().values()}) for m in (ours, theirs)]
         ours.load_state_dict(full)
         set_model_state_dict(theirs, {k: v.clone() for k, v in full.items()},  # (it turns the values into DTensors)
                              options=StateDictOptions(full_state_dict=True))
@@ -331,7 +334,7 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
     ours.load_state_dict(full)  # the initial weights back, whole, on every rank
     reloaded = md.full_state_dict(ours)
     return {"differences": differences, "state_dict_equal": state_dict_equal, "state_dicts_alike": state_dicts_alike,
-            "reloaded": all(torch.equal(reloaded[k], full[k]) for k in full),
+            "reloaded": all(torch.equal(reloaded[k], full[k]) for k in full), "devices_after_to_empty": devices_after_to_empty,
             "shard_shapes": [tuple(p.shape) for p in ours.parameters()]}
 
 
@@ -968,6 +971,7 @@ def refusals(seed: int) -> dict[str, Any]:
         "mesh_and_group": lambda model: md.fully_shard(model, mesh=init_device_mesh("cpu", (2,)),
                                                        process_group=dist.group.WORLD),
         "pinned_offload": lambda model: md.fully_shard(model, offload_policy=CPUOffloadPolicy()),
+        "non_contiguous": lambda model: md.fully_shard(_transposed_head(model)),
     }
     results = {}
     for name, call in cases.items():
@@ -980,6 +984,12 @@ def refusals(seed: int) -> dict[str, Any]:
             results[name] = {"error": f"{type(error).__name__}: {error}"}
         results[name]["untouched"] = (type(model) is Net and [p.shape for p in model.parameters()] == before)
     return results
+
+
+def _transposed_head(model: nn.Module) -> nn.Module:
+    """``model`` with its head's weight laid out transposed: a parameter that is not contiguous."""
+    model.head.weight = nn.Parameter(model.head.weight.detach().t().contiguous().t())
+    return model
 
 
 def child_sharded_after_its_parent(seed: int) -> dict[str, Any]:

@@ -563,6 +563,7 @@ def test_cpu_offload_of_a_module_on_the_cpu_trains_as_fsdp2_with_it(two):
     ("three_dimensions", "ValueError: fully_shard expects a 1D or 2D DeviceMesh"),
     ("mesh_and_group", "ValueError: fully_shard got both mesh and process_group"),
     ("pinned_offload", "RuntimeError: fully_shard: CPUOffloadPolicy(pin_memory=True)"),
+    ("non_contiguous", "NotImplementedError: fully_shard: parameter 'head.weight' is not contiguous"),  # FSDP2's type
 ])
 def test_arguments_beyond_what_is_supported_are_refused_before_anything_is_sharded(two, case, error):
     if case == "pinned_offload" and torch.accelerator.is_available():
@@ -577,6 +578,15 @@ def test_a_model_built_on_the_meta_device_sharded_materialised_and_loaded_trains
     # the way large models are built (FSDP2: FSDPModule._apply, FSDPParam.reset_sharded_param): fully_shard on the
     # meta device, to_empty(device="cpu") registers new parameters, a full state dict gives them their weights
     assert_trains_as_fsdp2(two, case)
+
+
+@pytest.mark.parametrize("case", ["meta", "meta-tied"])
+def test_the_state_dict_after_to_empty_lives_on_the_new_device_as_fsdp2s(two, case):
+    # before any forward: a checkpoint is loaded into it (dcp.load into get_model_state_dict(model)); on the meta
+    # device it would take nothing
+    for result in each_rank(two, case):
+        ours, theirs = result["devices_after_to_empty"]
+        assert ours == theirs == ["cpu"]
 
 
 @pytest.mark.parametrize("world,check", [("two", "clip-2"), ("two", "clip-1"), ("two", "clip-inf"), ("three", "clip-2"),

@@ -387,6 +387,13 @@ class ShardGroup:
         itemsize = torch.empty(0, dtype=self.compute_dtype).element_size() if self.params else 0
         self._gathered_nbytes = sum(p.shard_numel for p in self.params) * self.world_size * itemsize
 
+    def reshard_for_state_dict(self) -> None:
+        """Before a state dict is read or loaded: the shards on the modules, never gathered copies (FSDP2's alike), and
+        the group's device read from them again: after ``to_empty()`` from the meta device, before any forward, the
+        DTensors' mesh must be made on the shards' new device, not on the meta device."""
+        self.reshard()
+        self.follow_moved_shards()
+
     def follow_moved_shards(self) -> None:
         """Rebuild what gathers from the shards that ``module.to(...)`` gave new data (:meth:`ShardedParameter.
         follows_shard`), and the group's device and dtypes from them."""
@@ -1392,7 +1399,7 @@ def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefi
     ``state_dict()`` gives, filled by ``torch.distributed.checkpoint.load``) becomes its local rows, or the whole
     tensor first where it is laid out otherwise (a collective then); rows are loaded as they are. So a full state
     dict, or a sharded one, loads into a sharded module."""
-    group.reshard()  # load into the shards, not into gathered copies
+    group.reshard_for_state_dict()  # load into the shards, not into gathered copies
     keys = _keys_of(group, holder, prefix)
     mesh = group.dtensor_mesh() if any(isinstance(state_dict.get(key), DTensor) for key, _ in keys) else None
     for key, p in keys:
@@ -1401,8 +1408,8 @@ def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefi
 
 
 def _reshard_before_state_dict(group: ShardGroup, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    """A state dict holds the shards, never gathered copies (FSDP2's alike)."""
-    group.reshard()
+    """A state dict holds the shards, as they are now (:meth:`ShardGroup.reshard_for_state_dict`)."""
+    group.reshard_for_state_dict()
 
 
 def _shards_as_dtensors(group: ShardGroup, holder: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
@@ -1446,10 +1453,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     parameter's padded rows are gathered with one ``all_gather_single`` over its group, the layout its all-gathers
     use, and the padding left out."""
     groups = sharded_groups(module)
-    for group in groups:
-        group.reshard()
-        group.follow_moved_shards()  # the parameters registered now: after to_empty(), new ones
-    full = module.state_dict()
+    full = module.state_dict()  # each group resharded, following the parameters registered now (after to_empty())
     for name, holder in module.named_modules(remove_duplicate=False):
         for group in groups:
             for key, p in _keys_of(group, holder, name + "." if name else ""):
@@ -1536,7 +1540,9 @@ def _checked_here(
             raise ValueError(f"fully_shard: parameter '{name}' is a scalar; sharding needs at least one dimension "
                              f"(make it a tensor of shape (1,))")
         if not param.is_contiguous():
-            raise ValueError(f"fully_shard: parameter '{name}' is not contiguous; make it contiguous first")
+            raise NotImplementedError(  # FSDP2's type (_fsdp_param.py): code that catches it finds it
+                f"fully_shard: parameter '{name}' is not contiguous (stride {param.stride()}), which FSDP2 does not "
+                f"support either; make it contiguous first")
     dims = {param: _shard_dim(param, name, shard_placement_fn, world_size) for name, param in named}
     devices = {p.device for _, p in named}
     if len(devices) > 1:
