@@ -804,6 +804,53 @@ def sparse_gradients_as_stock(seed: int, steps: int = 3, **options: Any) -> dict
             "plans": [d._get_ddp_logging_data().get(key) for d in (theirs, ours)]}
 
 
+# ---- complex parameters ----------------------------------------------------------------------------------
+
+
+class ComplexModel(nn.Module):
+    """A complex128 weight between float64 layers: its gradient gets a bucket of its own (another dtype), which
+    torch's reducer all-reduces, and hands a hook, viewed as real."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 4, dtype=torch.float64)
+        self.weight = nn.Parameter(torch.randn(4, 3, dtype=torch.complex128))
+        self.outer = nn.Linear(3, 2, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer((self.inner(x).to(torch.complex128) @ self.weight).abs())
+
+
+def _recording_allreduce(state, bucket):
+    """torch's ``allreduce_hook``, noting what it was handed: the buffer's dtype and size, the gradients' dtypes
+    and shapes, the parameters' dtypes (not the bucket's index: the order of a rebuilt plan's buckets of several
+    dtypes is torch's hash map's, docs in minidp/distributed/buckets.py)."""
+    state.append((str(bucket.buffer().dtype), bucket.buffer().numel(),
+                  [(str(g.dtype), tuple(g.shape)) for g in bucket.gradients()], [str(p.dtype) for p in bucket.parameters()]))
+    return default_hooks.allreduce_hook(dist.group.WORLD, bucket)
+
+
+def complex_parameters_as_stock(seed: int, steps: int = 3, hook: bool = False, **options: Any) -> dict:
+    """SGD with momentum on :class:`ComplexModel` under both wrappers: per step the first difference (parameters
+    and gradients, bitwise), and with ``hook`` what each backward's hook calls saw (:func:`_recording_allreduce`)."""
+    theirs, ours, theirs_module, ours_module = _pair(ComplexModel, seed, **options)
+    seen: dict[str, list] = {"stock": [], "minidp": []}
+    if hook:
+        theirs.register_comm_hook(seen["stock"], _recording_allreduce)
+        ours.register_comm_hook(seen["minidp"], _recording_allreduce)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (theirs_module, ours_module)]
+    differences, buckets = [], {"stock": [], "minidp": []}
+    for step in range(steps):
+        for name, ddp, optimizer in zip(("stock", "minidp"), (theirs, ours), optimizers):
+            optimizer.zero_grad()
+            ddp(_inputs(seed, step, 5, 6).double()).pow(2).mean().backward()
+            optimizer.step()
+            buckets[name].append(sorted(seen[name]))
+            seen[name].clear()
+        differences.append(_difference(ours_module, theirs_module))
+    return {"differences": differences, **buckets}
+
+
 # ---- batch normalisation across processes ----------------------------------------------------------------
 
 

@@ -108,6 +108,10 @@ TWO_PROCESSES = {
     "sparse": (checks.sparse_gradients_as_stock, {}),
     "sparse_small_buckets": (checks.sparse_gradients_as_stock, {"bucket_cap_mb": 0.0001}),
     "sparse_find_unused": (checks.sparse_gradients_as_stock, {"find_unused_parameters": True}),
+    "complex": (checks.complex_parameters_as_stock, {}),
+    "complex_bucket_view": (checks.complex_parameters_as_stock, {"gradient_as_bucket_view": True}),
+    "complex_hooked": (checks.complex_parameters_as_stock, {"hook": True}),
+    "complex_hooked_bucket_view": (checks.complex_parameters_as_stock, {"hook": True, "gradient_as_bucket_view": True}),
     "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
     "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
     "sync_bn_hybrid_fewer_rows": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2), "per_rank": [5, 1]}),
@@ -447,6 +451,21 @@ def test_sparse_gradients_are_reduced_on_their_own_as_stock(two, check):
         assert result["same"] == [True] * 3
         assert result["sparse_grads"] == [True, False, False, True, False, False]
         assert result["plans"][1] == result["plans"][0]  # each sparse gradient a bucket of its own
+
+
+# ---- complex parameters (reducer.cpp: a complex bucket communicated as view_as_real) ----
+
+
+@pytest.mark.parametrize("check", ["complex", "complex_bucket_view", "complex_hooked", "complex_hooked_bucket_view"])
+def test_complex_parameters_train_as_stock_with_their_buckets_communicated_as_real(two, check):
+    # torch's reducer keeps a complex parameter's bucket complex and all-reduces it viewed as real; a comm hook is
+    # handed that real view (the real dtype, twice the elements) and its result is read back as complex
+    for result in each_rank(two, check):
+        assert result["differences"] == [None] * 3
+        assert result["minidp"] == result["stock"]
+        if check.startswith("complex_hooked"):
+            complex_bucket = ("torch.float64", 24, [("torch.float64", (4, 3))], ["torch.complex128"])
+            assert all(complex_bucket in backward for backward in result["stock"])
 
 
 # ---- batch normalisation: minidp.SyncBatchNorm across processes; torch's refused on the CPU (distributed.py:2453) ----

@@ -198,18 +198,25 @@ def views_of(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.T
     return views
 
 
+def as_real(flat: torch.Tensor) -> torch.Tensor:
+    """A bucket's flat buffer as its all-reduce and a communication hook see it: torch's reducer keeps a complex
+    bucket complex (its views shaped like the parameters) and communicates it viewed as real, twice the elements
+    (``view_as_real``, sharing the storage); any other buffer as it is."""
+    return torch.view_as_real(flat).flatten() if flat.is_complex() else flat
+
+
 class GradBucket:
     """What a communication hook receives: the Python face of ``torch.distributed.GradBucket``.
 
     ``buffer()`` is the bucket's flat gradient tensor (not divided by the world size when a hook is
-    registered); the hook returns a ``torch.futures.Future`` whose value is the reduced tensor, the
-    same size. The methods are the ones stock hooks (``allreduce_hook``, ``fp16_compress_hook``,
+    registered), real for complex parameters as torch gives it (:func:`as_real`); the hook returns a
+    ``torch.futures.Future`` whose value is the reduced tensor, the same size. The methods are the ones stock hooks (``allreduce_hook``, ``fp16_compress_hook``,
     ``bf16_compress_hook``, PowerSGD) call.
     """
 
     def __init__(self, bucket: Bucket, bucket_count: int) -> None:
         self._bucket = bucket
-        self._buffer = bucket.buffer
+        self._buffer = as_real(bucket.buffer)
         self._is_last = bucket.index == bucket_count - 1
 
     def index(self) -> int:
@@ -222,7 +229,9 @@ class GradBucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """Views of ``buffer()``, one per parameter, shaped like it (a sparse bucket: its one gradient)."""
+        """Views of ``buffer()``, one per parameter, shaped like it (a sparse bucket: its one gradient). For complex
+        parameters these are real views of the real buffer at the parameters' offsets and shapes, as torch's
+        ``GradBucket.gradients()`` gives them (not the parameters' gradients viewed as real)."""
         return [self._buffer] if self._bucket.sparse else views_of(self._buffer, self._bucket.params)
 
     def parameters(self) -> list[torch.Tensor]:

@@ -26,7 +26,8 @@ With a communication hook (``register_comm_hook``) the gradients go into the buc
 the hook does the averaging and the communication (see "DDP Communication Hook" in reducer.cpp).
 
 Variations, each where its step is: a sparse gradient is a bucket of its own (step 3,
-``mark_variable_ready_sparse``); a static graph (:meth:`Reducer.set_static_graph`) counts hooks in its
+``mark_variable_ready_sparse``); a complex parameter's bucket stays complex and is communicated viewed as
+real (step 3, :func:`~minidp.distributed.buckets.as_real`); a static graph (:meth:`Reducer.set_static_graph`) counts hooks in its
 first backward and reduces everything at its end; under ``Join`` the divisor may be the number of ranks
 still training (:meth:`Reducer.set_forward_pass_work`) and a joined rank shadows the all-reduces
 (:meth:`Reducer.shadow_backward`); ``backward(create_graph=True)`` reduces the values and leaves
@@ -51,7 +52,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ..nested import tensors_in
-from .buckets import Bucket, BucketCaps, GradBucket, initial_plan, rebuilt_plan, views_of
+from .buckets import Bucket, BucketCaps, GradBucket, as_real, initial_plan, rebuilt_plan, views_of
 from .comm_hooks import ONLY_ONCE, ONLY_ONCE_BUILTIN, CommHook, future_result
 
 
@@ -515,7 +516,7 @@ class Reducer:
         event = {"stage": "all-reduce", "bucket": bucket.index, "start": time.perf_counter(), "end": None}
         self._stamps.setdefault("backward_comm_start", event["start"])
         if self.comm_hook is None:
-            bucket.future = dist.all_reduce(bucket.buffer, group=self.group, async_op=True).get_future()
+            bucket.future = dist.all_reduce(as_real(bucket.buffer), group=self.group, async_op=True).get_future()
         else:
             bucket.future = self.comm_hook(self.comm_state, GradBucket(bucket, len(self.buckets)))
             future_result(bucket.future, bucket.index)
@@ -691,12 +692,18 @@ class Reducer:
             ) from error
         _stamp_end(self._reduce_events[bucket.index])  # in case the done-callback has not run yet
         result = value[0] if isinstance(value, (list, tuple)) else value
-        if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
+        communicated = as_real(bucket.buffer)
+        if not isinstance(result, torch.Tensor) or result.numel() != communicated.numel():
             got = f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor) else type(result).__name__
             raise RuntimeError(
                 f"bucket {bucket.index}: the communication hook's future holds {got}; it must hold one tensor of "
-                f"{bucket.buffer.numel()} elements, the reduced bucket.buffer()"
+                f"{communicated.numel()} elements, the reduced bucket.buffer()"
             )
+        if bucket.buffer.is_complex() and not result.is_complex():
+            # complex gradients were communicated as real (as_real): the result read back as complex, in place
+            # when it is the bucket itself
+            same = result.data_ptr() == bucket.buffer.data_ptr() and result.dtype == communicated.dtype
+            return bucket.buffer if same else torch.view_as_complex(result.reshape(-1, 2))
         return result
 
     def _globally_unused(self, index: int) -> bool:
