@@ -851,6 +851,58 @@ def complex_parameters_as_stock(seed: int, steps: int = 3, hook: bool = False, *
     return {"differences": differences, **buckets}
 
 
+# ---- parameters ignored by name -------------------------------------------------------------------------
+
+
+class RootAndTied(nn.Module):
+    """A root parameter (``named_parameters()`` names it ``"scale"``, torch's reducer ``".scale"``) and a weight
+    tied between ``emb`` and ``head``, with ``mid`` registered between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(6, 6, dtype=torch.float64))
+        self.emb = nn.Linear(6, 6, bias=False, dtype=torch.float64)
+        self.mid = nn.Linear(6, 6, dtype=torch.float64)
+        self.head = nn.Linear(6, 6, bias=False, dtype=torch.float64)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(x @ self.scale))))
+
+
+def ignored_by_name_as_stock(seed: int, ignored: Sequence[str], steps: int = 3) -> dict:
+    """:class:`RootAndTied` with ``ignored`` named to both wrappers: per step the first difference (parameters and
+    gradients, bitwise; an ignored one keeps each rank's own), and for each wrapper the reducer's parameters (their
+    positions in ``parameters()``), its names for them and the logged facts that count them."""
+
+    def build() -> nn.Module:
+        module = RootAndTied()
+        TorchDDP._set_params_and_buffers_to_ignore_for_model(module, list(ignored))
+        return module
+
+    theirs, ours, theirs_module, ours_module = _pair(build, seed)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (theirs_module, ours_module)]
+    differences = []
+    for step in range(steps):
+        for ddp, optimizer in zip((theirs, ours), optimizers):
+            optimizer.zero_grad()
+            ddp(_inputs(seed, step, 5, 6).double()).pow(2).mean().backward()
+            optimizer.step()
+        differences.append(_difference(ours_module, theirs_module))
+    facts = {}
+    for name, ddp, module in (("stock", theirs, theirs_module), ("minidp", ours, ours_module)):
+        params, _ = ddp._build_params_for_reducer()
+        everything = list(module.parameters())
+        logged = ddp._get_ddp_logging_data()
+        facts[name] = {
+            "positions": [next(i for i, q in enumerate(everything) if q is p) for p in params],
+            "names": ddp._build_debug_param_to_name_mapping(params),
+            "logged": {key: logged.get(key) for key in (
+                "num_parameter_tensors", "total_parameter_size_bytes", "bucket_sizes", "rebuilt_per_bucket_param_indices")},
+        }
+    return {"differences": differences, **facts}
+
+
 # ---- batch normalisation across processes ----------------------------------------------------------------
 
 

@@ -119,6 +119,10 @@ TWO_PROCESSES = {
     "ignored": (ddp_checks.against_torch, {"model": "resnet_bn", "ignored": ["conv2.weight", "bn2.running_mean"]}),
     "ignored_find_unused": (ddp_checks.against_torch, {
         "model": "partly_used", "ignored": ["head.bias", "never.weight"], "find_unused_parameters": True}),
+    # names torch's reducer does not match ("scale" for its ".scale", a tied weight under one of its two names), and
+    # names it does
+    "ignored_unmatched_names": (checks.ignored_by_name_as_stock, {"ignored": ["scale", "emb.weight"]}),
+    "ignored_reducer_names": (checks.ignored_by_name_as_stock, {"ignored": [".scale", "emb.weight", "head.weight"]}),
     "no_init_sync": (ddp_checks.against_torch, {"model": "resnet_bn", "init_sync": False}),
     "device_mesh": (ddp_checks.against_torch, {"mesh": True}),
     "device_mesh_slice": (ddp_checks.against_torch, {"mesh": "slice"}),
@@ -526,6 +530,24 @@ def test_ignored_parameters_and_buffers_are_left_alone_as_stock_leaves_them(two,
     # _set_params_and_buffers_to_ignore_for_model: not broadcast at construction (so they keep each rank's
     # initial values), not reduced (local gradients), and an ignored buffer is not broadcast before forwards
     assert_no_differences(two, check)
+
+
+def test_a_parameter_ignored_by_a_name_stocks_reducer_does_not_match_is_still_reduced_as_in_stock(two):
+    # distributed.py _build_params_for_reducer: f"{module_name}.{param_name}" over each module's own parameters, then
+    # repeats dropped; a root parameter is ".scale" there (ignoring "scale" keeps it out of the broadcast only), and
+    # the tied weight, ignored as "emb.weight", is kept as "head.weight", at head's place, after mid's parameters
+    for result in each_rank(two, "ignored_unmatched_names"):
+        assert result["differences"] == [None] * 3
+        assert result["minidp"] == result["stock"]
+        assert result["stock"]["positions"] == [0, 2, 3, 1]
+        assert result["stock"]["names"] == {0: ".scale", 1: "mid.weight", 2: "mid.bias", 3: "head.weight"}
+
+
+def test_parameters_ignored_by_stocks_reducer_names_are_not_reduced_as_in_stock(two):
+    for result in each_rank(two, "ignored_reducer_names"):
+        assert result["differences"] == [None] * 3
+        assert result["minidp"] == result["stock"]
+        assert result["stock"]["positions"] == [2, 3]
 
 
 def test_init_sync_false_neither_checks_nor_broadcasts_as_stock(two):

@@ -36,8 +36,10 @@ IGNORED_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 
 
 def ignored_names(module: nn.Module) -> frozenset[str]:
-    """The names (as ``named_parameters()``/``named_buffers()`` give them) of the parameters and buffers DDP
-    leaves alone: not checked, not broadcast, not reduced. Read once, when DDP wraps the module, as torch reads it."""
+    """The names of the parameters and buffers DDP leaves alone, read once, when DDP wraps the module, as torch
+    reads it. Broadcasts and checks match them against ``named_parameters()``/``named_buffers()`` names; the reducer
+    matches them as torch's does (:func:`reducer_candidates`), so that a root parameter or a tied one's second name
+    escapes them."""
     return frozenset(getattr(module, IGNORED_ATTRIBUTE, ()))
 
 
@@ -50,11 +52,15 @@ def synced_tensors(module: nn.Module, ignored: frozenset[str], buffers: bool) ->
     return tensors
 
 
-def describe(module: nn.Module, buffers: bool, ignored: frozenset[str] = frozenset()) -> list[TensorSpec]:
-    """What must match across ranks: every parameter not ignored, and every such buffer when they are broadcast."""
+def describe(
+    module: nn.Module, buffers: bool, ignored: frozenset[str] = frozenset(), reduced: Iterable[torch.Tensor] = ()
+) -> list[TensorSpec]:
+    """What must match across ranks: every parameter not ignored or ``reduced`` (torch checks those the reducer
+    gets), and every buffer not ignored when they are broadcast."""
+    reduced_ids = {id(p) for p in reduced}
     specs = [
         TensorSpec("parameter", n, tuple(p.shape), p.stride(), str(p.dtype))
-        for n, p in module.named_parameters() if n not in ignored
+        for n, p in module.named_parameters() if n not in ignored or id(p) in reduced_ids
     ]
     if buffers:
         specs += [
@@ -112,11 +118,12 @@ def check_same_everywhere(
 
 
 def check_same_model(
-    module: nn.Module, group: dist.ProcessGroup, buffers: bool, ignored: frozenset[str] = frozenset()
+    module: nn.Module, group: dist.ProcessGroup, buffers: bool, ignored: frozenset[str] = frozenset(),
+    reduced: Iterable[torch.Tensor] = (),
 ) -> None:
     """Raise on every rank of ``group`` unless all ranks' ``module`` match rank 0's (a collective)."""
     check_same_everywhere(
-        describe(module, buffers, ignored), group, first_difference, "DistributedDataParallel needs the same model",
+        describe(module, buffers, ignored, reduced), group, first_difference, "DistributedDataParallel needs the same model",
         "Build the model the same way on every rank (rank 0's values are then broadcast to all).",
     )
 
@@ -144,13 +151,31 @@ def check_one_device_type(module: nn.Module, ignored: frozenset[str] = frozenset
         )
 
 
+def reducer_candidates(module: nn.Module, ignored: frozenset[str] = frozenset()) -> list[tuple[str, nn.Parameter]]:
+    """Every (name, parameter) pair torch's ``_build_params_for_reducer`` keeps before it drops repeats: each
+    module's own parameters (``named_modules()``, ``named_parameters(recurse=False)``) that require grad, named
+    ``f"{module_name}.{param_name}"`` and kept unless that name is ``ignored``. So a root parameter is named
+    ``".w"`` and escapes ``"w"``, and a tied parameter ignored under one of its names comes back under another."""
+    return [
+        (f"{module_name}.{param_name}", param)
+        for module_name, sub in module.named_modules()
+        for param_name, param in sub.named_parameters(recurse=False)
+        if param.requires_grad and f"{module_name}.{param_name}" not in ignored
+    ]
+
+
 def reducer_parameters(
     module: nn.Module, ignored: frozenset[str] = frozenset()
 ) -> tuple[list[nn.Parameter], list[str]]:
-    """The parameters DDP reduces and their names: those that require grad and are not ``ignored``, each once,
-    in registration order (``DistributedDataParallel._build_params_for_reducer``). Their positions are the
-    plan's indices."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
+    """The parameters DDP reduces and their names, as torch's reducer gets them: :func:`reducer_candidates`, each
+    parameter once at its first place (``_build_params_for_reducer``), named by its last candidate's name
+    (``_build_debug_param_to_name_mapping``, whose names torch's reducer reports). Their positions are the plan's
+    indices."""
+    candidates = reducer_candidates(module, ignored)
+    # a dict keeps a key where it was first inserted and the value last assigned: each parameter at its first
+    # place, with its last name (torch's mapping overwrites the name at each repeat)
+    unique = {id(p): (n, p) for n, p in candidates}
+    named = list(unique.values())
     if not named:
         raise RuntimeError(
             "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient"

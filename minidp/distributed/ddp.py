@@ -2,8 +2,8 @@
 
 The construction, step by step (torch's ``DistributedDataParallel.__init__``):
 
-1. the parameters to reduce: those that require grad, each once, in registration order
-   (:func:`~minidp.distributed.checks.reducer_parameters`);
+1. the parameters to reduce: those that require grad, each once, in registration order, less those ignored by
+   name as torch's reducer matches names (:func:`~minidp.distributed.checks.reducer_parameters`);
 2. every rank's model compared with rank 0's; a difference is the same clear error on every rank
    (:func:`~minidp.distributed.checks.check_same_model`);
 3. rank 0's parameters and buffers broadcast to every rank (:mod:`minidp.distributed.broadcast`);
@@ -43,8 +43,8 @@ from .batchnorm import attach_exchange, check_torch_sync_batchnorm
 from .broadcast import broadcast_from, broadcast_from_rank0
 from .buckets import BucketCaps
 from .checks import (
-    IGNORED_ATTRIBUTE, check_one_device_type, check_same_model, collectives_on, ignored_names, reducer_parameters,
-    sparse_gradient_flags, synced_tensors,
+    IGNORED_ATTRIBUTE, check_one_device_type, check_same_model, collectives_on, ignored_names, reducer_candidates,
+    reducer_parameters, sparse_gradient_flags, synced_tensors,
 )
 from .comm_hooks import CommHook, builtin_hook, check_comm_hook, optimizer_in_backward_hook
 from .isinstance_only import refuse_inherited
@@ -183,7 +183,9 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.device_type = self.device.type
         if init_sync:
             with collectives_on(module.parameters()):
-                check_same_model(module, self.process_group, init_sync_buffers, self.parameters_to_ignore)
+                # what torch's reducer gets is checked too: a parameter ignored by a name its reducer does not match
+                check_same_model(module, self.process_group, init_sync_buffers, self.parameters_to_ignore,
+                                 reducer_parameters(module, self.parameters_to_ignore)[0])
             broadcast_from_rank0(synced_tensors(module, self.parameters_to_ignore, init_sync_buffers), self.process_group)
         self._attach_reducer()
         self.require_backward_grad_sync = True  # False inside no_sync()
@@ -217,8 +219,11 @@ class DistributedDataParallel(TorchDistributedDataParallel):
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Sequence[str]) -> None:
-        """Name parameters and buffers (``"fc.weight"``, as ``named_parameters()`` names them) that a DDP built
-        afterwards on ``module`` leaves alone: not checked, broadcast or reduced (torch DDP's static method)."""
+        """Name parameters and buffers (``"fc.weight"``) that a DDP built afterwards on ``module`` leaves alone (torch
+        DDP's static method). As in torch, ``named_parameters()`` names keep them out of the broadcasts, while the
+        reducer leaves out a parameter only under its ``f"{module_name}.{param_name}"`` names, every one of them: a
+        root parameter (``".w"`` there, not ``"w"``) or a tied one ignored under one name only is still reduced, and
+        checked (:func:`~minidp.distributed.checks.reducer_candidates`)."""
         setattr(module, IGNORED_ATTRIBUTE, params_and_buffers_to_ignore)
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if name in params_and_buffers_to_ignore:
@@ -243,9 +248,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         position = {id(p): i for i, p in enumerate(parameters)}
         mapping = {}
         with self._errors_logged():
-            for name, param in self.module.named_parameters():
-                if name in self.parameters_to_ignore or not param.requires_grad:
-                    continue
+            for name, param in reducer_candidates(self.module, self.parameters_to_ignore):
                 if id(param) not in position:
                     raise ValueError(
                         f"Param with name {name} found in module parameters, but not DDP parameters. This indicates a "
