@@ -329,6 +329,33 @@ def _steps_until_an_error(pair: tuple, seed: int, steps: int, step_of: Callable[
     return {"differences": differences, "errors": {}, "step": None}
 
 
+def backward_of_some_parameters_with_find_unused(seed: int) -> dict:
+    """``find_unused_parameters=True``, then ``loss.backward(inputs=<the head's parameters>)`` (a step that trains one part
+    of the model, as a GAN's generator step does), then a whole step: per wrapper, what the head's ``.grad`` became (this
+    rank's own gradient, or the mean over the ranks) and the next forward's error, if any (its first sentence)."""
+    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed, find_unused_parameters=True)
+    x = _inputs(seed, 0, 5, 6)
+    head = list(ours_module[4].parameters())
+    local = torch.autograd.grad(ours_module(x).sum(), head)
+    mean = [g.clone() for g in local]
+    for g in mean:
+        dist.all_reduce(g)
+        g /= dist.get_world_size()
+    outcome = {}
+    for name, ddp, module in (("stock", theirs, theirs_module), ("minidp", ours, ours_module)):
+        ddp(x).sum().backward(inputs=list(module[4].parameters()))
+        grads = [p.grad for p in module[4].parameters()]
+        became = ("local" if all(map(torch.equal, grads, local)) else
+                  "mean" if all(map(torch.equal, grads, mean)) else "other")
+        try:  # stock raises in its forward, before any collective: none is left open
+            ddp(_inputs(seed, 1, 5, 6)).sum().backward()
+            error = None
+        except RuntimeError as caught:
+            error = str(caught).split(".")[0]
+        outcome[name] = {"head_grad": became, "next_step_error": error}
+    return outcome
+
+
 def output_changed_in_place_as_stock(seed: int, steps: int = 3, sink_clone: bool = True, **options: Any) -> dict:
     """The forward's output changed in place before the loss (``out.mul_(2)`` after a tanh, which saved its output):
     stock clones the outputs with ``find_unused_parameters`` and in a static graph's first iteration

@@ -69,6 +69,7 @@ TWO_PROCESSES = {
     "compiled": (checks.compiled_as_stock, {}),
     "description": (checks.description_as_stock, {}),
     "post_accumulate_hooks": (checks.post_accumulate_grad_hooks_as_stock, {}),
+    "backward_of_some_parameters": (checks.backward_of_some_parameters_with_find_unused, {}),
     "output_in_place_find_unused": (checks.output_changed_in_place_as_stock, {"find_unused_parameters": True}),
     "output_in_place_static": (checks.output_changed_in_place_as_stock, {"static_graph": True}),
     "output_in_place_not_cloned": (checks.output_changed_in_place_as_stock, {
@@ -244,6 +245,17 @@ def test_a_users_post_accumulate_grad_hook_runs_before_the_reduction_as_in_stock
     for result in each_rank(two, check):
         assert result["differences"] == [None] * 3
         assert result["same_seen"] and result["hook_calls"] == 3 * 6  # every parameter of the MLP, every step
+
+
+def test_a_backward_of_some_parameters_with_find_unused_is_reduced_where_stock_stalls(two):
+    # README, "What torch DDP still has": torch's reducer waits for the parameters its search found used, which a
+    # backward(inputs=...) never reaches: the head's bucket is left unreduced (each rank's own .grad) and the next forward
+    # raises; minidp takes them as unused at the backward's end, averages what the backward made, and trains on
+    for result in each_rank(two, "backward_of_some_parameters"):
+        assert result["stock"]["head_grad"] == "local"
+        assert result["stock"]["next_step_error"] == (
+            "Expected to have finished reduction in the prior iteration before starting a new one")
+        assert result["minidp"] == {"head_grad": "mean", "next_step_error": None}
 
 
 def test_an_output_changed_in_place_trains_as_stock_where_stock_clones_the_outputs(two):
