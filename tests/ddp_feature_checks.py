@@ -451,7 +451,8 @@ def static_graph_auxiliary_output_as_stock(seed: int, auxiliary_from: Optional[i
 
 def description_as_stock(seed: int) -> dict:
     """What torch DDP says of the module it wraps (``device``, ``device_type``, ``is_multi_device_module``,
-    ``_module_parameters``), stock's and minidp's, and what each makes of ``device_ids=[]``."""
+    ``_module_parameters``), stock's and minidp's, what each makes of ``device_ids=[]``, and each one's refusal of a module
+    without parameters."""
     theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)
 
     def described(ddp: nn.Module, module: nn.Module) -> tuple:
@@ -461,7 +462,14 @@ def description_as_stock(seed: int) -> dict:
 
     empty = [_quiet(lambda: wrapper(_tanh_mlp(), device_ids=[])).device_ids
              for wrapper in (TorchDDP, md.DistributedDataParallel)]
-    return {"stock": described(theirs, theirs_module), "minidp": described(ours, ours_module), "empty_device_ids": empty}
+    refusals = []
+    for wrapper in (TorchDDP, md.DistributedDataParallel):
+        try:
+            wrapper(nn.ReLU())
+        except RuntimeError as error:
+            refusals.append(str(error))
+    return {"stock": described(theirs, theirs_module), "minidp": described(ours, ours_module), "empty_device_ids": empty,
+            "without_parameters": refusals}
 
 
 def compiled_as_stock(seed: int, steps: int = 3) -> dict:

@@ -302,6 +302,8 @@ def test_the_wrappers_description_of_its_module_is_stocks(two):
     for result in each_rank(two, "description"):
         assert result["minidp"] == result["stock"] == (torch.device("cpu"), "cpu", False, list(range(6)))
         assert result["empty_device_ids"] == [None, None]
+        stock, minidp = result["without_parameters"]
+        assert minidp == stock, (minidp, stock)
 
 
 def test_torch_compile_of_the_wrapper_trains_as_stock_bitwise_and_traces_only_the_module(two):

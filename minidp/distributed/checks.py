@@ -178,7 +178,7 @@ def reducer_parameters(
     named = list(unique.values())
     if not named:
         raise RuntimeError(
-            "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient"
+            "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient."
         )
     for name, p in named:
         if isinstance(p, nn.parameter.UninitializedParameter):
