@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .device_ids import DeviceLike, as_devices
+from .nested import map_tensors
 from .step1_scatter import scatter_kwargs
 from .step2_replicate import check_is_module
 
@@ -70,6 +71,9 @@ def calibrate(
         sample_inputs = (sample_inputs,)
     if not sample_inputs:
         raise ValueError("sample_inputs is empty: give a batch as the model takes it")
+    # Timed on copies cut from autograd: a backward must not reach the caller's tensors (an input that requires grad
+    # would collect a gradient, one made by another module would back-propagate into it, and again at every pass).
+    sample_inputs = map_tensors(torch.Tensor.detach, sample_inputs)
     distinct = list(dict.fromkeys(devices))
     free = {device: torch.cuda.mem_get_info(device)[0] for device in distinct if device.type == "cuda"}
     seconds = {device: _median_step_seconds(model, sample_inputs, device, steps, loss_fn) for device in distinct}

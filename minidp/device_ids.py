@@ -72,12 +72,16 @@ def as_device(device: DeviceLike, argument: str = "device") -> torch.device:
     """Return ``device`` as a ``torch.device``, checking that a GPU id names a GPU this process sees.
 
     An int is a CUDA ordinal (``-1`` means the CPU, as in stock ``gather``); strings and
-    ``torch.device`` are taken as they are, and ``"cuda"`` without an index means the current GPU.
+    ``torch.device`` are taken as they are, ``"cuda"`` without an index means the current GPU, and ``"cpu:0"``
+    (any CPU index) the CPU, ``device("cpu")``, where torch keeps every CPU tensor.
     ``argument`` names the caller's argument in error messages.
     """
-    if type(device) is torch.device and device.type != "cuda":
+    if type(device) is torch.device and device.type != "cuda" and device.index is None:
         return device  # already parsed, nothing to check: the hot path passes these every step
     device = parse_device(device, argument)
+    if device.type == "cpu":
+        # "cpu:0" is the CPU: torch keeps every CPU tensor on device("cpu"), which does not equal device("cpu:0")
+        return torch.device("cpu")
     if device.type == "cuda":
         visible = visible_gpus()
         if device.index is None:

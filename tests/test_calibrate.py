@@ -34,6 +34,24 @@ def test_replicas_that_share_a_device_get_equal_weights(generator):
     assert weights == [weights[0]] * 4
 
 
+def test_cpu_spelled_with_an_index_is_the_one_cpu(generator):
+    """``"cpu:0"`` names the CPU, where every CPU tensor lives (``device("cpu")``): replicas on it share its speed."""
+    weights = minidp.calibrate(bn_model(generator), torch.randn(8, 4, generator=generator, dtype=torch.float64),
+                               ["cpu", "cpu:0", torch.device("cpu", 0)])
+    assert weights == [weights[0]] * 3
+
+
+def test_the_callers_inputs_get_no_gradient_and_their_graph_is_left_alone(generator):
+    """The timed backward passes stop at the model: a sample that requires grad, or that another module made (whose
+    graph a second pass would find freed), is left as it was given."""
+    leaf = torch.randn(8, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    backbone = nn.Linear(3, 4).double()
+    made = backbone(torch.randn(8, 3, generator=generator, dtype=torch.float64))
+    for sample in (leaf, made):
+        minidp.calibrate(bn_model(generator), sample, cpu_ids(2))
+    assert leaf.grad is None and backbone.weight.grad is None
+
+
 def test_the_weights_drive_a_data_parallel_with_the_full_batch_results(generator):
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
     x = torch.randn(9, 4, generator=generator, dtype=torch.float64)

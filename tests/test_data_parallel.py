@@ -298,6 +298,16 @@ def test_a_single_device_instead_of_a_list_is_a_clear_error():
         minidp.DataParallel(bn_model(), "cpu")
 
 
+def test_cpu_spelled_with_an_index_is_the_cpu_the_module_is_on(generator):
+    """torch keeps every CPU tensor on ``device("cpu")``, which does not equal ``device("cpu:0")``: an id spelled so
+    names that CPU (it used to ask for the module to be moved to "cpu:0", which torch cannot do)."""
+    model = bn_model()
+    dp = minidp.DataParallel(model, ["cpu:0", torch.device("cpu", 0)], output_device="cpu:0")
+    assert dp.device_ids == [torch.device("cpu")] * 2 and dp.output_device == torch.device("cpu")
+    x = torch.randn(6, 4, generator=generator)
+    assert torch.equal(dp(x), minidp.DataParallel(model, cpu_ids(2))(x))
+
+
 def test_repeated_cpu_ids_give_that_many_replicas(generator):
     dp = Recording(bn_model(), ["cpu", torch.device("cpu"), "cpu"])
     dp(torch.randn(9, 4, generator=generator))
