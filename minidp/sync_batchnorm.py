@@ -169,6 +169,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # a cumulative moving average
                 factor = 1.0 / float(self.num_batches_tracked)
+        if total == 0:  # BatchNorm counts an empty batch and leaves its statistics (its kernel returns at once)
+            return
         if self.running_mean is not None:
             self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
         if self.running_var is not None:  # the unbiased variance, as BatchNorm keeps
@@ -283,8 +285,10 @@ def _combine(everyone: list[_Statistics], device: torch.device) -> tuple[torch.T
     order, so they all get the same statistics.
     """
     total = sum(chunk.count for chunk in everyone)
-    if total < 2:
-        raise ValueError(f"Expected more than 1 value per channel when training, got {total} across all replicas")
+    if total == 1:
+        raise ValueError("Expected more than 1 value per channel when training, got 1 across all replicas")
+    if total == 0:  # no rows anywhere: an empty output, as BatchNorm gives; the chunks' zeros stand for the statistics
+        return everyone[0].mean.to(device), everyone[0].variance.to(device), 0
     means = torch.stack([_fetch(chunk.mean, chunk.ready, device) for chunk in everyone])
     variances = torch.stack([_fetch(chunk.variance, chunk.ready, device) for chunk in everyone])
     weights = torch.tensor([chunk.count / total for chunk in everyone], dtype=means.dtype, device=device)[:, None]

@@ -339,6 +339,32 @@ def test_an_empty_chunk_adds_nothing_to_the_statistics(generator):
     assert_same_state(sync, reference)
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_an_empty_batch_gives_an_empty_output_as_batchnorm(generator, momentum):
+    """BatchNorm on no rows returns no rows, counts the batch and leaves its running statistics (its kernel returns at
+    once): so across replicas that each got none (DataParallel runs every replica on nothing, docs/stock-behaviour.md
+    B15)."""
+    reference, sync = batchnorm_pair(2, generator, momentum=momentum)
+    x = batch(2, 0, generator).requires_grad_()
+    expected = reference(x)
+    output = finishes_within(BOUND_S, lambda: minidp.DataParallel(sync, cpu_ids(2))(x))
+    assert output.shape == expected.shape == x.shape
+    output.sum().backward()
+    expected.sum().backward()
+    for (name, mine), theirs in zip(sync.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad), name
+    for (name, mine), theirs in zip(sync.named_buffers(), reference.buffers(), strict=True):
+        assert torch.equal(mine, theirs), name
+
+
+def test_one_value_per_channel_across_all_replicas_is_refused_as_batchnorm_refuses_it(generator):
+    reference, sync = batchnorm_pair(2, generator)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        reference(batch(2, 1, generator))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training, got 1 across all"):
+        minidp.parallel_apply(minidp.replicate(sync, cpu_ids(2)), list(batch(2, 1, generator).split([1, 0])))
+
+
 def test_an_input_with_the_wrong_channel_count_is_refused_before_any_state_changes(generator):
     _, sync = batchnorm_pair(2, generator)
     before = copy.deepcopy(sync.state_dict())
