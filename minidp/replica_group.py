@@ -97,12 +97,17 @@ class _Meeting:
 
 
 class ReplicaGroup:
-    """The ``count`` replicas of one parallel_apply call (``replicas``: their modules, to name layers)."""
+    """The ``count`` replicas of one parallel_apply call (``replicas``: their modules, to name layers).
+
+    ``outer``: the membership of the thread that made the group, where a parallel_apply runs inside a replica of
+    another (a nested ``data_parallel``): the replica this group's replicas together stand for, in that call's group.
+    """
 
     def __init__(
         self, count: int, replicas: Optional[Sequence[nn.Module]] = None, timeout: Optional[float] = None
     ) -> None:
         self.count = count
+        self.outer = current()
         self.replicas = replicas
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
         self._changed = threading.Condition()  # guards everything below; notified on every deposit and end

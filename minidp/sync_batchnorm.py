@@ -30,6 +30,11 @@ meeting; every replica then combines the statistics of every replica of every pr
 replica) order: the statistics of the global batch. The core never imports ``torch.distributed``: the
 exchange is a callable it is given.
 
+Inside a nested call (a ``data_parallel`` in the forward of a replica of another call), the inner call's replica 0
+takes its group's statistics one level up the same way: it meets the outer call's replicas (their group is the inner
+group's ``outer``), and hands what comes back to its own replicas, so that every chunk of every level counts, in the
+batch's order. (:meth:`SyncBatchNorm._everyone` walks the levels, processes last.)
+
 When nothing is synchronised, a call is exactly ``nn.BatchNorm``'s: outside parallel_apply, with
 one replica, and whenever ``F.batch_norm`` would use the running statistics rather than the batch's
 (eval mode with running statistics). A layer that met other replicas is refused when activation checkpointing
@@ -105,7 +110,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         self._check_input_dim(input)
         membership = replica_group.current()
         batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
-        alone = membership is None or membership.count == 1
+        alone = membership is None or (membership.count == 1 and membership.group.outer is None)
         # Processes exchange statistics in training only, as torch.nn.SyncBatchNorm does: in eval mode a rank
         # may run batches the others do not run (inference on rank 0 alone), and would wait for them forever.
         exchange = self.across_processes if self.training else None
@@ -135,16 +140,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
                 f"SyncBatchNorm(num_features={self.num_features}) got an input with {input.size(1)} channels "
                 f"(dim 1 of shape {tuple(input.shape)}); give it {self.num_features} channels"
             )
-        index, group = (0, None) if membership is None else (membership.index, membership.group)
-        everyone = [_chunk_statistics(input)]
-        if group is not None:
-            everyone = group.meet(index, self._meeting_key, everyone[0], where=self)
-        if exchange is not None:
-            # one collective per process: replica 0 makes it, its replicas receive the result
-            everyone = exchange(everyone) if index == 0 else None
-            if group is not None:
-                everyone = group.meet(index, (self._meeting_key, "processes"), everyone, where=self)[0]
-        mean, variance, total = _combine(everyone, input.device)
+        index = 0 if membership is None else membership.index
+        mean, variance, total = _combine(self._everyone([_chunk_statistics(input)], membership, exchange), input.device)
 
         if index == 0 and self.training and self.track_running_stats:
             self._update_running_statistics(mean, variance, total)
@@ -160,6 +157,24 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             # cancel: up to 19 units of rounding off, where BatchNorm's error stays at 1 or 2.
             return (input * scale.view(shape) + shift.view(shape)).to(input.dtype)
         return input * scale.to(input.dtype).view(shape) + shift.to(input.dtype).view(shape)
+
+    def _everyone(
+        self, statistics: list[_Statistics], membership: Optional[Membership],
+        exchange: Optional[Callable[[list[_Statistics]], list[_Statistics]]], depth: int = 0,
+    ) -> list[_Statistics]:
+        """The statistics of every chunk of the batch, in order, from ``statistics`` (this replica's): its group's
+        replicas meet; where the group runs inside a replica of another call (a nested data_parallel) or beside other
+        processes (``exchange``), its replica 0 takes the group's statistics there, one level up at a time, and hands
+        back what comes back: one meeting a level, one collective a process."""
+        if membership is None:
+            return statistics if exchange is None else exchange(statistics)
+        index, _, group = membership
+        key = self._meeting_key if depth == 0 else (self._meeting_key, "nested", depth)
+        everyone = [chunk for part in group.meet(index, key, statistics, where=self) for chunk in part]
+        if group.outer is None and exchange is None:
+            return everyone
+        wider = self._everyone(everyone, group.outer, exchange, depth + 1) if index == 0 else None
+        return group.meet(index, (key, "wider"), wider, where=self)[0]
 
     @torch.no_grad()
     def _update_running_statistics(self, mean: torch.Tensor, variance: torch.Tensor, total: int) -> None:

@@ -321,6 +321,28 @@ def test_a_layer_called_twice_in_one_forward_meets_twice(generator):
     assert sync.num_batches_tracked.item() == 2
 
 
+@pytest.mark.parametrize("inner", [2, 1], ids=["two inner replicas", "one inner replica"])
+def test_a_layer_inside_a_nested_data_parallel_normalises_by_the_whole_batch(generator, inner):
+    """A data_parallel inside each replica of an outer DataParallel (the tutorial's ``data_parallel`` in ``forward``,
+    wrapped again): the inner call's replicas meet, and its replica 0 meets the other outer replicas' in the outer
+    call's group, so every chunk of every level counts, as in BatchNorm on the full batch."""
+
+    class Inner(nn.Module):
+        def __init__(self, norm: nn.Module) -> None:
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if inner == 1:  # data_parallel on one device calls the layer itself: a parallel_apply of one replica nests
+                return minidp.parallel_apply([self.norm], [x])[0]
+            return minidp.data_parallel(self.norm, x, cpu_ids(inner))
+
+    reference, sync = batchnorm_pair(2, generator)
+    parallel = minidp.DataParallel(Inner(sync), cpu_ids(3))
+    finishes_within(BOUND_S, steps_agree(reference, parallel, [batch(2, 13, generator), batch(2, 8, generator)], generator))
+    assert_same_state(sync, reference)
+
+
 def test_an_empty_chunk_adds_nothing_to_the_statistics(generator):
     """parallel_apply called directly, with chunks of 4, 0 and 3 rows: the statistics of the 7 rows."""
     reference, sync = batchnorm_pair(2, generator)
