@@ -45,6 +45,15 @@ result is their mean weighted by the replicas' rows, ``sum(rows_i * loss_i) / su
 for a loss that is a plain mean over rows, different for anything else (a sum, a mean with a
 data-dependent denominator, a loss that couples rows). A warning says so, once per criterion type.
 
+A criterion module with hooks (forward or backward, pre-hooks or not, its own or the global ones of
+``torch.nn.modules.module.register_module_forward_hook`` and the like: whatever ``nn.Module.__call__`` would
+run) is not computed on the replicas, rule or no rule: its hooks expect the whole batch, once, where the
+replicas would show them each chunk, from several threads (or skip them: a rule calls ``F.*``). It is
+called once, as torch calls it, on the outputs gathered along ``dim`` onto the output device with the
+targets moved there, so loss and gradients are torch's, bitwise; a warning says so, once per criterion
+type, and that removing the hooks keeps the loss on the replicas. A function (``F.mse_loss``) runs no
+module hooks under torch, and none here.
+
 What autograd records: each replica's loss on its device, the gather (``to``, ``cat``) of the
 scalars, and the final sums and division, so ``loss.backward()`` sends each replica's gradient to
 its output and on through its replica to the parameters. In :func:`minidp.trace`, the replicas'
@@ -69,7 +78,7 @@ from .step4_gather import gather
 
 REDUCTIONS = ("mean", "sum", "none")
 
-_warned_row_weighted: set[str] = set()
+_warned: set[str] = set()  # the keys of the warnings given
 
 
 @dataclass(frozen=True)
@@ -161,6 +170,34 @@ def _rule_for(criterion: Callable) -> Optional[_Rule]:
     return None
 
 
+def _hooks(criterion: Callable) -> list[str]:
+    """The hooks that ``nn.Module.__call__`` runs around ``criterion``'s forward, by kind: its own and the global ones,
+    the dicts ``Module._call_impl`` tests before it skips to ``forward``. None for a function: torch calls it without
+    module hooks."""
+    if not isinstance(criterion, nn.Module):
+        return []
+    module = torch.nn.modules.module  # its globals read now: registering a hook changes them in place
+    kinds = {
+        "forward pre-hooks": criterion._forward_pre_hooks,
+        "forward hooks": criterion._forward_hooks,
+        "backward pre-hooks": criterion._backward_pre_hooks,
+        "backward hooks": criterion._backward_hooks,
+        "global forward pre-hooks (register_module_forward_pre_hook)": module._global_forward_pre_hooks,
+        "global forward hooks (register_module_forward_hook)": module._global_forward_hooks,
+        "global backward pre-hooks (register_module_full_backward_pre_hook)": module._global_backward_pre_hooks,
+        "global backward hooks (register_module_full_backward_hook)": module._global_backward_hooks,
+    }
+    return [kind for kind, registered in kinds.items() if registered]
+
+
+def _on_the_gathered_output(
+    criterion: nn.Module, outputs: Sequence[torch.Tensor], targets: Any, dim: int, destination: torch.device
+) -> torch.Tensor:
+    """``criterion(gathered outputs, targets)`` on ``destination``, called as torch calls it: hooks and all."""
+    (whole_targets,) = scatter(targets, [destination], dim)  # one chunk: the targets, moved, as they are
+    return criterion(gather(list(outputs), destination, dim=dim), whole_targets)
+
+
 def parallel_criterion(
     criterion: Callable[[Any, Any], torch.Tensor],
     outputs: Sequence[torch.Tensor],
@@ -180,6 +217,17 @@ def parallel_criterion(
     if not callable(criterion):
         raise TypeError(f"criterion must be callable, e.g. nn.CrossEntropyLoss(), got {type(criterion).__name__}")
     dim, rows, devices = _check_outputs(outputs, check_dim(dim))
+    destination = devices[0] if output_device is None else as_device(output_device, "output_device")
+    hooks = _hooks(criterion)
+    if hooks:
+        _warn_once(
+            f"hooks {type(criterion).__qualname__}",
+            f"parallel_criterion computes {type(criterion).__qualname__} once on the gathered output, as torch does, "
+            f"not on the replicas: calling it runs {', '.join(hooks)}, which torch runs once on the whole batch "
+            f"(on the replicas they would see, and change, each replica's chunk). Remove the hooks to compute the "
+            f"loss on the replicas.",
+        )
+        return _on_the_gathered_output(criterion, outputs, targets, dim, destination)
     criterion = next((cls() for function, cls in _FUNCTIONAL.items() if criterion is function), criterion)
     rule = _rule_for(criterion)
     reduction = criterion.reduction if rule is not None else "mean"  # no rule: the row-weighted mean
@@ -190,11 +238,17 @@ def parallel_criterion(
             f"dim={dim}: {type(criterion).__name__} takes an (N, C, ...) input whose batch is dim 0; "
             f"parallel_criterion cuts its targets along dim 0 only"
         )
-    destination = devices[0] if output_device is None else as_device(output_device, "output_device")
     chunks = _scatter_targets(targets, devices, dim, rows)
     loss_dtypes: list[torch.dtype] = []  # each replica's loss dtype, which the mean's terms may leave for float32
     if rule is None:
-        _warn_row_weighted(criterion)
+        name = getattr(criterion, "__qualname__", type(criterion).__qualname__)
+        _warn_once(
+            f"row-weighted {name}",
+            f"parallel_criterion has no rule for {name}: the loss is the mean of the replicas' losses weighted by "
+            f"their rows, which equals {name} on the gathered output only if it is a plain mean over rows "
+            f"(rules exist for {', '.join(cls.__name__ for cls in _RULES)} and their functions, "
+            f"{', '.join('F.' + function.__name__ for function in _FUNCTIONAL)})",
+        )
         per_replica = [_row_weighted_terms(criterion, i, n, loss_dtypes) for i, n in enumerate(rows)]
     else:
         tensors = _criterion_tensors(criterion, rule, outputs[0].dim(), dim, rows, devices)
@@ -322,15 +376,9 @@ def _ratio(gathered: torch.Tensor) -> torch.Tensor:
     return numerator / denominator
 
 
-def _warn_row_weighted(criterion: Callable) -> None:
-    name = getattr(criterion, "__qualname__", type(criterion).__qualname__)
-    if name in _warned_row_weighted:
+def _warn_once(key: str, message: str) -> None:
+    """``message`` as a warning at parallel_criterion's caller, the first time ``key`` comes (once per criterion type)."""
+    if key in _warned:
         return
-    _warned_row_weighted.add(name)
-    warnings.warn(
-        f"parallel_criterion has no rule for {name}: the loss is the mean of the replicas' losses weighted by "
-        f"their rows, which equals {name} on the gathered output only if it is a plain mean over rows "
-        f"(rules exist for {', '.join(cls.__name__ for cls in _RULES)} and their functions, "
-        f"{', '.join('F.' + function.__name__ for function in _FUNCTIONAL)})",
-        stacklevel=3,
-    )
+    _warned.add(key)
+    warnings.warn(message, stacklevel=3)

@@ -17,8 +17,8 @@ from .helpers import RTOL_FLOAT64, cpu_ids, max_relative_error
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    """The warning for a criterion without a rule comes once per type and process: once per test here."""
-    monkeypatch.setattr(minidp.criterion, "_warned_row_weighted", set())
+    """parallel_criterion's warnings come once per criterion type and process: once per test here."""
+    monkeypatch.setattr(minidp.criterion, "_warned", set())
 
 FEATURES, CLASSES = 6, 5
 # (replicas, batch): every split uneven (torch.chunk: 9 -> 5, 4; 11 -> 4, 4, 3; 7 -> 2, 2, 2, 1)
@@ -309,6 +309,116 @@ def test_a_subclass_that_overrides_forward_is_treated_as_any_callable(generator)
 
     with pytest.warns(UserWarning, match="Doubled"):
         minidp.parallel_criterion(Doubled(), [torch.randn(2, 3, generator=generator)] * 2, torch.randn(4, 3, generator=generator))
+
+
+# --------------------------------------------------------------------------------------------------
+# a criterion with hooks: called once on the gathered output, as torch calls it, with a warning
+# --------------------------------------------------------------------------------------------------
+
+
+def split_leaf(generator: torch.Generator, shape: tuple[int, ...], sizes: list[int], dim: int = 0):
+    """A float64 leaf standing for the gathered output, and its chunks standing for the replicas' outputs."""
+    full = torch.randn(shape, generator=generator, dtype=torch.float64, requires_grad=True)
+    return full, list(full.split(sizes, dim))
+
+
+def test_a_criterion_with_forward_hooks_gives_torchs_loss_and_gradients_bitwise(generator):
+    criterion = nn.CrossEntropyLoss()
+    criterion.register_forward_pre_hook(lambda module, args: (args[0] / 2, args[1]))  # a temperature on the logits
+    criterion.register_forward_hook(lambda module, args, loss: loss * 3)  # a loss scale
+    full, outputs = split_leaf(generator, (10, CLASSES), [4, 4, 2])
+    targets = class_targets(generator, 10)
+    expected = criterion(full, targets)
+    (expected_grad,) = torch.autograd.grad(expected, full)
+    with pytest.warns(UserWarning, match="CrossEntropyLoss once on the gathered output.*forward pre-hooks, forward hooks"):
+        loss = minidp.parallel_criterion(criterion, outputs, targets)
+    (grad,) = torch.autograd.grad(loss, full)
+    assert torch.equal(loss, expected) and torch.equal(grad, expected_grad)
+
+
+def test_the_warning_for_a_criterion_with_hooks_says_how_to_keep_the_loss_on_the_replicas(generator):
+    criterion = nn.MSELoss()
+    criterion.register_forward_hook(lambda module, args, loss: None)
+    full, outputs = split_leaf(generator, (6, 3), [3, 3])
+    with pytest.warns(UserWarning, match="Remove the hooks to compute the loss on the replicas"):
+        minidp.parallel_criterion(criterion, outputs, torch.zeros(6, 3, dtype=torch.float64))
+
+
+def record_shape(seen: list):
+    """A hook for any of the kinds below: records the shape of the first tensor it is shown (input or gradient)."""
+    return lambda module, shown, *rest: seen.append(tuple(shown[0].shape))
+
+
+module_hooks = torch.nn.modules.module
+HOOKS: dict[str, Callable] = {
+    "forward pre-hook": lambda c, seen: c.register_forward_pre_hook(record_shape(seen)),
+    "forward pre-hook with kwargs": lambda c, seen: c.register_forward_pre_hook(record_shape(seen), with_kwargs=True),
+    "forward hook": lambda c, seen: c.register_forward_hook(record_shape(seen)),
+    "forward hook always called": lambda c, seen: c.register_forward_hook(record_shape(seen), always_call=True),
+    "full backward pre-hook": lambda c, seen: c.register_full_backward_pre_hook(record_shape(seen)),
+    "full backward hook": lambda c, seen: c.register_full_backward_hook(record_shape(seen)),
+    "global forward pre-hook": lambda c, seen: module_hooks.register_module_forward_pre_hook(record_shape(seen)),
+    "global forward hook": lambda c, seen: module_hooks.register_module_forward_hook(record_shape(seen)),
+    "global full backward pre-hook": lambda c, seen: module_hooks.register_module_full_backward_pre_hook(record_shape(seen)),
+    "global full backward hook": lambda c, seen: module_hooks.register_module_full_backward_hook(record_shape(seen)),
+}
+
+
+@pytest.mark.parametrize("hook", list(HOOKS))
+def test_every_kind_of_hook_sees_the_whole_batch_once_as_under_torch(hook, generator):
+    criterion, seen = nn.MSELoss(), []
+    full, outputs = split_leaf(generator, (9, 4), [5, 4])
+    targets = torch.randn(9, 4, generator=generator, dtype=torch.float64)
+    handle = HOOKS[hook](criterion, seen)
+    try:
+        torch.autograd.grad(criterion(full, targets), full)
+        under_torch, seen[:] = list(seen), []
+        with pytest.warns(UserWarning, match="Remove the hooks"):
+            torch.autograd.grad(minidp.parallel_criterion(criterion, outputs, targets), full)
+    finally:
+        handle.remove()
+    assert under_torch and seen == under_torch
+
+
+def test_a_criterion_without_rule_with_a_hook_is_called_once_on_the_gathered_output(generator):
+    # Without hooks it would be called once per replica, on each chunk, with the row-weighted mean (not a sum's).
+    criterion, calls = nn.SmoothL1Loss(reduction="sum"), []
+    full, outputs = split_leaf(generator, (11, 3), [4, 4, 3])
+    targets = torch.randn(11, 3, generator=generator, dtype=torch.float64)
+    expected = criterion(full, targets)
+    criterion.register_forward_hook(lambda module, args, loss: calls.append(tuple(args[0].shape)))
+    with pytest.warns(UserWarning, match="SmoothL1Loss once on the gathered output"):
+        loss = minidp.parallel_criterion(criterion, outputs, targets)
+    assert calls == [(11, 3)] and torch.equal(loss, expected)
+
+
+def test_a_criterion_with_hooks_gets_the_outputs_gathered_along_dim(generator):
+    criterion = nn.MSELoss(reduction="none")
+    criterion.register_forward_hook(lambda module, args, loss: loss * 2)
+    full, outputs = split_leaf(generator, (3, 10, 4), [4, 3, 3], dim=1)
+    targets = torch.randn(3, 10, 4, generator=generator, dtype=torch.float64)
+    grad = torch.randn(3, 10, 4, generator=generator, dtype=torch.float64)
+    expected = criterion(full, targets)
+    (expected_grad,) = torch.autograd.grad(expected, full, grad)
+    with pytest.warns(UserWarning, match="Remove the hooks"):
+        loss = minidp.parallel_criterion(criterion, outputs, targets, dim=1)
+    (actual_grad,) = torch.autograd.grad(loss, full, grad)
+    assert torch.equal(loss, expected) and torch.equal(actual_grad, expected_grad)
+
+
+def test_a_function_runs_no_module_hooks_as_under_torch(generator):
+    # F.mse_loss is not a module: torch calls it without the global module hooks, so it stays on the replicas.
+    seen: list = []
+    full, outputs = split_leaf(generator, (9, 4), [5, 4])
+    targets = torch.randn(9, 4, generator=generator, dtype=torch.float64)
+    handle = module_hooks.register_module_forward_hook(record_shape(seen))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # neither "hooks" nor "no rule"
+            loss = minidp.parallel_criterion(F.mse_loss, outputs, targets)
+    finally:
+        handle.remove()
+    assert seen == [] and max_relative_error(loss, F.mse_loss(full, targets)) < RTOL_FLOAT64
 
 
 # --------------------------------------------------------------------------------------------------
