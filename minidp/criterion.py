@@ -27,7 +27,11 @@ denominators, as ``torch`` defines them:
 * ``nn.CrossEntropyLoss`` with probability targets (shaped like the input): ``input.numel() / C``,
   the number of rows of an ``(N, C)`` input; ``weight`` and ``label_smoothing`` do not enter it.
 * ``nn.MSELoss``, ``nn.L1Loss``, ``nn.BCEWithLogitsLoss``: the number of per-element losses
-  (``weight`` and ``pos_weight`` scale the numerator only).
+  (``weight`` and ``pos_weight`` scale the numerator only). Their targets must be shaped like the
+  gathered output: torch broadcasts MSE's and L1's targets of another shape (an ``(N, 1)`` output and
+  ``(N,)`` targets: ``N x N`` losses, with its warning "likely lead to incorrect results"), which each
+  replica would do against its own rows only; parallel_criterion refuses them, before anything is
+  computed, naming both shapes and the reshape (torch refuses BCE's itself).
 
 The functions behind them, ``F.cross_entropy``, ``F.nll_loss``, ``F.mse_loss``, ``F.l1_loss`` and
 ``F.binary_cross_entropy_with_logits``, passed as they are (called with their defaults), follow their class's rule.
@@ -62,6 +66,7 @@ loss computations show as a second ``forward`` stage and the scalars as a ``gath
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -90,7 +95,8 @@ class _Rule:
     tensors, per_element)`` is the chunk's share of what ``reduction="mean"`` divides by.
     ``tensors``: the names of the criterion's weight tensors; ``batched_tensors``: whether they
     broadcast against the output (so one may carry a batch axis to cut) or are indexed by class.
-    ``class_targets``: the input is ``(N, C, ...)`` with the batch along dim 0.
+    ``class_targets``: the input is ``(N, C, ...)`` with the batch along dim 0. ``target_like_output``: the
+    target must have the output's shape (torch broadcasts one that does not, which the chunks cannot compute).
     """
 
     per_element: Callable[..., torch.Tensor]
@@ -98,6 +104,7 @@ class _Rule:
     tensors: tuple[str, ...] = ()
     batched_tensors: bool = False
     class_targets: bool = False
+    target_like_output: bool = False
 
 
 def _is_probabilities(output: torch.Tensor, target: torch.Tensor) -> bool:
@@ -139,8 +146,8 @@ _RULES: dict[type, _Rule] = {
         tensors=("weight",),
         class_targets=True,
     ),
-    nn.MSELoss: _Rule(lambda c, o, t, ts: F.mse_loss(o, t, reduction="none"), _elements),
-    nn.L1Loss: _Rule(lambda c, o, t, ts: F.l1_loss(o, t, reduction="none"), _elements),
+    nn.MSELoss: _Rule(lambda c, o, t, ts: F.mse_loss(o, t, reduction="none"), _elements, target_like_output=True),
+    nn.L1Loss: _Rule(lambda c, o, t, ts: F.l1_loss(o, t, reduction="none"), _elements, target_like_output=True),
     nn.BCEWithLogitsLoss: _Rule(
         lambda c, o, t, ts: F.binary_cross_entropy_with_logits(
             o, t, weight=ts["weight"], pos_weight=ts["pos_weight"], reduction="none"
@@ -238,6 +245,8 @@ def parallel_criterion(
             f"dim={dim}: {type(criterion).__name__} takes an (N, C, ...) input whose batch is dim 0; "
             f"parallel_criterion cuts its targets along dim 0 only"
         )
+    if rule is not None and rule.target_like_output:
+        _check_target_like_output(criterion, outputs[0], targets, dim, rows)
     chunks = _scatter_targets(targets, devices, dim, rows)
     loss_dtypes: list[torch.dtype] = []  # each replica's loss dtype, which the mean's terms may leave for float32
     if rule is None:
@@ -285,6 +294,36 @@ def _check_outputs(outputs: Sequence[torch.Tensor], dim: int) -> tuple[int, list
         if n == 0:
             raise ValueError(f"outputs[{i}] has no rows along dim {dim}: each replica's output holds part of the batch")
     return dim, rows, [output.device for output in outputs]
+
+
+def _check_target_like_output(criterion: nn.Module, output: torch.Tensor, targets: Any, dim: int, rows: list[int]) -> None:
+    """Refuse targets not shaped like the gathered output, before anything is computed. Where torch broadcasts them,
+    each replica would broadcast its chunk against its own rows only (an ``(N, 1)`` output and ``(N,)`` targets:
+    torch averages ``N x N`` losses, the replicas their diagonal blocks): a different loss, silently."""
+    shape = (*output.shape[:dim], sum(rows), *output.shape[dim + 1 :])  # the gathered output's
+    if not isinstance(targets, torch.Tensor) or targets.shape == shape:
+        return
+    try:
+        broadcast = tuple(torch.broadcast_shapes(targets.shape, shape))
+    except RuntimeError:
+        broadcast = None
+    if broadcast is None:
+        torch_does = "torch refuses them too (they do not broadcast against it)"
+    else:
+        torch_does = (
+            f"torch would broadcast them against it to {broadcast} (with its warning 'This will likely lead to "
+            f"incorrect results due to broadcasting'), a loss the replicas' chunks cannot compute"
+        )
+    if targets.numel() == math.prod(shape):
+        fix = f"Reshape them to it: targets.view{shape}"
+    elif broadcast == shape:
+        fix = f"If the broadcast is meant, expand them to it, as torch would: targets.expand{shape}"
+    else:
+        fix = f"Pass the targets of the whole batch, of shape {shape}"
+    raise ValueError(
+        f"targets of shape {tuple(targets.shape)} do not match the outputs: {type(criterion).__name__} needs targets "
+        f"shaped like the gathered output, {shape}; {torch_does}. {fix}"
+    )
 
 
 def _scatter_targets(targets: Any, devices: list[torch.device], dim: int, rows: list[int]) -> list[Any]:

@@ -406,6 +406,18 @@ def test_a_criterion_with_hooks_gets_the_outputs_gathered_along_dim(generator):
     assert torch.equal(loss, expected) and torch.equal(actual_grad, expected_grad)
 
 
+def test_a_criterion_with_hooks_gets_torchs_broadcast_of_targets_not_an_error(generator):
+    # Called as torch calls it, it computes what torch computes, broadcast (and torch's warning) included.
+    criterion = nn.MSELoss()
+    criterion.register_forward_hook(lambda module, args, loss: None)
+    full, outputs = split_leaf(generator, (10, 1), [4, 4, 2])
+    targets = torch.randn(10, generator=generator, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="incorrect results due to broadcasting"):
+        expected = criterion(full, targets)
+    with pytest.warns(UserWarning, match="Remove the hooks"):
+        assert torch.equal(minidp.parallel_criterion(criterion, outputs, targets), expected)
+
+
 def test_a_function_runs_no_module_hooks_as_under_torch(generator):
     # F.mse_loss is not a module: torch calls it without the global module hooks, so it stays on the replicas.
     seen: list = []
@@ -467,6 +479,49 @@ def test_targets_with_other_rows_than_the_outputs_are_refused(generator):
     outputs = [torch.randn(3, CLASSES, generator=generator), torch.randn(2, CLASSES, generator=generator)]
     with pytest.raises(ValueError, match=r"targets of shape \(6,\).*5 rows.*\[3, 2\]"):
         minidp.parallel_criterion(nn.CrossEntropyLoss(), outputs, torch.zeros(6, dtype=torch.long))
+
+
+# (output shape, target shape): shapes torch broadcasts against each other, with its warning
+BROADCAST_TARGETS = [
+    pytest.param((10, 1), (10,), id="(10,1)-(10,)"),
+    pytest.param((10,), (10, 1), id="(10,)-(10,1)"),
+    pytest.param((10, CLASSES), (1, CLASSES), id="(10,C)-(1,C)"),
+    pytest.param((10, CLASSES), (CLASSES,), id="(10,C)-(C,)"),
+]
+
+
+@pytest.mark.parametrize("output_shape,target_shape", BROADCAST_TARGETS)
+@pytest.mark.parametrize("criterion", [nn.MSELoss(), nn.L1Loss(), F.mse_loss, F.l1_loss], ids=["MSE", "L1", "mse_loss", "l1_loss"])
+def test_elementwise_targets_that_torch_would_broadcast_are_refused_before_anything_is_computed(
+    criterion, output_shape, target_shape, generator
+):
+    # torch broadcasts them (averaging 10 x 10 losses for (10, 1) and (10,)); each replica would broadcast its chunk
+    # against its own rows only, a different loss.
+    outputs = list(torch.randn(output_shape, generator=generator, dtype=torch.float64).split([4, 4, 2]))
+    targets = torch.randn(target_shape, generator=generator, dtype=torch.float64)
+    with minidp.trace() as step, pytest.raises(ValueError, match=r"targets of shape .* do not match the outputs"):
+        minidp.parallel_criterion(criterion, outputs, targets)
+    assert step.events == []
+
+
+def test_the_error_for_a_broadcast_target_names_both_shapes_torchs_broadcast_and_the_reshape():
+    with pytest.raises(ValueError) as error:
+        minidp.parallel_criterion(nn.MSELoss(), [torch.zeros(4, 1), torch.zeros(4, 1)], torch.zeros(8))
+    message = str(error.value)
+    assert message.startswith("targets of shape (8,) do not match the outputs: MSELoss needs targets shaped like the gathered output, (8, 1)")
+    assert "torch would broadcast them against it to (8, 8)" in message and "likely lead to incorrect results" in message
+    assert message.endswith("Reshape them to it: targets.view(8, 1)")
+
+
+def test_the_error_for_a_target_broadcast_over_the_batch_says_how_to_expand_it():
+    with pytest.raises(ValueError, match=r"targets of shape \(1, 3\) do not match the outputs.*targets.expand\(8, 3\)$"):
+        minidp.parallel_criterion(nn.L1Loss(), [torch.zeros(4, 3), torch.zeros(4, 3)], torch.zeros(1, 3))
+
+
+def test_elementwise_targets_torch_refuses_are_refused_before_anything_is_computed():
+    with minidp.trace() as step, pytest.raises(ValueError, match=r"targets of shape \(8, 2\).*torch refuses them too"):
+        minidp.parallel_criterion(nn.MSELoss(), [torch.zeros(4, 3), torch.zeros(4, 3)], torch.zeros(8, 2))
+    assert step.events == []
 
 
 def test_a_gathered_output_is_refused_with_a_pointer_to_gather_output(generator):
