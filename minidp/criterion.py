@@ -219,7 +219,8 @@ def parallel_criterion(
     ``DataParallel(..., gather_output=False)`` returns). ``targets``: the whole batch's targets, on
     any device; they are cut along ``dim`` into the outputs' sizes along ``dim`` and each chunk is
     sent to its output's device. ``output_device``: where the loss goes (default ``outputs[0]``'s
-    device). The rule per criterion is in this module's docstring.
+    device). The rule per criterion is in this module's docstring; a criterion module with hooks is
+    called once on the gathered output instead, as torch calls it, with a warning.
     """
     if not callable(criterion):
         raise TypeError(f"criterion must be callable, e.g. nn.CrossEntropyLoss(), got {type(criterion).__name__}")
@@ -304,16 +305,13 @@ def _check_target_like_output(criterion: nn.Module, output: torch.Tensor, target
     if not isinstance(targets, torch.Tensor) or targets.shape == shape:
         return
     try:
-        broadcast = tuple(torch.broadcast_shapes(targets.shape, shape))
-    except RuntimeError:
-        broadcast = None
-    if broadcast is None:
-        torch_does = "torch refuses them too (they do not broadcast against it)"
-    else:
+        broadcast: Optional[tuple[int, ...]] = tuple(torch.broadcast_shapes(targets.shape, shape))
         torch_does = (
             f"torch would broadcast them against it to {broadcast} (with its warning 'This will likely lead to "
             f"incorrect results due to broadcasting'), a loss the replicas' chunks cannot compute"
         )
+    except RuntimeError:
+        broadcast, torch_does = None, "torch refuses them too (they do not broadcast against it)"
     if targets.numel() == math.prod(shape):
         fix = f"Reshape them to it: targets.view{shape}"
     elif broadcast == shape:
