@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed._composable.replicate import replicate as torch_replicate
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 import minidp.distributed as md
 
@@ -42,21 +43,26 @@ class Net(nn.Module):
 
 def train(seed: int, library: str, steps: int = 4, micro_batches: int = 2, ignored: bool = False,
           hook: Optional[Callable] = None, shard: Optional[str] = None, skip_branch: Optional[str] = None,
-          compiled: bool = False, **ddp_kwargs: Any) -> dict:
+          compiled: bool = False, replicated_child: Optional[str] = None, **ddp_kwargs: Any) -> dict:
     """``steps`` optimizer steps of SGD with momentum, each over ``micro_batches`` forwards (all but the last with
     ``set_requires_gradient_sync(False)``), every rank starting from other parameters (rank 0's are broadcast).
     ``ignored``: fc1 left out; ``hook``: a comm hook registered before the first forward; ``shard``: the name of a
     sub-module sharded first with the library's ``fully_shard``; ``skip_branch``: ``"odd"`` steps skip ``branch``, or
     ``"always"`` (a static graph that leaves it unused); ``compiled``: every forward, the first too, through
-    ``torch.compile`` (the eager backend)."""
+    ``torch.compile`` (the eager backend). ``replicated_child``: the other composition, that sub-module given to the
+    library's ``replicate`` and the root to its ``fully_shard`` (which leaves the replicated one whole)."""
     replicate, fully_shard = LIBRARIES[library]
     rank = dist.get_rank()
     # each rank its own parameters, which the first forward's broadcast evens; alike where fully_shard needs them so
-    torch.manual_seed(seed if shard is not None else seed + rank)
+    torch.manual_seed(seed if shard is not None or replicated_child is not None else seed + rank)
     model = Net()
     if shard is not None:
         fully_shard(getattr(model, shard))
-    replicate(model, ignored_modules=[model.fc1] if ignored else None, **ddp_kwargs)
+    if replicated_child is not None:
+        replicate(getattr(model, replicated_child), **ddp_kwargs)
+        fully_shard(model)
+    else:
+        replicate(model, ignored_modules=[model.fc1] if ignored else None, **ddp_kwargs)
     if hook is not None:
         model.register_comm_hook(dist.group.WORLD, hook)
     forward = torch.compile(model, backend="eager") if compiled else model
@@ -73,7 +79,8 @@ def train(seed: int, library: str, steps: int = 4, micro_batches: int = 2, ignor
             losses.append(loss.detach())
         optimizer.step()
         optimizer.zero_grad()
-    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    state = {name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+             for name, tensor in model.state_dict().items()}
     return {"losses": losses, "state": state}
 
 
@@ -86,7 +93,8 @@ def against_torch(seed: int, **kwargs: Any) -> dict:
 
 def the_module_stays_itself(seed: int) -> dict:
     """What replicate leaves of the module: its class (a subclass of its own), its state-dict keys, a slice of a
-    replicated Sequential (of the plain class, as torch's), and ``copy.deepcopy`` (refused, as torch's)."""
+    replicated Sequential (of the plain class, as torch's), ``copy.deepcopy`` (refused, as torch's), and what
+    ``replicate.state`` says of a module replicate was not applied to (torch's contract: ``None``)."""
     results = {}
     for library, (replicate, _) in LIBRARIES.items():
         torch.manual_seed(seed)
@@ -100,7 +108,8 @@ def the_module_stays_itself(seed: int) -> dict:
         except AssertionError as error:
             copied = str(error)
         results[library] = {"is_net": isinstance(model, Net), "keys": list(model.state_dict()) == keys,
-                            "slice": type(sequential[1:]).__name__, "deepcopy": copied}
+                            "slice": type(sequential[1:]).__name__, "deepcopy": copied,
+                            "state_elsewhere": replicate.state(nn.Linear(2, 2))}
     return results
 
 

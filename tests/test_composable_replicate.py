@@ -34,6 +34,8 @@ TRAINING = {
     # reducer (expect_autograd_hooks_) when static_graph meets gradient accumulation
     "static": {"skip_branch": "always", "static_graph": True, "micro_batches": 1},
     "sharded-block": {"shard": "fc2"},
+    # FSDP2 leaves a sub-module torch's replicate manages whole (_get_managed_modules: _is_composable_with_fsdp)
+    "replicated-block-in-a-sharded-root": {"replicated_child": "fc2", "micro_batches": 1},
     # the DDP object is built at the first forward, out of dynamo's sight (torch's lazy_init): compiled, minidp's
     # raised there, dynamo tracing the check that every rank holds the same model
     "compiled": {"compiled": True},
@@ -67,6 +69,7 @@ def test_the_replicated_module_keeps_its_class_and_state_dict_keys_and_refuses_d
         assert result["minidp"] == result["torch"]
         assert result["minidp"]["slice"] == "Sequential"
         assert result["minidp"]["deepcopy"].startswith("DDP does not support deepcopy")
+        assert result["minidp"]["state_elsewhere"] is None
 
 
 @pytest.mark.parametrize("case,error", [

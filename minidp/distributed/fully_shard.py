@@ -96,6 +96,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference, raise_on_every_rank
 from .isinstance_only import give_methods, refuse_inherited
+from .replicate import REPLICATE_STATE
 from .sharded_optimizer_state import SHARDED_BY, group_of_shard, watch_optimizers
 
 
@@ -1101,13 +1102,14 @@ _SHARDED_AS = "_minidp_sharded_as"
 
 
 def _managed_modules(module: nn.Module) -> list[nn.Module]:
-    """``module`` and its sub-modules not inside an earlier ``fully_shard``, children before parents
-    (FSDP2's ``_get_managed_modules``: a depth-first walk, each module after its children)."""
+    """``module`` and its sub-modules not inside an earlier ``fully_shard`` nor given to ``replicate``, children before
+    parents (FSDP2's ``_get_managed_modules``: a depth-first walk, each module after its children, that does not enter
+    a module another composable API manages: replicate's parameters stay whole, reduced by its DDP)."""
     found: list[nn.Module] = []
     seen: set[int] = set()
 
     def visit(sub: nn.Module) -> None:
-        if sub is not module and _group_of(sub) is not None:
+        if sub is not module and (_group_of(sub) is not None or REPLICATE_STATE in sub.__dict__):
             return
         seen.add(id(sub))
         for child in sub.children():

@@ -31,7 +31,8 @@ from torch.distributed.fsdp import FSDPModule
 from .ddp import DistributedDataParallel
 from .isinstance_only import give_methods
 
-_STATE = "_minidp_replicate_state"
+# Where a module keeps its state, in its __dict__ (fully_shard leaves a module holding it alone, as FSDP2 leaves torch's).
+REPLICATE_STATE = "_minidp_replicate_state"
 
 
 class ReplicateState:
@@ -49,7 +50,10 @@ class ReplicateState:
 
     @property
     def _ddp_weakref(self) -> weakref.ref:
-        """A weak reference to the DDP object, by torch's name (upstream's tests read it)."""
+        """A weak reference to the DDP object, by torch's name (upstream's tests read it); as torch's, there from the
+        first forward, which builds it."""
+        if self.ddp is None:
+            raise AttributeError("_ddp_weakref: the DDP object is built at the module's first forward")
         return weakref.ref(self.ddp)
 
     def parameters(self) -> list[nn.Parameter]:
@@ -85,12 +89,10 @@ class ReplicateState:
         return self.ddp.leave_forward(output, self.recording)
 
 
-def state(module: nn.Module) -> ReplicateState:
-    """The state ``replicate`` keeps on ``module`` (torch's ``replicate.state(module)``)."""
-    found = module.__dict__.get(_STATE)
-    if found is None:
-        raise ValueError(f"replicate was not applied to this {type(module).__name__}")
-    return found
+def state(module: nn.Module) -> Optional[ReplicateState]:
+    """The state ``replicate`` keeps on ``module``, ``None`` where it was not applied (torch's ``replicate.state(module)``,
+    the lookup of its ``contract``)."""
+    return module.__dict__.get(REPLICATE_STATE)
 
 
 class ReplicatedModule:
@@ -129,11 +131,11 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
         raise RuntimeError(f"Expected device_id to be int or torch.device, but got {type(kwargs['device_id'])}")
     if isinstance(module, FSDPModule):
         raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
-    if _STATE in module.__dict__:
+    if REPLICATE_STATE in module.__dict__:
         raise RuntimeError(f"replicate was already applied to this {type(module).original_class.__name__}; "
                            f"apply it once per module")
     replicated = ReplicateState(module, set(ignored_modules or ()), kwargs)
-    module.__dict__[_STATE] = replicated
+    module.__dict__[REPLICATE_STATE] = replicated
     module.register_forward_pre_hook(replicated.before_forward, with_kwargs=True)
     module.register_forward_hook(replicated.after_forward)
     give_methods(module, ReplicatedModule, "Replicated")
