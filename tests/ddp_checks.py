@@ -288,6 +288,20 @@ def exit_in_step_2(failing_rank: int, code: int) -> None:
         ddp(torch.randn(4, 16)).sum().backward()
 
 
+def train_as_a_torchrun_script(how_it_ends: str) -> dict[str, Any]:
+    """A step of training written for torchrun: its place read from the environment torchrun sets, ended by
+    ``destroy_process_group()`` (``how_it_ends="destroy"``) or by ``sys.exit(0)`` (``"exit"``) on rank 1 (rank 0
+    returns what it read)."""
+    place = {name: os.environ[name] for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    ddp = md.DistributedDataParallel(MLP())
+    ddp(torch.randn(4, 16)).sum().backward()
+    if how_it_ends == "destroy":
+        dist.destroy_process_group()
+    elif dist.get_rank() == 1:
+        sys.exit(0)
+    return place
+
+
 def run_checks(checks: dict[str, tuple[Callable[..., Any], dict]], seed: int) -> dict[str, Any]:
     """Run ``checks`` (name: (function, keyword arguments)) in order, each given ``seed``; their results by name."""
     return {name: function(seed=seed, **kwargs) for name, (function, kwargs) in checks.items()}

@@ -41,6 +41,14 @@ def test_a_rank_that_dies_without_raising_is_named_before_the_rank_its_death_mad
     assert multiprocessing.active_children() == []
 
 
+def test_a_script_written_for_torchrun_reads_its_place_and_may_end_the_group_itself():
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE (torch/distributed/run.py), and a script may end
+    # with destroy_process_group() or sys.exit(0): the job ends well either way
+    results = launch(checks.train_as_a_torchrun_script, 2, ("destroy",), job_timeout=90)
+    assert results == [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"} for r in (0, 1)]
+    assert launch(checks.train_as_a_torchrun_script, 2, ("exit",), job_timeout=90)[1] is None
+
+
 def test_a_rank_that_raises_under_torchrun_ends_the_job_with_its_error():
     done = torchrun("-m", "tests.ddp_checks", "1")
     assert done.returncode != 0

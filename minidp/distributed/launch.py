@@ -4,7 +4,9 @@
 function: it spawns the processes (``torch.multiprocessing``, start method "spawn"), and in each one
 joins the group, calls ``target(*args)``, and sends the result (or the traceback) back. The
 processes meet through a file in a temporary directory (``torch.distributed.FileStore``), so no port
-is chosen or opened for the rendezvous; Gloo then connects them over the loopback interface.
+is chosen or opened for the rendezvous; Gloo then connects them over the loopback interface. Each process
+gets the environment torchrun gives its own (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), and a
+target that ends the group itself (``destroy_process_group()``) or exits with status 0 ends well, as under torchrun.
 
 A rank that raises ends the job: the others are killed at once (they may be waiting for it in a
 collective) and :class:`RankFailed` carries that rank's traceback. ``timeout`` is the process
@@ -65,12 +67,20 @@ def _run_rank(
         torch.set_num_threads(threads)
     if backend == "nccl" and torch.cuda.device_count():  # a GPU of its own per process, as a torchrun script sets it
         torch.cuda.set_device(rank % torch.cuda.device_count())  # (NCCL refuses two ranks on one; none: NCCL says)
+    # What torchrun tells each process of its place (code reads LOCAL_RANK to pick its device); every rank is local here.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
-        result = target(*args)
-        dist.barrier()  # no rank closes its connections while another still talks to it
-        dist.destroy_process_group()
+        try:
+            result = target(*args)
+        except SystemExit as ended:
+            if ended.code not in (None, 0):
+                raise
+            result = None  # sys.exit() or sys.exit(0): the process ended well, as torchrun counts it
+        if dist.is_initialized():  # a target may end with destroy_process_group(), as scripts for torchrun do
+            dist.barrier()  # no rank closes its connections while another still talks to it
+            dist.destroy_process_group()
         results.put(("result", rank, pickle.dumps(result)))
     except BaseException:
         # The traceback goes out before this process exits and the others see their connections close.
