@@ -108,6 +108,12 @@ BAD_OPTION_VALUES = [
     (["trace", "--devices", "cpu*99999999999"], "the repeat after '*' must be a number from 1 to 1024"),
     (["trace", "--devices", "cpu*0"], "the repeat after '*' must be a number from 1 to 1024"),
     (["trace", "--out", __file__], "is a file; give a directory"),
+    (["trace", "--out", f"{__file__}/step"], f"cannot be made: {__file__!r} is a file; give a directory"),
+    (["demo", "--trace", f"{__file__}/step"], "is a file; give a directory"),
+    (["verify", "--devices", "mps,mps"], "the commands run on the CPU or CUDA GPUs, not on mps"),
+    (["trace", "--devices", "meta*2"], "not on meta; use cpu, cuda, cuda:N or a GPU number N; a list: e.g. 0,1"),
+    (["bench", "--device", "meta"], "argument --device: 'meta': the commands run on the CPU or CUDA GPUs"),
+    (["bench", "--device", f"cuda:{max(9, torch.cuda.device_count())}"], "; on the command line: cpu"),
 ]
 
 

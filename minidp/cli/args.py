@@ -42,10 +42,13 @@ def positive_float(text: str) -> float:
 
 
 def output_directory(text: str) -> Path:
-    """A directory to write into (``--out``, ``--trace``): one that exists, or a path where none is yet."""
+    """A directory to write into (``--out``, ``--trace``): one that exists, or a path where none is yet, below a
+    directory (the nearest existing folder on the way is where it will be made)."""
     path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a directory, existing or to be made")
+    existing = next(p for p in (path, *path.parents) if p.exists())  # the last parent ("." or "/") exists
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"cannot be made: {str(existing)!r} is a file"
+        raise argparse.ArgumentTypeError(f"{text!r} {what}; give a directory, existing or to be made")
     return path
 
 
@@ -69,7 +72,10 @@ def parse_device_ids(text: str) -> list[DeviceLike]:
             raise argparse.ArgumentTypeError(
                 f"{item!r}: the repeat after '*' must be a number from 1 to {MAX_REPEAT}, e.g. cpu*4"
             )
-        ids += [parse_device(name)] * (int(repeat) if star else 1)
+        try:
+            ids += [parse_device(name)] * (int(repeat) if star else 1)
+        except argparse.ArgumentTypeError as error:
+            raise argparse.ArgumentTypeError(f"{error}; a list: e.g. 0,1 or cpu*4") from None
     if not ids:
         raise argparse.ArgumentTypeError(f"{text!r} names no device; e.g. 0,1 or cpu*4")
     return ids
@@ -78,17 +84,20 @@ def parse_device_ids(text: str) -> list[DeviceLike]:
 def parse_device(name: str) -> DeviceLike:
     """One device as written: a GPU number (-1: the CPU) or a name such as cpu, cuda or cuda:1.
 
-    Checked by the core's own :func:`minidp.device_ids.as_device` (spelling, and a GPU this process sees);
-    its error becomes the usage error, with the command line's spelling of what works.
+    Checked by the core's own :func:`minidp.device_ids.as_device` (spelling, and a GPU this process sees), and of a
+    type the commands run on (the CPU or a CUDA GPU); an error becomes the usage error, with the command line's
+    spelling of what works.
     """
     device: DeviceLike = int(name) if name.lstrip("-").isdigit() else name
     try:
-        as_device(device, repr(name))
+        parsed = as_device(device, repr(name))
     except (TypeError, ValueError, RuntimeError) as error:
         if "is not a device" in str(error):
-            raise argparse.ArgumentTypeError(
-                f"{name!r} is not a device: use cpu, cuda, cuda:N or a GPU number N, e.g. 0,1 or cpu*4"
-            ) from None
+            raise argparse.ArgumentTypeError(f"{name!r} is not a device: use cpu, cuda, cuda:N or a GPU number N") from None
         # a GPU this process does not see: the core's message says which it does
-        raise argparse.ArgumentTypeError(f"{str(error).rstrip('.')}; on the command line: --devices cpu*n") from None
+        raise argparse.ArgumentTypeError(f"{str(error).rstrip('.')}; on the command line: cpu") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(
+            f"{name!r}: the commands run on the CPU or CUDA GPUs, not on {parsed.type}; use cpu, cuda, cuda:N or a GPU number N"
+        )
     return device
