@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
+    if min(args.epochs, args.samples, args.batch_size) < 1:
+        parser.error("--epochs, --samples and --batch-size must be at least 1")
     torch.manual_seed(0)
     print(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}, ids={ids}, parameters on {device}")
 

@@ -45,6 +45,11 @@ def test_prints_devices_replicas_and_chunk_sizes(capsys):
     assert "epoch 1/1: train loss" in out and "held-out loss" in out
 
 
+def test_a_batch_larger_than_the_data_prints_the_chunks_of_the_one_batch_it_makes(capsys):
+    assert main(["demo", "--samples", "3", "--epochs", "1", "--batch-size", "64", "--device", "cpu"]) == 0
+    assert "batch size 64 -> chunk sizes per replica [2, 1] (the 3 samples make one batch)" in capsys.readouterr().out
+
+
 def test_same_seed_gives_the_same_run():
     args = ["--samples", "200", "--epochs", "1", "--batch-size", "50", "--device", "cpu", "--seed", "7"]
     assert demo.train(demo_args(*args)) == demo.train(demo_args(*args))

@@ -16,6 +16,11 @@ def run_example(name: str, *args: str) -> str:
     return done.stdout
 
 
+def test_the_tutorial_refuses_a_count_below_one_as_a_usage_error():
+    done = fresh_python(str(ROOT / "examples" / "tutorial_multi_gpu.py"), "--batch-size", "0")
+    assert done.returncode == 2 and "must be at least 1" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_tutorial_workflow_trains_with_data_parallel_on_sub_modules():
     out = run_example("tutorial_multi_gpu.py", "--epochs", "2", "--samples", "400", "--batch-size", "40")
     assert "ids=" in out

@@ -166,7 +166,8 @@ def train(args: argparse.Namespace) -> list[EpochResult]:
           f"{len(held_out)} held out")
     where = "the loss on the replicas (only its terms gathered)" if args.balanced else f"output on {device}"
     print(f"device_ids={device_ids}: {len(device_ids)} replicas, {where}")
-    print(f"batch size {args.batch_size} -> chunk sizes per replica {chunk_sizes_for(args.batch_size, len(device_ids))}"
+    rows = min(args.batch_size, len(train_set))  # a batch no larger than the data set
+    print(f"batch size {args.batch_size} -> chunk sizes per replica {chunk_sizes_for(rows, len(device_ids))}"
           + _last_batch_note(len(train_set), args.batch_size, len(device_ids)))
 
     results = []
@@ -228,6 +229,8 @@ def compare_ledgers(module: nn.Module, device_ids: list, data: dict, device: tor
 
 
 def _last_batch_note(samples: int, batch_size: int, replicas: int) -> str:
+    if samples < batch_size:
+        return f" (the {samples} samples make one batch)"
     last = samples % batch_size
     return f" (last batch {last} -> {chunk_sizes_for(last, replicas)})" if last else ""
 
