@@ -111,6 +111,33 @@ def test_replicate_counts_a_buffer_two_modules_share_once(generator):
     assert {e.replica: e.bytes for e in step.events if e.stage == "replicate"} == {0: 0, 1: shared.nbytes}
 
 
+def test_reduce_bytes_of_a_sparse_gradient_are_its_indices_and_values(generator):
+    # A sparse tensor has no nbytes, storage or data pointer of its own: counting it as a dense one raised.
+    model = minidp.DataParallel(nn.Embedding(100, 4, sparse=True), cpu_ids(2))
+    with minidp.trace() as step:
+        model(torch.randint(0, 100, (4, 3), generator=generator)).sum().backward()
+    # each replica looks up 2 rows of 3 indices: its gradient keeps one int64 index and 4 float32 values per lookup
+    assert [e.bytes for e in events(step, "reduce")] == [6 * 8 + 6 * 4 * 4] * 2
+
+
+def test_gather_bytes_of_sparse_outputs_are_their_indices_and_values(generator):
+    class Sparse(nn.Module):
+        def forward(self, x):
+            return x.to_sparse()
+
+    with minidp.trace() as step:
+        minidp.DataParallel(Sparse(), cpu_ids(2))(torch.rand(4, 3, generator=generator) + 1)  # no zero: 6 values each
+    assert [e.bytes for e in events(step, "gather")] == [2 * 6 * 8 + 6 * 4] * 2  # 2 x 6 int64 indices, 6 floats
+
+
+def test_replicate_clones_a_sparse_buffer_for_replicas_after_the_first():
+    model = nn.Module()
+    model.register_buffer("table", torch.eye(3).to_sparse())  # 3 values: 2 x 3 int64 indices and 3 floats
+    with minidp.trace() as step:
+        minidp.replicate(model, cpu_ids(2))
+    assert {e.replica: e.bytes for e in events(step, "replicate")} == {0: 0, 1: 2 * 3 * 8 + 3 * 4}
+
+
 def test_nothing_is_recorded_after_the_trace_ends(generator):
     model = ZOO["mlp"].build()
     step = traced_step(model, (torch.randn(4, 16, generator=generator),))

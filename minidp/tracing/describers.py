@@ -38,15 +38,27 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for _, t in tensors_in(obj)]
 
 
+def _parts(tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The strided tensors that hold the memory of ``tensors``: a sparse (COO) tensor has no storage, data pointer or
+    ``nbytes`` of its own, and its memory is its indices' and its values' (``_indices()``: coalesced or not); any other
+    tensor is its own. Every count of a tensor's bytes or storage in the tracer goes through here."""
+    for tensor in tensors:
+        if tensor.is_sparse:
+            yield tensor._indices()
+            yield tensor._values()
+        else:
+            yield tensor
+
+
 def _storages(tensors: Sequence[torch.Tensor]) -> set[tuple[torch.device, int]]:
-    return set(map(storage_start, tensors))
+    return set(map(storage_start, _parts(tensors)))
 
 
 def _bytes_outside(tensors: Sequence[torch.Tensor], owned: set[tuple[torch.device, int]]) -> int:
     """Bytes of ``tensors`` that live in memory none of ``owned`` is (so they were copied), each piece of memory once:
     a buffer two modules hold, or a tied weight, is one copy."""
     copied: dict[tuple[torch.device, int], int] = {}
-    for t in tensors:
+    for t in _parts(tensors):
         if storage_start(t) not in owned:
             where = (t.device, t.data_ptr())
             copied[where] = max(copied.get(where, 0), t.nbytes)
@@ -158,7 +170,7 @@ def reduce(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Serve
     destination = _device_of(list(result), arguments["destination"])
     # Counted now: held until the events are read, the replicas' gradients would stay alive (K copies).
     grads = [list(replica_grads) for replica_grads in inputs]
-    counted = [(_device_of(g, destination), sum(t.nbytes for t in g), len(g)) for g in grads]
+    counted = [(_device_of(g, destination), sum(t.nbytes for t in _parts(g)), len(g)) for g in grads]
 
     def served() -> Served:
         for replica, (device, nbytes, count) in enumerate(counted):
