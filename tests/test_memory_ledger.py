@@ -224,6 +224,45 @@ def test_measure_step_counts_a_plain_step_given_as_a_callable(generator):
     assert device.held["activations"] == 8 * H * BYTES + 8 * O * BYTES + 2 * BYTES
 
 
+
+def sparse_gradient_step(generator, coalesce: bool):
+    """An ``nn.Embedding(sparse=True)`` step of 8 x 5 lookups, its ``.grad`` sparse, which has no storage of its own
+    (the ledger counted it as 0 B); returns the device's row."""
+    module = nn.Embedding(100, 4, sparse=True)
+    lookups = torch.randint(0, 100, (8, 5), generator=generator)
+
+    def step() -> None:
+        module(lookups).sum().backward()
+        if coalesce:
+            module.weight.grad = module.weight.grad.coalesce()
+
+    _, (device,) = measure_step(step, module.parameters())
+    return device
+
+
+def test_a_sparse_gradient_is_counted_as_its_indices_and_values(generator):
+    device = sparse_gradient_step(generator, coalesce=False)
+    assert device.held["gradients"] == 40 * 8 + 40 * 4 * 4  # one int64 index and 4 float32 values per lookup
+
+
+def test_a_coalesced_sparse_gradient_is_counted_as_the_storages_of_its_indices_and_values(generator):
+    # coalesce() sums repeated rows into new storages made for all 40 lookups, then narrows them to the distinct rows:
+    # the storages are what is held; the uncoalesced gradient before it is a temporary
+    device = sparse_gradient_step(generator, coalesce=True)
+    assert device.held["gradients"] == 40 * 8 + 40 * 4 * 4
+
+
+def test_a_sparse_tensor_is_freed_with_its_indices_and_values():
+    identity = torch.eye(8, dtype=torch.float64)
+
+    def step() -> None:
+        for _ in range(2):
+            sparse = identity.to_sparse()  # 8 values: 2 x 8 int64 indices and 8 float64 values
+            del sparse
+
+    _, (device,) = measure_step(step)
+    assert device.held["temporaries"] == 2 * 8 * 8 + 8 * 8  # the first freed before the second was made
+
 def test_the_ledger_table_names_every_category_and_the_replicas(generator):
     module = mlp()
     model = minidp.DataParallel(module, cpu_ids(2))
