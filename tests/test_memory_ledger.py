@@ -67,8 +67,9 @@ def row(ledger: list, device: str = "cpu", replica=None):
     return found
 
 
-def traced_mlp_step(generator, rows: int, gather_output: bool = True):
-    """A warm SGD step (makes the momentum buffers), then one traced training step; returns (ledger, module).
+def traced_mlp_step(generator, rows: int, gather_output: bool = True, measured: bool = False):
+    """A warm SGD step (makes the momentum buffers), then one traced training step (``measured``: measured by
+    ``measure_step`` instead, with the module's parameters); returns (ledger, module).
 
     The extension's pool of reduction outputs starts empty, as in a fresh process: a larger block an
     earlier test left free would hold these sums, and be counted whole."""
@@ -87,6 +88,8 @@ def traced_mlp_step(generator, rows: int, gather_output: bool = True):
         optimizer.step()
 
     step()
+    if measured:
+        return measure_step(step, module.parameters())[1], module
     with minidp.trace(ledger=True) as traced:
         step()
     return traced.ledger(), module
@@ -224,6 +227,28 @@ def test_measure_step_counts_a_plain_step_given_as_a_callable(generator):
     assert device.held["activations"] == 8 * H * BYTES + 8 * O * BYTES + 2 * BYTES
 
 
+def test_measure_step_counts_a_data_parallel_step_in_every_replicas_thread(generator):
+    # replicas 1.. run their forwards (and backwards) in worker threads, which measure_step did not watch
+    ledger, _ = traced_mlp_step(generator, 8, measured=True)
+    for replica in (0, 1):
+        assert row(ledger, replica=replica).held["activations"] == 4 * H * BYTES + kept_output_bytes(4)
+    assert row(ledger).held["activations"] == 8 * H * BYTES + kept_output_bytes(8)
+
+
+def test_measure_step_names_what_a_data_parallel_step_holds_as_the_trace_does(generator):
+    # the caller's code after the gather is the loss, not activations; the stages' tensors are named by their stage
+    ledger, module = traced_mlp_step(generator, 8, measured=True)
+    P = parameter_bytes(module)
+    device = row(ledger)
+    assert device.held["loss"] == 8 * O * BYTES + 2 * BYTES
+    assert device.held["gathered outputs"] == 8 * O * BYTES
+    assert device.held["gradients"] == 2 * P + summed_gradient_bytes(module)
+    assert device.held["optimizer state"] == P
+
+
+def test_measure_step_inside_a_trace_says_to_read_the_traces_ledger():
+    with minidp.trace(ledger=True), pytest.raises(RuntimeError, match=r"step\.ledger\(\)"):
+        measure_step(lambda: None)
 
 def sparse_gradient_step(generator, coalesce: bool):
     """An ``nn.Embedding(sparse=True)`` step of 8 x 5 lookups, its ``.grad`` sparse, which has no storage of its own

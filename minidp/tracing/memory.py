@@ -64,17 +64,19 @@ allocator's peak above the start; on the CPU the kernel's high-water mark of the
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import hooks
 from ..nested import tensors_in
 from .describers import _parts, _replica_tensors, _tensors
 
@@ -292,13 +294,16 @@ class AllocationLedger:
 
     ``start()`` on the thread that runs the step, ``stop()`` there when it is over, ``rows()`` after.
     Other threads that run part of the step are watched inside :meth:`watching`; what runs is named with
-    :meth:`phase`; what minidp knows a tensor to be is told with :meth:`mark`.
+    :meth:`phase`; what minidp knows a tensor to be is told with :meth:`mark`. It is a :class:`minidp.hooks.Listener`:
+    installed (alone, by :func:`measure_step`, or by the trace that times the calls) it watches each replica's thread
+    and names what minidp's stages take and make.
     """
 
-    def __init__(self, kept_by_host: str = "loss") -> None:
+    def __init__(self, kept_by_host: Optional[str] = None) -> None:
         """``kept_by_host``: what the calling thread's own code (outside every stage) keeps for the backward
-        is: in a data-parallel step the model runs in the replicas' forwards, so it is the loss (the default);
-        a step without minidp's stages runs its model there, so it is "activations"."""
+        is. By default it is decided when the step is over: where minidp ran the model (a replica's forward, or the
+        module running alone under ``DataParallel``) it is the loss; a step without minidp's stages runs its model
+        there, so it is "activations"."""
         self.kept_by_host = kept_by_host
         self._lock = threading.RLock()  # a free may run inside see(), from a garbage collection
         self._clock = itertools.count(1)
@@ -462,25 +467,27 @@ class AllocationLedger:
 
     # -- what minidp's stages know ----------------------------------------------------------------------
 
-    def run_stage(self, stage: str, arguments: dict, call: Callable[[], Any]) -> Any:
-        """Run a stage's ``call()`` and name what it takes and makes (``arguments``: its arguments by name)."""
+    def on_call(self, stage: str, function: Callable, arguments: inspect.BoundArguments) -> Any:
+        """Run a stage's ``function`` on ``arguments`` and name what it takes and makes."""
+        arguments.apply_defaults()
+        named = arguments.arguments
         if stage == "scatter":
-            self.mark(_tensors(arguments["inputs"]), "inputs")
+            self.mark(_tensors(named["inputs"]), "inputs")
         elif stage == "replicate":
-            self._watch_network(arguments["network"])
+            self._watch_network(named["network"])
         elif stage == "reduce":
-            for replica, gradients in enumerate(arguments["inputs"]):
+            for replica, gradients in enumerate(named["inputs"]):
                 self.mark(gradients, "gradients", replica)
         with self.phase(stage):
-            result = call()
+            result = function(*arguments.args, **arguments.kwargs)
         if stage == "scatter":
-            pieces = zip(*result) if "kwargs" in arguments else result
+            pieces = zip(*result) if "kwargs" in named else result
             for replica, piece in enumerate(pieces):
                 self.mark(_tensors(piece), "inputs", replica, made_now=True)
         elif stage == "replicate":
             for replica, module in enumerate(result):
                 self._models.add(id(module))
-                _, parameters, buffers = _replica_tensors(arguments["network"], module)
+                _, parameters, buffers = _replica_tensors(named["network"], module)
                 self.mark(parameters + buffers, "parameters", replica, made_now=True)
         elif stage == "gather":
             self.mark(_tensors(result), "gathered outputs", made_now=True)
@@ -488,7 +495,7 @@ class AllocationLedger:
             self.mark(_tensors(result), "gradients", made_now=True)
         return result
 
-    def run_replica(self, replica: int, module: Any, call: Callable[[], Any]) -> Any:
+    def on_replica(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         """Run replica ``replica``'s ``call()`` in its thread: the model's forward if ``module`` is a replica
         that replicate made (or the module running alone, :meth:`watch_module`), else the loss on the replica
         (:func:`minidp.parallel_criterion`'s terms)."""
@@ -496,11 +503,19 @@ class AllocationLedger:
         with self.watching(), self.phase(name, replica):
             return call()
 
-    def run_replica_backward(self, call: Callable[[], Any]) -> Any:
+    def on_module(self, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
+        """Run ``module``'s ``call()``, the module running itself as the only replica (:meth:`watch_module`)."""
+        self.watch_module(module)
+        return self.on_replica(0, device, module, call)
+
+    def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         """Run a replica's backward ``call()`` in its thread (:mod:`minidp.parallel_backward`), watched there as the
         serial backward is in the calling thread: what it allocates is the backward's."""
         with self.watching():
             return call()
+
+    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
+        """Nothing to do: the replicas' outputs were seen as their forwards made them."""
 
     # -- the rows -------------------------------------------------------------------------------------------
 
@@ -512,7 +527,8 @@ class AllocationLedger:
         began = self.backward_began
         kept = began is not None and record.born < began and (record.died is None or record.died > began)
         if kept and record.phase in ("forward", "loss", "host"):
-            return {"forward": "activations", "loss": "loss", "host": self.kept_by_host}[record.phase]
+            host = self.kept_by_host or ("loss" if self._models else "activations")
+            return {"forward": "activations", "loss": "loss", "host": host}[record.phase]
         return "temporaries"
 
     def rows(self, allocator_peaks: Optional[dict[str, int]] = None) -> list[LedgerRow]:
@@ -556,22 +572,28 @@ def _row(device: str, replica: Optional[int], storages: list[tuple[_Storage, str
 
 
 def measure_step(step: Callable[[], Any], parameters: Iterable[torch.Tensor] = (),
-                 kept_by_host: str = "activations") -> tuple[Any, list[LedgerRow]]:
+                 kept_by_host: Optional[str] = None) -> tuple[Any, list[LedgerRow]]:
     """Run ``step()`` once and return its result and its ledger: one row per device (and per replica).
 
     ``parameters``: the model's parameters (counted as parameters, their ``.grad`` as gradients; an
     optimizer that steps inside ``step`` names its own). ``kept_by_host``: what code outside minidp's
-    stages keeps for the backward is (see :class:`AllocationLedger`). For a data-parallel step,
-    ``minidp.trace(ledger=True)`` and ``Trace.ledger()`` know more: which stage and replica made what.
+    stages keeps for the backward is (see :class:`AllocationLedger`). The ledger listens to minidp's stages as
+    ``minidp.trace(ledger=True)`` does, so a data-parallel step is counted in every replica's thread, with
+    the same categories; inside a trace, read the trace's own ledger (``Trace.ledger()``) instead.
     """
+    if hooks.current_listener() is not None:  # one listener at a time: this one would blind the other
+        raise RuntimeError("measure_step inside minidp.trace(): steps there are the trace's to count; trace with "
+                           "minidp.trace(ledger=True) and read step.ledger()")
     device_memory = DeviceMemory()
     device_memory.start()
     ledger = AllocationLedger(kept_by_host)
     ledger.start()
+    hooks.set_listener(ledger)  # so every replica's thread is watched, and every stage named
     try:
         ledger.watch_parameters(parameters)
         result = step()
     finally:
+        hooks.set_listener(None)
         ledger.stop()
     allocator = {peak.device: peak.bytes for peak in device_memory.peaks() if peak.device != "cpu"}
     return result, ledger.rows(allocator)

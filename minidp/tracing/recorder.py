@@ -198,14 +198,14 @@ class Trace:
         if self._allocations is None:
             result = function(*arguments.args, **arguments.kwargs)
         else:
-            result = self._allocations.run_stage(stage, named, lambda: function(*arguments.args, **arguments.kwargs))
+            result = self._allocations.on_call(stage, function, arguments)
         self._close(span, stage, describers.DESCRIBERS[stage](self, named, result))
         return result
 
     def on_replica(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         span = self._open(device)
         try:
-            return call() if self._allocations is None else self._allocations.run_replica(replica, module, call)
+            return call() if self._allocations is None else self._allocations.on_replica(replica, device, module, call)
         finally:
             self._close(span, "forward", lambda: iter([(replica, device, 0, "")]))
 
@@ -227,7 +227,8 @@ class Trace:
         this_call = object()  # one backward pass of the replica: a span of its own
         if backward is not None:  # a replica this trace saw made
             backward.start.append(self._mark(device, 1, this_call))
-        gradients = call() if self._allocations is None else self._allocations.run_replica_backward(call)
+        gradients = call() if self._allocations is None else self._allocations.on_replica_backward(
+            replica, device, module, call)
         if backward is not None:
             backward.end.append(self._mark(device, sum(g is not None for g in gradients), this_call))
         return gradients
