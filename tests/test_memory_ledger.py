@@ -183,6 +183,32 @@ def test_the_demo_cnn_with_adam_fills_every_category_both_ways(generator):
             assert all(row(traced.ledger(), replica=r).held["loss"] >= 8 * 10 * 4 for r in (0, 1))
 
 
+def accumulated_mlp_step(generator, micro_batches: list[int]) -> list:
+    """One traced step of gradient accumulation: a forward and a backward per micro-batch of ``micro_batches`` rows,
+    each freeing what its forward kept before the next forward; returns the ledger."""
+    model = minidp.DataParallel(mlp(), cpu_ids(2))
+    batches = [(torch.randn(rows, D, generator=generator, dtype=torch.float64),
+                torch.randn(rows, O, generator=generator, dtype=torch.float64)) for rows in micro_batches]
+    with minidp.trace(ledger=True) as traced:
+        for x, y in batches:
+            (model(x) - y).pow(2).sum().backward()
+    return traced.ledger()
+
+
+def test_with_gradient_accumulation_each_forward_keeps_activations_for_its_own_backward(generator):
+    # a micro-batch of 2 rows, then one of 8: the second forward's were filed as temporaries, made after the first
+    # backward had begun, and the step's activations read as the 2-row micro-batch's
+    ledger = accumulated_mlp_step(generator, [2, 8])
+    assert row(ledger).held["activations"] == 8 * H * BYTES + kept_output_bytes(8)
+    for replica in (0, 1):
+        assert row(ledger, replica=replica).held["activations"] == 4 * H * BYTES + kept_output_bytes(4)
+
+
+def test_with_gradient_accumulation_each_micro_batchs_loss_is_the_loss(generator):
+    ledger = accumulated_mlp_step(generator, [2, 8])
+    assert row(ledger).held["loss"] == 8 * O * BYTES + 2 * BYTES  # the square's kept difference, scalar, its gradient
+
+
 def test_the_ledger_leaves_the_step_exact(generator):
     x = torch.randn(8, D, generator=generator, dtype=torch.float64)
     module = mlp()
@@ -250,6 +276,7 @@ def test_measure_step_inside_a_trace_says_to_read_the_traces_ledger():
     with minidp.trace(ledger=True), pytest.raises(RuntimeError, match=r"step\.ledger\(\)"):
         measure_step(lambda: None)
 
+
 def sparse_gradient_step(generator, coalesce: bool):
     """An ``nn.Embedding(sparse=True)`` step of 8 x 5 lookups, its ``.grad`` sparse, which has no storage of its own
     (the ledger counted it as 0 B); returns the device's row."""
@@ -287,6 +314,7 @@ def test_a_sparse_tensor_is_freed_with_its_indices_and_values():
 
     _, (device,) = measure_step(step)
     assert device.held["temporaries"] == 2 * 8 * 8 + 8 * 8  # the first freed before the second was made
+
 
 def test_the_ledger_table_names_every_category_and_the_replicas(generator):
     module = mlp()

@@ -23,19 +23,20 @@ belongs to is decided when the step is over, from what minidp knows (see :data:`
 |---|---|
 | parameters | of the module's parameters and buffers (``replicate``'s ``network``, an optimizer's parameters), or of the replicas' copies that ``replicate`` returns |
 | inputs | of the chunks ``scatter`` returns (on the batch's own device a chunk is a view and adds nothing), or held before the step began and none of the others (the batch, the targets) |
-| activations | made by a replica's forward and still held when the backward begins: kept for the backward (or by the caller, as the outputs that ``gather_output=False`` leaves on the replicas) |
+| activations | made by a replica's forward and still held when the next backward begins: kept for the backward (or by the caller, as the outputs that ``gather_output=False`` leaves on the replicas) |
 | gradients | of each replica's gradients handed to ``reduce``, of the sums it returns, and of the parameters' ``.grad`` |
 | gathered outputs | of what ``gather`` returns: the whole output, or with :func:`minidp.parallel_criterion` only the loss terms |
-| loss | made by the criterion (by the caller's code after the gather, or on the replicas) and held when the backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
+| loss | made by the criterion (by the caller's code after the gather, or on the replicas) and held when the next backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
 | optimizer state | of ``optimizer.state`` when an optimizer steps |
-| temporaries | anything else the step made: freed before the backward began, or made by the backward or the optimizer and none of the above |
+| temporaries | anything else the step made: freed before the next backward began, or made by a backward or the optimizer and none of the above |
 
 Where a storage was made is known from the thread it was made in: each replica's forward runs in a thread
 (``minidp.hooks`` tells the recorder which replica), and each stage's call is one call on one thread; the
-backward is whatever runs inside autograd's graph task (``torch._C._current_graph_task_id``). Code that
-knows more names it with :meth:`AllocationLedger.mark`: a sharded step, measured by :func:`measure_step`,
-would mark its gathered parameters so, and a category not in :data:`CATEGORIES` gets a line of its own after
-them.
+backward is whatever runs inside autograd's graph task (``torch._C._current_graph_task_id``). The next backward is
+the first to begin after a storage was made: a step may hold several forwards and backwards (gradient accumulation),
+each forward's storages kept for the backward that follows it. Code that knows more names it with
+:meth:`AllocationLedger.mark`: a sharded step, measured by :func:`measure_step`, would mark its gathered parameters
+so, and a category not in :data:`CATEGORIES` gets a line of its own after them.
 
 What this counts and what it does not: the bytes are the sizes the allocator is asked for. On the CPU,
 torch's allocator allocates exactly that (aligned to 64 bytes; the heap's own bookkeeping is not torch's);
@@ -63,6 +64,7 @@ allocator's peak above the start; on the CPU the kernel's high-water mark of the
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import inspect
 import itertools
@@ -317,7 +319,8 @@ class AllocationLedger:
         self._parameters: list[torch.Tensor] = []  # whose .grad are gradients when the step ends
         self._hooks: list[Any] = []
         self._mode: Optional[_Watch] = None
-        self.backward_began: Optional[int] = None
+        self._backward_tasks: set[int] = set()  # autograd's graph tasks met so far
+        self._backward_begins: list[int] = []  # when each began (its first allocation), in order
 
     # -- the measurement --------------------------------------------------------------------------------
 
@@ -422,8 +425,12 @@ class AllocationLedger:
                 if device is None:  # str(device) costs as much as the rest of a lookup: named once per device
                     device = self._device_names[tensor.device] = str(tensor.device)
                 record = _Storage(device, nbytes, next(self._clock) if made_now else 0, phase, replica)
-                if phase == "backward" and self.backward_began is None:
-                    self.backward_began = record.born
+                if phase == "backward":
+                    task = torch._C._current_graph_task_id()
+                    if task not in self._backward_tasks:  # a backward begins (or one nested in it: a replica's, a
+                        # checkpoint's recomputation; those begin after every storage made before their pass)
+                        self._backward_tasks.add(task)
+                        self._backward_begins.append(record.born)
                 self._live[key] = record
                 self._storages.append(record)
                 self._finalizers.append(weakref.finalize(storage, self._freed, key, record))
@@ -524,8 +531,9 @@ class AllocationLedger:
             return record.category
         if record.phase == "found":
             return "inputs"
-        began = self.backward_began
-        kept = began is not None and record.born < began and (record.died is None or record.died > began)
+        after = bisect.bisect_right(self._backward_begins, record.born)  # the next backward: the one it is kept for
+        began = self._backward_begins[after] if after < len(self._backward_begins) else None
+        kept = began is not None and (record.died is None or record.died > began)
         if kept and record.phase in ("forward", "loss", "host"):
             host = self.kept_by_host or ("loss" if self._models else "activations")
             return {"forward": "activations", "loss": "loss", "host": host}[record.phase]
