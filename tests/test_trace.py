@@ -360,3 +360,10 @@ def test_plot_without_matplotlib_says_how_to_install_it(cnn_step, tmp_path, monk
         monkeypatch.setitem(sys.modules, name, None)  # makes `import name` raise ImportError
     with pytest.raises(ImportError, match=r"pip install 'minidp\[plot\]'"):
         cnn_step.plot(tmp_path / "step.png")
+
+
+@pytest.mark.parametrize("n, text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1_048_575, "1.0 MiB"),
+                                     (5 * 2**30, "5.0 GiB"), (3 * 2**40, "3072.0 GiB")])
+def test_byte_counts_are_printed_in_the_largest_unit_that_fits(n, text):
+    # the tables' sizes: 5 GiB was "5120.0 MiB" and 1,048,575 B "1024.0 KiB"
+    assert minidp.tracing.views.bytes_text(n) == text

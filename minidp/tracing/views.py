@@ -237,8 +237,12 @@ def _ranges_text(replicas: list[int]) -> str:
 
 
 def bytes_text(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024 or unit == "MiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    """``n`` bytes in the largest unit, up to GiB, that leaves fewer than 1024 of it once rounded to one decimal
+    (1,048,575 B is "1.0 MiB", not "1024.0 KiB")."""
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB"):
         n /= 1024
-    return f"{n} B"
+        if abs(round(n, 1)) < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GiB"
