@@ -302,7 +302,7 @@ def _check_target_like_output(criterion: nn.Module, output: torch.Tensor, target
     each replica would broadcast its chunk against its own rows only (an ``(N, 1)`` output and ``(N,)`` targets:
     torch averages ``N x N`` losses, the replicas their diagonal blocks): a different loss, silently."""
     shape = (*output.shape[:dim], sum(rows), *output.shape[dim + 1 :])  # the gathered output's
-    if not isinstance(targets, torch.Tensor) or targets.shape == shape:
+    if not isinstance(targets, torch.Tensor) or _broadcast_within_rows(targets.shape, shape, dim):
         return
     try:
         broadcast: Optional[tuple[int, ...]] = tuple(torch.broadcast_shapes(targets.shape, shape))
@@ -322,6 +322,18 @@ def _check_target_like_output(criterion: nn.Module, output: torch.Tensor, target
         f"targets of shape {tuple(targets.shape)} do not match the outputs: {type(criterion).__name__} needs targets "
         f"shaped like the gathered output, {shape}; {torch_does}. {fix}"
     )
+
+
+def _broadcast_within_rows(target_shape: torch.Size, shape: tuple[int, ...], dim: int) -> bool:
+    """Whether targets of ``target_shape`` broadcast to the output's ``shape`` row by row: as many dimensions, the whole
+    batch along ``dim`` and the output's shape after broadcasting (``(N, 1)`` targets of an ``(N, 3)`` output), so
+    that each replica's chunk broadcasts against its own rows as the whole does against the whole."""
+    if len(target_shape) != len(shape) or target_shape[dim] != shape[dim]:
+        return False
+    try:
+        return tuple(torch.broadcast_shapes(target_shape, shape)) == shape
+    except RuntimeError:
+        return False
 
 
 def _scatter_targets(targets: Any, devices: list[torch.device], dim: int, rows: list[int]) -> list[Any]:

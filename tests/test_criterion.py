@@ -504,6 +504,18 @@ def test_elementwise_targets_that_torch_would_broadcast_are_refused_before_anyth
     assert step.events == []
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("criterion_class", [nn.MSELoss, nn.L1Loss], ids=["MSE", "L1"])
+def test_elementwise_targets_that_broadcast_within_each_row_equal_the_criterion_on_the_gathered_output(
+    criterion_class, reduction, generator
+):
+    # (N, 1) targets of an (N, C) output: each replica's chunk broadcasts against its own rows as the whole does
+    net, x = model(generator), torch.randn(9, FEATURES, generator=generator, dtype=torch.float64)
+    criterion, targets = criterion_class(reduction=reduction), torch.randn(9, 1, generator=generator, dtype=torch.float64)
+    expected, grad = full_batch_reference(net, criterion, x, targets, generator)
+    assert_same(on_the_replicas(net, criterion, x, targets, 2, grad), expected)
+
+
 def test_the_error_for_a_broadcast_target_names_both_shapes_torchs_broadcast_and_the_reshape():
     with pytest.raises(ValueError) as error:
         minidp.parallel_criterion(nn.MSELoss(), [torch.zeros(4, 1), torch.zeros(4, 1)], torch.zeros(8))
