@@ -190,6 +190,16 @@ class DataParallel(nn.DataParallel):
         if len(devices) == 1:
             self.module.to(self.src_device_obj)  # as stock: one device is "just run it there"
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A wrapper saved by an earlier minidp kept its devices as torch.device objects and the module's device as
+        # `source_device`: loaded now, it keeps them as stock names and spells them.
+        if "source_device" in state:
+            state["src_device_obj"] = state.pop("source_device")
+            state["device_ids"] = [stock_device_id(d) for d in state["device_ids"]]
+            if state.get("output_device") is not None:
+                state["output_device"] = stock_device_id(state["output_device"])
+        super().__setstate__(state)
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiled("minidp.DataParallel.forward"):
             if not self.device_ids:

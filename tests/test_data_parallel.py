@@ -219,6 +219,19 @@ def test_accelerate_unwraps_it_as_it_unwraps_stock():
     assert accelerate_utils.extract_model_from_parallel(minidp.DataParallel(model, cpu_ids(2))) is model
 
 
+def test_a_wrapper_saved_by_an_earlier_minidp_loads_and_runs(generator):
+    """Earlier wrappers kept the module's device as ``source_device`` (now stock's ``src_device_obj``): one pickled then
+    (``torch.save`` keeps the ``__dict__``) is given stock's names when it is loaded, and runs."""
+    model = bn_model()
+    state = dict(minidp.DataParallel(model, ["cpu"]).__dict__)
+    state["source_device"] = state.pop("src_device_obj")
+    earlier = minidp.DataParallel.__new__(minidp.DataParallel)
+    earlier.__setstate__(state)
+    x = torch.randn(4, 4, generator=generator)
+    assert earlier.src_device_obj == torch.device("cpu") and not hasattr(earlier, "source_device")
+    assert torch.equal(earlier(x), model(x))
+
+
 def test_a_subclass_with_stocks_own_forward_runs_on_minidps_steps(generator):
     """Subclasses written against stock copy its ``forward`` (B7: it reads ``device_ids``, ``src_device_obj`` and
     ``output_device``, then calls the four overridable steps): stock's very code runs on minidp's steps."""
