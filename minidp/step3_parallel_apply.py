@@ -403,8 +403,10 @@ _DRAWS = {
     "forward": ("Dropout?", "a layer that recomputes its forward in the backward from the random state it saved "
                 "(torch.utils.checkpoint) gets other numbers than its forward did, so its gradients are wrong. For "
                 "such a model, give each replica a device of its own, or a process of its own (minidp.distributed)."),
-    "backward": ("a custom autograd Function?", "the gradients differ from run to run: minidp.set_parallel_backward("
-                 "False) runs the replicas' backwards one after the other, as autograd does, drawing in a fixed order."),
+    "backward": ("a custom autograd Function?, or activation checkpointing setting the generator to the state it "
+                 "saved and back", "the gradients, and the numbers drawn after the backward, differ from run to run: "
+                 "minidp.set_parallel_backward(False) runs the replicas' backwards one after the other, as autograd "
+                 "does, in a fixed order."),
 }
 
 
