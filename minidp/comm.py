@@ -478,8 +478,9 @@ def gather(
 ) -> torch.Tensor:
     """Concatenate ``tensors`` along ``dim`` on ``destination`` (default: ``tensors[0]``'s device).
 
-    ``-1`` and ``"cpu"`` both mean the CPU. A single tensor already on ``destination`` is returned
-    as it is.
+    ``-1`` and ``"cpu"`` both mean the CPU. The result is always a new tensor, a single one too, as stock's
+    (``torch._C._gather`` allocates it): a replica's output may be its parameter, or a view of its input chunk, which
+    an in-place change of the gathered output must not reach.
     """
     if len(tensors) == 0:
         raise ValueError("gather: 'tensors' is empty")
@@ -506,6 +507,6 @@ def gather(
             rows = sum(t.shape[joined] for t in tensors)
             check_out([out], (*reference.shape[:joined], rows, *reference.shape[joined + 1:]), None, "gather")
         return torch.cat([t.to(out.device) for t in tensors], dim, out=out)
-    if len(tensors) == 1 and reference.device == destination:
-        return reference
+    if len(tensors) == 1 and reference.dim() == 0:  # (torch.cat refuses 0-dim tensors, and says so for several)
+        return reference.to(destination, copy=True)
     return torch.cat([move(t, destination) for t in tensors], dim)

@@ -62,14 +62,20 @@ def children(obj: Any) -> Optional[list[tuple[str, Any]]]:
     return None
 
 
-def rebuild(like: Any, values: Sequence[Any]) -> Any:
-    """A container of ``like``'s kind and type holding ``values`` in ``children(like)``'s order."""
+def rebuild(like: Any, values: Sequence[Any], *, scattered: bool = False) -> Any:
+    """A container of ``like``'s kind and type holding ``values`` in ``children(like)``'s order.
+
+    A namedtuple is made with ``_make``, which runs no constructor of the user's (as stock's gather makes it);
+    ``scattered``: a piece of a scattered input, made as stock's scatter makes it: a namedtuple by calling its type, and
+    any other tuple or list as a plain one (a ``torch.Size``, or a tuple subclass whose constructor takes other
+    arguments, reaches the replicas as a tuple)."""
     if isinstance(like, dict):
         return rebuild_dict(like, zip(like.keys(), values))
     if is_namedtuple(like):
-        return type(like)(*values)
+        return type(like)(*values) if scattered else type(like)._make(values)
     if isinstance(like, (list, tuple)):
-        return type(like)(values)
+        kind = (list if isinstance(like, list) else tuple) if scattered else type(like)
+        return kind(values)
     new = copy.copy(like)  # a dataclass: a shallow copy with its fields replaced (frozen ones too)
     for field, value in zip(dataclasses.fields(like), values):
         object.__setattr__(new, field.name, value)

@@ -123,7 +123,7 @@ def _scatter_map(obj: Any, devices: list[torch.device], splits: Splits, dim: int
     if not parts:  # a leaf, or an empty container: shared by reference
         return [obj for _ in devices]
     per_child = [_scatter_map(child, devices, splits, dim) for _, child in parts]
-    return [rebuild(obj, list(values)) for values in zip(*per_child)]
+    return [rebuild(obj, list(values), scattered=True) for values in zip(*per_child)]
 
 
 @observed("scatter")

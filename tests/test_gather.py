@@ -55,6 +55,40 @@ def test_containers_are_rebuilt_like_stock(generator):
     assert torch.equal(ours["a"][1][0], torch.cat([o["a"][1][0] for o in outputs]))
 
 
+class _Scaled(collections.namedtuple("_Scaled", "value")):
+    """A namedtuple whose constructor changes what it is given: built by calling its type, it would scale twice."""
+
+    def __new__(cls, value):
+        return super().__new__(cls, value * 2)
+
+
+def test_a_namedtuple_is_rebuilt_with_make_as_stock_rebuilds_it(generator):
+    """B28: stock's gather rebuilds a namedtuple with ``_make``, which runs no constructor of the user's."""
+    outputs = [_Scaled(torch.randn(3, 2, generator=generator)), _Scaled(torch.randn(2, 2, generator=generator))]
+    with emulated_stock():
+        stock = nn.parallel.gather(outputs, 0)
+    ours = minidp.gather(outputs, "cpu")
+    assert type(ours) is _Scaled and torch.equal(ours.value, stock.value)
+    assert torch.equal(ours.value, torch.cat([o.value for o in outputs]))
+
+
+def test_a_single_replicas_output_is_gathered_into_a_new_tensor_as_stock_gathers_it(generator):
+    """B28/B29: stock's Gather always allocates: a replica that returns its parameter, or a view of its chunk, gives an
+    output whose in-place change reaches neither (a one-row batch on two devices runs one replica)."""
+
+    class FirstColumns(nn.Module):
+        def forward(self, x):
+            return x[:, :2]
+
+    x = torch.zeros(1, 4)
+    output = minidp.DataParallel(FirstColumns(), cpu_ids(2))(x)
+    output.add_(1)
+    assert torch.equal(x, torch.zeros(1, 4)) and output.stride() == (2, 1)
+    weight = nn.Parameter(torch.ones(1, 3))
+    single = minidp.gather([weight], "cpu")
+    assert single.data_ptr() != weight.data_ptr() and torch.equal(single, weight)
+
+
 def test_dict_keys_may_come_in_any_order(generator):
     """Keys are matched by name (replica 0's order is kept), not by position."""
     a, b = torch.randn(2, 1, generator=generator), torch.randn(1, 1, generator=generator)

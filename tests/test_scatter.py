@@ -99,6 +99,26 @@ def test_containers_are_scattered_recursively_like_stock(generator):
         assert type(mine[2]) is collections.OrderedDict and type(mine[3]) is Pair
 
 
+class _Pair(tuple):
+    """A tuple subclass whose constructor takes its two items, not an iterable."""
+
+    def __new__(cls, first, second):
+        return super().__new__(cls, (first, second))
+
+
+def test_tuple_and_list_subclasses_reach_the_replicas_as_plain_tuples_and_lists_as_in_stock(generator):
+    """B12: stock's scatter builds plain tuples and lists; a torch.Size, or a subclass whose constructor takes other
+    arguments (which rebuilding it by its type would break), reaches each replica as a tuple."""
+    x = torch.randn(6, 2, generator=generator)
+    inputs = (_Pair(x, x * 2), torch.Size([6, 2]), type("Rows", (list,), {})([x]))
+    ours = minidp.scatter(inputs, cpu_ids(2))
+    with emulated_stock():
+        stock = nn.parallel.scatter(inputs, [0, 1])
+    for mine, theirs in zip(ours, stock, strict=True):
+        assert _same_structure_and_values(mine, theirs)
+        assert [type(part) for part in mine] == [tuple, tuple, list]
+
+
 def _same_structure_and_values(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
