@@ -80,6 +80,32 @@ def test_matches_stock_emulated(name, replicas, rows, generator):
     assert_same_results(actual, expected, compare_non_tensors=False)
 
 
+def test_with_one_intra_op_thread_cpu_replicas_equal_stock_bit_for_bit(generator):
+    """README (parallel_apply's row): a CPU replica's forward runs on its share of the caller's intra-op threads, where
+    stock's workers keep the whole count, so kernels that split a sum by thread (BatchNorm on a channels_last input, a
+    long reduction) round otherwise; with one thread there is nothing to share, and the results are stock's, bitwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(36, 500)).double()
+        x = torch.randn(6, 3, 5, 5, generator=generator, dtype=torch.float64).to(memory_format=torch.channels_last)
+        results = []
+        for wrapper, context in ((lambda m: minidp.DataParallel(m, cpu_ids(2)), contextlib.nullcontext),
+                                 (lambda m: nn.DataParallel(m, [0, 1]), emulated_stock)):
+            copy = [p.detach().clone() for p in model.parameters()]  # the same start for both
+            with context():
+                output = wrapper(model)(x)
+                output.square().mean().backward()
+            results.append([output] + [p.grad for p in model.parameters()] + list(model.buffers()))
+            model.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for p, start in zip(model.parameters(), copy):
+                    p.copy_(start)
+        assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_matches_stock_emulated_with_repeated_ids(generator):
     """docs/stock-behaviour.md B3: stock accepts repeated ids; minidp's ``['cpu'] * 3`` matches its ``[0, 0, 0]``."""
     case = make_case("mlp", 10, generator)
