@@ -556,11 +556,15 @@ def test_retain_graph_lets_a_second_backward_add_the_same_gradients(generator):
         output.backward()
 
 
-class _FailsInBackward(torch.autograd.Function):
+class _Identity(torch.autograd.Function):
+    """The identity (a copy) in the forward; each subclass gives the backward a test plants in a replica."""
+
     @staticmethod
     def forward(ctx, x):
         return x.clone()
 
+
+class _FailsInBackward(_Identity):
     @staticmethod
     def backward(ctx, grad):
         raise ValueError("planted failure")
@@ -780,12 +784,8 @@ except KeyboardInterrupt:
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr
 
 
-class _NoisyGradient(torch.autograd.Function):
+class _NoisyGradient(_Identity):
     """The identity, whose backward adds noise drawn from the default generator."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
 
     @staticmethod
     def backward(ctx, gradient):
