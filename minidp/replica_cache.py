@@ -74,7 +74,7 @@ from torch import nn
 from .comm import check_reduce_backend
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
-from .parallel_backward import made_by
+from .parallel_backward import first_differentiable, made_by
 from .step2_replicate import (
     Slots, bind, build_skeletons, check_is_module, check_module_device, replica_tensors, replicate, tensor_slots,
     through_entries,
@@ -284,8 +284,7 @@ class _Entry:
         that autograd records came out of one ``Broadcast`` (through a CPU replica's entry: minidp.parallel_backward),
         so its first such tensor names the node; the others (frozen parameters, plain buffers) were made by none.
         """
-        firsts = [next((t for t in group if t.requires_grad), None) for group in groups]
-        nodes = {made_by(t) for t in firsts if t is not None}
+        nodes = {made_by(t) for t in map(first_differentiable, groups) if t is not None}
         self._pending_nodes = len(nodes)
         self.state = EntryState.BACKWARD_PENDING if nodes else EntryState.BOUND
         self._binding += 1

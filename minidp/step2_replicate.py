@@ -192,13 +192,9 @@ def bind(
 ) -> None:
     """Give the replica modules of each device (``replicas[device]``) that device's tensors.
 
-    ``entered``: whether the copies came through the replicas' entries (:func:`through_entries`); only then
-    are there entries to note for parallel_apply, where finding them means reading every tensor's ``grad_fn``: 28 to
-    35 us a device for ResNet-50's 320 tensors where the backward runs serially (``python -m timeit -s "import torch;
-    from minidp.zoo import resnet50; from minidp.step2_replicate import replica_tensors; from minidp.parallel_backward
-    import _entries_among; m = resnet50(base=8); p, b = replica_tensors(list(m.parameters()), list(m.buffers()),
-    [torch.device('cpu')] * 2, False, None); t = p[0] + b[0]" "_entries_among(t)"``). Noting none where there are
-    some costs only speed: parallel_apply then looks for them in the replica's modules.
+    ``entered``: whether the copies came through the replicas' entries (:func:`through_entries`); only then are
+    there entries to note for parallel_apply (:func:`minidp.parallel_backward.remember_entries`). Noting none where
+    there are some costs only speed: parallel_apply then looks for them in the replica's modules.
     """
     for replica_modules, params, buffers in zip(replicas, param_copies, buffer_copies):
         for replica, module_params, module_buffers in zip(replica_modules, param_slots, buffer_slots):
@@ -215,7 +211,7 @@ def bind(
             registry = state["_buffers"]
             for key, i in module_buffers:
                 registry[key] = None if i is None else buffers[i]
-        remember_entries(replica_modules[0], [*params, *buffers] if entered else [])
+        remember_entries(replica_modules[0], (params, buffers) if entered else ())
 
 
 def through_entries(devices: list[torch.device], detach: bool) -> bool:

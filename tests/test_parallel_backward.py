@@ -328,18 +328,23 @@ def test_parallel_apply_says_whether_each_replica_backward_will_be_one_call(gene
 
 @pytest.mark.parametrize("cached", [True, False], ids=["cached", "uncached"])
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
-def test_replicate_looks_for_entries_among_the_replicas_tensors_only_where_it_made_them(monkeypatch, parallel, cached):
-    # Finding them reads every tensor's grad_fn (what it costs: minidp.step2_replicate.bind); where the replicas got no
-    # entries there is nothing to find, and a replica noted before is left with none noted.
+def test_replicate_looks_for_entries_only_where_it_made_them_at_one_tensor_a_group(monkeypatch, parallel, cached):
+    # Reading every tensor's grad_fn is what finding them would cost (minidp.parallel_backward.remember_entries): a
+    # replica's parameters come through one entry, so the first that requires grad names it (its buffers, which need
+    # none, name none); where the replicas got no entries nothing is read, and a replica noted before is left with
+    # none noted.
     searched: list[int] = []
     search = parallel_backward._entries_among
     monkeypatch.setattr(parallel_backward, "_entries_among", lambda tensors: searched.append(len(tensors)) or search(tensors))
     model = SmallCNN()
     with parallel_backward.parallel_backward_settings(parallel):
         replicas = (minidp.ReplicaCache().replicate if cached else minidp.replicate)(model, cpu_ids(2))
-    tensors = len(list(model.parameters())) + len(list(model.buffers()))
-    assert searched == ([tensors] * 2 if parallel else [0, 0])
+    assert searched == ([1, 1] if parallel else [0, 0])
     assert all((replica in parallel_backward._bound_entries) == parallel for replica in replicas)
+    for replica in replicas if parallel else ():  # the entries a read of every tensor finds
+        every_tensor = [v for m in replica.modules() for v in [*m.__dict__.values(), *m._buffers.values()]
+                        if isinstance(v, torch.Tensor)]
+        assert parallel_backward._bound_entries[replica] == list(search(every_tensor).values())
 
 
 def test_each_replica_backward_shows_in_torch_profiler(generator):
