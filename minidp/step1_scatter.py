@@ -58,7 +58,7 @@ def plan_splits(
     one_value_a_row: dict[int, bool] = {}  # whether every tensor of that size holds one value per row
     for path, tensor in (found for name, obj in roots for found in tensors_in(obj, name)):
         comm.check_splittable(tensor, dim, path)
-        size = tensor.shape[dim]
+        size = _rows(tensor, dim)
         one_value_a_row[size] = one_value_a_row.get(size, True) and tensor.numel() == size
         if size in splits:
             continue
@@ -115,10 +115,16 @@ def split_for(
     return comm.chunk_sizes_for(size, num_devices)
 
 
+def _rows(tensor: torch.Tensor, dim: int) -> int:
+    """``tensor``'s size along ``dim``, an int: under ``torch.jit.trace`` a size is a tensor, a new one at each read,
+    which would find no split by value (the trace keeps the int as a constant, and says so)."""
+    return int(tensor.shape[dim])
+
+
 def _scatter_map(obj: Any, devices: list[torch.device], splits: Splits, dim: int) -> list[Any]:
     """One piece of ``obj`` per device: its tensors cut as ``splits`` says, its containers rebuilt."""
     if isinstance(obj, torch.Tensor):
-        return comm.split_to_devices(obj, devices, splits[obj.shape[dim]], dim)
+        return comm.split_to_devices(obj, devices, splits[_rows(obj, dim)], dim)
     parts = children(obj)
     if not parts:  # a leaf, or an empty container: shared by reference
         return [obj for _ in devices]

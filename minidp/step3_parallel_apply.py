@@ -277,6 +277,21 @@ class _ReplicaFailure:
             del wrapped, self
 
 
+def check_not_tracing(replicas: int) -> None:
+    """Refuse to run several replicas under ``torch.jit.trace``, which records only the thread that calls it.
+
+    The replicas run in threads of their own, so a trace would hold none of their work (and the scatter before them
+    sees sizes as tensors). Checked by ``parallel_apply`` and, before they scatter, by ``DataParallel`` and
+    ``data_parallel``. One replica is the module called in the caller's thread: it traces as the module does.
+    """
+    if replicas > 1 and torch.jit.is_tracing():
+        raise RuntimeError(
+            f"torch.jit.trace cannot record {replicas} replicas: it records only the calling thread, and each replica "
+            "runs in a thread of its own. Trace the module itself (torch.jit.trace(dp.module, example_inputs)) and "
+            "give the traced module to DataParallel, or trace with a single device id."
+        )
+
+
 def parallel_apply(
     modules: Sequence[nn.Module],
     inputs: Sequence[Any],
@@ -314,6 +329,7 @@ def parallel_apply(
             raise TypeError(
                 f"parallel_apply: kwargs_tup[{i}] is of type {type(kwargs).__name__}; give a dict of keyword arguments per module"
             )
+    check_not_tracing(n)
     kwargs_tup = kwargs_tup if kwargs_tup is not None else [{}] * n
     if devices is None or any(d is None for d in devices):
         devices = [

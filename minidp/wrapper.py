@@ -27,7 +27,7 @@ from .hooks import observe_module, profiled
 from .replica_cache import ReplicaCache, ReplicaCacheInfo
 from .step1_scatter import scatter_kwargs
 from .step2_replicate import check_is_module, check_module_device, check_not_compiled, replicate
-from .step3_parallel_apply import parallel_apply
+from .step3_parallel_apply import check_not_tracing, parallel_apply
 from .step4_gather import gather
 from .torch_versions import clone_all
 
@@ -205,6 +205,7 @@ class DataParallel(nn.DataParallel):
             if not self.device_ids:
                 output = self.module(*inputs, **kwargs)
                 return output if self.gather_output else [output]
+            check_not_tracing(len(self.device_ids))
             inputs, kwargs = self.scatter(inputs, kwargs, self.device_ids)
             if not inputs:  # no arguments at all: one call on device_ids[0]
                 inputs, kwargs = ((),), ({},)
@@ -290,6 +291,7 @@ def data_parallel(
         return module(*inputs, **(module_kwargs or {}))
     output_device = as_device(devices[0] if output_device is None else output_device, "output_device")
     check_module_device(module, devices[0], replicated=len(devices) > 1)  # as stock (DataParallel would move a module on one device)
+    check_not_tracing(len(devices))
     chunk_inputs, chunk_kwargs = scatter_kwargs(inputs, module_kwargs, devices, dim=dim, chunk_weights=chunk_weights)
     if not chunk_inputs:  # no arguments at all: one call on devices[0]
         chunk_inputs, chunk_kwargs = ((),), ({},)

@@ -646,3 +646,48 @@ def test_a_bad_out_tensor_is_refused_before_any_is_written(call, shapes, message
 def test_out_pieces_that_do_not_add_up_to_the_tensor_are_refused(generator):
     with pytest.raises(ValueError, match=r"scatter: the sizes of out along dim 0 add up to 5, but the tensor has 6 rows there"):
         comm.scatter(torch.randn(6, 4, generator=generator), out=[torch.zeros(3, 4), torch.zeros(2, 4)])
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.jit.trace: it records the calling thread only, and the replicas run in threads of their own
+# --------------------------------------------------------------------------------------------------
+
+
+TRACE_ADVICE = r"Trace the module itself \(torch\.jit\.trace\(dp\.module, example_inputs\)\) and give the traced module"
+
+
+@pytest.mark.parametrize("how", ["DataParallel", "data_parallel", "parallel_apply"])
+def test_tracing_several_replicas_is_refused_before_anything_changes(model, generator, how):
+    """docs/stock-behaviour.md B41: stock fails inside the trace (the replicas' outputs, made in threads the tracer
+    does not record, cannot become constants); minidp refuses before it scatters, saying what to trace instead."""
+    x = torch.randn(6, 4, generator=generator)
+    calls = {
+        "DataParallel": lambda: minidp.DataParallel(model, cpu_ids(2)),
+        "data_parallel": lambda: lambda inputs: minidp.data_parallel(model, inputs, cpu_ids(2)),
+        "parallel_apply": lambda: lambda inputs: minidp.parallel_apply([model, model], [inputs[:3], inputs[3:]]),
+    }
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match=rf"torch\.jit\.trace cannot record 2 replicas.*{TRACE_ADVICE}"):
+        torch.jit.trace(calls[how](), x)
+    assert_untouched(model, before)
+
+
+def test_a_module_traced_alone_runs_under_data_parallel_as_the_module(generator):
+    """docs/stock-behaviour.md B41: the fix the refusal names, a ScriptModule on two CPU replicas."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    traced = torch.jit.trace(model, x)
+    output = minidp.DataParallel(traced, cpu_ids(2))(x)
+    output.sum().backward()
+    expected = model(x)
+    expected.sum().backward()
+    torch.testing.assert_close(output, expected, rtol=0, atol=0)
+    assert all(torch.equal(t.grad, p.grad) for t, p in zip(traced.parameters(), model.parameters()))
+
+
+def test_a_one_device_data_parallel_traces_as_its_module(generator):
+    """docs/stock-behaviour.md B41: one device calls the module in the caller's thread, so the trace is the module's."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    traced = torch.jit.trace(minidp.DataParallel(model, cpu_ids(1)), torch.randn(6, 4, generator=generator, dtype=torch.float64))
+    y = torch.randn(6, 4, generator=generator, dtype=torch.float64)  # a trace keeps the sizes it saw
+    torch.testing.assert_close(traced(y), model(y), rtol=0, atol=0)
