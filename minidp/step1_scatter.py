@@ -225,7 +225,7 @@ def scatter_kwargs(
     if not inputs and not kwargs:
         return (), ()
     pieces = _scatter(
-        (tuple(inputs), kwargs or {}),
+        (inputs, kwargs or {}),  # as they are: a list's pieces are lists, a namedtuple's of its type (B12)
         devices,
         dim,
         chunk_sizes,

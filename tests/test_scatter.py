@@ -12,7 +12,7 @@ from torch import nn
 
 import minidp
 from .helpers import cpu_ids, garbage_left_by
-from .stock_emulation import emulated_stock
+from .stock_emulation import emulated_stock, stock_scatter_gather
 
 Pair = collections.namedtuple("Pair", "left right")
 
@@ -61,6 +61,18 @@ def test_scatter_kwargs_passes_chunk_sizes_to_inputs_and_kwargs(generator):
     x, m = torch.randn(6, 2, generator=generator), torch.randn(6, 1, generator=generator)
     inputs, kwargs = minidp.scatter_kwargs((x,), {"mask": m}, cpu_ids(2), chunk_sizes=[5, 1])
     assert [i[0].shape[0] for i in inputs] == [5, 1] and [k["mask"].shape[0] for k in kwargs] == [5, 1]
+
+
+@pytest.mark.parametrize("container", [list, tuple, Pair], ids=["list", "tuple", "namedtuple"])
+def test_scatter_kwargs_gives_each_replica_its_inputs_in_the_container_stock_gives(container, generator):
+    """B12: the positional arguments are scattered as the object they are: a list's pieces are lists, a namedtuple's
+    of its type, a tuple's tuples."""
+    x = torch.randn(4, 3, generator=generator)
+    inputs = container((x, x)) if container is not Pair else Pair(x, x)
+    ours, _ = minidp.scatter_kwargs(inputs, {}, cpu_ids(2))
+    with emulated_stock():
+        stock, _ = stock_scatter_gather.scatter_kwargs(inputs, {}, [0, 1])
+    assert [type(piece) for piece in ours] == [type(piece) for piece in stock] == [container] * 2
 
 
 @pytest.mark.parametrize("dim", [1, -1])
