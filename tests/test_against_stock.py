@@ -106,6 +106,29 @@ def test_with_one_intra_op_thread_cpu_replicas_equal_stock_bit_for_bit(generator
         torch.set_num_threads(threads)
 
 
+def test_a_wgan_gp_critic_step_with_the_serial_backward_equals_stock_bit_for_bit(generator):
+    """README (the parallel backward): a loss adding the output to a penalty on its input gradient, made with
+    ``create_graph=True``, gets stock's gradients bit for bit with ``set_parallel_backward(False)`` (the parallel
+    backward adds the two parts apart: to rounding, ``tests/test_parallel_backward.py -k create_graph_equals``)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    x = torch.randn(12, 4, generator=generator, dtype=torch.float64)
+    previous = minidp.set_parallel_backward(False)
+    try:
+        results = []
+        for wrapper, context in ((lambda m: minidp.DataParallel(m, cpu_ids(2)), contextlib.nullcontext),
+                                 (lambda m: nn.DataParallel(m, [0, 1]), emulated_stock)):
+            model.zero_grad(set_to_none=True)
+            inputs = x.clone().requires_grad_()
+            with context():
+                output = wrapper(model)(inputs)
+                (slope,) = torch.autograd.grad(output.sum(), inputs, create_graph=True)
+                (output.mean() + 10 * (slope.norm(2, dim=1) - 1).square().mean()).backward()
+            results.append([output, slope, inputs.grad] + [p.grad for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    finally:
+        minidp.set_parallel_backward(previous)
+
+
 def test_matches_stock_emulated_with_repeated_ids(generator):
     """docs/stock-behaviour.md B3: stock accepts repeated ids; minidp's ``['cpu'] * 3`` matches its ``[0, 0, 0]``."""
     case = make_case("mlp", 10, generator)

@@ -640,6 +640,29 @@ def test_second_order_gradients_run_serially_and_equal_the_serial_path(generator
     assert _equal([t.detach() for t in results[True]], [t.detach() for t in results[False]])
 
 
+@pytest.mark.parametrize("penalty_on", ["inputs", "parameters"])
+def test_a_loss_of_the_output_and_a_gradient_made_with_create_graph_equals_the_serial_path_to_rounding(generator, penalty_on):
+    """A WGAN-GP critic's loss (the output, plus a penalty on its gradient with respect to the inputs, made with
+    ``create_graph=True``), or the same with a penalty on the parameters' gradient. The penalty's graph reaches each
+    replica's nodes by itself, apart from the cut, which back-propagates the output's part: the two parts meet at the
+    replicas' entries, where the serial backward adds them inside each replica's graph. README says so; stock's
+    gradients bit for bit need ``set_parallel_backward(False)``, which ``tests/test_against_stock.py`` compares."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    x = torch.randn(12, 4, generator=generator, dtype=torch.float64)
+
+    def step(module, parallel):
+        inputs = x.clone().requires_grad_()
+        output = minidp.DataParallel(module, cpu_ids(2))(inputs)
+        assert _in_parallel(output) == parallel
+        wrt = [inputs] if penalty_on == "inputs" else list(module.parameters())
+        slopes = torch.autograd.grad(output.sum(), wrt, create_graph=True)
+        (output.mean() + 10 * sum((s.norm() - 1).square() for s in slopes)).backward()
+
+    grads = _gradients_both_ways(model, step)
+    for parallel, serial in zip(grads[True], grads[False]):
+        torch.testing.assert_close(parallel, serial, rtol=1e-13, atol=1e-15)
+
+
 class _Checkpointed(nn.Module):
     def __init__(self, use_reentrant: bool):
         super().__init__()
