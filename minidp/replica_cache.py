@@ -328,7 +328,7 @@ class ReplicaCache:
 
     One skeleton set per (thread, device list), at most ``max_entries`` of them (least recently
     used dropped). :meth:`info` says how often the skeletons were reused and why they were last rebuilt;
-    :meth:`original_buffers` gives the buffers replica 0 shares with the original without walking the tree.
+    :meth:`originals` gives the parameters and buffers replica 0 shares with the original without walking the tree.
     """
 
     def __init__(self, max_entries: int = 4) -> None:
@@ -399,15 +399,17 @@ class ReplicaCache:
         if entry is not None:
             entry.release()
 
-    def original_buffers(self, replica: nn.Module) -> Optional[list[torch.Tensor]]:
-        """The original's buffers (``network.buffers()``, in order) if ``replica`` is the root of replicas this cache
-        bound and has not emptied since: the list their tree was checked against at that call, no walk of the tree.
-        ``None`` for any other module (replicas built elsewhere, or these replicas released)."""
+    def originals(self, replica: nn.Module) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """The original's parameters and buffers (``network.parameters()``, ``network.buffers()``, in order) if
+        ``replica`` is the root of replicas this cache bound and has not emptied since: the lists their tree was checked
+        against at that call, no walk of the tree. ``None`` for any other module (replicas built elsewhere, or these
+        replicas released)."""
         with self._lock:
             entries = list(self._entries.values())
         for entry in entries:
             if entry.replicas[0][0] is replica:
-                return entry.buffers if entry.state in (EntryState.BOUND, EntryState.BACKWARD_PENDING) else None
+                bound = entry.state in (EntryState.BOUND, EntryState.BACKWARD_PENDING)
+                return (entry.params, entry.buffers) if bound else None
         return None
 
     def info(self) -> ReplicaCacheInfo:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from operator import attrgetter
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -81,38 +82,69 @@ def _warn_if_imbalanced(devices: list[torch.device]) -> None:
             return
 
 
-def buffers_replica_0_shares(
+def tensors_replica_0_shares(
     module: nn.Module, replicas: Sequence[nn.Module], cache: Optional[ReplicaCache]
-) -> list[torch.Tensor]:
-    """``module``'s buffers, which ``replicas[0]`` shares: from ``cache`` where it bound those replicas (a list it holds,
-    checked against the tree at that call), else by walking the tree (0.16 ms for ResNet-50's 151 modules)."""
-    known = cache.original_buffers(replicas[0]) if cache is not None else None
-    return list(module.buffers()) if known is None else known
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``module``'s parameters and buffers, which ``replicas[0]`` shares: from ``cache`` where it bound those replicas
+    (lists it holds, checked against the tree at that call), else by walking the tree (0.16 ms a walk for ResNet-50's
+    151 modules)."""
+    known = cache.originals(replicas[0]) if cache is not None else None
+    return (list(module.parameters()), list(module.buffers())) if known is None else known
+
+
+_version = attrgetter("_version")
 
 
 @contextlib.contextmanager
-def buffers_restored_on_failure(buffers: Sequence[torch.Tensor]) -> Iterator[None]:
-    """A step that fails changes nothing: ``buffers`` (the module's) are put back as they were if the body raises.
+def step_guarded(
+    module: nn.Module, devices: Sequence[torch.device], params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]
+) -> Iterator[None]:
+    """A step that fails changes nothing it can put back, and a step whose replicas changed a parameter in place fails.
 
-    Replica 0 shares the original's buffers, so its BatchNorm updates land in them during the step
+    Buffers. Replica 0 shares the original's buffers, so its BatchNorm updates land in them during the step
     (stock's behaviour: the running statistics come from chunk 0). If another replica then fails,
     stock keeps replica 0's half of the step. Here the buffers are copied before the replicas run (a
     clone of each, all made by one ``_foreach_clone`` where torch has it), and on an exception every buffer is written
     back from the copy (all of them: BatchNorm's kernel updates its running statistics without moving
     their version counters). On success nothing more happens, and the buffers are the very tensors
     stock would leave.
+
+    Parameters. Replicas on the module's own device (``devices[0]``) hold aliases of its parameters (no copy), so
+    where several run there (CPU replicas, a repeated GPU id) a forward that changes one in place
+    (``self.weight.mul_(2)`` under ``torch.no_grad()``) changes the original once per replica, where stock refuses the
+    change in replica 0 (a view of the original) and drops the other replicas' (copies, docs/stock-behaviour.md B42).
+    Such a change moves the parameter's version counter, read before and after the replicas run (7 us for ResNet-50's
+    161 parameters): a moved one fails the step, naming the parameter. The change itself cannot be undone (a change
+    through ``.data`` moves no counter, and is not seen). With one replica on the module's device the counters are not
+    read: its change lands once, as replica 0's does in stock through ``.data``, and a cuDNN RNN's
+    ``flatten_parameters()`` in the forward moves them without changing a value.
     """
+    if devices.count(devices[0]) < 2:
+        params = ()
+    versions = list(map(_version, params))
     buffers = [b for b in buffers if not b.requires_grad]  # buffers in autograd reach replica 0 as copies
-    if not buffers:
-        yield
-        return
-    saved = clone_all(buffers)  # the cheapest copy of many small buffers (step2_replicate._copy_buffers says how much)
+    saved = clone_all(buffers) if buffers else []  # the cheapest copy of many small buffers (step2_replicate._copy_buffers)
     try:
         yield
+        if list(map(_version, params)) != versions:
+            _refuse_changed_parameters(module, params, versions)
     except BaseException:
-        with torch.no_grad():
-            torch._foreach_copy_(buffers, saved)
+        if buffers:
+            with torch.no_grad():
+                torch._foreach_copy_(buffers, saved)
         raise
+
+
+def _refuse_changed_parameters(module: nn.Module, params: Sequence[torch.Tensor], versions: list[int]) -> None:
+    names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+    changed = [names[id(p)] for p, version in zip(params, versions) if p._version != version]
+    raise RuntimeError(
+        f"the replicas' forward changed parameter(s) {changed} in place. Replicas on the module's device share its "
+        "parameters' memory (no copy), so the change landed in it once per replica there, and it now holds all of them "
+        "(stock refuses the change in replica 0 and drops the other replicas'). Change parameters outside the forward "
+        "(under torch.no_grad(), between steps), or compute a new tensor from the parameter inside it "
+        "(weight = self.weight * 2)."
+    )
 
 
 def stock_device_id(device: torch.device) -> Union[int, torch.device]:
@@ -221,9 +253,9 @@ class DataParallel(nn.DataParallel):
             # replicate checks where the module is (a cached replicate, only when its tree changed)
             used = self.device_ids[: len(inputs)]
             replicas = self.replicate(self.module, used)
-            shared = buffers_replica_0_shares(self.module, replicas, self.replica_cache if self.cache_replicas else None)
+            shared = tensors_replica_0_shares(self.module, replicas, self.replica_cache if self.cache_replicas else None)
             # A replica that fails, or outputs that gather refuses, leave no half-updated statistics.
-            with buffers_restored_on_failure(shared):
+            with step_guarded(self.module, used, *shared):
                 outputs = self.parallel_apply(replicas, inputs, kwargs)
                 return self.gather(outputs, self.output_device) if self.gather_output else outputs
 
@@ -301,6 +333,6 @@ def data_parallel(
         return output if output_device == devices[0] else gather([output], output_device, dim=dim)
     detach = not torch.is_grad_enabled()
     replicas = replica_cache.replicate(module, used, detach) if replica_cache else replicate(module, used, detach)
-    with buffers_restored_on_failure(buffers_replica_0_shares(module, replicas, replica_cache)):
+    with step_guarded(module, used, *tensors_replica_0_shares(module, replicas, replica_cache)):
         outputs = parallel_apply(replicas, chunk_inputs, chunk_kwargs, used)
         return gather(outputs, output_device, dim=dim)

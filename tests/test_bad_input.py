@@ -691,3 +691,39 @@ def test_a_one_device_data_parallel_traces_as_its_module(generator):
     traced = torch.jit.trace(minidp.DataParallel(model, cpu_ids(1)), torch.randn(6, 4, generator=generator, dtype=torch.float64))
     y = torch.randn(6, 4, generator=generator, dtype=torch.float64)  # a trace keeps the sizes it saw
     torch.testing.assert_close(traced(y), model(y), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# a forward that changes a parameter in place: the replicas on the module's device share its memory
+# --------------------------------------------------------------------------------------------------
+
+
+class _ScalesItsWeight(nn.Module):
+    """Doubles its linear layer's weight in place in forward, in grad mode or under ``torch.no_grad()``."""
+
+    def __init__(self, grad_mode: bool) -> None:
+        super().__init__()
+        self.lin, self.norm, self.grad_mode = nn.Linear(4, 3).double(), nn.BatchNorm1d(3).double(), grad_mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with contextlib.nullcontext() if self.grad_mode else torch.no_grad():
+            self.lin.weight.mul_(2)
+        return self.norm(self.lin(x))
+
+
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("how", ["DataParallel", "data_parallel"])
+def test_a_forward_that_changes_a_parameter_in_place_fails_the_step_naming_it(grad_mode, how, generator):
+    """docs/stock-behaviour.md B42: stock refuses the change in replica 0 (a view of the original parameter); minidp's
+    replicas alias the parameter, so the change lands once per replica: the step fails, naming the parameter, the
+    buffers put back, and the message says the parameter holds every replica's change."""
+    model = _ScalesItsWeight(grad_mode)
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    with emulated_stock(), pytest.raises(RuntimeError, match="Output 0 of _Broadcast is a view"):
+        nn.DataParallel(model, [0, 1])(x)
+    buffers = [b.clone() for b in model.buffers()]
+    call = minidp.DataParallel(model, cpu_ids(2)) if how == "DataParallel" else (
+        lambda inputs: minidp.data_parallel(model, inputs, cpu_ids(2)))
+    with pytest.raises(RuntimeError, match=r"changed parameter\(s\) \['lin\.weight'\] in place.*holds all of them"):
+        call(x)
+    assert all(torch.equal(b, saved) for b, saved in zip(model.buffers(), buffers))

@@ -446,16 +446,19 @@ def test_replicas_whose_first_parameter_is_frozen_are_watched_until_their_backwa
     assert wrapper.replica_cache_info().hits == 1
 
 
-def test_original_buffers_are_known_only_for_replicas_the_cache_bound_and_still_holds(generator):
-    """What DataParallel snapshots before the replicas run (a failed step puts them back): the cache's list where it
-    bound the replicas, with no walk of the tree; any other replica root gets None, and the caller walks."""
+def test_the_originals_are_known_only_for_replicas_the_cache_bound_and_still_holds(generator):
+    """What DataParallel reads before the replicas run (a failed step puts the buffers back, a parameter changed in
+    place fails it): the cache's lists where it bound the replicas, with no walk of the tree; any other replica root
+    gets None, and the caller walks."""
     model = ResNetBlockBN()
     cache = ReplicaCache()
     root = cache.replicate(model, cpu_ids(2))[0]
-    assert [id(b) for b in cache.original_buffers(root)] == [id(b) for b in model.buffers()]
-    assert cache.original_buffers(minidp.replicate(model, cpu_ids(2))[0]) is None
+    params, buffers = cache.originals(root)
+    assert [id(p) for p in params] == [id(p) for p in model.parameters()]
+    assert [id(b) for b in buffers] == [id(b) for b in model.buffers()]
+    assert cache.originals(minidp.replicate(model, cpu_ids(2))[0]) is None
     cache.release(cpu_ids(2))
-    assert cache.original_buffers(root) is None
+    assert cache.originals(root) is None
 
 
 def test_an_earlier_graph_run_again_is_not_the_backward_of_a_later_step(generator):
