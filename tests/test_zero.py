@@ -49,6 +49,7 @@ TWO_PROCESSES = {
     "mismatched_groups": (checks.mismatched_groups, {}),
     "mixed_dtypes": (checks.mixed_dtypes, {}),
     "failing_step": (checks.failing_step, {"failing_rank": 1}),
+    "error_in_the_step_everywhere": (checks.error_in_the_step_everywhere, {}),
     "add_param_group_refused": (checks.add_param_group_refused_on_one_rank, {}),
     "alone_under_join": (checks.alone_under_join, {}),
 }
@@ -191,9 +192,13 @@ def test_empty_params_raise_torchs_error_on_every_rank(two):
 
 
 def test_empty_params_on_one_rank_raise_on_every_rank_naming_it(two):
-    for kind, message in each_rank(two, "empty_on_rank_1"):
-        assert kind == "ValueError"
-        assert "construction failed on rank 1: ZeroRedundancyOptimizer got an empty parameter list" in message
+    (kind_0, message_0), (kind_1, message_1) = each_rank(two, "empty_on_rank_1")
+    assert kind_0 == kind_1 == "ValueError"
+    assert "construction failed on rank 1: ZeroRedundancyOptimizer got an empty parameter list" in message_0
+    # the failing rank raises its own error, with a note naming it
+    assert message_1.startswith(
+        "ZeroRedundancyOptimizer got an empty parameter list\nZeroRedundancyOptimizer's construction failed on rank 1 (this rank)"
+    )
 
 
 def test_parameters_that_differ_between_ranks_are_named_on_every_rank(two):
@@ -217,18 +222,32 @@ def test_parameters_of_two_dtypes_raise_torchs_error(two):
 def test_a_local_step_that_fails_on_one_rank_raises_on_every_rank_with_the_same_parameters_everywhere(two, three):
     # torch's ZRO: the failing rank leaves step() while the others wait in its broadcast (ZRO line 1151)
     for results, failing in ((two, 1), (three, 2)):
-        for result in each_rank(results, "failing_step"):
+        for rank, result in enumerate(each_rank(results, "failing_step")):
             kind, message = result["error"]
             assert kind == "RuntimeError"
-            assert f"(the local step) failed on rank {failing}: planted failure in the second step" in message
+            if rank == failing:  # its own error, with a note naming the step
+                assert message.startswith(f"planted failure in the second step on rank {failing}\n")
+                assert f"(the local step) failed on rank {failing} (this rank)" in message
+            else:
+                assert f"(the local step) failed on rank {failing}: planted failure in the second step" in message
             assert "load the last checkpoint" in message
             assert result["same_parameters"]
 
 
+def test_an_error_raised_inside_the_step_on_every_rank_is_raised_as_it_is_as_torch_does(two):
+    # ZRO step (lines 1124-1153): the local optimizer's step(closure) raises straight through _local_step and step, so
+    # `except PlantedError` or `except torch.OutOfMemoryError` catches what the closure raised; minidp rebuilt it from
+    # its type's name among the built-ins, a RuntimeError for both
+    for result in each_rank(two, "error_in_the_step_everywhere"):
+        for planted in ("PlantedError", "OutOfMemoryError"):
+            assert result[f"{planted} minidp"] == result[f"{planted} torch"] == (planted, True)
+
+
 def test_add_param_group_refused_on_one_rank_is_refused_on_every_rank_and_kept_by_none(two):
-    for result in each_rank(two, "add_param_group_refused"):
+    for rank, result in enumerate(each_rank(two, "add_param_group_refused")):
         kind, message = result["error"]
-        assert kind == "ValueError" and "add_param_group failed on rank 1: some parameters appear in more than one" in message
+        assert kind == "ValueError" and "some parameters appear in more than one" in message
+        assert ("add_param_group failed on rank 1 (this rank)" if rank == 1 else "add_param_group failed on rank 1: some") in message
         assert result["groups"] == result["local_groups"] == 1
 
 

@@ -242,10 +242,11 @@ def state_memory(seed: int) -> dict:
 
 
 def _error_of(build) -> tuple[str, str]:
+    """The type's name and the message of what ``build()`` raises, with the notes added to it, one a line."""
     try:
         build()
     except Exception as error:
-        return type(error).__name__, str(error)
+        return type(error).__name__, "\n".join([str(error), *getattr(error, "__notes__", ())])
     return "no error", ""
 
 
@@ -302,6 +303,30 @@ def failing_step(seed: int, failing_rank: int) -> dict:
     everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, flat)  # the group still works: no rank was left inside a broadcast
     return {"error": error, "same_parameters": all(torch.equal(flat, other) for other in everyone)}
+
+
+class PlantedError(Exception):
+    """An exception type of the user's own: no built-in one has its name."""
+
+
+def error_in_the_step_everywhere(seed: int) -> dict:
+    """A closure that raises on every rank inside the step: a :class:`PlantedError`, then a ``torch.OutOfMemoryError``;
+    for minidp's optimizer and torch's, the type's name of what ``step`` raised, and whether it is the very object the
+    closure raised."""
+    results = {}
+    for planted in (PlantedError("planted in the closure"), torch.OutOfMemoryError("planted out of memory")):
+        for name, zero_class in (("minidp", md.ZeroRedundancyOptimizer), ("torch", TorchZero)):
+            zero = zero_class(varied().parameters(), torch.optim.SGD, lr=0.1)
+
+            def closure() -> float:
+                raise planted
+
+            try:
+                zero.step(closure)
+                results[f"{type(planted).__name__} {name}"] = ("no error", False)
+            except Exception as error:
+                results[f"{type(planted).__name__} {name}"] = (type(error).__name__, error is planted)
+    return results
 
 
 def add_param_group_refused_on_one_rank(seed: int) -> dict:

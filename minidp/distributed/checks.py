@@ -205,9 +205,11 @@ def raise_on_every_rank(
 
     The ranks vote (:func:`start_failure_vote`, unless ``vote`` was started earlier): one all-reduce
     of one number, the whole cost when none failed. If one did, every rank receives every rank's
-    error (``all_gather_object``) and raises the first failing rank's, naming the rank and
-    ``doing``, with the same exception type where it is a built-in one (``ValueError``,
-    ``TypeError``, ...) and ``RuntimeError`` otherwise; ``advice``, if given, ends the message.
+    error (``all_gather_object``). A rank that failed raises its own ``error``, the object it caught
+    (its type, traceback and attributes kept, as a caller of torch's would see it), with a note naming
+    the rank and ``doing``; the others raise the first failing rank's, naming the rank and ``doing``,
+    with the same exception type where it is a built-in one (``ValueError``, ``TypeError``, ...) and
+    ``RuntimeError`` otherwise. ``advice``, if given, ends the message or the note.
     """
     failed, work = vote if vote is not None else start_failure_vote(error, group)
     work.wait()
@@ -215,11 +217,15 @@ def raise_on_every_rank(
         return
     errors: list[Optional[tuple[str, str]]] = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)), group=group)
+    ending = f"; {advice}" if advice else ""
+    if error is not None:
+        error.add_note(f"{doing} failed on rank {dist.get_rank(group)} (this rank), and raises on every rank{ending}")
+        raise error
     rank, (kind, message) = next((rank, e) for rank, e in enumerate(errors) if e is not None)
-    text = f"{doing} failed on rank {rank}: {message}" + (f"; {advice}" if advice else "")
+    text = f"{doing} failed on rank {rank}: {message}{ending}"
     exception_type = getattr(builtins, kind, None)
     try:
         same_kind = exception_type(text) if isinstance(exception_type, type) and issubclass(exception_type, Exception) else None
     except TypeError:  # a built-in exception that takes more than a message
         same_kind = None
-    raise (same_kind or RuntimeError(text)) from error
+    raise same_kind or RuntimeError(text)

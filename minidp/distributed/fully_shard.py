@@ -1560,17 +1560,16 @@ def _checked_here(
 
 
 def _raise_on_every_rank_of(groups: list[dist.ProcessGroup], error: Optional[Exception], called: str) -> None:
-    """Raise ``error`` here if there is one, and on the other ranks of ``groups`` the first failing rank's: each rank
-    votes in every group before any raises, so that none is left waiting in a vote (ranks that built different models
-    all hear of it, as the README says)."""
+    """Raise ``error`` here if there is one, and on the other ranks of ``groups`` the first failing rank's
+    (:func:`~minidp.distributed.checks.raise_on_every_rank` in each group): each rank votes in every group before any
+    raises, so that none is left waiting in a vote (ranks that built different models all hear of it, as the README
+    says)."""
     shared: Optional[Exception] = None
     for ranks in groups:
         try:
             raise_on_every_rank(error, ranks, f"fully_shard({called})")
         except Exception as raised:  # noqa: BLE001 - raised once every group has voted
             shared = shared or raised
-    if error is not None:
-        raise error
     if shared is not None:
         raise shared
 
