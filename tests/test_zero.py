@@ -52,6 +52,7 @@ TWO_PROCESSES = {
     "error_in_the_step_everywhere": (checks.error_in_the_step_everywhere, {}),
     "add_param_group_refused": (checks.add_param_group_refused_on_one_rank, {}),
     "alone_under_join": (checks.alone_under_join, {}),
+    "step_hooks_under_join": (checks.step_hooks_under_join, {}),
 }
 
 THREE_PROCESSES = {
@@ -257,6 +258,15 @@ def test_as_join_s_only_joinable_a_joined_rank_keeps_stepping_its_share(two, thr
     # (the next test); minidp's hook steps without notifying (minidp/distributed/join.py, ZeroJoinHook)
     assert_same_as_torch(two, "alone_under_join")
     assert_same_as_torch(three, "alone_under_join")
+
+
+def test_a_joined_rank_runs_the_step_hooks_as_often_as_the_ranks_still_training_as_torch_does(two):
+    # ZRO _ZeROJoinHook.main_hook (line 139) calls zero.step(), so a rank out of data runs the optimizer's step pre- and
+    # post-hooks, and the global ones, once per iteration of the ranks still training; minidp's hook stepped without them
+    assert_same_as_torch(two, "step_hooks_under_join")
+    for result in each_rank(two, "step_hooks_under_join"):
+        every_hook_as_often_as_the_last_rank_steps = dict.fromkeys(("pre", "post", "global pre", "global post"), 3)
+        assert result["calls"]["minidp"] == result["calls"]["torch"] == every_hook_as_often_as_the_last_rank_steps
 
 
 def test_torch_s_optimizer_as_join_s_only_joinable_breaks_the_collectives():

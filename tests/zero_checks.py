@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import minidp.distributed as md
 
@@ -337,6 +338,40 @@ def add_param_group_refused_on_one_rank(seed: int) -> dict:
     zero = md.ZeroRedundancyOptimizer(first, torch.optim.SGD, lr=0.1)
     error = _error_of(lambda: zero.add_param_group({"params": [first[0] if dist.get_rank() == 1 else extra]}))
     return {"error": error, "groups": len(zero.param_groups), "local_groups": len(zero.optim.param_groups)}
+
+
+def step_hooks_under_join(seed: int) -> dict:
+    """Uneven inputs under ``Join([ddp, zero])``, rank r training on 1 + 2r batches, minidp's DDP and optimizer, then
+    torch's: how often the optimizer's step pre- and post-hooks and the global ones ran on this rank for each, and the
+    first difference between the two models after it, or None."""
+    ours, theirs, ours_ddp, theirs_ddp = _pair(seed, torch.float64, "minidp")
+    optimizer_class, defaults = OPTIMIZERS["sgd"]
+    zeros = {"minidp": md.ZeroRedundancyOptimizer(ours.parameters(), optimizer_class, **defaults),
+             "torch": TorchZero(theirs.parameters(), optimizer_class, **defaults)}
+    calls = {name: dict.fromkeys(("pre", "post", "global pre", "global post"), 0) for name in zeros}
+
+    def counting(when: str):
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            for name, zero in zeros.items():
+                if optimizer is zero:  # the global hooks see the local optimizers' steps too
+                    calls[name][when] += 1
+        return hook
+
+    handles = [register_optimizer_step_pre_hook(counting("global pre")),
+               register_optimizer_step_post_hook(counting("global post"))]
+    for zero in zeros.values():
+        handles += [zero.register_step_pre_hook(counting("pre")), zero.register_step_post_hook(counting("post"))]
+    try:
+        for ddp, zero in ((ours_ddp, zeros["minidp"]), (theirs_ddp, zeros["torch"])):
+            with Join([ddp, zero]):
+                for step in range(1 + 2 * dist.get_rank()):
+                    zero.zero_grad()
+                    ddp(_batch(seed, step, dist.get_rank(), torch.float64)).pow(2).mean().backward()
+                    zero.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {"calls": calls, "differences": [_difference(ours, theirs, zeros["minidp"], zeros["torch"])]}
 
 
 def _steps_alone_under_join(zero_class: type, module: nn.Module) -> None:

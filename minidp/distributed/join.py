@@ -98,14 +98,19 @@ class ZeroJoinHook(JoinHook):
     gradients it holds, then every share broadcast from its owner. Those gradients are the user's to set, as
     torch says of its hook: the joined rank owns a share of the parameters whatever its data, and the ranks still
     training take that share from it. (A DDP in the same ``Join`` shadows the gradients' all-reduce, but leaves
-    this rank's ``.grad`` as it was, as torch's does.) The step here does not notify the ``Join`` context: where
-    the optimizer is its first ``Joinable``, torch's hook, calling ``step()``, issues one all-reduce more on the
-    joined rank than the ranks still training issue, and the collectives stop matching (on Gloo the job fails:
-    ``tests/test_zero.py``, torch 2.11 and 2.13).
+    this rank's ``.grad`` as it was, as torch's does.) The hook calls ``step()``, as torch's does, so that the step's
+    pre- and post-hooks (``register_step_post_hook``, the global ones) run on every rank as often; but that step does
+    not notify the ``Join`` context: where the optimizer is its first ``Joinable``, torch's hook issues one all-reduce
+    more on the joined rank than the ranks still training issue, and the collectives stop matching (on Gloo the job
+    fails: ``tests/test_zero.py``, torch 2.11 and 2.13).
     """
 
     def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
         self.zero = zero
 
     def main_hook(self) -> None:
-        self.zero.shadowed_step()
+        self.zero._shadowing = True
+        try:
+            self.zero.step()
+        finally:
+            self.zero._shadowing = False  # this rank's steps after the Join context are its own again

@@ -118,6 +118,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.rank = dist.get_rank(self.process_group)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         Joinable.__init__(self)  # not in a Join context until Join([..., optimizer]) says so
+        self._shadowing = False  # whether step() runs for the ranks still training, on a rank that has joined
         self._constructed = False  # Optimizer.__init__ calls add_param_group: the plain one until then
         self._consolidated: list[dict[str, Any]] = []
         error = None
@@ -139,12 +140,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any) -> Optional[float]:
         """Update this rank's share (step 2), then send every share from its owner to all ranks (step 3)."""
-        Join.notify_join_context(self)  # under Join, if this optimizer is its first Joinable: this rank still trains
-        return self.shadowed_step(closure, **kwargs)
-
-    def shadowed_step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any) -> Optional[float]:
-        """:meth:`step` without telling a ``Join`` context that this rank still trains: what a rank that has joined
-        runs for the ranks still training (:class:`~minidp.distributed.join.ZeroJoinHook`)."""
+        if not self._shadowing:  # a joined rank's hook steps too (ZeroJoinHook), but must not say that it still trains
+            Join.notify_join_context(self)  # under Join, if this optimizer is its first Joinable: this rank still trains
         if self.parameters_as_bucket_view and self._trainable() != self._trainable_mask:
             self._build_buckets()  # a parameter was frozen or unfrozen: it leaves or joins its bucket
         _copy_settings(self.param_groups, self.optim.param_groups)  # a scheduler changed the lr here, say
@@ -178,7 +175,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # ---- uneven inputs: torch.distributed.algorithms.Join ----------------------------------------
 
     def join_hook(self, **kwargs: Any) -> ZeroJoinHook:
-        """The hook ``Join`` runs on a rank that has joined: one :meth:`shadowed_step` per iteration of the others."""
+        """The hook ``Join`` runs on a rank that has joined: one :meth:`step` per iteration of the others."""
         return ZeroJoinHook(self)
 
     @property
