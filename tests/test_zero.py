@@ -53,6 +53,7 @@ TWO_PROCESSES = {
     "add_param_group_refused": (checks.add_param_group_refused_on_one_rank, {}),
     "alone_under_join": (checks.alone_under_join, {}),
     "step_hooks_under_join": (checks.step_hooks_under_join, {}),
+    "alone_under_join_empty_first_group": (checks.alone_under_join, {"empty_first_group": True}),
 }
 
 THREE_PROCESSES = {
@@ -267,6 +268,15 @@ def test_a_joined_rank_runs_the_step_hooks_as_often_as_the_ranks_still_training_
     for result in each_rank(two, "step_hooks_under_join"):
         every_hook_as_often_as_the_last_rank_steps = dict.fromkeys(("pre", "post", "global pre", "global post"), 3)
         assert result["calls"]["minidp"] == result["calls"]["torch"] == every_hook_as_often_as_the_last_rank_steps
+
+
+def test_as_join_s_only_joinable_an_optimizer_whose_first_group_is_empty_keeps_stepping(two):
+    # ZRO join_device (lines 1176-1178) is _default_device, the device of _all_params[0] (line 416): the first
+    # parameter of any group, so an empty first group, which both optimizers accept, changes nothing; minidp read the
+    # first group's first parameter, and Join([optimizer]) raised IndexError on every rank
+    assert_same_as_torch(two, "alone_under_join_empty_first_group")
+    for result in each_rank(two, "alone_under_join_empty_first_group"):
+        assert result["join_devices"] == ["cpu", "cpu"]
 
 
 def test_torch_s_optimizer_as_join_s_only_joinable_breaks_the_collectives():

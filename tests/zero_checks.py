@@ -374,10 +374,9 @@ def step_hooks_under_join(seed: int) -> dict:
     return {"calls": calls, "differences": [_difference(ours, theirs, zeros["minidp"], zeros["torch"])]}
 
 
-def _steps_alone_under_join(zero_class: type, module: nn.Module) -> None:
-    """Uneven inputs with the optimizer as ``Join``'s only Joinable: rank r steps 2 + r times, every gradient ones
-    on every rank (as if averaged)."""
-    zero = zero_class(module.parameters(), torch.optim.Adam, lr=0.01)
+def _steps_alone_under_join(zero: torch.optim.Optimizer, module: nn.Module) -> None:
+    """Uneven inputs with ``zero``, an Adam over ``module``'s parameters, as ``Join``'s only Joinable: rank r steps
+    2 + r times, every gradient ones on every rank (as if averaged)."""
     for p in module.parameters():
         p.grad = torch.ones_like(p)
     with Join([zero]):
@@ -385,24 +384,31 @@ def _steps_alone_under_join(zero_class: type, module: nn.Module) -> None:
             zero.step()
 
 
-def alone_under_join(seed: int) -> dict:
-    """:func:`_steps_alone_under_join` with minidp's optimizer. A joined rank's hook steps its share from the
-    gradients it holds, so every rank ends with what a plain Adam makes of as many steps as the last rank took: the
-    first parameter or gradient that is not bitwise equal to the plain Adam's, or None."""
+def alone_under_join(seed: int, empty_first_group: bool = False) -> dict:
+    """:func:`_steps_alone_under_join` with minidp's optimizer (``empty_first_group``: its parameters in a second
+    group, after an empty one). A joined rank's hook steps its share from the gradients it holds, so every rank ends
+    with what a plain Adam makes of as many steps as the last rank took: the first parameter or gradient that is not
+    bitwise equal to the plain Adam's, or None. Also the ``join_device`` of minidp's optimizer and of torch's, built on
+    the same groups."""
     torch.manual_seed(seed)  # the same parameters on every rank, as after DDP's construction
     module = varied()
     reference = copy.deepcopy(module)
-    _steps_alone_under_join(md.ZeroRedundancyOptimizer, module)
+    params = list(module.parameters())
+    groups = [{"params": []}, {"params": params}] if empty_first_group else params
+    zero = md.ZeroRedundancyOptimizer(groups, torch.optim.Adam, lr=0.01)
+    _steps_alone_under_join(zero, module)
     plain = torch.optim.Adam(reference.parameters(), lr=0.01)
     for p in reference.parameters():
         p.grad = torch.ones_like(p)
     for _ in range(2 + dist.get_world_size() - 1):
         plain.step()
-    return {"differences": [first_difference(module, reference)]}
+    return {"differences": [first_difference(module, reference)],
+            "join_devices": [str(zero.join_device), str(TorchZero(groups, torch.optim.Adam, lr=0.01).join_device)]}
 
 
 def torch_alone_under_join(seed: int) -> None:
     """:func:`_steps_alone_under_join` with torch's optimizer: its join hook calls ``step()``, which notifies the
     ``Join`` context again, so a joined rank issues one all-reduce more than the others (a job expected to fail)."""
     torch.manual_seed(seed)
-    _steps_alone_under_join(TorchZero, varied())
+    module = varied()
+    _steps_alone_under_join(TorchZero(module.parameters(), torch.optim.Adam, lr=0.01), module)

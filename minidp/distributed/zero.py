@@ -34,7 +34,7 @@ broadcast.
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -151,7 +151,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         except Exception as exc:  # kept until every rank knows: the others would wait for this one's share
             error = exc
         # The vote and any error go from the parameters' GPU (NCCL); the broadcasts between them from each tensor's own.
-        with collectives_on(self.param_groups[0]["params"]):
+        with collectives_on(self._params()):
             vote = start_failure_vote(error, self.process_group)  # in flight beside the broadcasts
             _copy_settings(self.optim.param_groups, self.param_groups)
             # every share sent from its owner, in place: each parameter (or each bucket), all broadcasts in
@@ -180,8 +180,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        """Where ``Join``'s all-reduces run: the first parameter's device (torch's ``_default_device``)."""
-        return self.param_groups[0]["params"][0].device
+        """Where ``Join``'s all-reduces run: the first parameter's device, of whichever group holds it (torch's
+        ``_default_device``): a group may be empty, the first one too."""
+        return next(self._params()).device
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:
@@ -213,12 +214,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         _copy_settings(self.optim.param_groups[-1:], self.param_groups[-1:])
         self._build_buckets()
 
+    def _params(self) -> Iterator[torch.Tensor]:
+        """Every parameter, group after group."""
+        return chain.from_iterable(g["params"] for g in self.param_groups)
+
     def _local_groups(self) -> list[dict[str, Any]]:
         """This rank's groups: each of ``param_groups``' settings with this rank's share of its parameters."""
         return [{**group, "params": share} for group, share in zip(self.param_groups, self.shares[self.rank])]
 
     def _trainable(self) -> list[bool]:
-        return [p.requires_grad for g in self.param_groups for p in g["params"]]
+        return [p.requires_grad for p in self._params()]
 
     def _build_buckets(self) -> None:
         """``parameters_as_bucket_view``: each rank's trainable parameters, per device, copied into one flat
@@ -285,7 +290,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "all ranks beforehand if you meant to save the global state."
             )
         state_dict = super().state_dict()  # the settings and the global indices; the wrapper keeps no state
-        index_of = {p: i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.param_groups))}
+        index_of = {p: i for i, p in enumerate(self._params())}
         for share, local in zip(self.shares, self._consolidated):
             # the local optimizer numbered its share's parameters in order, group after group
             for local_group, params in zip(local["param_groups"], share):
@@ -298,7 +303,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` on every rank: the settings everywhere, each rank's own share of the state."""
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})  # settings, group sizes
-        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        params = list(self._params())
         local_index = {p: i for i, p in enumerate(chain.from_iterable(self.shares[self.rank]))}
         self.optim.load_state_dict({
             "state": {local_index[params[i]]: value for i, value in state_dict["state"].items() if params[i] in local_index},
