@@ -237,9 +237,9 @@ def test_a_local_step_that_fails_on_one_rank_raises_on_every_rank_with_the_same_
 
 
 def test_an_error_raised_inside_the_step_on_every_rank_is_raised_as_it_is_as_torch_does(two):
-    # ZRO step (lines 1124-1153): the local optimizer's step(closure) raises straight through _local_step and step, so
-    # `except PlantedError` or `except torch.OutOfMemoryError` catches what the closure raised; minidp rebuilt it from
-    # its type's name among the built-ins, a RuntimeError for both
+    """ZRO step (lines 1124-1153): the local optimizer's step(closure) raises straight through _local_step and step,
+    so `except PlantedError` or `except torch.OutOfMemoryError` catches what the closure raised; minidp rebuilt it
+    from its type's name among the built-ins, a RuntimeError for both."""
     for result in each_rank(two, "error_in_the_step_everywhere"):
         for planted in ("PlantedError", "OutOfMemoryError"):
             assert result[f"{planted} minidp"] == result[f"{planted} torch"] == (planted, True)
@@ -262,8 +262,9 @@ def test_as_join_s_only_joinable_a_joined_rank_keeps_stepping_its_share(two, thr
 
 
 def test_a_joined_rank_runs_the_step_hooks_as_often_as_the_ranks_still_training_as_torch_does(two):
-    # ZRO _ZeROJoinHook.main_hook (line 139) calls zero.step(), so a rank out of data runs the optimizer's step pre- and
-    # post-hooks, and the global ones, once per iteration of the ranks still training; minidp's hook stepped without them
+    """ZRO _ZeROJoinHook.main_hook (line 139) calls zero.step(), so a rank out of data runs the optimizer's step pre-
+    and post-hooks, and the global ones, once per iteration of the ranks still training; minidp's hook stepped without
+    them."""
     assert_same_as_torch(two, "step_hooks_under_join")
     for result in each_rank(two, "step_hooks_under_join"):
         every_hook_as_often_as_the_last_rank_steps = dict.fromkeys(("pre", "post", "global pre", "global post"), 3)
@@ -271,9 +272,9 @@ def test_a_joined_rank_runs_the_step_hooks_as_often_as_the_ranks_still_training_
 
 
 def test_as_join_s_only_joinable_an_optimizer_whose_first_group_is_empty_keeps_stepping(two):
-    # ZRO join_device (lines 1176-1178) is _default_device, the device of _all_params[0] (line 416): the first
-    # parameter of any group, so an empty first group, which both optimizers accept, changes nothing; minidp read the
-    # first group's first parameter, and Join([optimizer]) raised IndexError on every rank
+    """ZRO join_device (lines 1176-1178) is _default_device, the device of _all_params[0] (line 416): the first
+    parameter of any group, so an empty first group, which both optimizers accept, changes nothing; minidp read the
+    first group's first parameter, and Join([optimizer]) raised IndexError on every rank."""
     assert_same_as_torch(two, "alone_under_join_empty_first_group")
     for result in each_rank(two, "alone_under_join_empty_first_group"):
         assert result["join_devices"] == ["cpu", "cpu"]
