@@ -469,6 +469,9 @@ def scatter(
     return tuple(split_to_devices(tensor, devices, chunk_sizes, dim))
 
 
+_JOINABLE_LAYOUTS = (torch.strided, torch.sparse_coo)
+
+
 def gather(
     tensors: Sequence[torch.Tensor],
     dim: int = 0,
@@ -497,6 +500,11 @@ def gather(
     joined = dim % max(reference.dim(), 1)
     outside = [size for d, size in enumerate(reference.shape) if d != joined]
     for i, t in enumerate(tensors):
+        if t.layout not in _JOINABLE_LAYOUTS:  # torch.cat fails on it, naming neither the tensor nor a way out
+            raise TypeError(
+                f"gather: tensor {i} is a {t.layout} tensor, which torch.cat cannot join; "
+                f"return it dense or in COO layout (.to_sparse()) from the replicas"
+            )
         if t.dim() != reference.dim() or [size for d, size in enumerate(t.shape) if d != joined] != outside:
             raise ValueError(
                 f"gather: tensor {i} has shape {tuple(t.shape)}, which does not match tensor 0's "

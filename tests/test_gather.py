@@ -300,3 +300,15 @@ def test_gather_leaves_no_reference_cycles(generator):
     """B36: stock clears its recursive ``gather_map`` closure by hand; minidp walks with a plain function."""
     outputs = [{"a": [torch.randn(n, 2, generator=generator)], "p": Pair(None, "s"), "c": layer_cache(n, generator)} for n in (2, 1)]
     assert garbage_left_by(lambda: minidp.gather(outputs, "cpu")) == 0
+
+
+@pytest.mark.parametrize("layout", ["sparse_csr", "sparse_csc"])
+def test_a_compressed_sparse_output_is_refused_naming_the_tensor_and_what_joins(layout, generator):
+    """torch.cat cannot join compressed sparse tensors ("Sparse CSR tensors do not have is_contiguous", which stock's
+    gather meets under the emulation too); minidp's error names the output and the layouts that join. A COO output
+    joins (its own test above)."""
+    outputs = [getattr(torch.randn(2, 3, generator=generator), f"to_{layout}")() for _ in range(2)]
+    with emulated_stock(), pytest.raises(RuntimeError, match="do not have is_contiguous"):
+        nn.parallel.gather(outputs, 0)
+    with pytest.raises(TypeError, match=rf"tensor 0 is a torch\.{layout} tensor, which torch\.cat cannot join.*COO"):
+        minidp.gather(outputs, "cpu")
