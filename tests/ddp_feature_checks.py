@@ -886,6 +886,77 @@ def complex_parameters_as_stock(seed: int, steps: int = 3, hook: bool = False, *
     return {"differences": differences, **buckets}
 
 
+# ---- a hook's GradBucket.gradients() for parameters with other strides ----------------------------------
+
+
+class StridedWeights(nn.Module):
+    """A channels-last convolution and a weight stored transposed: two parameters whose gradients lie in their bucket
+    in the parameter's own memory order, not row-major."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+        self.weight = nn.Parameter(torch.randn(16, 8).t())  # (8, 16), strides (1, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.to(memory_format=torch.channels_last)).mean((2, 3)) @ self.weight
+
+
+def _strides_then_powersgd(state, bucket):
+    """torch's ``powerSGD_hook`` (``state``: a list for what it notes, and its ``PowerSGDState``), noting the strides
+    of the bucket's ``gradients()``: PowerSGD views each as a matrix with ``view()``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    seen, powersgd = state
+    seen.append([tuple(g.stride()) for g in bucket.gradients()])
+    return powerSGD_hook.powerSGD_hook(powersgd, bucket)
+
+
+def powersgd_on_strided_weights_as_stock(seed: int, steps: int = 4) -> dict:
+    """SGD on :class:`StridedWeights` under both wrappers with torch's PowerSGD hook (rank 1, compressing from the
+    third backward on): per step the first difference (parameters and gradients, bitwise), and the strides of the
+    gradients each backward's hook was handed."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    theirs, ours, theirs_module, ours_module = _pair(StridedWeights, seed)
+    seen: dict[str, list] = {"stock": [], "minidp": []}
+    for name, ddp in (("stock", theirs), ("minidp", ours)):
+        powersgd = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                 min_compression_rate=0.5, random_seed=seed)
+        ddp.register_comm_hook((seen[name], powersgd), _strides_then_powersgd)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (theirs_module, ours_module)]
+    differences = []
+    for step in range(steps):
+        for ddp, optimizer in zip((theirs, ours), optimizers):
+            optimizer.zero_grad()
+            ddp(_inputs(seed, step, 2, 3, 6, 6)).pow(2).mean().backward()
+            optimizer.step()
+        differences.append(_difference(ours_module, theirs_module))
+    return {"differences": differences, **seen}
+
+
+def optimizer_in_backward_on_strided_weights(seed: int, steps: int = 3) -> list:
+    """:class:`StridedWeights` with SGD stepped in minidp's backward (``_apply_optimizer_in_backward``), beside
+    stock DDP stepping SGD after its backward: per step the first parameter that differs (bitwise), or None."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    torch.manual_seed(seed + dist.get_rank())
+    theirs_module = StridedWeights()
+    ours_module = copy.deepcopy(theirs_module)
+    _apply_optimizer_in_backward(torch.optim.SGD, ours_module.parameters(), {"lr": 0.1})
+    theirs, ours = _quiet(lambda: TorchDDP(theirs_module)), md.DistributedDataParallel(ours_module)
+    optimizer = torch.optim.SGD(theirs_module.parameters(), lr=0.1)
+    differences = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        theirs(_inputs(seed, step, 2, 3, 6, 6)).pow(2).mean().backward()
+        optimizer.step()
+        ours(_inputs(seed, step, 2, 3, 6, 6)).pow(2).mean().backward()
+        differences.append(next((name for (name, a), b in zip(ours_module.named_parameters(), theirs_module.parameters())
+                                 if not torch.equal(a, b)), None))
+    return differences
+
+
 # ---- parameters ignored by name -------------------------------------------------------------------------
 
 

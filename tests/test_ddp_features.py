@@ -113,6 +113,8 @@ TWO_PROCESSES = {
     "complex_bucket_view": (checks.complex_parameters_as_stock, {"gradient_as_bucket_view": True}),
     "complex_hooked": (checks.complex_parameters_as_stock, {"hook": True}),
     "complex_hooked_bucket_view": (checks.complex_parameters_as_stock, {"hook": True, "gradient_as_bucket_view": True}),
+    "powersgd_strided": (checks.powersgd_on_strided_weights_as_stock, {}),
+    "optimizer_in_backward_strided": (checks.optimizer_in_backward_on_strided_weights, {}),
     "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
     "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
     "sync_bn_hybrid_fewer_rows": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2), "per_rank": [5, 1]}),
@@ -484,6 +486,26 @@ def test_complex_parameters_train_as_stock_with_their_buckets_communicated_as_re
         if check.startswith("complex_hooked"):
             complex_bucket = ("torch.float64", 24, [("torch.float64", (4, 3))], ["torch.complex128"])
             assert all(complex_bucket in backward for backward in result["stock"])
+
+
+# ---- GradBucket.gradients() (reducer.cpp, GradBucket::getGradients) ----
+
+
+def test_a_hooks_gradients_are_row_major_views_so_powersgd_trains_as_stock_on_strided_weights(two):
+    # torch hands a hook each gradient as buffer.slice(offset, offset + numel).view(sizes), row-major whatever the
+    # parameter's strides, while the bucket holds a channels-last or transposed gradient in the parameter's memory
+    # order; PowerSGD's view(rows, -1) needs the row-major view, and compresses what it reads in that order
+    for result in each_rank(two, "powersgd_strided"):
+        assert result["differences"] == [None] * 4
+        assert result["minidp"] == result["stock"]
+        assert result["stock"] == [[(16, 1), (27, 9, 3, 1), (1,)]] * 4  # the transposed weight, the conv's, its bias
+
+
+def test_optimizers_stepped_in_the_backward_see_a_strided_weights_gradient_in_its_layout(two):
+    # DDP's optimizer-in-backward hook makes each .grad a view of the bucket; in the parameter's own layout, not the
+    # row-major gradients() (torch's own hook needs an accelerator: compared with stock DDP then SGD)
+    for differences in each_rank(two, "optimizer_in_backward_strided"):
+        assert differences == [None] * 3
 
 
 # ---- batch normalisation: minidp.SyncBatchNorm across processes; torch's refused on the CPU (distributed.py:2453) ----

@@ -186,11 +186,12 @@ class Bucket:
         return cls(index, list(indices), members, buffer, views_of(buffer, members))
 
 
-def views_of(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """One view of ``flat`` per parameter, laid end to end in order (see :class:`Bucket`)."""
+def views_of(flat: torch.Tensor, params: Sequence[torch.Tensor], own_strides: bool = True) -> list[torch.Tensor]:
+    """One view of ``flat`` per parameter, laid end to end in order: with the parameter's strides where it is dense
+    (see :class:`Bucket`), or, without ``own_strides``, row-major (:meth:`GradBucket.gradients`)."""
     views, offset = [], 0
     for p in params:
-        if _dense_strides(p):
+        if own_strides and _dense_strides(p):
             views.append(flat.as_strided(p.shape, p.stride(), flat.storage_offset() + offset))
         else:
             views.append(flat[offset : offset + p.numel()].view(p.shape))
@@ -229,10 +230,13 @@ class GradBucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """Views of ``buffer()``, one per parameter, shaped like it (a sparse bucket: its one gradient). For complex
-        parameters these are real views of the real buffer at the parameters' offsets and shapes, as torch's
-        ``GradBucket.gradients()`` gives them (not the parameters' gradients viewed as real)."""
-        return [self._buffer] if self._bucket.sparse else views_of(self._buffer, self._bucket.params)
+        """Row-major views of ``buffer()``, one per parameter at its offset, shaped like it (a sparse bucket: its one
+        gradient), as torch's ``GradBucket::getGradients`` gives them (``buffer.slice(offset, offset + numel).view(
+        sizes)``). Not the bucket's own views: a channels-last or transposed parameter's gradient lies in the bucket
+        in the parameter's memory order, which these read row-major, as torch's do; hooks rely on the layout (PowerSGD
+        views each as a matrix with ``view``). For complex parameters these are real views of the real buffer at the
+        parameters' offsets and shapes, as torch gives them (not the parameters' gradients viewed as real)."""
+        return [self._buffer] if self._bucket.sparse else views_of(self._buffer, self._bucket.params, own_strides=False)
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self._bucket.params)

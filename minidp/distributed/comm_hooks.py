@@ -99,7 +99,9 @@ def optimizer_in_backward_hook(gradient_is_bucket_view: bool) -> CommHook:
         ddp = state()
         ddp.reducer._run_allreduce_hook(bucket).wait()
         bucket.buffer().div_(ddp.process_group.size())
-        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+        # the bucket's own views, in each parameter's layout (torch's hook takes gradients(), which read a
+        # channels-last or transposed gradient row-major: scrambled)
+        for param, grad in zip(bucket.parameters(), bucket._bucket.views):
             if hasattr(param, "_in_backward_optimizers"):
                 if not gradient_is_bucket_view:
                     param.grad = grad
