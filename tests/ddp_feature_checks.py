@@ -555,6 +555,41 @@ def comm_hook_errors(seed: int) -> dict:
     return seen
 
 
+def _collective_future(state, bucket):
+    """An all-reduce's future as it is: its value is the list of the collective's tensors."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+
+
+def _list_of_two(state, bucket):
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result([torch.zeros_like(bucket.buffer()), bucket.buffer()])
+    return future
+
+
+HOOK_RESULTS = {"collective_future": _collective_future, "list_of_two": _list_of_two}
+
+
+def hook_results(seed: int) -> dict:
+    """Per hook of :data:`HOOK_RESULTS` (each a kind of value its future holds), one backward of a linear layer under
+    stock and minidp: ``"ok"`` or the error's type and message, and whether the parameters and gradients came out
+    bitwise alike (``same``)."""
+    seen: dict[str, dict] = {}
+    for case, hook in HOOK_RESULTS.items():
+        modules, outcome = {}, {}
+        for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+            torch.manual_seed(seed)
+            modules[name] = nn.Linear(3, 2)
+            ddp = _quiet(lambda: wrapper(modules[name]))
+            ddp.register_comm_hook(None, hook)
+            try:
+                ddp(_inputs(seed, 0, 4, 3)).sum().backward()
+                outcome[name] = "ok"
+            except Exception as error:  # every kind: the test compares them
+                outcome[name] = f"{type(error).__name__}: {error}"
+        seen[case] = {**outcome, "same": _difference(modules["minidp"], modules["stock"]) is None}
+    return seen
+
+
 def builtin_hook_as_stock(seed: int, hook_type: str, steps: int = 3) -> list:
     """``_register_builtin_comm_hook(dist.BuiltinCommHookType.<hook_type>)`` in both: bitwise after every step."""
     theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)

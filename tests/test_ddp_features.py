@@ -79,6 +79,7 @@ TWO_PROCESSES = {
        for name, options in (("find_unused", {"find_unused_parameters": True}), ("static", {"static_graph": True}))},
     "post_accumulate_hooks_bucket_view": (checks.post_accumulate_grad_hooks_as_stock, {"gradient_as_bucket_view": True}),
     "comm_hook_errors": (checks.comm_hook_errors, {}),
+    "hook_results": (checks.hook_results, {}),
     "builtin_allreduce": (checks.builtin_hook_as_stock, {"hook_type": "ALLREDUCE"}),
     "builtin_fp16": (checks.builtin_hook_as_stock, {"hook_type": "FP16_COMPRESS"}),
     **{f"checkpoint_{'reentrant' if r else 'plain'}_{'twice' if t else 'once'}_{'unused' if u else 'all'}_"
@@ -340,6 +341,16 @@ def test_a_hook_that_returns_no_future_is_named_as_stock_names_it(two):
     for seen in each_rank(two, "comm_hook_errors"):
         expected = "DDP communication hook's callback must return a torch.futures.Future object, but got builtins.int"
         assert expected in seen["not_a_future"]["stock"] and expected in seen["not_a_future"]["minidp"]
+
+
+@pytest.mark.parametrize("case", ["collective_future", "list_of_two"])
+def test_a_hooks_future_holding_a_list_is_refused_as_in_stock_with_the_way_out(two, case):
+    # reducer.cpp, PythonCommHook::parseHookResult: the hook's future must hold a tensor; stock fails an internal
+    # assert on a collective's future (its value the list of its tensors) and a cast to Tensor on a Python list
+    for seen in each_rank(two, "hook_results"):
+        assert seen[case]["stock"] != "ok"
+        assert seen[case]["minidp"].startswith(f"RuntimeError: DDP communication hook '_{case}': the future it returned")
+        assert "return fut.then(lambda f: f.value()[0])" in seen[case]["minidp"]
 
 
 @pytest.mark.parametrize("hook_type", ["allreduce", "fp16"])

@@ -691,20 +691,34 @@ class Reducer:
                 f"torch.distributed.algorithms.Join([ddp])); the cause: {error}"
             ) from error
         _stamp_end(self._reduce_events[bucket.index])  # in case the done-callback has not run yet
-        result = value[0] if isinstance(value, (list, tuple)) else value
+        # the all-reduce's future holds the list of its tensors; a hook's must hold the reduced tensor itself, as
+        # torch's reducer requires (a list there fails an internal assert or a cast to Tensor)
+        result = value[0] if self.comm_hook is None else value
         communicated = as_real(bucket.buffer)
         if not isinstance(result, torch.Tensor) or result.numel() != communicated.numel():
-            got = f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor) else type(result).__name__
-            raise RuntimeError(
-                f"bucket {bucket.index}: the communication hook's future holds {got}; it must hold one tensor of "
-                f"{communicated.numel()} elements, the reduced bucket.buffer()"
-            )
+            raise RuntimeError(self._bad_hook_result(bucket, result, communicated.numel()))
         if bucket.buffer.is_complex() and not result.is_complex():
             # complex gradients were communicated as real (as_real): the result read back as complex, in place
             # when it is the bucket itself
             same = result.data_ptr() == bucket.buffer.data_ptr() and result.dtype == communicated.dtype
             return bucket.buffer if same else torch.view_as_complex(result.reshape(-1, 2))
         return result
+
+    def _bad_hook_result(self, bucket: Bucket, value: Any, numel: int) -> str:
+        """What is wrong with ``value``, what the hook's future for ``bucket`` held, and how to mend the hook."""
+        if isinstance(value, torch.Tensor):
+            got = f"a tensor of {value.numel()} elements"
+        elif isinstance(value, (list, tuple)):
+            got = f"a {type(value).__name__} of length {len(value)}"
+        else:
+            got = f"a {type(value).__module__}.{type(value).__qualname__}"
+        text = (f"DDP communication hook {getattr(self.comm_hook, '__qualname__', self.comm_hook)!r}: the future it "
+                f"returned for bucket {bucket.index} holds {got}; it must hold one tensor of {numel} elements, the "
+                f"reduced bucket.buffer()")
+        if isinstance(value, (list, tuple)):
+            text += (". A collective's future holds the list of its tensors: return "
+                     "fut.then(lambda f: f.value()[0]), as torch's allreduce_hook does")
+        return text
 
     def _globally_unused(self, index: int) -> bool:
         """Whether no rank used parameter ``index`` since the last reduction (in a static graph: in the
