@@ -566,7 +566,20 @@ def _list_of_two(state, bucket):
     return future
 
 
-HOOK_RESULTS = {"collective_future": _collective_future, "list_of_two": _list_of_two}
+def _longer_mean(state, bucket):
+    """The mean, in a tensor four elements longer than the bucket."""
+    padded = torch.cat([bucket.buffer() / dist.get_world_size(), torch.zeros(4)])
+    return dist.all_reduce(padded, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _shorter_mean(state, bucket):
+    """The mean without its last element, in a tensor of its own (stock's views of a slice of the bucket would read
+    on into the bucket's storage)."""
+    return default_hooks.allreduce_hook(None, bucket).then(lambda f: f.value()[:-1].clone())
+
+
+HOOK_RESULTS = {"collective_future": _collective_future, "list_of_two": _list_of_two, "longer_mean": _longer_mean,
+                "shorter_mean": _shorter_mean}
 
 
 def hook_results(seed: int) -> dict:

@@ -353,6 +353,15 @@ def test_a_hooks_future_holding_a_list_is_refused_as_in_stock_with_the_way_out(t
         assert "return fut.then(lambda f: f.value()[0])" in seen[case]["minidp"]
 
 
+def test_a_hooks_tensor_longer_than_the_bucket_is_read_to_the_buckets_length_as_in_stock(two):
+    # reducer.cpp, populate_bucket_views_out: each gradient is viewed at its offset in the hook's result, so a
+    # longer tensor's first elements are taken, bitwise as in stock; a shorter one is an error in both
+    for seen in each_rank(two, "hook_results"):
+        assert seen["longer_mean"] == {"stock": "ok", "minidp": "ok", "same": True}
+        assert seen["shorter_mean"]["stock"] != "ok"
+        assert "holds a tensor of 7 elements; it must hold one tensor of 8 elements" in seen["shorter_mean"]["minidp"]
+
+
 @pytest.mark.parametrize("hook_type", ["allreduce", "fp16"])
 def test_builtin_comm_hooks_give_stocks_bits(two, hook_type):
     for differences in each_rank(two, f"builtin_{hook_type}"):

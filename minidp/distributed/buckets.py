@@ -211,8 +211,9 @@ class GradBucket:
 
     ``buffer()`` is the bucket's flat gradient tensor (not divided by the world size when a hook is
     registered), real for complex parameters as torch gives it (:func:`as_real`); the hook returns a
-    ``torch.futures.Future`` whose value is the reduced tensor, the same size. The methods are the ones stock hooks (``allreduce_hook``, ``fp16_compress_hook``,
-    ``bf16_compress_hook``, PowerSGD) call.
+    ``torch.futures.Future`` whose value is the reduced tensor, the same size or longer (its first elements are
+    read). The methods are the ones stock hooks (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
+    PowerSGD) call.
     """
 
     def __init__(self, bucket: Bucket, bucket_count: int) -> None:

@@ -527,8 +527,10 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         ``bucket`` is a :class:`~minidp.distributed.buckets.GradBucket` (``buffer()``, ``index()``,
         ``is_last()``, ``gradients()``, ``parameters()``, ``set_buffer()``), filled with the gradients
         *not* divided by the world size; ``hook`` returns a ``torch.futures.Future`` of the reduced
-        buffer. Stock hooks work: ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``'
-        ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``. Once, before the backward.
+        buffer: one tensor (not the list a collective's future holds), of its size or longer (the first
+        elements are read), as torch's reducer requires. Stock hooks work:
+        ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``' ``allreduce_hook``,
+        ``fp16_compress_hook``, ``bf16_compress_hook``. Once, before the backward.
         Checked as torch DDP checks it (:func:`~minidp.distributed.comm_hooks.check_comm_hook`).
         """
         with self._errors_logged():

@@ -695,8 +695,12 @@ class Reducer:
         # torch's reducer requires (a list there fails an internal assert or a cast to Tensor)
         result = value[0] if self.comm_hook is None else value
         communicated = as_real(bucket.buffer)
-        if not isinstance(result, torch.Tensor) or result.numel() != communicated.numel():
+        if not isinstance(result, torch.Tensor) or result.numel() < communicated.numel():
             raise RuntimeError(self._bad_hook_result(bucket, result, communicated.numel()))
+        if result.numel() > communicated.numel():
+            # torch views each gradient at its offset in the result (populate_bucket_views_out): a longer tensor's
+            # first elements are the bucket, the rest is left unread
+            result = result.flatten()[: communicated.numel()]
         if bucket.buffer.is_complex() and not result.is_complex():
             # complex gradients were communicated as real (as_real): the result read back as complex, in place
             # when it is the bucket itself
@@ -713,8 +717,8 @@ class Reducer:
         else:
             got = f"a {type(value).__module__}.{type(value).__qualname__}"
         text = (f"DDP communication hook {getattr(self.comm_hook, '__qualname__', self.comm_hook)!r}: the future it "
-                f"returned for bucket {bucket.index} holds {got}; it must hold one tensor of {numel} elements, the "
-                f"reduced bucket.buffer()")
+                f"returned for bucket {bucket.index} holds {got}; it must hold one tensor of {numel} elements (or "
+                f"more: the first are read), the reduced bucket.buffer()")
         if isinstance(value, (list, tuple)):
             text += (". A collective's future holds the list of its tensors: return "
                      "fut.then(lambda f: f.value()[0]), as torch's allreduce_hook does")
