@@ -1005,6 +1005,62 @@ def optimizer_in_backward_on_strided_weights(seed: int, steps: int = 3) -> list:
     return differences
 
 
+# ---- a parameter's dtype changed after wrapping ------------------------------------------------------------
+
+
+class TwoLayers(nn.Module):
+    """Two linear layers that run in their own dtype, whatever the others' (one of them may be converted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(5, 4)
+        self.second = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x.to(self.first.weight.dtype)).to(self.second.weight.dtype)).float()
+
+
+def _synchronised(module: nn.Module) -> bool:
+    """Whether every rank holds the same gradients (they were averaged; the batches differ)."""
+    flat = torch.cat([p.grad.double().flatten() for p in module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(gathered[0], other) for other in gathered)
+
+
+DTYPE_CHANGES = {"double": lambda ddp: ddp.double(), "bfloat16": lambda ddp: ddp.to(torch.bfloat16),
+                 "one_layer": lambda ddp: ddp.module.second.double()}
+
+
+def dtype_changed_after_wrapping(seed: int, **options: Any) -> dict:
+    """:class:`TwoLayers` wrapped in float32, trained a step, then converted through the wrapper (each of
+    :data:`DTYPE_CHANGES`), and a step more: per change and wrapper, ``"ok"`` or the error and the step it came in
+    (``"forward: ..."``, ``"backward: ..."``), and whether stock's gradients came out averaged."""
+    seen: dict[str, dict] = {}
+    for change, convert in DTYPE_CHANGES.items():
+        outcome: dict[str, Any] = {}
+        for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+            torch.manual_seed(seed)
+            module = TwoLayers()
+            ddp = _quiet(lambda: wrapper(module, **options))
+            ddp(_inputs(seed, 0, 4, 5)).pow(2).sum().backward()
+            convert(ddp)
+            step = "forward"
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # stock's static graph warns of the parameters it saw unused
+                    loss = ddp(_inputs(seed, 1, 4, 5)).pow(2).sum()
+                    step = "backward"
+                    loss.backward()
+                outcome[name] = "ok"
+            except Exception as error:  # every kind: the test compares them
+                outcome[name] = f"{step}: {type(error).__name__}: {error}"
+            if name == "stock":
+                outcome["stock_averaged"] = outcome["stock"] == "ok" and _synchronised(module)
+        seen[change] = outcome
+    return seen
+
+
 # ---- parameters ignored by name -------------------------------------------------------------------------
 
 

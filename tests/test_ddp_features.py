@@ -116,6 +116,9 @@ TWO_PROCESSES = {
     "complex_hooked_bucket_view": (checks.complex_parameters_as_stock, {"hook": True, "gradient_as_bucket_view": True}),
     "powersgd_strided": (checks.powersgd_on_strided_weights_as_stock, {}),
     "optimizer_in_backward_strided": (checks.optimizer_in_backward_on_strided_weights, {}),
+    **{f"dtype_changed_{name}": (checks.dtype_changed_after_wrapping, options)
+       for name, options in (("default", {}), ("find_unused", {"find_unused_parameters": True}),
+                             ("bucket_view", {"gradient_as_bucket_view": True}), ("static", {"static_graph": True}))},
     "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
     "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
     "sync_bn_hybrid_fewer_rows": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2), "per_rank": [5, 1]}),
@@ -526,6 +529,27 @@ def test_optimizers_stepped_in_the_backward_see_a_strided_weights_gradient_in_it
     # row-major gradients() (torch's own hook needs an accelerator: compared with stock DDP then SGD)
     for differences in each_rank(two, "optimizer_in_backward_strided"):
         assert differences == [None] * 3
+
+
+# ---- a parameter's dtype changed after wrapping (torch: set_data with another dtype gives the parameter a new
+# gradient accumulator, and the reducer's hooks on the old one never fire) ----
+
+DTYPE_CHANGED = {"double": "parameter 0 ('first.weight') is torch.float64 now",
+                 "bfloat16": "parameter 0 ('first.weight') is torch.bfloat16 now",
+                 "one_layer": "parameter 2 ('second.weight') is torch.float64 now"}
+
+
+@pytest.mark.parametrize("options", ["default", "find_unused", "bucket_view", "static"])
+def test_a_parameters_dtype_changed_after_wrapping_is_an_error_at_the_next_forward_naming_it_and_the_fix(two, options):
+    # the buckets keep the dtype the parameters had when wrapped: stock leaves each rank its own gradients, silently
+    # (or fails in the backward); minidp raises before the module's forward, naming the parameter, both dtypes and the
+    # fix, where it would otherwise round the gradients through its old buckets or fail obscurely
+    for seen in each_rank(two, f"dtype_changed_{options}"):
+        for change, named in DTYPE_CHANGED.items():
+            assert not seen[change]["stock_averaged"]
+            assert seen[change]["minidp"].startswith(f"forward: RuntimeError: DistributedDataParallel: {named}, but was "
+                                                     f"torch.float32 when it was wrapped")
+            assert "Convert the module before wrapping it in DistributedDataParallel" in seen[change]["minidp"]
 
 
 # ---- batch normalisation: minidp.SyncBatchNorm across processes; torch's refused on the CPU (distributed.py:2453) ----
