@@ -1120,8 +1120,8 @@ def sync_batchnorm_matches_global_batch(seed: int, device_ids: Optional[list] = 
                                         per_rank: Union[int, Sequence[int]] = 6) -> float:
     """minidp.SyncBatchNorm inside minidp's DDP (``device_ids``: replicas in each process) against
     ``nn.BatchNorm1d`` in one process on every rank's samples at once, float64, SGD with momentum: the
-    largest relative difference in parameters and running statistics. ``per_rank``: each rank's rows (one count
-    for all, or one per rank)."""
+    largest relative difference in parameters, this rank's outputs and running statistics. ``per_rank``: each
+    rank's rows (one count for all, or one per rank)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(seed)
     reference = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
@@ -1134,13 +1134,17 @@ def sync_batchnorm_matches_global_batch(seed: int, device_ids: Optional[list] = 
         everyone: list = [None] * world
         dist.all_gather_object(everyone, _inputs(seed, step, rows, 6).double())
         total = sum(len(x) for x in everyone)
+        outputs = []
         # the mean over the global batch: DDP averages the ranks' gradients, so each rank's sum weighs world / total
         for model, optimizer, x, weight in ((ddp, optimizers[0], everyone[rank], world / total),
                                             (reference, optimizers[1], torch.cat(everyone), 1 / total)):
             optimizer.zero_grad()
-            (model(x).pow(2).sum() * weight).backward()
+            outputs.append(model(x))
+            (outputs[-1].pow(2).sum() * weight).backward()
             optimizer.step()
+        first = sum(len(x) for x in everyone[:rank])
         pairs = list(zip(module.parameters(), reference.parameters())) + [
+            (outputs[0], outputs[1][first:first + rows]),
             (module[1].running_mean, reference[1].running_mean), (module[1].running_var, reference[1].running_var)]
         worst = max([worst, *(max_relative_error(a, b) for a, b in pairs)])
         assert int(module[1].num_batches_tracked) == int(reference[1].num_batches_tracked) == step + 1

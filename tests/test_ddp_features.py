@@ -175,11 +175,19 @@ if "bucket_cap_mb_list" in TORCH_DDP_ARGUMENTS:
         "bucket_cap_mb_list": [2, 1], "find_unused_parameters": True})
 
 
+# minidp.SyncBatchNorm's collectives where they once went wrong: a job of their own, as a rank that skips a collective
+# the others run aborts every check of its job
+SYNC_BATCHNORM = {
+    "rank_without_rows": (checks.sync_batchnorm_matches_global_batch, {"per_rank": [5, 0]}),
+    "rank_without_rows_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2), "per_rank": [5, 0]}),
+}
+
 # torch logs a graph seen not static once per process (logger.cpp): a job of its own, where no other check came first
 ONE_PROCESS = {"graph_not_static": (checks.graph_not_static_logged_as_stock, {})}
 one = job_fixture("one", _run_checks, 1, ONE_PROCESS, JOB_TIMEOUT)
 two = job_fixture("two", _run_checks, 2, TWO_PROCESSES, JOB_TIMEOUT)
 three = job_fixture("three", _run_checks, 3, THREE_PROCESSES, JOB_TIMEOUT)
+sync_batchnorm = job_fixture("sync_batchnorm", _run_checks, 2, SYNC_BATCHNORM, JOB_TIMEOUT)
 
 
 # ---- pickling: DistributedDataParallel.__getstate__ / __setstate__ (distributed.py:1485-1521) ----
@@ -576,6 +584,16 @@ def test_a_process_with_fewer_rows_than_replicas_still_normalises_by_the_global_
     # Rank 1's one row runs one replica of its two: its exchange fills the other's rows with a count of 0. Sized by
     # the replicas run, the two ranks' tables differed and Gloo aborted the job (minidp/distributed/batchnorm.py).
     for worst in each_rank(two, "sync_bn_hybrid_fewer_rows"):
+        assert worst <= RTOL_FLOAT64
+
+
+@pytest.mark.parametrize("check", ["rank_without_rows", "rank_without_rows_hybrid"])
+def test_sync_batchnorm_with_a_rank_without_rows_is_batchnorm_on_the_global_batch(sync_batchnorm, check):
+    """nn.BatchNorm1d on the global batch (5 rows of rank 0, none of rank 1) trains; so does torch's SyncBatchNorm,
+    whose backward all-reduces on every rank whatever its rows. minidp's empty rank has constant statistics: its
+    table used not to require grad, it skipped the backward's all-reduce that rank 0 ran, and Gloo aborted the job.
+    Outputs, parameters and running statistics over three steps, one replica per process and two."""
+    for worst in each_rank(sync_batchnorm, check):
         assert worst <= RTOL_FLOAT64
 
 

@@ -8,7 +8,8 @@ every replica of every process, in (rank, replica) order, so that each replica n
 statistics of the global batch, which is what ``nn.BatchNorm`` computes on all the ranks' samples.
 
 What moves: per layer and step, one all-reduce of a ``world_size x replicas x 2 x channels`` table in
-which each process fills its own rows (the others are zeros), and one of the counts. The table's
+which each process fills its own rows (the others are zeros), and one of the counts (which also tells every
+process whether any records the table's backward: all do, whatever their rows, or none). The table's
 all-reduce is differentiable (:class:`_SumOverProcesses`): its backward is the all-reduce of the
 gradients, so the gradient of the loss of every rank reaches every rank's inputs through the shared
 statistics, as in torch's ``SyncBatchNorm`` backward. Every process must be given the same number of replicas
@@ -60,15 +61,23 @@ class ProcessExchange:
         # a process that runs fewer replicas this step (fewer rows than replicas) leaves its other rows blank, count 0
         rows = torch.cat([rows, blank[len(mine):]])
         table = torch.cat([blank] * rank + [rows] + [blank] * (world - rank - 1))
-        table = _SumOverProcesses.apply(table, self.group)
-        counts = torch.zeros(world * replicas, dtype=torch.int64, device=device)
+        # The counts, and last how many processes' tables require grad.
+        counts = torch.zeros(world * replicas + 1, dtype=torch.int64, device=device)
         counts[rank * replicas:rank * replicas + len(mine)] = torch.tensor([s.count for s in mine])
+        counts[-1] = torch.is_grad_enabled() and table.requires_grad
         dist.all_reduce(counts, group=self.group)
+        # The backward's all-reduce runs where autograd reaches the table, so every process must record it, or none:
+        # a process whose table is cut off from its inputs' graph (a batch without rows: its statistics are constant
+        # zeros) would skip the collective that the others wait in. Decided here, on what every process reports, it
+        # holds whatever the local data; a process records it only if one at least has gradients to send.
+        if counts[-1] > 0 and torch.is_grad_enabled() and not table.requires_grad:
+            table.requires_grad_()
+        table = _SumOverProcesses.apply(table, self.group)
         ready = None
         if table.is_cuda:  # the other replicas read these on their own streams
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
-        return [_Statistics(int(count), row[0], row[1], ready) for count, row in zip(counts.tolist(), table)]
+        return [_Statistics(int(count), row[0], row[1], ready) for count, row in zip(counts[:-1].tolist(), table)]
 
 
 def attach_exchange(module: nn.Module, group: dist.ProcessGroup, replicas: int) -> None:
