@@ -1151,6 +1151,33 @@ def sync_batchnorm_matches_global_batch(seed: int, device_ids: Optional[list] = 
     return worst
 
 
+def sync_batchnorm_gradient_penalty(seed: int) -> float:
+    """A gradient penalty through minidp.SyncBatchNorm in minidp's DDP against ``nn.BatchNorm1d`` in one process on
+    every rank's samples at once, float64: with L the sum of the ranks' losses L_r and G = dL/dX, the parameters'
+    gradients of L + |G|^2 there; here each rank's G_r = dL_r/dx_r (create_graph=True; its backward sums over the
+    processes, so it is dL/dx_r) and DDP's average of d(L_r + |G_r|^2), times the world size. The largest relative
+    difference in G_r and the gradients."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed)
+    # no bias before the normalisation, which cancels it: its gradient would be rounding, nothing to compare
+    reference = nn.Sequential(nn.Linear(6, 8, bias=False), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
+    module = minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    ddp = md.DistributedDataParallel(module)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, _inputs(seed, 0, 5, 6).double())
+    x = torch.cat(everyone).requires_grad_()
+    loss = reference(x).pow(2).sum()
+    (slope,) = torch.autograd.grad(loss, x, create_graph=True)
+    (loss + slope.pow(2).sum()).backward()
+    mine = everyone[rank].clone().requires_grad_()
+    loss = ddp(mine).pow(2).sum()
+    (my_slope,) = torch.autograd.grad(loss, mine, create_graph=True)
+    _quiet(lambda: (loss + my_slope.pow(2).sum()).backward())
+    pairs = [(my_slope, slope[5 * rank:5 * rank + 5])] + [
+        (p.grad * world, q.grad) for p, q in zip(module.parameters(), reference.parameters())]
+    return max(max_relative_error(a, b) for a, b in pairs)
+
+
 def torch_sync_batchnorm_on_cpu(seed: int) -> dict:
     """torch.nn.SyncBatchNorm in a CPU model: both wrappers' errors at construction."""
     errors = {}
