@@ -1178,6 +1178,30 @@ def sync_batchnorm_gradient_penalty(seed: int) -> float:
     return max(max_relative_error(a, b) for a, b in pairs)
 
 
+def sync_batchnorm_after_destroy_process_group(seed: int) -> float:
+    """A model trained a step under minidp's DDP, then ``destroy_process_group()``, then a training step of the module
+    alone against ``nn.BatchNorm1d`` in its state, float64: the largest relative difference in outputs, gradients
+    and running statistics."""
+    torch.manual_seed(seed)
+    # no bias before the normalisation, which cancels it: its gradient would be rounding, nothing to compare
+    reference = nn.Sequential(nn.Linear(6, 8, bias=False), nn.BatchNorm1d(8)).double()
+    module = minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    md.DistributedDataParallel(module)(_inputs(seed, 0, 4, 6).double()).sum().backward()
+    dist.barrier()
+    dist.destroy_process_group()
+    reference.load_state_dict(module.state_dict())
+    generator = torch.Generator().manual_seed(seed)
+    x, grad_output = (torch.randn(4, width, dtype=torch.float64, generator=generator) for width in (6, 8))
+    outputs = []
+    for model in (module, reference):
+        model.zero_grad()
+        outputs.append(model(x))
+        outputs[-1].backward(grad_output)
+    pairs = [tuple(outputs)] + [(p.grad, q.grad) for p, q in zip(module.parameters(), reference.parameters())] + [
+        (module[1].running_mean, reference[1].running_mean), (module[1].running_var, reference[1].running_var)]
+    return max(max_relative_error(a, b) for a, b in pairs)
+
+
 def torch_sync_batchnorm_on_cpu(seed: int) -> dict:
     """torch.nn.SyncBatchNorm in a CPU model: both wrappers' errors at construction."""
     errors = {}

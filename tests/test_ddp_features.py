@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from . import ddp_checks, ddp_feature_checks as checks
-from .helpers import RTOL_FLOAT64, assert_no_differences, cpu_ids, each_rank, job_fixture
+from .helpers import RTOL_FLOAT64, assert_no_differences, cpu_ids, each_rank, job_fixture, run_job
 from minidp.distributed import RankFailed, launch
 from minidp.distributed.reducer import CREATE_GRAPH_WARNING
 
@@ -604,6 +604,15 @@ def test_second_derivatives_through_sync_batchnorm_cross_the_processes(sync_batc
     exchange's backward left the second derivatives of the other ranks out: gradients off by a percent."""
     for worst in each_rank(sync_batchnorm, "gradient_penalty"):
         assert worst <= 1e-12
+
+
+def test_sync_batchnorm_after_destroy_process_group_is_batchnorm():
+    """torch's SyncBatchNorm synchronises only while torch.distributed is initialized (``need_sync``), and runs
+    F.batch_norm after ``destroy_process_group()``. minidp's layer kept the exchange its DDP gave it, and its next
+    training forward raised (default process group not initialized). A job of its own: the check ends the group."""
+    plan = {"after_destroy": (checks.sync_batchnorm_after_destroy_process_group, {})}
+    for worst in each_rank(run_job(_run_checks, 2, plan, JOB_TIMEOUT), "after_destroy"):
+        assert worst <= RTOL_FLOAT64
 
 
 def test_torch_sync_batchnorm_on_the_cpu_is_refused_with_stocks_words_and_the_way_out(two):

@@ -54,6 +54,8 @@ class ProcessExchange:
         self.group, self.replicas = group, replicas  # replicas: how many each process is given, the rows it fills
 
     def __call__(self, mine: list[_Statistics]) -> list[_Statistics]:
+        if not dist.is_initialized():  # the group is gone (destroy_process_group): torch's layer runs as BatchNorm then
+            return mine
         world, rank, replicas = dist.get_world_size(self.group), dist.get_rank(self.group), self.replicas
         device = mine[0].mean.device
         rows = torch.stack([torch.stack([s.mean.to(device), s.variance.to(device)]) for s in mine])
