@@ -65,8 +65,10 @@ _met_replicas: "weakref.WeakSet[SyncBatchNorm]" = weakref.WeakSet()
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """``nn.BatchNorm1d/2d/3d`` for inputs of any rank ``>= 2`` (``(N, C, *)``), synchronised across the
-    replicas of a DataParallel step. Arguments as ``nn.BatchNorm*``'s (``momentum=None``: a
-    cumulative average).
+    replicas of a DataParallel step. Arguments as ``torch.nn.SyncBatchNorm``'s (``momentum=None``: a
+    cumulative average). ``process_group``: the processes whose statistics this layer combines inside
+    ``minidp.distributed.DistributedDataParallel`` (None: the wrapper's group); a process outside it normalises
+    by its own batch, as torch's layer does there.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         momentum: Optional[float] = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
+        process_group: Any = None,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
         *,
@@ -93,6 +96,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         # What this layer's replicas meet at: a plain attribute, so every replica (a shallow copy of
         # this module) shares this very object, while a deepcopy or another layer gets its own.
         self._meeting_key = object()
+        self.process_group = process_group
         # Set by minidp.distributed's wrapper: this process's replicas' statistics -> every process's
         # (a collective). Not pickled: it holds a process group; the wrapper sets it again.
         self.across_processes: Optional[Callable[[list[_Statistics]], list[_Statistics]]] = None
@@ -193,8 +197,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: nn.Module) -> nn.Module:
-        """Replace every ``nn.BatchNorm*`` in ``module`` (itself included) by a ``SyncBatchNorm``.
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:
+        """Replace every ``nn.BatchNorm*`` in ``module`` (itself included) by a ``SyncBatchNorm`` over ``process_group``.
 
         As ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: the new layers take the old ones'
         parameter objects (so their ``requires_grad``, and an optimizer holding them, carry over),
@@ -205,7 +209,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             # Without affine there is no bias either way: bias=True then, which every torch takes (2.11 has no option).
             converted = cls(
                 module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
-                bias=module.bias is not None or not module.affine,
+                process_group, bias=module.bias is not None or not module.affine,
             )
             if module.affine:
                 converted.weight, converted.bias = module.weight, module.bias
@@ -216,7 +220,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             if hasattr(module, "qconfig"):
                 converted.qconfig = module.qconfig
         for name, child in module.named_children():
-            converted.add_module(name, cls.convert_sync_batchnorm(child))
+            converted.add_module(name, cls.convert_sync_batchnorm(child, process_group))
         return converted
 
 

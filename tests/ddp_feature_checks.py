@@ -1117,16 +1117,19 @@ def ignored_by_name_as_stock(seed: int, ignored: Sequence[str], steps: int = 3) 
 
 
 def sync_batchnorm_matches_global_batch(seed: int, device_ids: Optional[list] = None, steps: int = 3,
-                                        per_rank: Union[int, Sequence[int]] = 6) -> float:
+                                        per_rank: Union[int, Sequence[int]] = 6, subgroup: bool = False) -> float:
     """minidp.SyncBatchNorm inside minidp's DDP (``device_ids``: replicas in each process) against
     ``nn.BatchNorm1d`` in one process on every rank's samples at once, float64, SGD with momentum: the
     largest relative difference in parameters, this rank's outputs and running statistics. ``per_rank``: each
-    rank's rows (one count for all, or one per rank)."""
+    rank's rows (one count for all, or one per rank). ``subgroup``: the layer converted with a process group of its
+    own (of every rank), which its exchange must use."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(seed)
     reference = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
-    module = minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    group = dist.new_group(list(range(world))) if subgroup else None
+    module = minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference), group)
     ddp = md.DistributedDataParallel(module, device_ids=device_ids)
+    assert module[1].across_processes.group is (ddp.process_group if group is None else group)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, reference)]
     worst = 0.0
     for step in range(steps):

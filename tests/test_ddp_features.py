@@ -181,6 +181,8 @@ SYNC_BATCHNORM = {
     "rank_without_rows": (checks.sync_batchnorm_matches_global_batch, {"per_rank": [5, 0]}),
     "rank_without_rows_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2), "per_rank": [5, 0]}),
     "gradient_penalty": (checks.sync_batchnorm_gradient_penalty, {}),
+    "layer_process_group": (checks.sync_batchnorm_matches_global_batch, {"subgroup": True}),
+    "layer_process_group_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2), "subgroup": True}),
 }
 
 # torch logs a graph seen not static once per process (logger.cpp): a job of its own, where no other check came first
@@ -604,6 +606,16 @@ def test_second_derivatives_through_sync_batchnorm_cross_the_processes(sync_batc
     exchange's backward left the second derivatives of the other ranks out: gradients off by a percent."""
     for worst in each_rank(sync_batchnorm, "gradient_penalty"):
         assert worst <= 1e-12
+
+
+@pytest.mark.parametrize("check", ["layer_process_group", "layer_process_group_hybrid"])
+def test_sync_batchnorm_converted_with_a_process_group_synchronises_over_that_group(sync_batchnorm, check):
+    """torch's ``convert_sync_batchnorm(module, process_group)`` gives each layer the group its statistics span
+    (``SyncBatchNorm(..., process_group)``; None: the whole world). minidp's took no group (TypeError); now a layer's
+    own group is the one its exchange all-reduces over, the wrapper's where it has none. A second group of both ranks:
+    the exchange holds that very group, and training equals BatchNorm on the global batch."""
+    for worst in each_rank(sync_batchnorm, check):
+        assert worst <= RTOL_FLOAT64
 
 
 def test_sync_batchnorm_after_destroy_process_group_is_batchnorm():

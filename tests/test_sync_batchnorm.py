@@ -9,6 +9,7 @@ involve K > 1 replicas run under ``finishes_within``, so a meeting that hangs fa
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Callable
 
 import pytest
@@ -143,6 +144,23 @@ def test_the_constructor_options_mean_what_they_mean_for_batchnorm(generator, op
     parallel = minidp.DataParallel(sync, cpu_ids(3))
     finishes_within(BOUND_S, steps_agree(reference, parallel, [batch(4, 10, generator)], generator))
     assert_same_state(sync, reference)
+
+
+def test_the_constructor_and_convert_sync_batchnorm_take_torchs_arguments_in_torchs_order():
+    """torch.nn.SyncBatchNorm(num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype)
+    and its convert_sync_batchnorm(module, process_group=None): minidp's take the same, so a positional call means
+    the same; the layers keep the group (the processes they span under minidp's DDP, tests/test_ddp_features.py)."""
+    for function in (lambda cls: cls, lambda cls: cls.convert_sync_batchnorm):
+        positional = [
+            [name for name, p in inspect.signature(function(cls)).parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+            for cls in (minidp.SyncBatchNorm, nn.SyncBatchNorm)
+        ]
+        assert positional[0] == positional[1]
+    group = object()  # a stand-in: the layer only keeps it
+    assert minidp.SyncBatchNorm(CHANNELS, 1e-5, 0.1, True, True, group).process_group is group
+    converted = minidp.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(CHANNELS)), group)
+    assert converted[0].process_group is group
+    assert minidp.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(CHANNELS)).process_group is None
 
 
 @pytest.mark.skipif(BATCHNORM_TAKES_BIAS, reason="this torch's BatchNorm takes `bias`")

@@ -83,12 +83,13 @@ class ProcessExchange:
 
 
 def attach_exchange(module: nn.Module, group: dist.ProcessGroup, replicas: int) -> None:
-    """Give every :class:`minidp.SyncBatchNorm` in ``module`` the exchange over ``group`` (more than one process),
-    for ``replicas`` replicas per process."""
-    exchange = ProcessExchange(group, replicas) if dist.get_world_size(group) > 1 else None
+    """Give every :class:`minidp.SyncBatchNorm` in ``module`` the exchange over its own ``process_group``, else over
+    ``group`` (the wrapper's), for ``replicas`` replicas per process; none where that group has one process, or does
+    not hold this one (its size reads -1 there), as torch's layer then runs as BatchNorm."""
     for layer in module.modules():
         if isinstance(layer, SyncBatchNorm):
-            layer.across_processes = exchange
+            own = group if layer.process_group is None else layer.process_group
+            layer.across_processes = ProcessExchange(own, replicas) if dist.get_world_size(own) > 1 else None
 
 
 def check_torch_sync_batchnorm(module: nn.Module, device: torch.device) -> None:
