@@ -152,8 +152,21 @@ POLICIES = {
 }
 
 
+class TwoDtypes(Net):
+    """A :class:`Net` whose middle block runs in float64, the rest in float32: groups of two dtypes (one a group)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[1].double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](self.norm(x))
+        return self.head(self.blocks[2](self.blocks[1](x.double()).float()))
+
+
 MODELS = {"net": Net, "tied": Tied, "embedded": Embedded, "branchy": Branchy,
-          "wide": lambda: Net(hidden=30)}  # (30, 30) and (7, 30) weights: columns that 2 and 3 ranks divide
+          "wide": lambda: Net(hidden=30),  # (30, 30) and (7, 30) weights: columns that 2 and 3 ranks divide
+          "two_dtypes": TwoDtypes}
 
 
 def sharded_modules(model: nn.Module) -> list[nn.Module]:
@@ -888,13 +901,14 @@ def frozen_and_unfrozen_midway_as_fsdp2(seed: int, steps: int = 4) -> list[Optio
 
 
 def clips_as_fsdp2(seed: int, norm_type: float, dtype: torch.dtype = torch.float64,
-                   mesh: Optional[tuple[int, ...]] = None, steps: int = 3) -> dict[str, Any]:
+                   mesh: Optional[tuple[int, ...]] = None, steps: int = 3, model: str = "net") -> dict[str, Any]:
     """Gradient clipping beside FSDP2: ``md.clip_grad_norm_`` on minidp's shards, torch's ``clip_grad_norm_`` on
     FSDP2's DTensors, to a max norm every step's gradients exceed. Each step: the two total norms, the largest
-    difference of the clipped gradients (this rank's rows) and, after the step, of the parameters."""
+    difference of the clipped gradients (this rank's rows) and, after the step, of the parameters. ``model``: a
+    name in :data:`MODELS`, cast to ``dtype`` unless it is ``two_dtypes``, which keeps its own."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
-    theirs = Net().to(dtype)
+    theirs = MODELS[model]() if model == "two_dtypes" else MODELS[model]().to(dtype)
     ours = copy.deepcopy(theirs)
     arguments = sharding_arguments(mesh)
     shard(theirs, torch_fully_shard, True, **arguments)

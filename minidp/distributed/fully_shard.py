@@ -92,6 +92,7 @@ from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..nested import map_tensors, tensors_in
 from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference, raise_on_every_rank
@@ -1476,13 +1477,13 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
 
     torch's own function sees a shard's gradient as a whole tensor, so on minidp's plain shards it would give each
     rank the norm of its own rows, and each rank would clip by another factor. FSDP2's shards are DTensors, whose
-    norms torch reduces over the ranks; here each group's shards' norms are reduced over its ranks (p-th powers
-    summed, or the largest for ``inf``; over the ranks that shard, as HSDP's replicas hold the same rows), one
-    collective a group; parameters not sharded count once. Norms, clipped gradients and the steps after them
-    equal FSDP2's bit for bit where two ranks shard (HSDP's 2 x 2 too), and within an ulp or two of the norm on
-    three, whose sums over the ranks run in another order (tests/test_fully_shard.py, ``-k clipping``); where a
-    rank's shard is empty, ``inf`` counts it as 0 (FSDP2's own norm fails there). ``-inf`` takes the smallest over
-    the ranks and 0 sums the counts of nonzero entries, as torch's norms of DTensors do.
+    norms torch reduces over the ranks; here the shards' norms, stacked as torch stacks them, are reduced over the
+    ranks that shard (p-th powers summed, or the largest for ``inf``; HSDP's replicas hold the same rows), one
+    collective for the parameters sharded over the same ranks; parameters not sharded count once. Norms, clipped
+    gradients and the steps after them equal FSDP2's bit for bit, on 2 and 3 ranks, HSDP's 2 x 2, and with groups of
+    two dtypes (tests/test_fully_shard.py, ``-k clipping``); where a rank's shard is empty, ``inf`` counts it as 0
+    (FSDP2's own norm fails there). ``-inf`` takes the smallest over the ranks and 0 sums the counts of nonzero
+    entries, as torch's norms of DTensors do.
     """
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     with_grad = [p for p in parameters if p.grad is not None]
@@ -1493,24 +1494,29 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
     op = {float("inf"): dist.ReduceOp.MAX, float("-inf"): dist.ReduceOp.MIN}.get(p_norm, dist.ReduceOp.SUM)
     powered = op == dist.ReduceOp.SUM and p_norm != 0
     empty = float("inf") if op == dist.ReduceOp.MIN else 0.0
+    if not with_grad:
+        return torch.tensor(0.0)
     norms = [torch.linalg.vector_norm(p.grad.detach(), p_norm) if p.grad.numel() else p.grad.new_full((), empty)
              for p in with_grad]
-    by_group: dict[int, tuple[ShardGroup, list[int]]] = {}  # in the parameters' order: the same on every rank
-    for index, param in enumerate(with_grad):
-        group = group_of_shard(param)
-        if group is not None:
-            by_group.setdefault(id(group), (group, []))[1].append(index)
-    for group, indices in by_group.values():
-        local = torch.stack([norms[i] for i in indices])
+    # FSDP2's order and dtype, which rounding sees: torch's clip_grad_norm_ takes the norms bucketed by device and dtype
+    # (_group_tensors_by_device_and_dtype) and stacks them, in the widest dtype; DTensor's norm of that stack makes it
+    # whole first (one collective over the ranks that shard), then takes the norm of it. Reduced in its own dtype, or
+    # in the parameters' order, a norm of float32 beside float64 rounds otherwise.
+    order = [i for _, indices in _group_tensors_by_device_and_dtype([[p.grad for p in with_grad]], with_indices=True)
+             .values() for i in indices]
+    norms = torch.stack([norms[i].to(with_grad[0].grad.device) for i in order])
+    by_ranks: dict[dist.ProcessGroup, list[int]] = {}  # positions in the stack; the same order on every rank
+    for position, i in enumerate(order):
+        group = group_of_shard(with_grad[i])
+        if group is not None:  # a parameter not sharded counts once
+            by_ranks.setdefault(group.process_group, []).append(position)
+    for ranks, positions in by_ranks.items():
+        local = norms[positions]
         if powered:
             local = local.pow(p_norm)
-        dist.all_reduce(local, op=op, group=group.process_group)
-        whole = local.pow(1.0 / p_norm) if powered else local
-        for i, norm in zip(indices, whole):
-            norms[i] = norm
-    if not norms:
-        return torch.tensor(0.0)
-    total = torch.linalg.vector_norm(torch.stack([norm.to(norms[0].device) for norm in norms]), p_norm)
+        dist.all_reduce(local, op=op, group=ranks)
+        norms[positions] = local.pow(1.0 / p_norm) if powered else local
+    total = torch.linalg.vector_norm(norms, p_norm)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
