@@ -931,6 +931,24 @@ def clips_as_fsdp2(seed: int, norm_type: float, dtype: torch.dtype = torch.float
     return {"steps": steps_seen}
 
 
+def used_outside_forward(seed: int) -> dict[str, str]:
+    """A sharded weight used outside its module's forward, after the forward resharded it (an L2 penalty added to the
+    loss), by FSDP2 and by minidp: what each backward raised."""
+    torch.manual_seed(seed)
+    theirs = Net()
+    ours = copy.deepcopy(theirs)
+    raised = {}
+    for library, model in (("fsdp2", shard(theirs, torch_fully_shard, True)),
+                           ("minidp", shard(ours, md.fully_shard, True))):
+        x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + dist.get_rank()))
+        try:
+            (model(x).pow(2).mean() + 0.1 * model.blocks[0].linear.weight.pow(2).sum()).backward()
+            raised[library] = "nothing"
+        except RuntimeError as error:
+            raised[library] = str(error)
+    return raised
+
+
 def loss_scalers_seeing_an_inf(seed: int) -> dict[str, bool]:
     """An inf put into rank 1's rows of a sharded gradient, then each loss scaler's check (``unscale_``): whether the
     scaler on this rank found an inf, for torch's plain ``GradScaler`` and its ``ShardedGradScaler``."""

@@ -126,6 +126,7 @@ TWO_PROCESSES = {
     "clip-0": (checks.clips_as_fsdp2, {"norm_type": 0.0}),
     "clip-two-dtypes": (checks.clips_as_fsdp2, {"norm_type": 2.0, "dtype": torch.float32, "model": "two_dtypes"}),
     "frozen_midway": (checks.frozen_and_unfrozen_midway_as_fsdp2, {}),
+    "used_outside_forward": (checks.used_outside_forward, {}),
     "child_after_parent": (checks.child_sharded_after_its_parent, {}),
     "refused_on_one_rank": (checks.refused_on_one_rank_only, {}),
     "loss_scalers": (checks.loss_scalers_seeing_an_inf, {}),
@@ -623,6 +624,16 @@ def test_clipping_gradients_of_two_dtypes_takes_fsdp2s_norm_bit_for_bit(two):
             assert step["ours"] > 0.5
             assert step["ours"] == step["theirs"]
             assert step["gradients"] == 0.0 and step["parameters"] == 0.0
+
+
+def test_a_sharded_parameter_used_outside_a_forward_is_refused_when_its_gradient_arrives(two):
+    # FSDP2 refuses it as its DTensor meets plain tensors ("aten.mul.Tensor got mixed torch.Tensor and DTensor"); on
+    # minidp's plain rows the penalty would be of this rank's rows only, silently: the backward raises instead, naming
+    # the parameter, before an optimizer could step on that gradient
+    for result in each_rank(two, "used_outside_forward"):
+        assert "got mixed torch.Tensor and DTensor" in result["fsdp2"]
+        assert result["minidp"].startswith("fully_shard: parameter 'Linear.weight' was used outside a forward of the "
+                                           "module that holds it")
 
 
 def test_a_parameter_frozen_or_unfrozen_between_steps_trains_as_fsdp2(two):

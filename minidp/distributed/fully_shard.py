@@ -184,6 +184,8 @@ class ShardedParameter:
         chunks = list(torch.chunk(param.detach(), world_size, dim=dim))  # fewer than W when dim 0 < W
         self.padded_size = chunks[0].size()
         self.shard = nn.Parameter(param.detach().new_empty(0), requires_grad=param.requires_grad)
+        self.guarded: Optional[nn.Parameter] = None  # the shard refuse_gradient_of_shard() hooked
+        self.refuse_gradient_of_shard()
         self._pad(chunks[rank] if rank < len(chunks) else param.detach().narrow(dim, 0, 0))
         self.gathered: Optional[torch.Tensor] = None  # allocated at the first all-gather
         self.full: Optional[nn.Parameter] = None
@@ -202,6 +204,18 @@ class ShardedParameter:
                 and shard.dtype == padded.dtype and shard.device == padded.device
                 and shard.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr())
 
+    def refuse_gradient_of_shard(self) -> None:
+        """Make a gradient that reaches the shard an error (:func:`_used_outside_forward`). Every forward of the module
+        uses the whole parameter, a leaf of its own, and the reduce-scatter sets the shard's ``.grad`` by hand, so
+        autograd reaches the shard only where it was used outside a forward (a penalty on it added to the loss, a hook
+        run after the forward resharded): with this rank's rows alone, which FSDP2, whose DTensor does not mix with
+        plain tensors, refuses too. The hook costs nothing in a step that never fires it. Called where the shard may
+        have begun to need gradients: made, replaced (:meth:`repad`), unfrozen (the all-gather)."""
+        if self.shard.requires_grad and self.guarded is not self.shard:
+            name = f"{_class_name(self.module)}.{self.name}"
+            self.shard.register_hook(functools.partial(_used_outside_forward, name))
+            self.guarded = self.shard
+
     def _pad(self, rows: torch.Tensor) -> None:
         """``padded`` (what this rank contributes to the all-gather): ``rows``, then zero rows up to chunk 0's
         size; ``shard`` (always the same ``nn.Parameter``: the optimizer holds it) a view of its real rows."""
@@ -219,6 +233,7 @@ class ShardedParameter:
             self.shard = registered
             self.set_on_modules(registered)
             setattr(registered, SHARDED_BY, self.group)
+            self.refuse_gradient_of_shard()
         self._pad(self.shard.detach())
         self.gathered = self.full = None
 
@@ -463,8 +478,10 @@ class ShardGroup:
             if p.full is None:
                 view = p.gathered[: p.full_size.numel()].view(p.full_size)  # the padding rows left out
                 p.full = nn.Parameter(view, requires_grad=p.shard.requires_grad)
+                p.refuse_gradient_of_shard()
             elif p.full.requires_grad != p.shard.requires_grad:  # frozen or unfrozen since: FSDP2 copies the flag at
                 p.full.requires_grad_(p.shard.requires_grad)  # every gather (to_unsharded, set_requires_grad_if_needed)
+                p.refuse_gradient_of_shard()
             p.set_on_modules(p.full)
         self.gathered = True
         self._record("copy-out", start)
@@ -1090,6 +1107,15 @@ def _own_group(module: nn.Module) -> ShardGroup:
     if group is None:
         raise RuntimeError(f"this {type(module).__name__} is not sharded itself: fully_shard was not applied to it")
     return group
+
+
+def _used_outside_forward(name: str, grad: torch.Tensor) -> None:
+    """A gradient reached the shard of parameter ``name`` (:meth:`ShardedParameter.refuse_gradient_of_shard`)."""
+    raise RuntimeError(
+        f"fully_shard: parameter '{name}' was used outside a forward of the module that holds it, where it is this "
+        f"rank's rows only (shape {tuple(grad.shape)}), so its gradient would be of those rows alone (FSDP2 refuses "
+        f"this too: its DTensor does not mix with plain tensors). Use it inside a forward of that module, or of a "
+        f"method given to register_fsdp_forward_method, where it is whole")
 
 
 def _class_name(module: nn.Module) -> str:
