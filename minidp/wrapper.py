@@ -83,22 +83,24 @@ def _warn_if_imbalanced(devices: list[torch.device]) -> None:
 
 
 def tensors_replica_0_shares(
-    module: nn.Module, replicas: Sequence[nn.Module], cache: Optional[ReplicaCache]
+    module: nn.Module, replicas: Sequence[nn.Module], devices: Sequence[DeviceLike], cache: Optional[ReplicaCache]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``module``'s parameters and buffers, which ``replicas[0]`` shares: from ``cache`` where it bound those replicas
-    (lists it holds, checked against the tree at that call), else by walking the tree (0.16 ms a walk for ResNet-50's
-    151 modules)."""
+    """What :func:`step_guarded` watches: ``module``'s buffers, which ``replicas[0]`` shares, and its parameters where
+    several replicas share them, running on the module's device (``devices[0]``: CPU replicas, a repeated GPU id),
+    else none. From ``cache`` where it bound those replicas (lists it holds, checked against the tree at that call),
+    else by walking the tree (0.16 ms a walk for ResNet-50's 151 modules), the parameters only where they are watched."""
+    aliased = devices.count(devices[0]) > 1
     known = cache.originals(replicas[0]) if cache is not None else None
-    return (list(module.parameters()), list(module.buffers())) if known is None else known
+    if known is None:
+        return list(module.parameters()) if aliased else [], list(module.buffers())
+    return known[0] if aliased else [], known[1]
 
 
 _version = attrgetter("_version")
 
 
 @contextlib.contextmanager
-def step_guarded(
-    module: nn.Module, devices: Sequence[torch.device], params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]
-) -> Iterator[None]:
+def step_guarded(module: nn.Module, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> Iterator[None]:
     """A step that fails changes nothing it can put back, and a step whose replicas changed a parameter in place fails.
 
     Buffers. Replica 0 shares the original's buffers, so its BatchNorm updates land in them during the step
@@ -109,8 +111,8 @@ def step_guarded(
     their version counters). On success nothing more happens, and the buffers are the very tensors
     stock would leave.
 
-    Parameters. Replicas on the module's own device (``devices[0]``) hold aliases of its parameters (no copy), so
-    where several run there (CPU replicas, a repeated GPU id) a forward that changes one in place
+    Parameters (those :func:`tensors_replica_0_shares` gives). Replicas on the module's own device hold aliases of
+    its parameters (no copy), so where several run there (CPU replicas, a repeated GPU id) a forward that changes one in place
     (``self.weight.mul_(2)`` under ``torch.no_grad()``) changes the original once per replica, where stock refuses the
     change in replica 0 (a view of the original) and drops the other replicas' (copies, docs/stock-behaviour.md B42).
     Such a change moves the parameter's version counter, read before and after the replicas run (7 to 8 us a read for
@@ -121,8 +123,6 @@ def step_guarded(
     read: its change lands once, as replica 0's does in stock through ``.data``, and a cuDNN RNN's
     ``flatten_parameters()`` in the forward moves them without changing a value.
     """
-    if devices.count(devices[0]) < 2:
-        params = ()
     versions = list(map(_version, params))
     buffers = [b for b in buffers if not b.requires_grad]  # buffers in autograd reach replica 0 as copies
     saved = clone_all(buffers) if buffers else []  # the cheapest copy of many small buffers (step2_replicate._copy_buffers)
@@ -255,9 +255,9 @@ class DataParallel(nn.DataParallel):
             # replicate checks where the module is (a cached replicate, only when its tree changed)
             used = self.device_ids[: len(inputs)]
             replicas = self.replicate(self.module, used)
-            shared = tensors_replica_0_shares(self.module, replicas, self.replica_cache if self.cache_replicas else None)
+            cache = self.replica_cache if self.cache_replicas else None
             # A replica that fails, or outputs that gather refuses, leave no half-updated statistics.
-            with step_guarded(self.module, used, *shared):
+            with step_guarded(self.module, *tensors_replica_0_shares(self.module, replicas, used, cache)):
                 outputs = self.parallel_apply(replicas, inputs, kwargs)
                 return self.gather(outputs, self.output_device) if self.gather_output else outputs
 
@@ -335,6 +335,6 @@ def data_parallel(
         return output if output_device == devices[0] else gather([output], output_device, dim=dim)
     detach = not torch.is_grad_enabled()
     replicas = replica_cache.replicate(module, used, detach) if replica_cache else replicate(module, used, detach)
-    with step_guarded(module, used, *tensors_replica_0_shares(module, replicas, replica_cache)):
+    with step_guarded(module, *tensors_replica_0_shares(module, replicas, used, replica_cache)):
         outputs = parallel_apply(replicas, chunk_inputs, chunk_kwargs, used)
         return gather(outputs, output_device, dim=dim)

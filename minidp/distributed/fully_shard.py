@@ -1522,15 +1522,15 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
     empty = float("inf") if op == dist.ReduceOp.MIN else 0.0
     if not with_grad:
         return torch.tensor(0.0)
-    norms = [torch.linalg.vector_norm(p.grad.detach(), p_norm) if p.grad.numel() else p.grad.new_full((), empty)
-             for p in with_grad]
+    each = [torch.linalg.vector_norm(p.grad.detach(), p_norm) if p.grad.numel() else p.grad.new_full((), empty)
+            for p in with_grad]
     # FSDP2's order and dtype, which rounding sees: torch's clip_grad_norm_ takes the norms bucketed by device and dtype
     # (_group_tensors_by_device_and_dtype) and stacks them, in the widest dtype; DTensor's norm of that stack makes it
     # whole first (one collective over the ranks that shard), then takes the norm of it. Reduced in its own dtype, or
     # in the parameters' order, a norm of float32 beside float64 rounds otherwise.
     order = [i for _, indices in _group_tensors_by_device_and_dtype([[p.grad for p in with_grad]], with_indices=True)
              .values() for i in indices]
-    norms = torch.stack([norms[i].to(with_grad[0].grad.device) for i in order])
+    norms = torch.stack([each[i].to(with_grad[0].grad.device) for i in order])
     by_ranks: dict[dist.ProcessGroup, list[int]] = {}  # positions in the stack; the same order on every rank
     for position, i in enumerate(order):
         group = group_of_shard(with_grad[i])

@@ -270,8 +270,8 @@ class Reducer:
         its bucket keeps the old dtype, so its gradients would be rounded through it (torch's reducer stops reducing
         them, silently: the new data gives the parameter a new gradient accumulator). One list of dtypes compared per
         forward, about 7 microseconds for a ResNet-50's 161 parameters (``python -m timeit -s "from minidp.zoo import
-        resnet50; ps = list(resnet50(base=8).parameters())" "[p.dtype for p in ps]"``: 6.5 us, and the comparison). In mixed precision a parameter may also hold
-        its bucket's dtype, left there by a backward under ``no_sync``."""
+        resnet50; ps = list(resnet50(base=8).parameters())" "[p.dtype for p in ps]"``: 6.5 us, and the comparison).
+        In mixed precision a parameter may also hold its bucket's dtype, left there by a backward under ``no_sync``."""
         dtypes = [p.dtype for p in self.params]
         if dtypes == self._dtypes:
             return
