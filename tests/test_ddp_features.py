@@ -99,6 +99,7 @@ TWO_PROCESSES = {
     "join_throw": (checks.uneven_inputs_as_stock, {"throw_on_early_termination": True}),
     "logging_constructed": (checks.logging_data_as_stock, {"steps": 0, "bucket_cap_mb": 1}),
     "logging_rebuilt": (checks.logging_data_as_stock, {"steps": 3, "bucket_cap_mb": 1}),
+    "logging_zero_cap": (checks.logging_data_as_stock, {"steps": 3, "bucket_cap_mb": 0}),  # a bucket per parameter
     "logging_sampled": (checks.logging_data_as_stock, {
         "steps": 14, "sample_rate": 2, "find_unused_parameters": True, "gradient_as_bucket_view": True}),
     "logging_static_hook": (checks.logging_data_as_stock, {"steps": 3, "static_graph": True, "hook": "python"}),
@@ -460,7 +461,7 @@ def test_throw_on_early_termination_raises_stocks_errors_on_every_rank(two):
 
 # ---- runtime statistics: _get_ddp_logging_data (distributed.py:2552), _set_ddp_runtime_logging_sample_rate ----
 
-LOGGING_CASES = ["logging_constructed", "logging_rebuilt", "logging_sampled", "logging_static_hook",
+LOGGING_CASES = ["logging_constructed", "logging_rebuilt", "logging_zero_cap", "logging_sampled", "logging_static_hook",
                  "logging_builtin_join", "logging_static_idle_1", "logging_static_idle_2"]
 
 

@@ -29,6 +29,7 @@ TWO_PROCESSES = {
     "float32": (checks.against_torch, {}),
     "float64": (checks.against_torch, {"dtype": torch.float64}),
     "small_buckets": (checks.against_torch, {"model": "resnet_bn", "bucket_cap_mb": 0.001}),
+    "zero_cap": (checks.against_torch, {"model": "resnet_bn", "bucket_cap_mb": 0}),
     "no_sync": (checks.against_torch, {"micro_batches": 3}),
     "find_unused": (checks.against_torch, {"model": "partly_used", "find_unused_parameters": True}),
     "batch_norm": (checks.against_torch, {"model": "resnet_bn"}),
@@ -77,6 +78,11 @@ def test_parameters_equal_stock_ddp_bitwise_after_every_step_three_processes(thr
 
 def test_many_small_buckets_equal_stock_ddp(two):
     assert_same_as_stock(two, "small_buckets")
+
+
+def test_a_zero_bucket_cap_a_bucket_per_parameter_equals_stock_ddp(two):
+    # torch takes bucket_cap_mb=0 (_BucketCapacityConfig: a 0-byte limit, every bucket closed at its first parameter)
+    assert_same_as_stock(two, "zero_cap")
 
 
 def test_no_sync_accumulates_then_reduces_the_sum_as_stock(two):

@@ -58,8 +58,13 @@ def test_default_caps_are_25_mib_with_a_1_mib_first_bucket_and_explicit_caps_app
     assert BucketCaps.from_mb(None) == BucketCaps(first=dist._DEFAULT_FIRST_BUCKET_BYTES, cap=25 * 2**20)
     assert dist._DEFAULT_FIRST_BUCKET_BYTES == 2**20
     assert BucketCaps.from_mb(0.5) == BucketCaps(first=2**19, cap=2**19)
-    with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
-        BucketCaps.from_mb(0)
+    assert BucketCaps.from_mb(0) == BucketCaps(first=0, cap=0)  # torch takes 0: a bucket per parameter
+
+
+def test_a_zero_cap_closes_every_bucket_at_its_first_tensor_as_torchs_plan_does():
+    tensors = [torch.empty(n) for n in (10, 10, 100, 10)]
+    expected, _ = dist._compute_bucket_assignment_by_size(tensors, [0])
+    assert assign_buckets(tensors, BucketCaps.from_mb(0).limits()) == [list(b) for b in expected] == [[0], [1], [2], [3]]
 
 
 def test_initial_plan_is_one_bucket_unless_unused_parameters_are_searched():

@@ -62,15 +62,17 @@ class BucketCaps:
         """From DDP's arguments (``_BucketCapacityConfig.create``); ``bucket_cap_mb_list`` overrides ``bucket_cap_mb``."""
         if bucket_cap_mb_list:
             for position, mb in enumerate(bucket_cap_mb_list):
-                if not mb > 0:
-                    raise ValueError(f"bucket_cap_mb_list[{position}] must be positive, got {mb}")
+                if not mb >= 0:
+                    raise ValueError(f"bucket_cap_mb_list[{position}] must be 0 or more, got {mb}")
             per_bucket = tuple(int(mb * MIB) for mb in bucket_cap_mb_list)
             cap = int(max(bucket_cap_mb_list) * MIB)
             return cls(first=cap, cap=cap, per_bucket=per_bucket)
         if bucket_cap_mb is None:
             return cls(first=dist._DEFAULT_FIRST_BUCKET_BYTES, cap=DEFAULT_BUCKET_CAP_MB * MIB)
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        # 0 is torch's too: every bucket closes at its first parameter. A negative cap, which torch's C++ plan reads
+        # as a huge unsigned one (one bucket) or refuses, depending on the call, is refused here.
+        if not bucket_cap_mb >= 0:
+            raise ValueError(f"bucket_cap_mb must be 0 or more, got {bucket_cap_mb}")
         cap = int(bucket_cap_mb * MIB)
         return cls(first=cap, cap=cap)
 
