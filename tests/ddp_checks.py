@@ -278,6 +278,15 @@ def raise_in_step_2(failing_rank: int) -> None:
         ddp(torch.randn(4, 16)).sum().backward()
 
 
+def data_loader_with_workers() -> list[list[float]]:
+    """The batches a DataLoader with two worker processes of its own gives this rank (its DistributedSampler's half)."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    dataset = TensorDataset(torch.arange(8.0))
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, sampler=DistributedSampler(dataset, shuffle=False))
+    return [batch.tolist() for (batch,) in loader]
+
+
 def exit_in_step_2(failing_rank: int, code: int) -> None:
     """Train; rank ``failing_rank`` ends in step 2 with exit status ``code``, without raising (``os._exit``, as a
     signal would end it), while the others go on into the all-reduce."""

@@ -41,6 +41,13 @@ def test_a_rank_that_dies_without_raising_is_named_before_the_rank_its_death_mad
     assert multiprocessing.active_children() == []
 
 
+def test_a_rank_may_start_processes_of_its_own_as_a_dataloader_with_workers_does():
+    # torch.multiprocessing.spawn's workers are not daemonic (spawn(daemon=False)), nor are torchrun's: a daemonic one
+    # may not have children ("daemonic processes are not allowed to have children")
+    assert launch(checks.data_loader_with_workers, 2, job_timeout=120) == [[[0.0, 2.0], [4.0, 6.0]], [[1.0, 3.0], [5.0, 7.0]]]
+    assert multiprocessing.active_children() == []
+
+
 def test_a_script_written_for_torchrun_reads_its_place_and_may_end_the_group_itself():
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE (torch/distributed/run.py), and a script may end
     # with destroy_process_group() or sys.exit(0): the job ends well either way

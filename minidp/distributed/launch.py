@@ -127,7 +127,10 @@ def launch(
             target=_run_rank,
             args=(rank, processes, os.path.join(directory, "store"), backend, timeout, threads, target, tuple(args), results),
             name=f"minidp-rank-{rank}",
-            daemon=True,
+            # Not daemonic, as torch.multiprocessing.spawn's and torchrun's workers are not: a daemonic process may not
+            # start processes of its own, and a rank's DataLoader with num_workers > 0 does. The finally below ends
+            # every worker still alive whichever way the job ends.
+            daemon=False,
         )
         for rank in range(processes)
     ]
