@@ -127,6 +127,19 @@ def test_two_replicas_of_even_chunks_hold_the_same_in_either_backward(generator,
     assert first.held["temporaries"] > 0
 
 
+@pytest.mark.parametrize("parallel_backward", [False, True], ids=["serial_backward", "parallel_backward"])
+def test_what_a_replicas_backward_makes_in_its_own_thread_is_that_replicas(generator, parallel_backward, monkeypatch):
+    # The parallel backward runs replica i's nodes in its worker: the gradient of its hidden layer (the second Linear's
+    # backward, chunk*H) and ReLU's backward of it (chunk*H), held at once, are replica i's temporaries, beside its
+    # forward's (the first Linear's output, chunk*H). The serial backward interleaves the replicas' nodes in this
+    # thread, where what they make is the device's.
+    monkeypatch.setattr(minidp.parallel_backward, "_enabled", parallel_backward)
+    ledger, _ = traced_mlp_step(generator, 8)
+    hidden = 4 * H * BYTES
+    for replica in (0, 1):
+        assert row(ledger, replica=replica).held["temporaries"] == (2 * hidden if parallel_backward else hidden)
+
+
 def test_every_category_of_a_cpu_training_step_is_non_zero_on_the_device(generator):
     ledger, _ = traced_mlp_step(generator, 8)
     device = row(ledger)

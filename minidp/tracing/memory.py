@@ -517,8 +517,9 @@ class AllocationLedger:
 
     def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         """Run a replica's backward ``call()`` in its thread (:mod:`minidp.parallel_backward`), watched there as the
-        serial backward is in the calling thread: what it allocates is the backward's."""
-        with self.watching():
+        serial backward is in the calling thread: what it allocates is the backward's, and, made in the replica's own
+        thread, that replica's (the serial backward interleaves the replicas' nodes in one thread: the device's there)."""
+        with self.watching(), self.phase("backward", replica):
             return call()
 
     def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
