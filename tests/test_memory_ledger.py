@@ -246,6 +246,42 @@ def test_the_ledger_keeps_no_tensor_of_the_step_alive(generator):
     assert traced.ledger()  # still readable: it keeps numbers, not tensors
 
 
+N = 100_000  # float64 elements: 800 kB, far above any scratch an operator keeps
+
+
+def test_a_storage_released_with_resize_stops_counting_when_released():
+    # fully_shard releases a gathered parameter so (untyped_storage().resize_(0)), as FSDP2's free_storage does; no
+    # operator shows it. Each round holds its buffer and the doubled temporary at once, then the sum (8 bytes).
+    released = []
+
+    def step() -> None:
+        for _ in range(4):
+            buffer = torch.ones(N, dtype=torch.float64)
+            (buffer * 2).sum()
+            buffer.untyped_storage().resize_(0)
+            released.append(buffer)  # the tensor lives on, its memory does not
+
+    _, ledger = measure_step(step)
+    assert row(ledger).peak == 2 * N * BYTES + BYTES
+
+
+def test_a_storage_refilled_with_resize_counts_from_its_refill():
+    # held at the start, released, a temporary twice its size made and dropped, then refilled: the most held at once
+    # is the temporary alone, not the temporary and the buffer
+    buffer = torch.ones(N, dtype=torch.float64)
+
+    def step() -> None:
+        buffer.untyped_storage().resize_(0)
+        temporary = torch.ones(2 * N, dtype=torch.float64)
+        del temporary
+        buffer.untyped_storage().resize_(N * BYTES)
+        buffer.fill_(1.0)
+
+    _, ledger = measure_step(step)
+    assert row(ledger).peak == 2 * N * BYTES
+    assert "resize_" not in vars(torch.UntypedStorage)  # torch's own method again once the measurement ends
+
+
 def test_a_trace_without_the_ledger_says_how_to_get_one(generator):
     with minidp.trace() as traced:
         minidp.DataParallel(mlp(), cpu_ids(2))(torch.randn(4, D, generator=generator, dtype=torch.float64))

@@ -319,6 +319,7 @@ class AllocationLedger:
         self._parameters: list[torch.Tensor] = []  # whose .grad are gradients when the step ends
         self._hooks: list[Any] = []
         self._mode: Optional[_Watch] = None
+        self._resize_patched = False  # whether start() wrapped UntypedStorage.resize_
         self._backward_tasks: set[int] = set()  # autograd's graph tasks met so far
         self._backward_begins: list[int] = []  # when each began (its first allocation), in order
 
@@ -327,6 +328,7 @@ class AllocationLedger:
     def start(self) -> None:
         self._hooks = [register_optimizer_step_pre_hook(self._optimizer_begins),
                        register_optimizer_step_post_hook(self._optimizer_ends)]
+        self._watch_storage_resizes()
         self._mode = _Watch(self)
         self._mode.__enter__()
         self._thread.watched = True
@@ -336,6 +338,9 @@ class AllocationLedger:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+        if self._resize_patched:
+            del torch.UntypedStorage.resize_  # torch's own, from its C base class, again
+            self._resize_patched = False
         for hook in self._hooks:
             hook.remove()
         self.mark([p.grad for p in self._parameters if p.grad is not None], "gradients")
@@ -345,6 +350,27 @@ class AllocationLedger:
                 finalizer.detach()
             self._finalizers.clear()
             self._live.clear()
+
+    def _watch_storage_resizes(self) -> None:
+        """See ``UntypedStorage.resize_`` as it runs, in the watched threads: no operator shows it. A gathered
+        parameter is released so (``untyped_storage().resize_(0)``: minidp's fully_shard and its mixed precision, as
+        FSDP2) and refilled so; seen only at the next operator that takes it, its memory would count as held until then,
+        or, first met refilled, as held from the start at that size. torch offers no hook there, so the method is
+        wrapped on torch's Python class (the call goes on to the C one it inherits) from start() to stop()."""
+        if "resize_" in vars(torch.UntypedStorage):  # wrapped by someone else already: leave it as it is
+            return
+        ledger, resize = self, torch.UntypedStorage.resize_
+
+        def watched_resize(storage: torch.UntypedStorage, size: int) -> Any:
+            if not getattr(ledger._thread, "watched", False):
+                return resize(storage, size)
+            ledger._see_storage(storage, made_now=False)  # at its size before: held already, if first met here
+            resized = resize(storage, size)
+            ledger._see_storage(storage, made_now=False)  # the change, at this moment
+            return resized
+
+        torch.UntypedStorage.resize_ = watched_resize
+        self._resize_patched = True
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -412,6 +438,9 @@ class AllocationLedger:
             if tensor.is_sparse:
                 self.see(_parts((tensor,)), made_now)
             return None
+        return self._see_storage(storage, made_now)
+
+    def _see_storage(self, storage: torch.UntypedStorage, made_now: bool) -> _Storage:
         key = storage._cdata
         nbytes = storage.nbytes()
         record = self._live.get(key)  # met before: the common case, read without the lock (one dict read)
@@ -421,9 +450,9 @@ class AllocationLedger:
             record = self._live.get(key)
             if record is None:
                 phase, replica = self._where() if made_now else ("found", None)
-                device = self._device_names.get(tensor.device)
+                device = self._device_names.get(storage.device)
                 if device is None:  # str(device) costs as much as the rest of a lookup: named once per device
-                    device = self._device_names[tensor.device] = str(tensor.device)
+                    device = self._device_names[storage.device] = str(storage.device)
                 record = _Storage(device, nbytes, next(self._clock) if made_now else 0, phase, replica)
                 if phase == "backward":
                     task = torch._C._current_graph_task_id()
