@@ -1,4 +1,4 @@
-"""Walking nested structures: the tensors inside tuples, lists, dicts, namedtuples and dataclasses.
+"""Walking nested structures: the tensors inside tuples, lists, dicts (and other mappings), namedtuples and dataclasses.
 
 Every step that takes "a batch" or returns "an output" meets arbitrary nesting: scatter cuts every
 tensor inside its inputs, gather joins the replicas' outputs position by position, parallel_apply
@@ -17,7 +17,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import numbers
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -51,7 +52,9 @@ def rebuild_dict(like: dict, items) -> dict:
 
 def children(obj: Any) -> Optional[list[tuple[str, Any]]]:
     """``(path suffix, child)`` for a container the walkers look inside, ``None`` for a leaf."""
-    if isinstance(obj, dict):
+    # A mapping that is not a dict (a UserDict: Hugging Face's BatchEncoding, BatchFeature) is walked as one: stock
+    # treats it as an opaque object, each replica running the whole batch (docs/stock-behaviour.md B12).
+    if isinstance(obj, (dict, Mapping)):
         return [(f"[{k!r}]", v) for k, v in obj.items()]
     if is_namedtuple(obj):
         return [(f".{name}", v) for name, v in zip(obj._fields, obj)]
@@ -71,6 +74,8 @@ def rebuild(like: Any, values: Sequence[Any], *, scattered: bool = False) -> Any
     arguments, reaches the replicas as a tuple)."""
     if isinstance(like, dict):
         return rebuild_dict(like, zip(like.keys(), values))
+    if isinstance(like, Mapping):
+        return _rebuild_mapping(like, dict(zip(like.keys(), values)))
     if is_namedtuple(like):
         return type(like)(*values) if scattered else type(like)._make(values)
     if isinstance(like, (list, tuple)):
@@ -80,6 +85,16 @@ def rebuild(like: Any, values: Sequence[Any], *, scattered: bool = False) -> Any
     for field, value in zip(dataclasses.fields(like), values):
         object.__setattr__(new, field.name, value)
     return new
+
+
+def _rebuild_mapping(like: Mapping, items: dict) -> Mapping:
+    """A mapping of ``like``'s type holding ``items``, built as a UserDict is, from a dict."""
+    try:
+        return type(like)(items)
+    except TypeError as error:
+        raise TypeError(
+            f"a {type(like).__qualname__} (a mapping) cannot be rebuilt from a dict of its items ({error}): pass a dict "
+            f"instead (dict(obj), or its items as keyword arguments)") from error
 
 
 def tensors_in(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:

@@ -22,13 +22,14 @@ a plain function, not a closure that calls itself, so a call leaves no reference
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
 
 from . import comm
 from .device_ids import DeviceLike, as_device
-from .nested import PLAIN, children, is_per_replica, rebuild, rebuild_dict
+from .nested import PLAIN, children, is_per_replica, rebuild
 from .hooks import observed
 
 
@@ -57,8 +58,8 @@ def _gather_map(values: list[Any], path: str, destination: torch.device, dim: in
         return _gather_tensors(values, path, destination, dim)
     if first is None:
         return None
-    if isinstance(first, dict):  # by key: the replicas may list the keys in different orders
-        return rebuild_dict(first, [(k, _gather_map([v[k] for v in values], f"{path}[{k!r}]", destination, dim)) for k in first])
+    if isinstance(first, (dict, Mapping)):  # by key: the replicas may list the keys in different orders
+        return rebuild(first, [_gather_map([v[k] for v in values], f"{path}[{k!r}]", destination, dim) for k in first])
     parts = children(first)
     if parts is None:
         # A plain value is gathered into the list of the replicas' values (stock: "<map object ...>" for a string,
@@ -147,12 +148,12 @@ def _check_same_kind(first: Any, other: Any, path: str, replica: int) -> None:
         raise ValueError(f"{path} is {kind(first)} in replica 0 but {kind(other)} in replica {replica}")
     first_keys = [suffix for suffix, _ in first_parts]
     other_keys = [suffix for suffix, _ in other_parts]
-    if isinstance(first, dict):
+    if isinstance(first, (dict, Mapping)):
         missing = [k for k in first if k not in other]
         extra = [k for k in other if k not in first]
         if missing or extra:
             raise ValueError(
-                f"{path}: the dict of replica {replica} differs from replica 0's: "
+                f"{path}: the {type(first).__name__} of replica {replica} differs from replica 0's: "
                 f"missing keys {missing}, extra keys {extra}"
             )
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import importlib
@@ -30,6 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+class Encoding(collections.UserDict):
+    """A mapping that is not a dict, as Hugging Face's ``BatchEncoding`` (what its tokenizers return) is a UserDict."""
 
 
 def cpu_ids(n: int) -> list[str]:

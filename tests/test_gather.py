@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import minidp
-from .helpers import RTOL_FLOAT64, cpu_ids, garbage_left_by, max_relative_error
-from .stock_emulation import swapped, emulated_stock, stock_functions
+from .helpers import RTOL_FLOAT64, Encoding, cpu_ids, garbage_left_by, max_relative_error
+from .stock_emulation import swapped, emulated_stock, stock_functions, stock_scatter_gather
 
 Pair = collections.namedtuple("Pair", "left right")
 
@@ -94,6 +94,15 @@ def test_dict_keys_may_come_in_any_order(generator):
     a, b = torch.randn(2, 1, generator=generator), torch.randn(1, 1, generator=generator)
     out = minidp.gather([{"x": a, "y": a}, {"y": b, "x": b}], "cpu")
     assert list(out) == ["x", "y"] and torch.equal(out["y"], torch.cat([a, b]))
+
+
+def test_a_mapping_that_is_not_a_dict_is_gathered_key_by_key_keeping_its_type(generator):
+    """Beyond stock, whose last rule iterates over the mapping's keys and fails (B28)."""
+    a, b = torch.randn(2, 1, generator=generator), torch.randn(1, 1, generator=generator)
+    out = minidp.gather([Encoding(x=a, y=a), Encoding(y=b, x=b)], "cpu")
+    assert type(out) is Encoding and list(out) == ["x", "y"] and torch.equal(out["y"], torch.cat([a, b]))
+    with emulated_stock(), pytest.raises(ValueError, match="too many values to unpack"):
+        stock_scatter_gather.gather([Encoding(x=a), Encoding(x=b)], 0)
 
 
 def test_dataclasses_are_gathered_field_by_field(generator):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import dataclasses
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import minidp
-from .helpers import cpu_ids, garbage_left_by
+from .helpers import RTOL_FLOAT64, Encoding, cpu_ids, garbage_left_by, max_relative_error
 from .stock_emulation import emulated_stock, stock_scatter_gather
 
 Pair = collections.namedtuple("Pair", "left right")
@@ -158,6 +159,54 @@ def test_defaultdict_keeps_its_type_and_factory(generator):
     d = collections.defaultdict(list, x=torch.randn(4, 1, generator=generator))
     pieces = minidp.scatter(d, cpu_ids(2))
     assert all(type(p) is collections.defaultdict and p.default_factory is list for p in pieces)
+
+
+def test_a_mapping_that_is_not_a_dict_is_scattered_key_by_key_keeping_its_type(generator):
+    """Beyond stock, which gives every replica the whole mapping, so that each runs the whole batch (B12)."""
+    batch = Encoding(input_ids=torch.arange(10).view(5, 2), mask=torch.randn(5, 2, generator=generator), note="text")
+    pieces = minidp.scatter((batch,), cpu_ids(2))
+    assert [type(piece) for (piece,) in pieces] == [Encoding, Encoding]
+    assert [piece["input_ids"].tolist() for (piece,) in pieces] == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9]]]
+    assert all(piece["note"] == "text" for (piece,) in pieces)
+    with emulated_stock():
+        assert all(piece is batch for (piece,) in stock_scatter_gather.scatter((batch,), [0, 1]))
+
+
+def test_a_model_given_a_batch_mapping_that_is_not_a_dict_returns_the_single_devices_output(generator):
+    """The tutorial's ``model(data)`` with ``data['image']``, where the batch is a UserDict (Hugging Face's
+    ``BatchFeature``): each replica runs its rows, so the output has the batch's rows, as on one device (in stock,
+    each replica runs the whole batch: twice the rows, B12)."""
+
+    class ReadsTheBatch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 2).double()
+
+        def forward(self, data):
+            return self.linear(data["image"])
+
+    module = ReadsTheBatch()
+    batch = Encoding(image=torch.randn(5, 3, generator=generator, dtype=torch.float64))
+    output, expected = minidp.DataParallel(module, cpu_ids(2))(batch), module(batch)
+    assert output.shape == expected.shape == (5, 2) and max_relative_error(output, expected) <= RTOL_FLOAT64
+
+
+def test_a_mapping_its_type_cannot_rebuild_from_a_dict_is_an_error_naming_it_and_the_fix(generator):
+    class Pairs(collections.abc.Mapping):  # a read-only mapping whose constructor takes two sequences, not a dict
+        def __init__(self, keys, values):
+            self._items = dict(zip(keys, values))
+
+        def __getitem__(self, key):
+            return self._items[key]
+
+        def __iter__(self):
+            return iter(self._items)
+
+        def __len__(self):
+            return len(self._items)
+
+    with pytest.raises(TypeError, match=r"a .*Pairs \(a mapping\) cannot be rebuilt from a dict .*pass a dict instead"):
+        minidp.scatter((Pairs(["x"], [torch.randn(4, 1, generator=generator)]),), cpu_ids(2))
 
 
 def test_non_tensors_reach_every_replica_by_reference(generator):
