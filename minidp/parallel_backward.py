@@ -82,6 +82,7 @@ from operator import attrgetter
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
+from torch.autograd import forward_ad
 from torch.autograd.graph import GradientEdge
 from torch.utils import checkpoint
 
@@ -213,6 +214,11 @@ class ReplicaEntry(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         return grads
+
+    @staticmethod
+    def jvp(ctx, *tangents: Optional[torch.Tensor]):
+        # Forward-mode AD (torch.autograd.forward_ad) through an input that also requires grad: the identity too.
+        return tangents
 
 
 def is_entry(node: Any) -> bool:
@@ -410,12 +416,15 @@ def join(regions: Sequence[Region], run: Runner) -> Optional[list[torch.Tensor]]
     * two replicas share a tensor they enter with: autograd would sum its gradients in an order of its own;
     * two outputs share memory (a tensor returned twice, or with a view of it): the node would return each as an
       alias of its own, so an in-place change of one would not reach the other's gradient, as autograd makes it
-      reach a view's; and a tensor's gradients from its several places would be summed in another order.
+      reach a view's; and a tensor's gradients from its several places would be summed in another order;
+    * an output carries a forward-mode tangent (``torch.autograd.forward_ad``): the node's aliases would carry none.
     """
     outer = [t for r in regions for node in r.entries for t in node.outer]
     if len({id(t) for t in outer}) != len(outer):
         return None
     outputs = [t for r in regions for t in r.outputs]
+    if any(forward_ad.unpack_dual(t).tangent is not None for t in outputs):
+        return None
     if len({storage_start(t) if t.layout == torch.strided else id(t) for t in outputs}) != len(outputs):
         return None
     return list(ParallelBackward.apply(_Spec(regions, run), *outer))

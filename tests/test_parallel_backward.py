@@ -640,13 +640,16 @@ def test_second_order_gradients_run_serially_and_equal_the_serial_path(generator
     assert _equal([t.detach() for t in results[True]], [t.detach() for t in results[False]])
 
 
+@pytest.mark.parametrize("loss", ["output_and_penalty", "penalty_alone"])
 @pytest.mark.parametrize("penalty_on", ["inputs", "parameters"])
-def test_a_loss_of_the_output_and_a_gradient_made_with_create_graph_equals_the_serial_path_to_rounding(generator, penalty_on):
+def test_a_penalty_on_a_gradient_made_with_create_graph_equals_the_serial_path_to_rounding(generator, penalty_on, loss):
     """A WGAN-GP critic's loss (the output, plus a penalty on its gradient with respect to the inputs, made with
-    ``create_graph=True``), or the same with a penalty on the parameters' gradient. The penalty's graph reaches each
-    replica's nodes by itself, apart from the cut, which back-propagates the output's part: the two parts meet at the
-    replicas' entries, where the serial backward adds them inside each replica's graph. README says so; stock's
-    gradients bit for bit need ``set_parallel_backward(False)``, which ``tests/test_against_stock.py`` compares."""
+    ``create_graph=True``), or the same with a penalty on the parameters' gradient; or the penalty alone, on the
+    gradient of a loss that is not linear in the output (an input-gradient regulariser), whose graph goes back
+    through the output. The penalty's graph reaches each replica's nodes by itself, apart from the cut, which
+    back-propagates the output's part: the two parts meet at the replicas' entries, where the serial backward adds
+    them inside each replica's graph. README says so; stock's gradients bit for bit need
+    ``set_parallel_backward(False)``, which ``tests/test_against_stock.py`` compares."""
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
     x = torch.randn(12, 4, generator=generator, dtype=torch.float64)
 
@@ -655,12 +658,36 @@ def test_a_loss_of_the_output_and_a_gradient_made_with_create_graph_equals_the_s
         output = minidp.DataParallel(module, cpu_ids(2))(inputs)
         assert _in_parallel(output) == parallel
         wrt = [inputs] if penalty_on == "inputs" else list(module.parameters())
-        slopes = torch.autograd.grad(output.sum(), wrt, create_graph=True)
-        (output.mean() + 10 * sum((s.norm() - 1).square() for s in slopes)).backward()
+        graded = output.sum() if loss == "output_and_penalty" else output.square().sum()
+        penalty = 10 * sum((s.norm() - 1).square() for s in torch.autograd.grad(graded, wrt, create_graph=True))
+        (output.mean() + penalty if loss == "output_and_penalty" else penalty).backward()
 
     grads = _gradients_both_ways(model, step)
     for parallel, serial in zip(grads[True], grads[False]):
         torch.testing.assert_close(parallel, serial, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("input_requires_grad", [False, True], ids=["tangent_only", "tangent_and_grad"])
+def test_a_forward_mode_tangent_comes_out_as_through_the_serial_path(generator, input_requires_grad):
+    """``torch.autograd.forward_ad``: a dual input's tangent reaches the output, equal to the serial path's, and the
+    gradients after it too (stock refuses: its Scatter has no jvp). The node that cuts the replicas' backwards would
+    give aliases without a tangent: an output with one keeps the serial backward."""
+    import torch.autograd.forward_ad as forward_ad
+
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, direction = (torch.randn(6, 5, generator=generator, dtype=torch.float64) for _ in range(2))
+    tangents = {}
+
+    def step(module, parallel):
+        with forward_ad.dual_level():
+            inputs = forward_ad.make_dual(x.clone().requires_grad_(input_requires_grad), direction)
+            output = minidp.DataParallel(module, cpu_ids(2))(inputs)
+            tangents[parallel] = forward_ad.unpack_dual(output).tangent
+        output.square().sum().backward()
+
+    grads = _gradients_both_ways(model, step)
+    assert tangents[False] is not None and torch.equal(tangents[True], tangents[False])
+    assert _equal(grads[True], grads[False])
 
 
 class _Checkpointed(nn.Module):
@@ -685,6 +712,18 @@ def test_reentrant_checkpointing_keeps_the_serial_backward(generator):
     serial, _ = _step(model, x, False)
     parallel, ran_parallel = _step(model, x, True)
     assert not ran_parallel and _equal(parallel, serial)
+
+
+def test_reentrant_checkpointing_on_three_replicas_keeps_the_serial_backward_to_rounding(generator):
+    """Each replica's re-entrant backward adds its share to the parameters' ``.grad`` by itself; the entries' nodes
+    take places in autograd's order, so three of them may run in another order than with the setting off (README)."""
+    model = _Checkpointed(use_reentrant=True).double()
+    x = torch.randn(9, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    serial, _ = _step(model, x, False, replicas=3)
+    parallel, ran_parallel = _step(model, x, True, replicas=3)
+    assert not ran_parallel
+    for got, expected in zip(parallel, serial, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-15)
 
 
 def test_nested_data_parallel_runs_in_parallel_with_the_serial_gradients(generator):
