@@ -44,8 +44,10 @@ on a GPU the caching allocator rounds every block up to a multiple of 512 bytes 
 only once the streams that used it are done, and its own figure is shown beside the ledger
 (``torch.cuda.max_memory_allocated`` above the start, as in the trace's table). Scratch
 memory that an operator allocates and frees inside its own kernel is not a tensor any operator returns and
-is not counted; nor are tensors that never pass through an operator (a tensor made by ``torch.from_numpy``
-in the step counts from the start, as if it had been there).
+is not counted; nor are tensors made and used by no operator: the generator's state that activation checkpointing
+keeps for each checkpointed segment (``torch.get_rng_state()``, 5,056 bytes on the CPU, made in C++ and read back by
+``torch.set_rng_state``). A tensor that meets its first operator later than it was made counts from then (one that
+numpy made, ``torch.from_numpy``, counts from ``aten.lift_fresh``, the operator that takes it in).
 
 Why not ``torch.profiler.profile(profile_memory=True)`` and its memory profile (``export_memory_timeline``,
 ``torch.profiler._memory_profiler.MemoryProfile``), which attribute every allocation to the same kinds of
