@@ -164,9 +164,26 @@ class TwoDtypes(Net):
         return self.head(self.blocks[2](self.blocks[1](x.double()).float()))
 
 
+class Gained(Net):
+    """A :class:`Net` whose input is first scaled by ``gain``, a frozen parameter of the root's group (gathered with
+    the root's other parameters, never reduced), to which :func:`against_fsdp2` (``frozen``) may give a dtype of its
+    own: one call's parameters of two dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.rand(13) * 3 + 0.5, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x scaled in the gain's dtype where it is a floating-point one, so that a gain gathered in another dtype
+        # than FSDP2 gathers it in gives other losses
+        gain = self.gain
+        scaled = x.to(gain.dtype) * gain if gain.is_floating_point() else x * gain
+        return super().forward(scaled.to(x.dtype))
+
+
 MODELS = {"net": Net, "tied": Tied, "embedded": Embedded, "branchy": Branchy,
           "wide": lambda: Net(hidden=30),  # (30, 30) and (7, 30) weights: columns that 2 and 3 ranks divide
-          "two_dtypes": TwoDtypes}
+          "two_dtypes": TwoDtypes, "gained": Gained}
 
 
 def sharded_modules(model: nn.Module) -> list[nn.Module]:
@@ -287,7 +304,7 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
                   unsynced: Optional[str] = None, configure: Optional[str] = None, policy: Optional[str] = None,
                   ignored: tuple[str, ...] = (), grouped: tuple[str, ...] = (),
                   mesh: Optional[tuple[int, ...]] = None, placement: bool = False, offload: bool = False,
-                  meta: bool = False) -> dict:
+                  meta: bool = False, frozen: Optional[torch.dtype] = None) -> dict:
     """Train FSDP2 and minidp side by side from the same weights (seeded alike on every rank, as
     FSDP2 requires), each rank on its own batches; after every backward and every step, the first
     difference. ``micro_batches`` > 1: that many backwards per step, their sharded gradients summed.
@@ -299,10 +316,14 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
     of the root sharded as one group by one call (``fully_shard([norm, head])``) before the rest. ``mesh``,
     ``placement``, ``offload``: :func:`sharding_arguments`. ``meta``: both built on the meta device, sharded there,
     then materialised with ``to_empty`` and given the weights by loading a full state dict (FSDP2's through
-    ``set_model_state_dict``), the way large models are built."""
+    ``set_model_state_dict``), the way large models are built. ``frozen``: the ``gained`` model's frozen ``gain`` in
+    this dtype, beside parameters of ``dtype``. ``losses_equal``: whether every forward's loss is FSDP2's."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
     theirs = MODELS[model]().to(dtype)
+    if frozen is not None:  # after the cast, which would give a floating-point gain the model's dtype
+        gain = torch.rand(13, dtype=torch.float64) * 3 + 0.5  # float64 values float32 cannot hold; 0 to 3 as int64
+        theirs.gain = nn.Parameter(gain.to(frozen), requires_grad=False)
     full = {k: v.clone() for k, v in theirs.state_dict().items()}
     if meta:
         with torch.device("meta"):
@@ -322,19 +343,22 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
         set_model_state_dict(theirs, {k: v.clone() for k, v in full.items()},  # (it turns the values into DTensors)
                              options=StateDictOptions(full_state_dict=True))
     optimizers = (OPTIMIZERS[optimizer](ours.parameters()), OPTIMIZERS[optimizer](theirs.parameters()))
-    differences = []
+    differences, losses_equal = [], True
     for step in range(steps):
         for opt in optimizers:
             opt.zero_grad()
         for micro in range(micro_batches):
             x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + 10 * micro + rank),
                             dtype=dtype)
+            losses = []
             for sharded in (ours, theirs):
                 if configure is not None:
                     CONFIGURATIONS[configure](sharded, micro, micro_batches)
                 if unsynced is not None:
                     sharded.set_requires_gradient_sync(micro == micro_batches - 1, recurse=unsynced == "all")
-                sharded(x).pow(2).mean().backward()
+                losses.append(sharded(x).pow(2).mean())
+                losses[-1].backward()
+            losses_equal &= torch.equal(*losses)
             differences.append(first_difference(ours, theirs, optimizers))
         for opt in optimizers:
             opt.step()
@@ -346,7 +370,8 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
         torch.equal(ours_full[k], theirs_full[k]) for k in ours_full)
     ours.load_state_dict(full)  # the initial weights back, whole, on every rank
     reloaded = md.full_state_dict(ours)
-    return {"differences": differences, "state_dict_equal": state_dict_equal, "state_dicts_alike": state_dicts_alike,
+    return {"differences": differences, "losses_equal": losses_equal, "state_dict_equal": state_dict_equal,
+            "state_dicts_alike": state_dicts_alike,
             "reloaded": all(torch.equal(reloaded[k], full[k]) for k in full), "devices_after_to_empty": devices_after_to_empty,
             "shard_shapes": [tuple(p.shape) for p in ours.parameters()]}
 
@@ -830,15 +855,40 @@ def freed_once_dropped(seed: int) -> dict:
     return alive
 
 
-def mixed_dtypes(seed: int) -> str:
-    """A frozen float64 parameter beside float32 ones in one call: minidp's error."""
-    model = Net()
-    model.register_parameter("scale", nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False))
-    try:
-        md.fully_shard(model)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+def gradients_of_two_dtypes(seed: int) -> dict[str, Any]:
+    """A float64 ``gain`` (:class:`Gained`) that gets gradients beside float32 parameters of one call, in minidp and
+    in FSDP2, both of which take the call: per library, what the first forward raises (``forward``), and what the
+    backward raises where the gain, frozen for the first step, is unfrozen for the second (``backward``);
+    ``recovered``: whether minidp's refused model, its gain then frozen, runs its forward and backward (its refusal
+    left nothing half done; FSDP2's, once refused, cannot initialise again)."""
+    x = torch.randn(5, 13)
+
+    def sharded(function: Callable[..., Any], requires_grad: bool) -> nn.Module:
+        torch.manual_seed(seed)
+        model = Gained()
+        model.gain = nn.Parameter(model.gain.detach().double(), requires_grad=requires_grad)
+        return shard(model, function, True)
+
+    def raised(step: Callable[[], Any]) -> str:
+        try:
+            step()
+        except AssertionError as error:
+            return str(error)
+        return "no error"
+
+    result: dict[str, Any] = {}
+    for library, function in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
+        refused = sharded(function, True)
+        result[library] = {"forward": raised(lambda: refused(x))}
+        thawed = sharded(function, False)
+        thawed(x).sum().backward()
+        thawed.gain.requires_grad_(True)
+        result[library]["backward"] = raised(lambda: thawed(x).sum().backward())
+        if function is md.fully_shard:
+            refused.gain.requires_grad_(False)
+            refused(x).sum().backward()
+            result["recovered"] = refused.norm.weight.grad is not None
+    return result
 
 
 def optimizer_in_backward(seed: int, steps: int = 3) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+from typing import Optional
 
 import pytest
 import torch
@@ -68,6 +69,16 @@ CONFIGURED = {
 
 UNSYNCED = {"micro_batches": 3, "steps": 2, "unsynced": "all"}
 
+# A frozen parameter of another dtype beside float32 ones in the root's call (fsdp_checks.Gained), without a policy
+# and with bf16's, which casts a floating-point one to bf16 too and leaves an integer one as it is.
+FROZEN = {"float64": torch.float64, "bfloat16": torch.bfloat16, "int64": torch.int64}
+FROZEN_CASES = [*((name, None) for name in FROZEN), ("float64", "bf16"), ("int64", "bf16")]
+
+
+def _frozen_name(frozen: str, policy: Optional[str]) -> str:
+    return f"frozen-{frozen}" + (f"-{policy}" if policy else "")
+
+
 TWO_PROCESSES = {
     **_against_fsdp2_plan(),
     "accumulate": (checks.against_fsdp2, {"micro_batches": 2, "optimizer": "adamw"}),
@@ -84,7 +95,10 @@ TWO_PROCESSES = {
     "already_wrapped": (checks.already_wrapped, {}),
     "shared_between_groups": (checks.shared_between_groups, {}),
     "mismatched_model": (checks.mismatched_model, {}),
-    "mixed_dtypes": (checks.mixed_dtypes, {}),
+    **{_frozen_name(frozen, policy): (checks.against_fsdp2, {"model": "gained", "frozen": FROZEN[frozen],
+                                                             "policy": policy, "optimizer": "adamw"})
+       for frozen, policy in FROZEN_CASES},
+    "gradients_of_two_dtypes": (checks.gradients_of_two_dtypes, {}),
     "freed_once_dropped": (checks.freed_once_dropped, {}),
     "timeline_and_memory": (checks.timeline_and_memory, {}),
     **{f"configured-{name}": (checks.against_fsdp2, {"configure": name, **arguments})
@@ -881,11 +895,28 @@ def test_a_list_of_modules_that_is_empty_or_names_one_twice_is_refused_before_an
     assert not isinstance(head, ShardedModule) and head.weight.shape == (2, 3)
 
 
-def test_parameters_of_two_dtypes_in_one_call_are_refused_with_the_way_out(two):
-    # one all-gather buffer carries a group's parameters: a frozen float64 one would be cast to float32 in it
-    for message in each_rank(two, "mixed_dtypes"):
-        assert "must share one dtype, found ['torch.float32', 'torch.float64']" in message
-        assert "ignored_params" in message
+@pytest.mark.parametrize("frozen,policy", FROZEN_CASES)
+def test_a_frozen_parameter_of_another_dtype_is_gathered_in_its_own_and_trains_as_fsdp2(two, frozen, policy):
+    # FSDP2's all-gather carries inputs of several dtypes as their bytes in one uint8 buffer, each whole parameter
+    # copied out in its own dtype (bf16's policy: a floating-point one in bf16, an integer one as it is)
+    check = _frozen_name(frozen, policy)
+    assert_trains_as_fsdp2(two, check)
+    for rank, result in enumerate(each_rank(two, check)):
+        assert result["losses_equal"] and result["state_dicts_alike"] is None, f"rank {rank}"
+
+
+def test_parameters_of_two_dtypes_that_get_gradients_are_refused_where_fsdp2_refuses_them(two):
+    # one reduce-scatter buffer carries a group's gradients: FSDP2 takes the call and refuses at the first forward
+    # (its lazy init) or, for one unfrozen since, at the backward, with AssertionError; minidp alike, naming them
+    for result in each_rank(two, "gradients_of_two_dtypes"):
+        assert "FSDP expects uniform original parameter dtype" in result["fsdp2"]["forward"]
+        assert "FSDP reduce-scatter expects uniform gradient dtype" in result["fsdp2"]["backward"]
+        for when in ("forward", "backward"):
+            message = result["minidp"][when]
+            assert "must share one dtype" in message, when
+            assert "torch.float32 for 'norm.weight', 'norm.bias', 'head.weight', 'head.bias'" in message, when
+            assert "torch.float64 for 'gain'" in message and "requires_grad_(False)" in message, when
+        assert result["recovered"]
 
 
 def test_ranks_with_different_models_raise_the_same_error_naming_the_parameter(two):

@@ -20,7 +20,10 @@ The steps, and where each lives:
    copied side by side into this rank's slot of one flat buffer ("copy-in"), one
    ``all_gather_single`` (``all_gather_into_tensor``) fills the other ranks' slots, and each parameter's rows are copied out
    of every slot into a buffer of its own ("copy-out"), of which the full parameter is a view. That
-   view, an ``nn.Parameter``, is set on the module for its forward; autograd saves it.
+   view, an ``nn.Parameter``, is set on the module for its forward; autograd saves it. Parameters of
+   several dtypes (a frozen float64 or integer one beside float32 ones) travel as their bytes in a
+   ``torch.uint8`` buffer, as FSDP2's do, each copied out in its own dtype; those that get gradients
+   must share one, as in FSDP2, for step 4 reduces them in one buffer.
 3. **free** (a forward hook with ``reshard_after_forward=True``, and after the backward,
    :meth:`ShardGroup.reshard`): the shard is set back on the module and the gathered buffers' storage
    is released (``untyped_storage().resize_(0)``); the backward's all-gather refills the same storage,
@@ -176,8 +179,9 @@ class ShardedParameter:
     """
 
     def __init__(self, module: nn.Module, name: str, param: nn.Parameter, rank: int, world_size: int,
-                 dim: int = 0) -> None:
+                 dim: int = 0, path: str = "") -> None:
         self.module, self.name = module, name
+        self.path = path or name  # its name under the module fully_shard was called on, for messages
         self.also_in: list[tuple[nn.Module, str]] = []  # the same parameter registered elsewhere in the group
         self.full_size = param.size()
         self.dim, self.world_size = dim, world_size
@@ -189,6 +193,7 @@ class ShardedParameter:
         self._pad(chunks[rank] if rank < len(chunks) else param.detach().narrow(dim, 0, 0))
         self.gathered: Optional[torch.Tensor] = None  # allocated at the first all-gather
         self.full: Optional[nn.Parameter] = None
+        self.compute_dtype = param.dtype  # of the whole parameter: its group's policy may change it (_read_shards)
         self.group: Optional[weakref.ref] = None  # set by the group made of it; also on the shard (clip_grad_norm_)
         # With a reduce dtype other than the compute dtype: the whole gradient summed over unsynchronised
         # backwards in the reduce dtype (FSDP2's unsharded_accumulated_grad), off the whole parameter.
@@ -384,25 +389,28 @@ class ShardGroup:
 
     def _read_shards(self) -> None:
         """The device and dtypes, read from the shards (again after a ``module.to()`` changed them, as FSDP2 reads
-        them at its first forward). Mixed precision (FSDP2's _fsdp_param.py, init_dtype_attrs): the whole
-        parameters, and so the forward, the backward and the all-gather, in ``compute_dtype``; the gradients
-        reduced in ``reduce_dtype``, then handed to the shards in their own dtype. A dtype that needs no cast
-        counts as none."""
+        them at its first forward). Mixed precision (FSDP2's _fsdp_param.py, init_dtype_attrs): each whole
+        parameter, and so the forward, the backward and its part of the all-gather, in its ``compute_dtype``: the
+        policy's ``param_dtype`` for a floating-point parameter (frozen or not), its own dtype for any other (an
+        integer is never cast); the gradients reduced in ``reduce_dtype``, then handed to the shards in their own
+        dtype. A dtype that needs no cast counts as none. The all-gather carries the parameters in ``gather_dtype``:
+        their compute dtype where they share one, else their bytes (``torch.uint8``), as FSDP2's
+        ``foreach_all_gather`` carries inputs of several dtypes (``_get_all_gather_input_metadatas``)."""
         if self.params:
             self.device = self.params[0].padded.device
         # Collectives overlap compute only off the CPU, where FSDP2's overlap (its CUDA streams) is
         # too; on the CPU each is waited for at once (the module docstring, step 5, says why).
         self.overlap = self.device.type != "cpu"
         policy = self.mp_policy
-        self.dtype = self.params[0].padded.dtype if self.params else None  # the shards' (FSDP2's orig_dtype)
         self.reduce_dtype = None if policy.reduce_dtype == policy.param_dtype else policy.reduce_dtype
-        floating = self.dtype is not None and self.dtype.is_floating_point
-        param_dtype = policy.param_dtype if floating and policy.param_dtype != self.dtype else None
-        self.compute_dtype = param_dtype or self.dtype
+        for p in self.params:
+            cast = policy.param_dtype is not None and p.padded.dtype.is_floating_point
+            p.compute_dtype = policy.param_dtype if cast else p.padded.dtype
+        compute_dtypes = {p.compute_dtype for p in self.params}
+        self.gather_dtype = compute_dtypes.pop() if len(compute_dtypes) == 1 else torch.uint8
         # What the group's whole parameters hold while gathered: every rank's padded rows of each (the
         # storage unshard allocates, and reshard resizes to nothing).
-        itemsize = torch.empty(0, dtype=self.compute_dtype).element_size() if self.params else 0
-        self._gathered_nbytes = sum(p.shard_numel for p in self.params) * self.world_size * itemsize
+        self._gathered_nbytes = sum(p.shard_numel * p.compute_dtype.itemsize for p in self.params) * self.world_size
 
     def reshard_for_state_dict(self) -> None:
         """Before a state dict is read or loaded: the shards on the modules, never gathered copies (FSDP2's alike), and
@@ -432,12 +440,11 @@ class ShardGroup:
             return
         self.follow_moved_shards()
         start = time.time()
-        sizes = [p.shard_numel for p in self.params]
+        sizes = self._slot_sizes()
         slot = sum(sizes)
-        flat = torch.empty(slot * self.world_size, dtype=self.compute_dtype, device=self.device)
+        flat = torch.empty(slot * self.world_size, dtype=self.gather_dtype, device=self.device)
         mine = flat.narrow(0, slot * self.rank, slot)
-        # the copy-in casts to the compute dtype, as FSDP2's all-gather inputs are cast (to(param_dtype))
-        torch._foreach_copy_(list(torch.split(mine, sizes)), [p.padded for p in self.params])
+        torch._foreach_copy_(list(torch.split(mine, sizes)), self._gather_inputs())
         work = _all_gather(flat, mine, group=self.process_group, async_op=True)
         self._record_when_done(work, "all-gather", start)
         self.pending = (work, flat)
@@ -445,6 +452,20 @@ class ShardGroup:
             work.wait()
             if self.iteration is not None:
                 self.iteration.poll(waited=work)
+
+    def _slot_sizes(self) -> list[int]:
+        """How many elements of ``gather_dtype`` each parameter's padded rows take in a rank's slot of the
+        all-gather: their number, or their bytes where the all-gather carries bytes."""
+        return [p.shard_numel * p.compute_dtype.itemsize // self.gather_dtype.itemsize for p in self.params]
+
+    def _gather_inputs(self) -> list[torch.Tensor]:
+        """What each parameter copies into this rank's slot: its padded rows, which the copy casts to the group's
+        one compute dtype, as FSDP2's all-gather inputs are cast (to(param_dtype)); where the group has several,
+        the rows cast to their own compute dtype first, then seen as bytes (a copy of bytes casts nothing), as
+        FSDP2's ``foreach_all_gather`` views each input (``t.view(torch.uint8)``)."""
+        if self.gather_dtype != torch.uint8:
+            return [p.padded for p in self.params]
+        return [p.padded.to(p.compute_dtype).view(torch.uint8) for p in self.params]
 
     def unshard(self) -> None:
         """The whole parameters on the module: wait for (or run) the all-gather, then copy-out."""
@@ -457,18 +478,18 @@ class ShardGroup:
         start = time.time()
         if self.iteration is not None:
             self.iteration.poll(waited=work)
-        sizes = [p.shard_numel for p in self.params]
+        sizes = self._slot_sizes()
         outs, joined = [], []
         for p in self.params:
             if p.gathered is None:  # its own buffer, so that each full parameter starts a fresh allocation
-                p.gathered = torch.empty(p.shard_numel * self.world_size, dtype=self.compute_dtype, device=self.device)
+                p.gathered = torch.empty(p.shard_numel * self.world_size, dtype=p.compute_dtype, device=self.device)
             else:
                 p.gathered.untyped_storage().resize_(p.shard_numel * self.world_size * p.gathered.element_size())
             slots = p.gathered.view(self.world_size, -1)
             if p.dim != 0:  # the slots land beside it first, then are joined along the dimension cut
                 slots = torch.empty_like(slots)
                 joined.append((p, slots))
-            outs.append(slots)
+            outs.append(slots.view(self.gather_dtype))  # as bytes where the all-gather carried bytes (FSDP2 alike)
         # Refilling the storage autograd saved is no in-place change of those values: keep their versions.
         with torch.autograd._unsafe_preserve_version_counter(tuple(p.gathered for p in self.params)):
             torch.split_with_sizes_copy(flat.view(self.world_size, -1), sizes, dim=1, out=outs)
@@ -585,6 +606,7 @@ class ShardGroup:
             taken = [(p, torch.zeros_like(p.full) if grad is None and p.full is not None and p.shard.requires_grad
                       else grad) for p, grad in taken]
         with_grad = [p for p, grad in taken if grad is not None]
+        _refuse_gradients_of_two_dtypes(with_grad)  # unfrozen since the first forward checked (FSDP2's foreach_reduce)
         grads = [p.slots_from_whole(grad) for p, grad in taken if grad is not None]
         del taken
         if self.reshard_after_backward:  # else the whole parameters stay for the next forward (FSDP2 alike)
@@ -645,8 +667,9 @@ class ShardGroup:
             self.all_reduce_hook(mine)
         if after is not None:
             mine.div_(after)
-        if mine.dtype != self.dtype:  # FSDP2: the sum, divided, in the shards' dtype for the optimizer
-            mine = mine.to(self.dtype)
+        dtype = with_grad[0].shard.dtype  # one for them all (_refuse_gradients_of_two_dtypes), FSDP2's orig_dtype
+        if mine.dtype != dtype:  # FSDP2: the sum, divided, in the shards' dtype for the optimizer
+            mine = mine.to(dtype)
         offset = 0
         for p in with_grad:
             grad = mine[offset : offset + p.shard.numel()].view(p.shard.size())  # this rank's rows, not its padding
@@ -747,10 +770,36 @@ def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj)
 
 
+def _refuse_gradients_of_two_dtypes(params: list[ShardedParameter]) -> None:
+    """Refuse ``params``, the parameters of one group whose gradients would be reduced together, if they have several
+    dtypes: one reduce-scatter buffer carries their gradients, in one dtype, and hands them back to the shards in
+    their dtype. Only the all-gather carries several (as bytes); frozen parameters have no gradient. FSDP2 refuses
+    them too, with ``AssertionError`` (the type raised here, so that code that catches FSDP2's finds it): at its first
+    forward ("FSDP expects uniform original parameter dtype", ``_init_mp_dtypes``), where :class:`Iteration` checks
+    the parameters that require gradients, and at the reduce-scatter ("FSDP reduce-scatter expects uniform gradient
+    dtype", ``foreach_reduce``: one unfrozen since), where :meth:`ShardGroup.reduce_gradients` checks those with one."""
+    if len({p.shard.dtype for p in params}) <= 1:  # the case of every step: no names gathered
+        return
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for p in params:
+        by_dtype.setdefault(p.shard.dtype, []).append(f"'{p.path}'")
+    found = "; ".join(f"{dtype} for {', '.join(names)}" for dtype, names in by_dtype.items())
+    raise AssertionError(
+        f"fully_shard: the parameters of one fully_shard call that get gradients must share one dtype (their "
+        f"gradients are reduced in one buffer; FSDP2 expects a uniform dtype too), found {found}. Freeze those "
+        f"that need none (requires_grad_(False): a frozen parameter of any dtype is gathered beside the others), "
+        f"cast the module to one dtype (mp_policy computes in another), shard the others by a fully_shard call "
+        f"of their own (on their sub-module, first), or leave them out (ignored_params)")
+
+
 class Iteration:
     """What the groups under one root share: the order they ran in, the reductions under way, the timeline."""
 
     def __init__(self, root: ShardGroup) -> None:
+        # FSDP2 (_fsdp_param_group.py, _init_mp_dtypes, at its lazy init: the root's first forward) refuses a group
+        # whose trainable parameters have several dtypes here, before anything is gathered or set.
+        for group in sharded_groups(root.module):
+            _refuse_gradients_of_two_dtypes([p for p in group.params if p.shard.requires_grad])
         self.groups: list[ShardGroup] = []
         for name, module in root.module.named_modules():
             group = _group_of(module)
@@ -1197,7 +1246,7 @@ def fully_shard(
             (FSDP2's default): ``True``, except on the root (the module whose forward runs first), whose
             parameters the backward would gather again at once. FSDP2's int: the number of ranks that
             shard is ``True``, 1 is ``False``; a number between them is refused.
-        mp_policy: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for the whole parameters (the
+        mp_policy: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for the whole floating-point parameters (the
             all-gather, the forward and the backward; the optimizer still steps the shards in their own
             dtype), ``reduce_dtype`` for the reduce-scatter (and for summing unsynchronised backwards),
             ``output_dtype`` for the forward's floating-point outputs, ``cast_forward_inputs`` to cast the
@@ -1257,7 +1306,7 @@ def fully_shard(
     params = []
     for param in order:
         owner, name = owners[param]
-        sharded = ShardedParameter(owner, name, param, rank, world_size, dims[param])
+        sharded = ShardedParameter(owner, name, param, rank, world_size, dims[param], names.get(id(param), name))
         for sub in modules:  # the same parameter registered under another module or name of this group
             for other_name, other in sub.named_parameters(recurse=False, remove_duplicate=False):
                 if other is param and (sub, other_name) != (owner, name):
@@ -1557,8 +1606,10 @@ def _checked_here(
     world_size: int, mesh: Optional[DeviceMesh], offload_policy: OffloadPolicy,
 ) -> tuple[dict[nn.Parameter, int], torch.device]:
     """What one fully_shard call can check on this rank alone, before any shard is made: each parameter sharded once
-    (sub-modules before their parent), with a dimension to cut, on one device and of one dtype; the dimension each is
-    cut along, and that device."""
+    (sub-modules before their parent), with a dimension to cut, on one device; the dimension each is cut along, and
+    that device. Several dtypes are taken, as FSDP2 takes them (the all-gather carries them as bytes); that those
+    which get gradients share one is checked where FSDP2 checks it, at the first forward
+    (:func:`_refuse_gradients_of_two_dtypes`): a parameter may still be frozen after this call."""
     for name, param in named:
         if hasattr(param, SHARDED_BY):  # its module's parent went first, and left a shard here
             raise ValueError(
@@ -1583,11 +1634,6 @@ def _checked_here(
         raise ValueError(f"fully_shard: the parameters of one call must be on one device, found {sorted(map(str, devices))}")
     device = next(iter(devices)) if devices else torch.device("cpu")
     _check_placement(device, mesh, offload_policy)
-    dtypes = {p.dtype for _, p in named}  # frozen ones too: one all-gather buffer carries them all
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"fully_shard: the parameters of one call must share one dtype, found {sorted(map(str, dtypes))}: cast "
-            f"the module to one dtype first (mp_policy computes in another), or leave the others out (ignored_params)")
     return dims, device
 
 
