@@ -131,7 +131,9 @@ class _ReplicaThreads:
 
     def _start_thread(self) -> queue.SimpleQueue:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
-        name = f"minidp-replica-{len(self._workers) + 1}"
+        # Named as a worker, not a replica: a call hands out whichever workers are idle, so worker N may serve any
+        # replica (the trace's events name the replica they ran for, and the thread).
+        name = f"minidp-worker-{len(self._workers) + 1}"
         thread = threading.Thread(target=self._serve, args=(inbox,), name=name, daemon=True)
         thread.start()
         self._workers.append((thread, inbox))

@@ -61,6 +61,15 @@ def test_trace_writes_the_table_the_chrome_trace_and_the_timeline(tmp_path, caps
     assert "forward" in capsys.readouterr().out
 
 
+def test_trace_on_minus_one_runs_its_replicas_on_the_cpu(tmp_path, capsys):
+    # -1 is the CPU on the command line (as_device's and stock gather's spelling); passed on as a number, DataParallel
+    # would read it as a GPU id, find none, and run the module alone: a trace of nothing
+    assert main(["trace", "--model", "mlp", "--devices=-1,-1", "--batch", "8", "--warmup", "0", "--out",
+                 str(tmp_path)]) == 0
+    forwards = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e.get("name") == "forward"]
+    assert len(forwards) == 2
+
+
 @pytest.mark.parametrize("choice, threads", [("on", 2), ("off", 1)])
 def test_trace_runs_the_backwards_the_way_it_is_told_and_sets_the_default_back(tmp_path, choice, threads):
     before = minidp.get_parallel_backward()

@@ -269,6 +269,34 @@ def test_the_tracer_counts_each_replica_backward_gradients_whichever_way_it_ran(
         assert e.end <= reduce_start  # the reduction waits for every replica's gradients
 
 
+def test_a_replica_backward_that_raises_still_ends_its_span_in_the_trace(generator):
+    # as a replica's forward that raises keeps its forward event: the trace shows every replica that ran
+    class FailsInAWorker(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if threading.current_thread() is not threading.main_thread():
+                raise RuntimeError("planted failure in a replica's backward")
+            return grad
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return FailsInAWorker.apply(self.linear(x))
+
+    model = minidp.DataParallel(Model(), cpu_ids(2))
+    with pytest.raises(RuntimeError, match="planted failure"), minidp.trace() as step:
+        model(torch.randn(6, 4, generator=generator)).sum().backward()
+    assert {e.replica: e.detail for e in step.events if e.stage == "backward"} == {
+        0: "2 gradients at its end", 1: "0 gradients at its end"}
+
+
 def test_a_replica_backward_that_captured_a_tensor_from_outside_is_traced_to_its_last_parameter(generator):
     # The captured tensor keeps the replicas' backwards serial: their entry nodes run, and their pre-hooks end the span.
     scale = torch.randn(3, generator=generator, requires_grad=True)

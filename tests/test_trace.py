@@ -6,6 +6,7 @@ import gc
 import json
 import re
 import sys
+import threading
 import weakref
 
 import pytest
@@ -55,6 +56,13 @@ def test_replicas_run_forward_in_their_own_threads(cnn_step):
     assert len(set(threads)) == REPLICAS
 
 
+def test_the_replicas_threads_are_named_as_the_workers_they_are_not_as_replicas(cnn_step):
+    # a call hands out whichever workers are idle: worker N may serve any replica, which the event names itself
+    threads = {e.replica: e.thread for e in events(cnn_step, "forward")}
+    assert threads[0] == threading.current_thread().name
+    assert all(re.fullmatch(r"minidp-worker-\d+", threads[replica]) for replica in range(1, REPLICAS)), threads
+
+
 def test_events_nest_inside_the_step(cnn_step):
     for e in cnn_step.events:
         assert 0 <= e.start and e.duration >= 0 and e.end <= cnn_step.duration, e
@@ -82,11 +90,29 @@ def test_gather_bytes_are_each_replicas_output(cnn_step):
         assert e.bytes == 2 * classes * 8  # two rows of float64 logits, copied by the concatenation
 
 
-def test_reduce_bytes_are_each_replicas_gradients(cnn_step):
+def test_reduce_bytes_are_the_sums_on_replica_0_and_nothing_for_gradients_added_where_they_lie(cnn_step):
+    # Fresh memory, as every stage counts it: the sums (the torch backend starts each from a copy of replica 0's
+    # gradient); replicas on the destination's device are added where they lie (on another GPU: copied there first)
     model_bytes = sum(p.numel() * 8 for p in ZOO["cnn"].build().parameters())
+    assert {e.replica: e.bytes for e in events(cnn_step, "reduce")} == {0: model_bytes, **dict.fromkeys(range(1, REPLICAS), 0)}
     for e in events(cnn_step, "reduce"):
-        assert e.bytes == model_bytes
         assert re.search(r"summed onto cpu, backends: (ext|torch) \(6\)$", e.detail), e.detail
+
+
+def test_a_weight_tied_between_two_modules_is_one_gradient_at_the_end_of_each_backward(generator):
+    # one parameter (parameters() lists it once, and reduce sums one gradient), whichever way the backwards ran
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+            self.second.weight = self.first.weight
+
+        def forward(self, x):
+            return self.second(torch.tanh(self.first(x)))
+
+    step = traced_step(Tied(), (torch.randn(6, 4, generator=generator),))
+    assert [e.detail for e in events(step, "backward")] == ["1 gradients at its end"] * REPLICAS
+    assert all(e.detail.startswith("1 gradients summed") for e in events(step, "reduce"))
 
 
 def test_replicate_aliases_parameters_and_clones_buffers_for_replicas_after_the_first(generator):
@@ -116,8 +142,9 @@ def test_reduce_bytes_of_a_sparse_gradient_are_its_indices_and_values(generator)
     model = minidp.DataParallel(nn.Embedding(100, 4, sparse=True), cpu_ids(2))
     with minidp.trace() as step:
         model(torch.randint(0, 100, (4, 3), generator=generator)).sum().backward()
-    # each replica looks up 2 rows of 3 indices: its gradient keeps one int64 index and 4 float32 values per lookup
-    assert [e.bytes for e in events(step, "reduce")] == [6 * 8 + 6 * 4 * 4] * 2
+    # each replica looks up 2 rows of 3 indices: its gradient keeps one int64 index and 4 float32 values per lookup,
+    # and their sum (replica 0's event) all 12 lookups
+    assert [e.bytes for e in events(step, "reduce")] == [12 * 8 + 12 * 4 * 4, 0]
 
 
 def test_gather_bytes_of_sparse_outputs_are_their_indices_and_values(generator):

@@ -100,4 +100,6 @@ def parse_device(name: str) -> DeviceLike:
         raise argparse.ArgumentTypeError(
             f"{name!r}: the commands run on the CPU or CUDA GPUs, not on {parsed.type}; use cpu, cuda, cuda:N or a GPU number N"
         )
-    return device
+    # -1 is the CPU to as_device (stock's gather takes it so), but a number in device_ids names a GPU to DataParallel,
+    # as in stock: the CPU goes on by name.
+    return "cpu" if device == -1 else device

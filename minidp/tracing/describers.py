@@ -91,8 +91,9 @@ def _replica_tensors(
     network: torch.nn.Module, replica: torch.nn.Module
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """``(originals, replica's parameters, replica's buffers)``: walks both module trees in step, each
-    module once (as ``modules()`` does, without its generators). A replica keeps its parameters as
-    plain attributes, under the names the original's ``_parameters`` holds them."""
+    module once and each tensor once (as ``modules()`` and ``parameters()`` do, without their generators: a weight
+    tied between two modules is one parameter, with one gradient). A replica keeps its parameters as plain
+    attributes, under the names the original's ``_parameters`` holds them."""
     originals: list[torch.Tensor] = []
     params: list[torch.Tensor] = []
     buffers: list[torch.Tensor] = []
@@ -104,12 +105,14 @@ def _replica_tensors(
             continue
         seen.add(id(original))
         for key, param in original._parameters.items():
-            if param is not None:
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
                 originals.append(param)
                 params.append(getattr(copy, key))
         copy_buffers = copy._buffers
         for key, buf in original._buffers.items():
-            if buf is not None:
+            if buf is not None and id(buf) not in seen:
+                seen.add(id(buf))
                 originals.append(buf)
                 buffers.append(copy_buffers[key])
         copy_children = copy._modules
@@ -168,9 +171,16 @@ def reduce(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Serve
     chosen = reduce_backends(inputs[0], arguments["backend"]) if inputs and inputs[0] else []
     backend = ", ".join(f"{name} ({chosen.count(name)})" for name in sorted(set(chosen))) or "-"
     destination = _device_of(list(result), arguments["destination"])
-    # Counted now: held until the events are read, the replicas' gradients would stay alive (K copies).
-    grads = [list(replica_grads) for replica_grads in inputs]
-    counted = [(_device_of(g, destination), sum(t.nbytes for t in _parts(g)), len(g)) for g in grads]
+    # Counted now: held until the events are read, the replicas' gradients would stay alive (K copies). Fresh memory:
+    # the sums (replica 0's event: the torch backend starts each from a copy of replica 0's gradient), and the
+    # gradients of a replica on another device, copied to the destination to be added there; a replica on the
+    # destination's device is added where it lies.
+    sums = sum(t.nbytes for t in _parts(list(result)))
+    counted = []
+    for replica, replica_grads in enumerate(inputs):
+        device = _device_of(replica_grads, destination)
+        copied = sum(t.nbytes for t in _parts(replica_grads)) if device != destination else 0
+        counted.append((device, copied + (sums if replica == 0 else 0), len(replica_grads)))
 
     def served() -> Served:
         for replica, (device, nbytes, count) in enumerate(counted):

@@ -19,7 +19,7 @@ What each event measures (``Event.bytes`` is always "bytes written to fresh memo
 | forward   | replica       | replica i's call, in its thread        | -                                              |
 | gather    | replica       | the whole call, on the calling thread  | replica i's outputs copied into the gathered output |
 | backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters (autograd hooks), or replica i's backward call where it is one (CPU replicas in parallel) | - |
-| reduce    | replica       | the whole call (run by autograd in the backward of replicate) | replica i's gradients summed into the original parameters |
+| reduce    | replica       | the whole call (run by autograd in the backward of replicate) | the sums (replica 0's event), and replica i's gradients copied to the destination's device to be added there (0 where they lie on it) |
 
 Scatter, replicate, gather and reduce are one call on one thread that serves every replica, so
 their events share one interval. Backward spans sit side by side, one track per replica, each
@@ -227,11 +227,14 @@ class Trace:
         this_call = object()  # one backward pass of the replica: a span of its own
         if backward is not None:  # a replica this trace saw made
             backward.start.append(self._mark(device, 1, this_call))
-        gradients = call() if self._allocations is None else self._allocations.on_replica_backward(
-            replica, device, module, call)
-        if backward is not None:
-            backward.end.append(self._mark(device, sum(g is not None for g in gradients), this_call))
-        return gradients
+        gradients: Sequence[Any] = ()  # none, where the call raises: its span still ends, as a failed forward's does
+        try:
+            gradients = call() if self._allocations is None else self._allocations.on_replica_backward(
+                replica, device, module, call)
+            return gradients
+        finally:
+            if backward is not None:
+                backward.end.append(self._mark(device, sum(g is not None for g in gradients), this_call))
 
     def watch_replicas(self, replicas: Sequence[Any], parameters: Sequence[Sequence[torch.Tensor]]) -> None:
         """Replicate made ``replicas``; the last gradient of ``parameters[i]`` ends replica i's backward.
