@@ -39,6 +39,7 @@ from .helpers import cpu_ids, requires_cuda
 
 D, H, O = 16, 32, 4
 BYTES = 8  # float64
+N = 100_000  # float64 elements of a buffer released and refilled: 800 kB, far above any scratch an operator keeps
 
 
 def mlp() -> nn.Module:
@@ -244,9 +245,6 @@ def test_the_ledger_keeps_no_tensor_of_the_step_alive(generator):
     gc.collect()
     assert gone() is None
     assert traced.ledger()  # still readable: it keeps numbers, not tensors
-
-
-N = 100_000  # float64 elements: 800 kB, far above any scratch an operator keeps
 
 
 def test_a_storage_released_with_resize_stops_counting_when_released():
