@@ -728,14 +728,21 @@ def static_graph_set_late(seed: int) -> dict:
 # ---- uneven inputs: Join ----------------------------------------------------------------------------
 
 
-def uneven_inputs_as_stock(seed: int, model: str = "tanh_mlp", through: str = "join", **join_options: Any) -> dict:
-    """Rank r trains on 2 + 2r batches inside ``ddp.join(**join_options)`` (``through="Join"``:
-    ``Join([ddp], **join_options)``), stock then minidp: the first difference between the two models
-    after the context, and each one's error if it raised."""
+def uneven_inputs_as_stock(seed: int, model: str = "tanh_mlp", through: str = "join", batches: Optional[Sequence[int]] = None,
+                           static: Optional[str] = None, **join_options: Any) -> dict:
+    """Rank r trains on ``batches[r]`` batches (default 2 + 2r) inside ``ddp.join(**join_options)`` (``through="Join"``:
+    ``Join([ddp], **join_options)``), stock then minidp, a static graph if ``static`` says how (``"static_graph"``:
+    the argument, ``"set_static_graph"``: ``_set_static_graph()`` after construction): the first difference between
+    the two models after the context, and each one's error if it raised."""
     build = {"tanh_mlp": _tanh_mlp, "batch_norm": lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)),
              "partly_used": _PartlyUsedBy0}[model]
     options = {"find_unused_parameters": True} if model == "partly_used" else {}
-    theirs, ours, theirs_module, ours_module = _pair(build, seed, **options)
+    theirs, ours, theirs_module, ours_module = _pair(build, seed, **options, **({"static_graph": True} if static ==
+                                                                              "static_graph" else {}))
+    if static == "set_static_graph":
+        for ddp in (theirs, ours):
+            ddp._set_static_graph()
+    steps = 2 + 2 * dist.get_rank() if batches is None else batches[dist.get_rank()]
     errors = {}
     for name, ddp in (("stock", theirs), ("minidp", ours)):
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
@@ -747,7 +754,7 @@ def uneven_inputs_as_stock(seed: int, model: str = "tanh_mlp", through: str = "j
                            **kwargs)
         try:
             with context:
-                for step in range(2 + 2 * dist.get_rank()):
+                for step in range(steps):
                     optimizer.zero_grad()
                     out = ddp(_inputs(seed, step, 5, 6))
                     (out[0] if isinstance(out, tuple) else out).pow(2).mean().backward()
@@ -755,6 +762,40 @@ def uneven_inputs_as_stock(seed: int, model: str = "tanh_mlp", through: str = "j
         except RuntimeError as error:
             errors[name] = str(error)
     return {"difference": _difference(ours_module, theirs_module), "errors": errors}
+
+
+def joined_before_a_static_graphs_first_backward(seed: int, steps: int = 3) -> dict:
+    """Two ranks, a static graph under ``ddp.join()``: rank 0 has no batch, rank 1 ``steps``. minidp alone (stock's
+    collectives stop matching there, and Gloo aborts the process): the first difference between the model after the
+    context and rank 1's steps on a plain copy, its gradients halved (rank 0's zeros in the mean over 2 ranks),
+    as the names of the parameters not bitwise equal (rank 0's own gradients stay None, so only parameters); then
+    rank 0's error at a forward of its own (rank 1 takes no further step, so that no collective is left open)."""
+    torch.manual_seed(seed + dist.get_rank())
+    module = _tanh_mlp()
+    ddp = md.DistributedDataParallel(module, static_graph=True)
+    plain = copy.deepcopy(module)  # rank 0's weights, as the constructor broadcast them
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    with ddp.join():
+        for step in range(steps * dist.get_rank()):
+            optimizer.zero_grad()
+            ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+            optimizer.step()
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        plain_optimizer.zero_grad()
+        batch = torch.randn(5, 6, generator=torch.Generator().manual_seed(seed + 1000 * step + 1))  # rank 1's
+        plain(batch).pow(2).mean().backward()
+        for p in plain.parameters():
+            p.grad = p.grad * (1.0 / 2)  # as the reducer multiplies (mark_variable_ready_dense)
+        plain_optimizer.step()
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            ddp(_inputs(seed, 0, 5, 6))
+        except RuntimeError as caught:
+            error = str(caught).split(":")[0]
+    unequal = [name for (name, a), b in zip(module.named_parameters(), plain.parameters()) if not torch.equal(a, b)]
+    return {"unequal": unequal, "error": error}
 
 
 class _PartlyUsedBy0(nn.Module):

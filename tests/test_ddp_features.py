@@ -97,6 +97,10 @@ TWO_PROCESSES = {
     "join_batch_norm": (checks.uneven_inputs_as_stock, {"model": "batch_norm"}),
     "join_find_unused": (checks.uneven_inputs_as_stock, {"model": "partly_used"}),
     "join_throw": (checks.uneven_inputs_as_stock, {"throw_on_early_termination": True}),
+    # a static graph, a rank out of data after its first backward (which only counts hooks) or its second
+    **{f"join_{static}_{'_'.join(map(str, batches))}": (checks.uneven_inputs_as_stock, {"static": static, "batches": batches})
+       for static in ("static_graph", "set_static_graph") for batches in ((1, 3), (3, 1), (2, 3))},
+    "join_static_no_batch": (checks.joined_before_a_static_graphs_first_backward, {}),
     "logging_constructed": (checks.logging_data_as_stock, {"steps": 0, "bucket_cap_mb": 1}),
     "logging_rebuilt": (checks.logging_data_as_stock, {"steps": 3, "bucket_cap_mb": 1}),
     "logging_zero_cap": (checks.logging_data_as_stock, {"steps": 3, "bucket_cap_mb": 0}),  # a bucket per parameter
@@ -144,6 +148,7 @@ def _run_checks(checks_by_name: dict, seed: int) -> dict:
 
 
 THREE_PROCESSES = {
+    "join_static_graph_1_4_2": (checks.uneven_inputs_as_stock, {"static": "static_graph", "batches": (1, 4, 2)}),
     "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
     "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
 }
@@ -450,6 +455,35 @@ def test_uneven_inputs_under_join_end_with_stocks_model_on_every_rank(two, check
     for result in each_rank(two, check):
         assert result["errors"] == {}
         assert result["difference"] is None
+
+
+@pytest.mark.parametrize("check", [f"join_{static}_{batches}" for static in ("static_graph", "set_static_graph")
+                                   for batches in ("1_3", "3_1", "2_3")])
+def test_uneven_inputs_in_a_static_graph_end_with_stocks_model_on_every_rank(two, check):
+    # A static graph rebuilds its buckets after its second backward (reducer.cpp: autograd_hook pushes the arrival
+    # order once the first backward has counted the hooks; rebuild_buckets broadcasts rank 0's plan). A rank that ran
+    # out of data before then takes part in that broadcast from its join hook, as _DDPJoinHook.main_hook calls
+    # _push_all_rebuilt_params and, a round later, _rebuild_buckets on every round (distributed.py:427)
+    for result in each_rank(two, check):
+        assert result["errors"] == {}
+        assert result["difference"] is None
+
+
+def test_uneven_inputs_in_a_static_graph_on_three_ranks_end_with_stocks_model(three):
+    for result in each_rank(three, "join_static_graph_1_4_2"):
+        assert result["errors"] == {}
+        assert result["difference"] is None
+
+
+def test_a_rank_joined_before_a_static_graphs_first_backward_shadows_it_and_refuses_to_train_after(two):
+    # Where stock's joined rank leaves out the first backward's used-parameter map (_DDPJoinHook.main_hook all-reduces
+    # it only with find_unused_parameters) and Gloo aborts on the collectives that no longer match, minidp's shadows
+    # it: the model is rank 1's steps alone, averaged with rank 0's zeros. Having counted no hooks, rank 0 then refuses
+    # a forward of its own, before any collective
+    rank_0, rank_1 = each_rank(two, "join_static_no_batch")
+    assert rank_0["unequal"] == [] and rank_1["unequal"] == []
+    assert rank_0["error"] == "DistributedDataParallel with static_graph=True on rank 0"
+    assert rank_1["error"] is None
 
 
 def test_throw_on_early_termination_raises_stocks_errors_on_every_rank(two):

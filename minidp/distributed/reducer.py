@@ -157,6 +157,7 @@ class Reducer:
         self._reached: set[int] = set()  # parameters the first backward's outputs reach (counted once at least)
         self._remaining: list[int] = []  # this backward's hooks still to come, per parameter
         self._static_unused: Optional[set[int]] = None  # used by no rank in the first backward
+        self._counted_elsewhere = False  # joined before the first backward: the other ranks counted it, not this one
 
         self._expect_hooks = False  # True from the end of a synchronised forward to the end of its backward
         self._require_finalize = False  # a gradient was marked ready and the backward has not finished
@@ -246,7 +247,7 @@ class Reducer:
 
     def _counting(self) -> bool:
         """The first backward of a static graph: hooks are counted, and everything is reduced at its end."""
-        return self.static_graph and self._static_counts is None
+        return self.static_graph and self._static_counts is None and not self._counted_elsewhere
 
     def _tracks_use(self) -> bool:
         """Whether this backward all-reduces which parameters each rank used (``local_used_map``)."""
@@ -261,6 +262,17 @@ class Reducer:
 
     def before_forward(self) -> None:
         """Called before every forward that records gradients."""
+        if self._counted_elsewhere:
+            # A later backward reduces each parameter at the last of the hooks the first one counted on this rank;
+            # this rank counted none (it only shadowed that backward under Join), so it cannot take part. torch's
+            # reducer fails earlier: its joined rank does not shadow the first backward's used-parameter map, and
+            # the collectives stop matching (on Gloo the process aborts).
+            raise self._logged(RuntimeError(
+                f"DistributedDataParallel with static_graph=True on rank {self.rank}: this rank joined (ran out of "
+                f"data under Join) before the first backward, which the other ranks used to learn the static graph, "
+                f"so it cannot train with this wrapper. Give every rank at least one batch in the first iteration, "
+                f"or wrap the model anew"
+            ))
         self._check_dtypes()
         self._check_reducer_finalized()
         self.rebuild_buckets()
@@ -550,8 +562,14 @@ class Reducer:
     def shadow_backward(self) -> None:
         """A rank that has joined (:mod:`minidp.distributed.join`) takes part in the backward of the ranks
         still training: every bucket's all-reduce in bucket order, of zeros (through the comm hook if
-        there is one), the used-parameter map, and, if their first backward rebuilds the buckets, the
-        rebuilt plan (``_match_all_reduce_for_bwd_pass``, ``_push_all_rebuilt_params``)."""
+        there is one), the used-parameter map, and, if their backward rebuilds the buckets, the
+        rebuilt plan (``_match_all_reduce_for_bwd_pass``, ``_push_all_rebuilt_params``).
+
+        Which backward the ranks still training run is this rank's to tell from its own state, since every
+        synchronised backward is one on every rank, trained or shadowed: a static graph's first (counting) backward
+        if this rank has not been through one, else the one that rebuilds while a rebuild is due (the first of a
+        dynamic graph; a static graph's second, the first to note an arrival order)."""
+        counting = self._counting()
         with torch.no_grad():
             if any(bucket.sparse for bucket in self.buckets):
                 raise RuntimeError(
@@ -571,7 +589,13 @@ class Reducer:
                 # torch's joined rank offers the sum of its last reduction (``_get_local_used_map``), in place:
                 # parameters used then count as used, and the others' gradients for them come out zero
                 dist.all_reduce(self._used_on_device, group=self.group)
-            if self._will_rebuild and not self.static_graph:
+            if counting:
+                # the ranks still training counted their hooks in that backward; this rank counted none, so it can
+                # shadow on, but not train this graph itself (before_forward)
+                self._counted_elsewhere = True
+            elif self._will_rebuild:
+                # torch's joined rank pushes every parameter (_push_all_rebuilt_params) and takes part in the
+                # broadcast of rank 0's plan when the ranks still training rebuild (rebuild_buckets, sync_bucket_indices)
                 self._rebuilt = self._sync_plan(
                     rebuilt_plan(self.params, list(range(len(self.params))), self.caps, self.sparse))
                 self._will_rebuild = False
