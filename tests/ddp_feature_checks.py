@@ -449,6 +449,25 @@ def static_graph_auxiliary_output_as_stock(seed: int, auxiliary_from: Optional[i
     return _steps_until_an_error(_pair(_MainAndAuxiliary, seed, static_graph=True), seed, steps, step_of)
 
 
+def frozen_after_wrapping_as_stock(seed: int, frozen_at: Sequence[int], steps: int = 4, static: Optional[str] = "static_graph",
+                                   dtype: str = "float32", **options: Any) -> dict:
+    """The first layer's weight frozen (``requires_grad_(False)``) after wrapping, at the steps ``frozen_at`` and
+    trainable at the others, in a static graph if ``static`` says how (as :func:`uneven_inputs_as_stock`), in ``dtype``,
+    beside stock (:func:`_steps_until_an_error`). Where a backward uses it after a static graph's first found it unused,
+    both raise at its hook, before their one bucket is full: no collective is left open."""
+    pair = _pair(lambda: _tanh_mlp().to(getattr(torch, dtype)), seed,
+                 **options, **({"static_graph": True} if static == "static_graph" else {}))
+    if static == "set_static_graph":
+        for ddp in pair[:2]:
+            ddp._set_static_graph()
+
+    def step_of(ddp: nn.Module, step: int) -> None:
+        ddp.module[0].weight.requires_grad_(step not in frozen_at)
+        ddp(_inputs(seed, step, 5, 6).to(getattr(torch, dtype))).pow(2).mean().backward()
+
+    return _steps_until_an_error(pair, seed, steps, step_of)
+
+
 def description_as_stock(seed: int) -> dict:
     """What torch DDP says of the module it wraps (``device``, ``device_type``, ``is_multi_device_module``,
     ``_module_parameters``), stock's and minidp's, what each makes of ``device_ids=[]``, and each one's refusal of a module
@@ -1309,6 +1328,7 @@ def _mean_low_precision_gradients(module: nn.Module, batch_norm: bool, batches: 
     with torch.no_grad():
         for copy_, param in zip(low.parameters(), module.parameters()):
             copy_.data = param.detach().to(config.param_dtype)
+            copy_.requires_grad_(param.requires_grad)  # a frozen parameter gets no gradient
             copy_.grad = None if param.grad is None else param.grad.to(config.param_dtype)
         for copy_, buffer in zip(low.buffers(), module.buffers()):
             copy_.data = buffer.detach().clone()
@@ -1316,6 +1336,9 @@ def _mean_low_precision_gradients(module: nn.Module, batch_norm: bool, batches: 
         low(x.to(config.param_dtype)).float().pow(2).mean().backward()
     means = []
     for param in low.parameters():
+        if param.grad is None:
+            means.append(None)
+            continue
         grad = param.grad.to(config.reduce_dtype or config.param_dtype)
         dist.all_reduce(grad)
         means.append(grad.div_(dist.get_world_size()).float())
@@ -1324,14 +1347,16 @@ def _mean_low_precision_gradients(module: nn.Module, batch_norm: bool, batches: 
 
 def mixed_precision_as_stock(seed: int, param_dtype: str, reduce_dtype: Optional[str], buffer_dtype: Optional[str],
                              steps: int = 4, set_to_none: bool = True, accumulate: bool = False,
-                             evaluate: bool = False, zero_grad_every: int = 1, **options: Any) -> dict:
+                             evaluate: bool = False, zero_grad_every: int = 1, frozen: bool = False,
+                             **options: Any) -> dict:
     """``mixed_precision=_MixedPrecision(...)`` (dtypes by name) in both wrappers, torch's through
     :func:`torch_mixed_precision_on_the_cpu`, trained side by side: ``steps`` SGD steps with momentum after a first
     backward that does not step (torch's first all-reduce sums a buffer its gradients were not copied into: its
     ``_set_mixed_precision_param_dtype`` replaces each bucket's buffer and keeps the views of the old one; its
     buckets, rebuilt after the first backward, are right from then on). ``accumulate``: each step after a first
     micro-batch under ``no_sync``; ``evaluate``: after a forward under ``torch.no_grad()``; ``zero_grad_every``: the
-    gradients zeroed after that many steps only, so that the next backwards add onto reduced ones. After every backward:
+    gradients zeroed after that many steps only, so that the next backwards add onto reduced ones; ``frozen``: the first
+    layer's weight frozen after wrapping (its gradient stays None, as the reference's). After every backward:
     whether minidp's gradients are the low-precision mean (:func:`_mean_low_precision_gradients`), the dtypes the
     optimizer sees (and an evaluation leaves), and, from the second backward, the first difference from torch's
     parameters, gradients and buffers (or the error torch raised, after which it drops out)."""
@@ -1346,6 +1371,9 @@ def mixed_precision_as_stock(seed: int, param_dtype: str, reduce_dtype: Optional
     with torch_mixed_precision_on_the_cpu():
         theirs = _quiet(lambda: TorchDDP(theirs_module, mixed_precision=config, **options))
     ours = md.DistributedDataParallel(ours_module, mixed_precision=config, **options)
+    if frozen:
+        for module in (theirs_module, ours_module):
+            module[0].weight.requires_grad_(False)
     optimizers = [torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9) for ddp in (theirs, ours)]
     facts: dict[str, Any] = {"mean": [], "dtypes": [], "evaluated": [], "stock": [], "stock_error": None}
     for step in range(steps + 1):
@@ -1367,8 +1395,8 @@ def mixed_precision_as_stock(seed: int, param_dtype: str, reduce_dtype: Optional
                 if ddp is ours:
                     raise
                 facts["stock_error"] = f"{type(error).__name__}: {str(error).splitlines()[-1]}"
-        facts["mean"].append(all(torch.equal(p.grad, r) for p, r in zip(ours_module.parameters(), reference)))
-        facts["dtypes"].append(sorted({str(t.dtype) for p in ours_module.parameters() for t in (p, p.grad)}))
+        facts["mean"].append(all(_same_gradient(p.grad, r) for p, r in zip(ours_module.parameters(), reference)))
+        facts["dtypes"].append(sorted({str(t.dtype) for p in ours_module.parameters() for t in (p, p.grad) if t is not None}))
         if step and not facts["stock_error"]:
             facts["stock"].append(_difference(ours_module, theirs_module))
         for optimizer in optimizers:

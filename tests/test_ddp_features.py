@@ -47,6 +47,11 @@ MIXED_PRECISION = {
                           "static_graph": True},
     "bf16_find_unused": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "buffer_dtype": "bfloat16",
                          "find_unused_parameters": True},
+    # a weight frozen after wrapping: no accumulator to look for (the search at every forward, a static graph's first)
+    "bf16_find_unused_frozen": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "buffer_dtype": "bfloat16",
+                                "find_unused_parameters": True, "frozen": True},
+    "fp16_static_graph_frozen": {"param_dtype": "float16", "reduce_dtype": "float32", "buffer_dtype": "float16",
+                                 "static_graph": True, "frozen": True},
 }
 
 # Where torch's own DDP falls short in these runs, so that only minidp's gradients are checked (against the
@@ -54,9 +59,10 @@ MIXED_PRECISION = {
 # no_sync the autograd hooks its forward adds pile up, and the next synchronised backward raises ("marked as ready
 # twice"); a forward under no_grad raises in its pre-hook, which reads the grad_fn of a tensor made without one; with
 # static_graph its buckets are rebuilt after the second backward, which sums the stale buffer too (NaN from then on);
-# with find_unused_parameters its graph search raises (AttributeError).
+# with find_unused_parameters its graph search raises (AttributeError); with a weight frozen after wrapping its hook
+# casts that weight's gradient, None (AttributeError).
 STOCK_MIXED_PRECISION_FALLS_SHORT = {"fp16_grad_as_bucket_view", "bf16_no_sync", "fp16_evaluated", "fp16_static_graph",
-                                     "bf16_find_unused"}
+                                     "bf16_find_unused", "bf16_find_unused_frozen", "fp16_static_graph_frozen"}
 
 TWO_PROCESSES = {
     "saved": (checks.pickled_then_trained, {"how": "torch.save"}),
@@ -91,6 +97,13 @@ TWO_PROCESSES = {
     "static_set_late": (checks.static_graph_set_late, {}),
     "static_auxiliary_later": (checks.static_graph_auxiliary_output_as_stock, {"auxiliary_from": 1}),
     "static_auxiliary_never": (checks.static_graph_auxiliary_output_as_stock, {"auxiliary_from": None}),
+    # the first layer's weight frozen after wrapping: at every step, or at the first only
+    **{f"{static}_frozen_{name}": (checks.frozen_after_wrapping_as_stock, {"static": static, **options})
+       for static in ("static_graph", "set_static_graph")
+       for name, options in (("always", {"frozen_at": range(4)}), ("first_step", {"frozen_at": [0]}))},
+    "static_graph_frozen_always_float64": (checks.frozen_after_wrapping_as_stock, {"frozen_at": range(4), "dtype": "float64"}),
+    "find_unused_frozen_always": (checks.frozen_after_wrapping_as_stock, {
+        "frozen_at": range(4), "static": None, "find_unused_parameters": True}),
     "join": (checks.uneven_inputs_as_stock, {}),
     "join_effective_world_size": (checks.uneven_inputs_as_stock, {"divide_by_initial_world_size": False}),
     "join_generic": (checks.uneven_inputs_as_stock, {"through": "Join", "divide_by_initial_world_size": False}),
@@ -443,6 +456,26 @@ def test_a_static_graphs_output_the_loss_never_uses_raises_at_the_third_forward_
         assert result["differences"] == [None, None] and result["step"] == 2
         assert result["errors"]["minidp"] == result["errors"]["stock"] == (
             "RuntimeError", "Expected to have finished reduction in the prior iteration before starting a new one")
+
+
+@pytest.mark.parametrize("check", ["static_graph_frozen_always", "set_static_graph_frozen_always",
+                                   "static_graph_frozen_always_float64", "find_unused_frozen_always"])
+def test_a_parameter_frozen_after_wrapping_goes_unused_as_in_stock(two, check):
+    # torch's reducer took every parameter's gradient accumulator at construction (Reducer's constructor); a weight
+    # frozen since is one no graph reaches: unused in a static graph's first backward (and so in every later one), or
+    # at each search for unused parameters; its .grad stays None
+    for result in each_rank(two, check):
+        assert result["errors"] == {}
+        assert result["differences"] == [None] * 4
+
+
+@pytest.mark.parametrize("check", ["static_graph_frozen_first_step", "set_static_graph_frozen_first_step"])
+def test_a_parameter_frozen_in_a_static_graphs_first_step_only_raises_stocks_error_when_used(two, check):
+    # unused in the first backward, it gets a gradient in the second: reducer.cpp's autograd_hook raises
+    for result in each_rank(two, check):
+        assert result["differences"] == [None] and result["step"] == 1
+        assert result["errors"]["minidp"] == result["errors"]["stock"]
+        assert result["errors"]["minidp"] == ("RuntimeError", "Your training graph has changed in this iteration, e")
 
 
 # ---- uneven inputs: join() (distributed.py:1989), Join (torch/distributed/algorithms/join.py), _DDPJoinHook ----

@@ -199,9 +199,14 @@ class Reducer:
         parameter is used (``find_unused_parameters``). Found again whenever a parameter's data changes dtype
         (DDP's mixed precision), since autograd then gives the parameter a new accumulator. The wrapper that swaps the
         data says so: no check here could see it, since the swap and its undoing each backward keep the dtypes seen
-        between forwards the same (a dtype check was tried: the stale accumulators made every parameter unused)."""
+        between forwards the same (a dtype check was tried: the stale accumulators made every parameter unused).
+
+        A parameter frozen since it was wrapped (``requires_grad_(False)``) has no accumulator to find (its view has no
+        ``grad_fn``): no graph reaches it, so it is unused, as torch's reducer finds the accumulator it took at
+        construction unreached (:meth:`_unreached`)."""
         with torch.enable_grad():
-            self._accumulators = {p.view_as(p).grad_fn.next_functions[0][0]: i for i, p in enumerate(self.params)}
+            self._accumulators = {p.view_as(p).grad_fn.next_functions[0][0]: i
+                                  for i, p in enumerate(self.params) if p.requires_grad}
 
     # ---- the plan ---------------------------------------------------------------------------
 
@@ -389,7 +394,7 @@ class Reducer:
 
     def _unreached(self, outputs: list[torch.Tensor]) -> list[int]:
         """Indices of the parameters whose gradient accumulator the graph of ``outputs`` does not
-        reach: they will get no gradient in this backward (``search_unused_parameters``)."""
+        reach, or that have none (frozen): they will get no gradient in this backward (``search_unused_parameters``)."""
         seen = set()
         stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
         while stack:
@@ -397,7 +402,8 @@ class Reducer:
                 if node is not None and node not in seen:
                     seen.add(node)
                     stack.append(node)
-        return [i for node, i in self._accumulators.items() if node not in seen]
+        reached = {i for node, i in self._accumulators.items() if node in seen}
+        return [i for i in range(len(self.params)) if i not in reached]
 
     # ---- step 3: in the backward ------------------------------------------------------------
 
