@@ -15,7 +15,11 @@ buffers: which rank holds the newest (max of the       the same, this rank not a
 ranks, the training ones candidates), its broadcast
 whether this backward synchronises: all-reduce of 1    all-reduce of 0; sum > 0: shadow the backward
 each bucket's all-reduce, in bucket order              each bucket's, of zeros (through the comm hook)
-``find_unused_parameters``: the used-parameter map     the sum of its last reduction (as torch)
+``find_unused_parameters``, or a static graph's       the sum of its last reduction (as torch)
+first backward: the used-parameter map
+a backward that rebuilds the buckets (the first of     the same broadcast (``_push_all_rebuilt_params``)
+a dynamic graph, a static graph's second): rank 0's
+plan, broadcast
 ====================================================  ==============================================
 
 A :class:`~minidp.distributed.ZeroRedundancyOptimizer` in the same ``Join`` shadows its step
