@@ -184,9 +184,9 @@ def _scatter(
 ) -> Any:
     """:func:`scatter` on checked arguments, with ``roots`` naming the parts of ``inputs`` in error messages."""
     splits = plan_splits(roots, dim, len(devices), chunk_sizes, chunk_weights)
-    if not splits:
-        return [inputs for _ in devices]
-    count = min(map(len, splits.values()))  # a tensor of one value per device beside a short batch: the batch's
+    # A tensor of one value per device beside a short batch: the batch's count. No tensor at all: every device, each
+    # with containers of its own, as stock rebuilds them (B7, B12), so that no replica's change reaches another's.
+    count = min(map(len, splits.values()), default=len(devices))
     pieces = _scatter_map(inputs, devices[:count], splits, dim)
     return tuple(pieces) if isinstance(inputs, torch.Tensor) else pieces
 

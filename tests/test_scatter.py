@@ -221,6 +221,18 @@ def test_inputs_without_tensors_go_to_every_device():
     assert minidp.scatter(("a", 1), cpu_ids(3)) == [("a", 1)] * 3
 
 
+def test_inputs_without_tensors_get_containers_of_their_own_on_each_device_as_stock_rebuilds_them():
+    """B12: containers are rebuilt even when they hold no tensor (a tuple subclass as a plain tuple), so a replica
+    that appends to a list it was given changes neither the caller's nor another replica's."""
+    tags = ["start"]
+    inputs = (tags, {"a": 3}, torch.Size([2, 3]))
+    ours = minidp.scatter(inputs, cpu_ids(2))
+    with emulated_stock():
+        stock = stock_scatter_gather.scatter(inputs, [0, 1])
+    assert ours == stock and [type(piece[2]) for piece in ours] == [type(piece[2]) for piece in stock] == [tuple] * 2
+    assert ours[0][0] is not ours[1][0] and all(piece[0] is not tags for piece in ours)
+
+
 def test_gradient_of_scatter_is_a_gather(generator):
     """Autograd records split/to: the chunks' gradients flow back, concatenated, to the input."""
     x = torch.randn(5, 3, generator=generator, dtype=torch.float64, requires_grad=True)
