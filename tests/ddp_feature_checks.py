@@ -1043,6 +1043,39 @@ def powersgd_on_strided_weights_as_stock(seed: int, steps: int = 4) -> dict:
     return {"differences": differences, **seen}
 
 
+def zero_overlap_hook_as_stock(seed: int, steps: int = 5) -> dict:
+    """torch's ``ZeroRedundancyOptimizer(overlap_with_ddp=True)`` stepped by torch's ``hook_with_zero_step`` under
+    each wrapper (tiny buckets, several shards): per step, ``_has_rebuilt_buckets`` under both and the first parameter
+    that differs (bitwise). The hook refuses Gloo ("may meet hangs", a check it makes for Gloo alone), so its module is
+    told NCCL, which the hook's arithmetic does not depend on: what runs is the hook's, on either wrapper."""
+    from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class _SaysNccl:  # torch.distributed as the hook's module sees it, but for the backend's name
+        def __getattr__(self, name: str) -> Any:
+            return getattr(dist, name)
+
+        @staticmethod
+        def get_backend(*args: Any, **kwargs: Any) -> str:
+            return "nccl"
+
+    ddp_zero_hook.dist = _SaysNccl()
+    try:
+        theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed, bucket_cap_mb=0.0005)
+        for ddp, module in ((theirs, theirs_module), (ours, ours_module)):
+            zero = ZeroRedundancyOptimizer(module.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01)
+            ddp.register_comm_hook(None, ddp_zero_hook.hook_with_zero_step(default_hooks.allreduce_hook, ddp, zero))
+        rebuilt, differences = [], []
+        for step in range(steps):
+            for ddp in (theirs, ours):
+                ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+            rebuilt.append((theirs._has_rebuilt_buckets, ours._has_rebuilt_buckets))
+            differences.append(_difference(ours_module, theirs_module))
+    finally:
+        ddp_zero_hook.dist = dist
+    return {"rebuilt": rebuilt, "differences": differences}
+
+
 def optimizer_in_backward_on_strided_weights(seed: int, steps: int = 3) -> list:
     """:class:`StridedWeights` with SGD stepped in minidp's backward (``_apply_optimizer_in_backward``), beside
     stock DDP stepping SGD after its backward: per step the first parameter that differs (bitwise), or None."""

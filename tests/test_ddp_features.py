@@ -133,6 +133,7 @@ TWO_PROCESSES = {
     "complex_hooked": (checks.complex_parameters_as_stock, {"hook": True}),
     "complex_hooked_bucket_view": (checks.complex_parameters_as_stock, {"hook": True, "gradient_as_bucket_view": True}),
     "powersgd_strided": (checks.powersgd_on_strided_weights_as_stock, {}),
+    "zero_overlap_hook": (checks.zero_overlap_hook_as_stock, {}),
     "optimizer_in_backward_strided": (checks.optimizer_in_backward_on_strided_weights, {}),
     **{f"dtype_changed_{name}": (checks.dtype_changed_after_wrapping, options)
        for name, options in (("default", {}), ("find_unused", {"find_unused_parameters": True}),
@@ -601,6 +602,14 @@ def test_a_hooks_gradients_are_row_major_views_so_powersgd_trains_as_stock_on_st
         assert result["differences"] == [None] * 4
         assert result["minidp"] == result["stock"]
         assert result["stock"] == [[(16, 1), (27, 9, 3, 1), (1,)]] * 4  # the transposed weight, the conv's, its bias
+
+
+def test_torchs_zero_overlap_hook_steps_the_shards_as_under_stock_ddp(two):
+    # torch/distributed/algorithms/ddp_comm_hooks/ddp_zero_hook.py reads ddp._has_rebuilt_buckets (distributed.py,
+    # set by the forward that installs the rebuilt plan): until then its optimizer steps once, after the backward
+    for result in each_rank(two, "zero_overlap_hook"):
+        assert result["rebuilt"] == [(False, False)] + [(True, True)] * 4
+        assert result["differences"] == [None] * 5
 
 
 def test_optimizers_stepped_in_the_backward_see_a_strided_weights_gradient_in_its_layout(two):

@@ -209,6 +209,13 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         return self._bucket_caps.first < self._bucket_caps.cap
 
     @property
+    def _has_rebuilt_buckets(self) -> bool:
+        """Whether the buckets follow the gradients' arrival order yet (torch DDP's flag, set by the forward that
+        installs the rebuilt plan). torch's ZeRO overlap hook (``hook_with_zero_step``) reads it: until then, the
+        buckets it would map to optimizer shards are not the final ones."""
+        return self.reducer.has_rebuilt_buckets
+
+    @property
     def broadcast_buffers(self) -> bool:
         """The older name of ``forward_sync_buffers`` (torch 2.13 keeps both)."""
         return self.forward_sync_buffers
