@@ -42,6 +42,7 @@ TWO_PROCESSES = {
     "add_param_group_after_lr_change": (checks.add_param_group, {"optimizer": "sgd", "lr_changed_first": True}),
     "closure": (checks.closure, {}),
     "checkpoint": (checks.checkpoint, {"to": 1}),
+    "checkpoint_into_another_dtype": (checks.checkpoint_into_another_dtype, {}),
     "state_memory": (checks.state_memory, {}),
     "empty_everywhere": (checks.empty_params, {"ranks": (0, 1)}),
     "empty_on_rank_1": (checks.empty_params, {"ranks": (1,)}),
@@ -166,6 +167,14 @@ def test_state_dicts_load_across_implementations_and_training_goes_on_identicall
         for result in each_rank(results, "checkpoint"):
             assert result["after_load"] is None
             assert result["differences"] == [None, None]
+
+
+def test_a_state_dict_loads_in_its_own_dtype_as_torchs_does_into_parameters_of_another(two):
+    # torch's ZeroRedundancyOptimizer.load_state_dict moves each value to its parameter's device, and casts nothing
+    # (Optimizer.load_state_dict would cast it to the parameter's dtype): a float32 Adagrad sum stays float32
+    for result in each_rank(two, "checkpoint_into_another_dtype"):
+        assert result["dtypes"] == [{"torch.float32"}, {"torch.float32"}]
+        assert result["differences"] == [None, None]
 
 
 # ---- memory -----------------------------------------------------------------------------------------

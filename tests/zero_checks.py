@@ -217,6 +217,30 @@ def checkpoint(seed: int, to: int, optimizer: str = "adamw") -> dict:
     return result
 
 
+def checkpoint_into_another_dtype(seed: int) -> dict:
+    """Adagrad trained two steps in float32 under torch's ZeroRedundancyOptimizer, its consolidated state dict loaded
+    into float64 models under both implementations, two more steps: per step the first difference (bitwise), and the
+    dtypes of this rank's loaded state (torch's load keeps the state dict's dtype)."""
+    ours32, theirs32, _, theirs32_ddp = _pair(seed, torch.float32, "minidp")
+    saved_zero = TorchZero(_groups(theirs32, 0.1), torch.optim.Adagrad, lr=0.1)
+    for step in range(2):
+        _train_step([(theirs32_ddp, saved_zero)], seed, step, torch.float32)
+    saved_zero.consolidate_state_dict(to=0)
+    saved = [saved_zero.state_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(saved, src=0)
+    ours, theirs, ours_ddp, theirs_ddp = _pair(seed, torch.float64, "minidp")
+    zeros = [md.ZeroRedundancyOptimizer(_groups(ours, 0.1), torch.optim.Adagrad, lr=0.1),
+             TorchZero(_groups(theirs, 0.1), torch.optim.Adagrad, lr=0.1)]
+    for zero in zeros:
+        zero.load_state_dict(copy.deepcopy(saved[0]))
+    dtypes = [{str(value["sum"].dtype) for value in zero.optim.state.values()} for zero in zeros]
+    differences = []
+    for step in range(2, 4):
+        _train_step([(ours_ddp, zeros[0]), (theirs_ddp, zeros[1])], seed, step, torch.float64)
+        differences.append(_difference(ours, theirs, *zeros))
+    return {"dtypes": dtypes, "differences": differences}
+
+
 def state_memory(seed: int) -> dict:
     """Bytes of AdamW state on this rank after a step: minidp's ZeRO, torch's, and a plain AdamW on every
     parameter; and the largest parameter's share of it (the greedy partition's bound is 1/W plus that)."""

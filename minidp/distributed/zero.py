@@ -306,10 +306,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         params = list(self._params())
         local_index = {p: i for i, p in enumerate(chain.from_iterable(self.shares[self.rank]))}
         self.optim.load_state_dict({
-            "state": {local_index[params[i]]: value for i, value in state_dict["state"].items() if params[i] in local_index},
+            "state": {},
             "param_groups": [{**group, "params": [local_index[p] for p in share]}
                              for group, share in zip(state_dict["param_groups"], self.shares[self.rank])],
         })
+        # This rank's share of the state as the state dict holds it, moved to each parameter's device (a 0-dim tensor,
+        # Adam's step, to the CPU), as torch's ZeroRedundancyOptimizer.load_state_dict loads it: not cast to the
+        # parameter's dtype, as Optimizer.load_state_dict would cast it (an Adagrad sum saved in float32 stays so).
+        for i, value in state_dict["state"].items():
+            if params[i] in local_index:
+                device = params[i].device
+                self.optim.state[params[i]] = map_tensors(lambda t: t.cpu() if t.dim() == 0 else t.to(device), value)
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:
