@@ -128,8 +128,12 @@ def refusals(seed: int) -> dict:
         try:
             call(model)
             results[name] = "no error"
-        except RuntimeError as error:
-            results[name] = str(error)
+        except (RuntimeError, AssertionError) as error:
+            results[name] = f"{type(error).__name__}: {error}"
+    try:
+        torch_replicate(torch_replicate(Net()))
+    except AssertionError as error:  # torch's contract(): "can only be applied to a module once"
+        results["twice_in_torch"] = f"{type(error).__name__}: {error}"
     return results
 
 

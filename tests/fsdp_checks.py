@@ -816,8 +816,12 @@ def already_wrapped(seed: int) -> dict:
         try:
             md.fully_shard(wrapped)
             errors[name] = "no error"
-        except ValueError as error:
-            errors[name] = str(error)
+        except (ValueError, AssertionError) as error:
+            errors[name] = f"{type(error).__name__}: {error}"
+    try:
+        torch_fully_shard(torch_fully_shard(Net()))
+    except AssertionError as error:  # torch's contract(): "can only be applied to a module once"
+        errors["fsdp2_twice"] = f"{type(error).__name__}: {error}"
     return errors
 
 

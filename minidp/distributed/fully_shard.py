@@ -1200,8 +1200,8 @@ def _managed_modules(module: nn.Module) -> list[nn.Module]:
 def _check_module(module: nn.Module) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if _group_of(module) is not None:
-        raise ValueError(
+    if _group_of(module) is not None:  # torch's contract() refuses it with AssertionError: code may catch that
+        raise AssertionError(
             f"fully_shard was already applied to this {_class_name(module)}; apply it once per module "
             f"(sub-modules first, then the root)")
     if isinstance(module, (FSDPModule, nn.parallel.DistributedDataParallel)):  # minidp's DDP too: a subclass

@@ -131,9 +131,9 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
         raise RuntimeError(f"Expected device_id to be int or torch.device, but got {type(kwargs['device_id'])}")
     if isinstance(module, FSDPModule):
         raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
-    if REPLICATE_STATE in module.__dict__:
-        raise RuntimeError(f"replicate was already applied to this {type(module).original_class.__name__}; "
-                           f"apply it once per module")
+    if REPLICATE_STATE in module.__dict__:  # torch's contract() refuses it with AssertionError: code may catch that
+        raise AssertionError(f"replicate was already applied to this {type(module).original_class.__name__}; "
+                             f"apply it once per module (each composable API can only be applied to a module once)")
     replicated = ReplicateState(module, set(ignored_modules or ()), kwargs)
     module.__dict__[REPLICATE_STATE] = replicated
     module.register_forward_pre_hook(replicated.before_forward, with_kwargs=True)
