@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 import minidp.distributed as md
 
-from .helpers import state_difference
+from .helpers import error_of, state_difference
 
 LIBRARIES = {"minidp": (md.replicate, md.fully_shard), "torch": (torch_replicate, torch_fully_shard)}
 
@@ -124,16 +124,8 @@ def refusals(seed: int) -> dict:
     results = {}
     for name, call in cases.items():
         torch.manual_seed(seed)
-        model = Net()
-        try:
-            call(model)
-            results[name] = "no error"
-        except (RuntimeError, AssertionError) as error:
-            results[name] = f"{type(error).__name__}: {error}"
-    try:
-        torch_replicate(torch_replicate(Net()))
-    except AssertionError as error:  # torch's contract(): "can only be applied to a module once"
-        results["twice_in_torch"] = f"{type(error).__name__}: {error}"
+        results[name] = error_of(lambda: call(Net()))
+    results["twice_in_torch"] = error_of(lambda: torch_replicate(torch_replicate(Net())))  # torch's contract()
     return results
 
 

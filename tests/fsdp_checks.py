@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import minidp.distributed as md
 from minidp.distributed.fully_shard import ShardedModule, sharded_groups
 
-from .helpers import state_difference
+from .helpers import error_of, state_difference
 
 
 class Block(nn.Module):
@@ -810,18 +810,9 @@ def deepcopies(seed: int) -> dict:
 
 def already_wrapped(seed: int) -> dict:
     """fully_shard on a module it already sharded, on one torch's fully_shard sharded, on a DDP: the errors."""
-    errors = {}
-    for name, wrap in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard), ("ddp", md.DistributedDataParallel)):
-        wrapped = wrap(Net())
-        try:
-            md.fully_shard(wrapped)
-            errors[name] = "no error"
-        except (ValueError, AssertionError) as error:
-            errors[name] = f"{type(error).__name__}: {error}"
-    try:
-        torch_fully_shard(torch_fully_shard(Net()))
-    except AssertionError as error:  # torch's contract(): "can only be applied to a module once"
-        errors["fsdp2_twice"] = f"{type(error).__name__}: {error}"
+    errors = {name: error_of(lambda: md.fully_shard(wrap(Net())))
+              for name, wrap in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard), ("ddp", md.DistributedDataParallel))}
+    errors["fsdp2_twice"] = error_of(lambda: torch_fully_shard(torch_fully_shard(Net())))  # torch's contract()
     return errors
 
 

@@ -37,6 +37,15 @@ class Encoding(collections.UserDict):
     """A mapping that is not a dict, as Hugging Face's ``BatchEncoding`` (what its tokenizers return) is a UserDict."""
 
 
+def error_of(call: Callable[[], Any]) -> str:
+    """What ``call()`` raises, as ``"TypeName: message"`` (the type matters to code that catches it), or ``"no error"``."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - any error is the answer
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
 def cpu_ids(n: int) -> list[str]:
     """``n`` replicas on the CPU."""
     return ["cpu"] * n
