@@ -488,6 +488,20 @@ def test_release_declares_the_last_replicas_finished_and_empties_them(generator)
     assert wrapper.replica_cache_info().hits == 1
 
 
+def test_released_replicas_hold_no_buffer_in_their_registries_nor_their_templates(generator):
+    # A BatchNorm replica's _buffers is a container it owns, refilled at every binding: a reset copies its template
+    # (all None), so that neither the replicas nor the templates keep a step's buffers (replica 1's are private copies)
+    wrapper = minidp.DataParallel(ResNetBlockBN(), cpu_ids(2))
+    wrapper(torch.randn(6, 3, 8, 8, generator=generator))
+    replica_copy = weakref.ref(wrapper.replica_cache.replicate(wrapper.module, cpu_ids(2))[1].get_buffer("bn1.running_mean"))
+    wrapper.replica_cache.release(cpu_ids(2))
+    (entry,) = wrapper.replica_cache._entries.values()
+    registries = [m._buffers for replica_modules in entry.replicas for m in replica_modules]
+    templates = [template["_buffers"] for device_templates in entry.templates for template in device_templates]
+    assert all(value is None for buffers in registries + templates for value in buffers.values())
+    gc.collect()
+    assert replica_copy() is None
+
 
 def test_cached_replicas_start_each_step_with_the_originals_buffers(generator):
     """Replica 1's BatchNorm updates its private statistics in every forward; the next step must

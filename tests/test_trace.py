@@ -99,6 +99,20 @@ def test_reduce_bytes_are_the_sums_on_replica_0_and_nothing_for_gradients_added_
         assert re.search(r"summed onto cpu, backends: (ext|torch) \(6\)$", e.detail), e.detail
 
 
+def test_an_output_returned_in_two_places_is_two_copies_in_the_gather_bytes(generator):
+    # gather joins each place of the output on its own (torch.cat each): the tensor returned twice, and a view of it,
+    # are three copies of this replica's rows, as the gathered tuple holds three new tensors
+    class Twice(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            return y, y, y[:, 1:]
+
+    with minidp.trace() as step:
+        gathered = minidp.DataParallel(Twice(), cpu_ids(2))(torch.randn(6, 4, generator=generator))
+    assert len({t.data_ptr() for t in gathered}) == 3
+    assert [e.bytes for e in events(step, "gather")] == [2 * (3 * 4 * 4) + 3 * 3 * 4] * 2  # 3 rows each, float32
+
+
 def test_a_weight_tied_between_two_modules_is_one_gradient_at_the_end_of_each_backward(generator):
     # one parameter (parameters() lists it once, and reduce sums one gradient), whichever way the backwards ran
     class Tied(nn.Module):

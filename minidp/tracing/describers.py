@@ -55,14 +55,10 @@ def _storages(tensors: Sequence[torch.Tensor]) -> set[tuple[torch.device, int]]:
 
 
 def _bytes_outside(tensors: Sequence[torch.Tensor], owned: set[tuple[torch.device, int]]) -> int:
-    """Bytes of ``tensors`` that live in memory none of ``owned`` is (so they were copied), each piece of memory once:
-    a buffer two modules hold, or a tied weight, is one copy."""
-    copied: dict[tuple[torch.device, int], int] = {}
-    for t in _parts(tensors):
-        if storage_start(t) not in owned:
-            where = (t.device, t.data_ptr())
-            copied[where] = max(copied.get(where, 0), t.nbytes)
-    return sum(copied.values())
+    """Bytes of ``tensors`` that live in memory none of ``owned`` is (so they were copied), each place once: scatter,
+    gather and replicate copy each tensor they are given, so a tensor in two places of an output (or a view of it in
+    another) is two copies. (A buffer two modules hold, or a tied weight, is one place: the replica walk lists it once.)"""
+    return sum(t.nbytes for t in _parts(tensors) if storage_start(t) not in owned)
 
 
 def _device_of(tensors: Sequence[torch.Tensor], default: Any) -> str:
