@@ -138,6 +138,24 @@ def test_loss_and_gradients_equal_the_criterion_on_the_gathered_output(case, red
     assert_same(on_the_replicas(net, criterion, x, targets, replicas, grad), expected)
 
 
+POSITIONS = 3  # a third dimension: (N, C, d) outputs, a class (or a distribution over the classes) per position
+
+
+@pytest.mark.parametrize("replicas,batch", SPLITS)
+@pytest.mark.parametrize("targets", ["classes", "probabilities"])
+def test_cross_entropy_over_positions_equals_the_criterion_on_the_gathered_output(targets, replicas, batch, generator):
+    # torch's cross_entropy on (N, C, d): the mean over the N*d positions, with probabilities as with classes
+    criterion = nn.CrossEntropyLoss(class_weight(generator), label_smoothing=0.1)
+    net = nn.Sequential(model(generator, CLASSES * POSITIONS), nn.Unflatten(1, (CLASSES, POSITIONS)))
+    x = torch.randn(batch, FEATURES, generator=generator, dtype=torch.float64)
+    if targets == "classes":
+        target = torch.randint(0, CLASSES, (batch, POSITIONS), generator=generator)
+    else:
+        target = torch.randn(batch, CLASSES, POSITIONS, generator=generator, dtype=torch.float64).softmax(1)
+    expected, grad = full_batch_reference(net, criterion, x, target, generator)
+    assert_same(on_the_replicas(net, criterion, x, target, replicas, grad), expected)
+
+
 @pytest.mark.parametrize("chunk_weights", [[5, 1, 1], [1, 1, 6]], ids=str)
 @pytest.mark.parametrize("case", ["CE weight+ignore_index+label_smoothing", "NLL weight+ignore_index", "MSE"])
 def test_very_uneven_chunks_from_chunk_weights_give_the_full_batch_loss(case, chunk_weights, generator):
