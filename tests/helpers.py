@@ -37,6 +37,14 @@ class Encoding(collections.UserDict):
     """A mapping that is not a dict, as Hugging Face's ``BatchEncoding`` (what its tokenizers return) is a UserDict."""
 
 
+# What the torch the suite runs on takes, where the references the tests compare with differ between releases:
+# torch 2.13's DDP takes bucket_cap_mb=0 (distributed.py, _BucketCapacityConfig), 2.11's asserts "bucket_cap_mb should
+# be set by now"; 2.13's FSDP2 makes a shard a parameter that requires grad only where the original does
+# (_fsdp_param.py, _init_sharded_param), 2.11's makes every shard one, which an integer parameter cannot be.
+TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP = hasattr(torch.nn.parallel.distributed, "_BucketCapacityConfig")
+FSDP2_SHARDS_INTEGER_PARAMETERS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
 def error_of(call: Callable[[], Any]) -> str:
     """What ``call()`` raises, as ``"TypeName: message"`` (the type matters to code that catches it), or ``"no error"``."""
     try:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import fsdp_checks as checks
 from .ddp_checks import run_checks
-from .helpers import each_rank, fresh_python, job_fixture, torchrun
+from .helpers import FSDP2_SHARDS_INTEGER_PARAMETERS, each_rank, fresh_python, job_fixture, torchrun
 from .helpers import assert_no_differences as assert_same_as_fsdp2
 from minidp.cli import main
 from minidp.distributed import RankFailed, chrome_trace, fully_shard, launch
@@ -71,8 +71,9 @@ UNSYNCED = {"micro_batches": 3, "steps": 2, "unsynced": "all"}
 
 # A frozen parameter of another dtype beside float32 ones in the root's call (fsdp_checks.Gained), without a policy
 # and with bf16's, which casts a floating-point one to bf16 too and leaves an integer one as it is.
-FROZEN = {"float64": torch.float64, "bfloat16": torch.bfloat16, "int64": torch.int64}
-FROZEN_CASES = [*((name, None) for name in FROZEN), ("float64", "bf16"), ("int64", "bf16")]
+FROZEN = {"float64": torch.float64, "bfloat16": torch.bfloat16,
+          **({"int64": torch.int64} if FSDP2_SHARDS_INTEGER_PARAMETERS else {})}
+FROZEN_CASES = [*((name, None) for name in FROZEN), *((name, "bf16") for name in FROZEN if name != "bfloat16")]
 
 
 def _frozen_name(frozen: str, policy: Optional[str]) -> str:
