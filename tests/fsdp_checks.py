@@ -864,21 +864,14 @@ def gradients_of_two_dtypes(seed: int) -> dict[str, Any]:
         model.gain = nn.Parameter(model.gain.detach().double(), requires_grad=requires_grad)
         return shard(model, function, True)
 
-    def raised(step: Callable[[], Any]) -> str:
-        try:
-            step()
-        except AssertionError as error:
-            return str(error)
-        return "no error"
-
     result: dict[str, Any] = {}
     for library, function in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
         refused = sharded(function, True)
-        result[library] = {"forward": raised(lambda: refused(x))}
+        result[library] = {"forward": error_of(lambda: refused(x))}
         thawed = sharded(function, False)
         thawed(x).sum().backward()
         thawed.gain.requires_grad_(True)
-        result[library]["backward"] = raised(lambda: thawed(x).sum().backward())
+        result[library]["backward"] = error_of(lambda: thawed(x).sum().backward())
         if function is md.fully_shard:
             refused.gain.requires_grad_(False)
             refused(x).sum().backward()

@@ -45,13 +45,14 @@ TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP = hasattr(torch.nn.parallel.distributed, "_Buc
 FSDP2_SHARDS_INTEGER_PARAMETERS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
-def error_of(call: Callable[[], Any]) -> str:
-    """What ``call()`` raises, as ``"TypeName: message"`` (the type matters to code that catches it), or ``"no error"``."""
+def error_of(call: Callable[[], Any]) -> tuple[str, str]:
+    """The type's name (what code that catches it matches) and the message of what ``call()`` raises, with the notes
+    added to it, one a line; ``("no error", "")`` if it returns."""
     try:
         call()
     except Exception as error:  # noqa: BLE001 - any error is the answer
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+        return type(error).__name__, "\n".join([str(error), *getattr(error, "__notes__", ())])
+    return "no error", ""
 
 
 def cpu_ids(n: int) -> list[str]:

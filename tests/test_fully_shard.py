@@ -856,10 +856,11 @@ def test_a_sharded_model_is_freed_once_dropped_as_fsdp2s(two):
 def test_a_module_already_sharded_or_wrapped_is_refused_on_every_rank(two):
     for errors in each_rank(two, "already_wrapped"):
         # twice: AssertionError, as torch's contract() raises it ("can only be applied to a module once")
-        assert errors["minidp"].startswith("AssertionError: fully_shard was already applied to this Net")
-        assert errors["fsdp2_twice"].startswith("AssertionError: Each distinct composable distributed API")
-        assert "already wrapped (FSDPNet)" in errors["fsdp2"]  # torch's fully_shard swaps the class
-        assert "already wrapped (DistributedDataParallel)" in errors["ddp"] and "pass the plain model" in errors["ddp"]
+        assert errors["minidp"][0] == errors["fsdp2_twice"][0] == "AssertionError"
+        assert errors["minidp"][1].startswith("fully_shard was already applied to this Net")
+        assert errors["fsdp2_twice"][1].startswith("Each distinct composable distributed API")
+        assert "already wrapped (FSDPNet)" in errors["fsdp2"][1]  # torch's fully_shard swaps the class
+        assert "already wrapped (DistributedDataParallel)" in errors["ddp"][1] and "pass the plain model" in errors["ddp"][1]
 
 
 def test_a_parameter_shared_between_two_groups_is_refused_where_fsdp2_refuses_it(two):
@@ -912,10 +913,12 @@ def test_parameters_of_two_dtypes_that_get_gradients_are_refused_where_fsdp2_ref
     # one reduce-scatter buffer carries a group's gradients: FSDP2 takes the call and refuses at the first forward
     # (its lazy init) or, for one unfrozen since, at the backward, with AssertionError; minidp alike, naming them
     for result in each_rank(two, "gradients_of_two_dtypes"):
-        assert "FSDP expects uniform original parameter dtype" in result["fsdp2"]["forward"]
-        assert "FSDP reduce-scatter expects uniform gradient dtype" in result["fsdp2"]["backward"]
+        assert result["fsdp2"]["forward"][0] == result["fsdp2"]["backward"][0] == "AssertionError"
+        assert "FSDP expects uniform original parameter dtype" in result["fsdp2"]["forward"][1]
+        assert "FSDP reduce-scatter expects uniform gradient dtype" in result["fsdp2"]["backward"][1]
         for when in ("forward", "backward"):
-            message = result["minidp"][when]
+            kind, message = result["minidp"][when]
+            assert kind == "AssertionError", when
             assert "must share one dtype" in message, when
             assert "torch.float32 for 'norm.weight', 'norm.bias', 'head.weight', 'head.bias'" in message, when
             assert "torch.float64 for 'gain'" in message and "requires_grad_(False)" in message, when

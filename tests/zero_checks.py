@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 import minidp.distributed as md
 
 from .ddp_checks import _difference as first_difference
+from .helpers import error_of
 
 TorchDDP = nn.parallel.DistributedDataParallel
 
@@ -266,38 +267,29 @@ def state_memory(seed: int) -> dict:
 # ---- bad input: the error each rank raises -------------------------------------------------------
 
 
-def _error_of(build) -> tuple[str, str]:
-    """The type's name and the message of what ``build()`` raises, with the notes added to it, one a line."""
-    try:
-        build()
-    except Exception as error:
-        return type(error).__name__, "\n".join([str(error), *getattr(error, "__notes__", ())])
-    return "no error", ""
-
-
 def empty_params(seed: int, ranks: tuple[int, ...]) -> tuple[str, str]:
     """``params`` is empty on ``ranks``, a model's parameters elsewhere."""
     params = [] if dist.get_rank() in ranks else list(varied().parameters())
-    return _error_of(lambda: md.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1))
+    return error_of(lambda: md.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1))
 
 
 def mismatched_shapes(seed: int) -> tuple[str, str]:
     """Rank 1's middle layer is one output wider."""
     wide = dist.get_rank() == 1
     module = nn.Sequential(nn.Linear(12, 24), nn.Linear(24, 17 if wide else 16))
-    return _error_of(lambda: md.ZeroRedundancyOptimizer(module.parameters(), torch.optim.SGD, lr=0.1))
+    return error_of(lambda: md.ZeroRedundancyOptimizer(module.parameters(), torch.optim.SGD, lr=0.1))
 
 
 def mismatched_groups(seed: int) -> tuple[str, str]:
     """The same parameters, in one group on rank 0 and in two on the others."""
     module = varied()
     groups = [{"params": list(module.parameters())}] if dist.get_rank() == 0 else _groups(module, 0.1)
-    return _error_of(lambda: md.ZeroRedundancyOptimizer(groups, torch.optim.SGD, lr=0.1))
+    return error_of(lambda: md.ZeroRedundancyOptimizer(groups, torch.optim.SGD, lr=0.1))
 
 
 def mixed_dtypes(seed: int) -> tuple[str, str]:
     module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).double())
-    return _error_of(lambda: md.ZeroRedundancyOptimizer(module.parameters(), torch.optim.SGD, lr=0.1))
+    return error_of(lambda: md.ZeroRedundancyOptimizer(module.parameters(), torch.optim.SGD, lr=0.1))
 
 
 class FailsInSecondStep(torch.optim.SGD):
@@ -323,7 +315,7 @@ def failing_step(seed: int, failing_rank: int) -> dict:
     for p in module.parameters():
         p.grad = torch.ones_like(p)
     zero.step()
-    error = _error_of(zero.step)
+    error = error_of(zero.step)
     flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
     everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, flat)  # the group still works: no rank was left inside a broadcast
@@ -360,7 +352,7 @@ def add_param_group_refused_on_one_rank(seed: int) -> dict:
     module = varied()
     first, extra = list(module.parameters())[:-1], list(module.parameters())[-1]
     zero = md.ZeroRedundancyOptimizer(first, torch.optim.SGD, lr=0.1)
-    error = _error_of(lambda: zero.add_param_group({"params": [first[0] if dist.get_rank() == 1 else extra]}))
+    error = error_of(lambda: zero.add_param_group({"params": [first[0] if dist.get_rank() == 1 else extra]}))
     return {"error": error, "groups": len(zero.param_groups), "local_groups": len(zero.optim.param_groups)}
 
 
