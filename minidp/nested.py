@@ -53,7 +53,8 @@ def rebuild_dict(like: dict, items) -> dict:
 def children(obj: Any) -> Optional[list[tuple[str, Any]]]:
     """``(path suffix, child)`` for a container the walkers look inside, ``None`` for a leaf."""
     # A mapping that is not a dict (a UserDict: Hugging Face's BatchEncoding, BatchFeature) is walked as one: stock
-    # treats it as an opaque object, each replica running the whole batch (docs/stock-behaviour.md B12).
+    # treats it as an opaque object, each replica running the whole batch (docs/stock-behaviour.md B12). dict is named
+    # first: the common case, matched before the abstract class's slower check.
     if isinstance(obj, (dict, Mapping)):
         return [(f"[{k!r}]", v) for k, v in obj.items()]
     if is_namedtuple(obj):

@@ -440,14 +440,18 @@ class AllocationLedger:
             if tensor.is_sparse:
                 self.see(_parts((tensor,)), made_now)
             return None
+        record = self._live.get(storage._cdata)  # met before: the common case, read without the lock (one dict read)
+        if record is not None and record.nbytes == storage.nbytes():
+            return record
         return self._see_storage(storage, made_now)
 
     def _see_storage(self, storage: torch.UntypedStorage, made_now: bool) -> _Storage:
+        """A storage first met, or met at another size (resized), under the lock; ``_see_one`` reads the common case,
+        a storage met before at its size, before calling here: a Python call less for each tensor of each operator, where
+        the lookup takes about 150 ns and the call added a tenth to it (``python -m timeit -s "import torch; from minidp.tracing.memory import AllocationLedger;
+        ledger = AllocationLedger(); t = torch.ones(10); ledger._see_one(t, False)" "ledger._see_one(t, False)"``)."""
         key = storage._cdata
         nbytes = storage.nbytes()
-        record = self._live.get(key)  # met before: the common case, read without the lock (one dict read)
-        if record is not None and record.nbytes == nbytes:
-            return record
         with self._lock:
             record = self._live.get(key)
             if record is None:
