@@ -342,9 +342,9 @@ def entries_of(module: Any, inputs: Sequence[torch.Tensor]) -> list[Any]:
     return list(found.values())
 
 
-Runner = Callable[[Sequence[Callable[[], Any]], bool], list[Any]]
+Runner = Callable[[Sequence[Optional[Callable[[], Any]]], bool], list[Any]]
 """Runs one call per replica, replica i's in its worker thread (or, told ``True``, all in this thread, one after
-the other); the results in order; an error names the replica."""
+the other); the results in order, ``None`` for a replica whose call is ``None``; an error names the replica."""
 
 
 class _Spec:
@@ -393,19 +393,22 @@ class ParallelBackward(torch.autograd.Function):
             start += count
 
             def call(pairs=pairs, edges=edges) -> tuple:
-                if not pairs or not edges:
-                    return (None,) * len(edges)
+                if not edges:
+                    return ()
                 roots, root_grads = zip(*pairs)
                 return torch.autograd.grad(
                     roots, edges, root_grads, retain_graph=keep_graph, create_graph=create_graph, allow_unused=True
                 )
 
-            calls.append(call)
+            # A replica none of whose outputs got a gradient has no backward to run, as autograd would run none of
+            # its nodes: no call, so that no listener sees a backward of it.
+            calls.append(call if pairs else None)
         # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph.
         results = ctx.run(calls, create_graph)
         if not keep_graph:  # this node cannot run again: let go of its outputs, and of the replica modules its runner
             ctx.outputs = ctx.run = None  # holds, as a finished graph holds no module (a cache of replicas reuses them)
-        return (None, *(g for replica in results for g in replica))
+        gradients = (g for result, edges in zip(results, ctx.edges) for g in (result or (None,) * len(edges)))
+        return (None, *gradients)
 
 
 def join(regions: Sequence[Region], run: Runner) -> Optional[list[torch.Tensor]]:

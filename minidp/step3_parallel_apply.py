@@ -451,10 +451,11 @@ def _enter_replica(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict,
 
 
 def _run_backwards(
-    modules: Sequence[Any], devices: Sequence[torch.device], calls: Sequence[Callable[[], Any]], in_this_thread: bool
+    modules: Sequence[Any], devices: Sequence[torch.device], calls: Sequence[Optional[Callable[[], Any]]],
+    in_this_thread: bool,
 ) -> list[Any]:
-    """Replica i's backward ``calls[i]()`` in its worker thread, in the caller's state; an error re-raised
-    naming the replica, once every replica is done. ``in_this_thread``: one after the other in this thread
+    """Replica i's backward ``calls[i]()`` in its worker thread, in the caller's state (``None`` where replica i has
+    none to run); an error re-raised naming the replica, once every replica is done. ``in_this_thread``: one after the other in this thread
     (the gradients of a ``create_graph=True`` backward must be recorded in its graph). Each call is seen by a
     listener of :mod:`minidp.hooks` as that replica's backward.
 
@@ -464,11 +465,14 @@ def _run_backwards(
     threads share the cores. With ``set_parallel_backward_threads("share")``, each runs with its forward's share.
     """
     if in_this_thread:
-        return [observe_replica_backward(i, devices[i], modules[i], call) for i, call in enumerate(calls)]
+        return [None if call is None else observe_replica_backward(i, devices[i], modules[i], call)
+                for i, call in enumerate(calls)]
     # The caller's whole count, set in every worker, or each its forward's share.
     caller = CallerState(parallel_backward.threads_divided_among(len(calls)))
 
     def run(i: int) -> Any:
+        if calls[i] is None:
+            return None
         with caller.enter(devices[i], None):
             return observe_replica_backward(i, devices[i], modules[i], calls[i])
 

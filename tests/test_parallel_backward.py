@@ -269,6 +269,22 @@ def test_the_tracer_counts_each_replica_backward_gradients_whichever_way_it_ran(
         assert e.end <= reduce_start  # the reduction waits for every replica's gradients
 
 
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+def test_the_tracer_shows_no_backward_for_a_replica_whose_outputs_get_no_gradient(generator, parallel):
+    # A loss of replica 0's output alone: autograd runs none of replica 1's nodes, so neither way shows a backward of it.
+    module, devices = nn.Linear(4, 2), cpu_ids(2)
+    x = torch.randn(6, 4, generator=generator)
+    previous = minidp.set_parallel_backward(parallel)
+    try:
+        with minidp.trace() as step:
+            outputs = minidp.parallel_apply(minidp.replicate(module, devices), [(x[:3],), (x[3:],)], devices=devices)
+            outputs[0].sum().backward()
+    finally:
+        minidp.set_parallel_backward(previous)
+    assert (type(outputs[0].grad_fn) is parallel_backward.ParallelBackward._backward_cls) == parallel
+    assert [(e.replica, e.detail) for e in step.events if e.stage == "backward"] == [(0, "2 gradients at its end")]
+
+
 def test_a_replica_backward_that_raises_still_ends_its_span_in_the_trace(generator):
     # as a replica's forward that raises keeps its forward event: the trace shows every replica that ran
     class FailsInAWorker(torch.autograd.Function):
