@@ -172,7 +172,8 @@ def threads_divided_among(replicas: int) -> int:
 
 
 def applies(devices: Sequence[torch.device]) -> bool:
-    """Whether replicas on ``devices`` get entries: two or more, all on the CPU, grad recorded, and switched on.
+    """Whether replicas on ``devices`` get entries: two or more, all on the CPU, grad recorded, anomaly detection
+    (``torch.autograd.set_detect_anomaly``) off, and switched on.
 
     (GPUs have an autograd thread each already.) Switched on: ``True``, or ``"auto"`` where the replicas'
     backwards, each with the intra-op threads it runs with (:func:`set_parallel_backward_threads`), fit the
@@ -184,6 +185,10 @@ def applies(devices: Sequence[torch.device]) -> bool:
     parallel backward pays".
     """
     if len(devices) < 2 or not torch.is_grad_enabled() or any(d.type != "cpu" for d in devices):
+        return False
+    if torch.is_anomaly_enabled():
+        # Anomaly detection names the node whose backward failed, with the forward's traceback that made it: serially
+        # that is the user's own node and line; the cut would add its own node, made in minidp, to every report.
         return False
     if _enabled != "auto":
         return _enabled

@@ -15,14 +15,15 @@ Random numbers, unlike grad mode, are not per thread: every device has one gener
 that share a device (CPU replicas, repeated GPU ids) draw from it at once, in an order that changes
 between runs. That is warned about when it happens (docs/stock-behaviour.md B40).
 
-An exception in any replica is re-raised in the caller, with its type, the replica's index and
-device in the message, and the replica's traceback attached as the cause, once every replica has
-finished: no thread is left running.
+An exception in any replica's forward is re-raised in the caller, with its type, the replica's index and
+device in the message, and the replica's traceback attached as the cause (stock's ``ExceptionWrapper``), once
+every replica has finished: no thread is left running.
 
 The backward. CPU replicas receive their tensors that require grad through an entry node of their
 own, and, when every replica's graph ends at its entries, their outputs come back through one
 :class:`minidp.parallel_backward.ParallelBackward` node, whose backward runs each replica's backward
-in the same worker threads, the same way (errors named by replica, Ctrl-C held until all are done).
+in the same worker threads, the same way (Ctrl-C held until all are done); an error there is raised as itself,
+as autograd raises it, with a note naming the replica.
 """
 
 from __future__ import annotations
@@ -263,10 +264,19 @@ class _ReplicaFailure:
     def reraise(self, replica: int, device: torch.device, stage: str) -> None:
         if not isinstance(self.error, Exception):  # KeyboardInterrupt and friends pass through
             raise self.error
-        where = f"replica {replica}" if stage == "forward" else f"the {stage} of replica {replica}"
-        message = _Message(
-            f"Caught {type(self.error).__name__} in {where} on device {device}.\nOriginal {self.traceback}"
-        )
+        if stage == "backward":
+            # Autograd raises the very error a backward raised (stock's backward too, where nothing wraps it), so
+            # `except` clauses and the error's attributes work: the error itself, the replica named in a note (Python
+            # 3.11's PEP 678, which tracebacks print; on 3.10 the error goes as it is).
+            error, self.error = self.error, None  # raised through the frames that hold this failure: it lets go
+            if hasattr(error, "add_note"):
+                error.add_note(f"Raised in the backward of replica {replica} on device {device}.")
+            try:
+                raise error
+            finally:
+                del error, self  # as below: no loop through this frame
+        message = _Message(f"Caught {type(self.error).__name__} in replica {replica} on device {device}.\n"
+                           f"Original {self.traceback}")
         try:
             wrapped = type(self.error)(message)
         except Exception:

@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import threading
 import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -652,6 +653,50 @@ def test_a_replica_whose_backward_raises_is_named_and_leaves_the_gradients_untou
     assert all(torch.allclose(p.grad, b + r.grad) for p, b, r in zip(model.parameters(), before, reference.parameters()))
 
 
+class _StepFailed(Exception):
+    """An error a training loop catches by its type, made with two arguments and carrying an attribute."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class _Applies(nn.Module):
+    """A module whose forward is the autograd Function it is given."""
+
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x):
+        return self.function.apply(x)
+
+
+class _RaisesAnError(_Identity):
+    error: Optional[BaseException] = None  # what the backward raises, the test's own object
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise _RaisesAnError.error
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+def test_a_replica_backward_raises_the_very_error_it_raised_as_autograd_does(generator, parallel):
+    """Autograd re-raises the error a backward raised, the object itself (stock's backward wraps nothing): ``except``
+    by its type and its attributes work, whichever way the replicas' backwards ran."""
+    _RaisesAnError.error = _StepFailed("planted failure", step=17)
+    model = minidp.DataParallel(nn.Sequential(nn.Linear(4, 4), _Applies(_RaisesAnError)), cpu_ids(2))
+    previous = minidp.set_parallel_backward(parallel)
+    try:
+        output = model(torch.randn(6, 4, generator=generator))
+        assert _in_parallel(output) == parallel
+        with pytest.raises(_StepFailed, match="in the backward of replica 0 on device cpu" if parallel else "") as raised:
+            output.sum().backward()
+    finally:
+        minidp.set_parallel_backward(previous)
+    assert raised.value is _RaisesAnError.error and raised.value.step == 17
+
+
 def test_a_replica_whose_backward_raises_leaves_no_reference_cycles(generator):
     """docs/stock-behaviour.md B36, for the backward: the error keeps the replica's traceback as its cause, and no loop."""
     model, x = _FailsInReplica(failing=0), torch.randn(6, 4, generator=generator)
@@ -664,6 +709,24 @@ def test_a_replica_whose_backward_raises_leaves_no_reference_cycles(generator):
 
     failing_step()  # the process's first replica threads load what it keeps (ctypes' types: cycles of their own)
     assert garbage_left_by(failing_step) == 0
+
+
+def test_anomaly_detection_keeps_the_serial_backward_and_names_the_users_node(generator):
+    """torch/autograd/anomaly_mode.py: a backward that makes a NaN is named by its node, warned with the forward's
+    traceback that made it; the cut would add a node of minidp's own to the report, so anomaly mode keeps it out."""
+    class MakesNaN(nn.Module):
+        def forward(self, x):
+            return (x * 0).sqrt()  # sqrt's gradient at 0 is inf; times 0, NaN in MulBackward0
+
+    model = minidp.DataParallel(nn.Sequential(nn.Linear(4, 4), MakesNaN()), cpu_ids(2))
+    with torch.autograd.set_detect_anomaly(True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        output = model(torch.randn(6, 4, generator=generator))
+        assert not _in_parallel(output)
+        with pytest.raises(RuntimeError, match="^Function 'MulBackward0' returned nan values"):
+            output.sum().backward()
+    reported = {str(w.message).split()[3] for w in caught if str(w.message).startswith("Error detected in")}
+    assert reported == {"MulBackward0."}
 
 
 def test_second_order_gradients_run_serially_and_equal_the_serial_path(generator):
