@@ -698,7 +698,7 @@ def test_a_replica_backward_raises_the_very_error_it_raised_as_autograd_does(gen
 
 
 def test_a_replica_whose_backward_raises_leaves_no_reference_cycles(generator):
-    """docs/stock-behaviour.md B36, for the backward: the error keeps the replica's traceback as its cause, and no loop."""
+    """docs/stock-behaviour.md B36, for the backward: the replica's own error, raised in the caller with its traceback, leaves no loop."""
     model, x = _FailsInReplica(failing=0), torch.randn(6, 4, generator=generator)
 
     def failing_step():
