@@ -690,7 +690,8 @@ def test_a_replica_backward_raises_the_very_error_it_raised_as_autograd_does(gen
     try:
         output = model(torch.randn(6, 4, generator=generator))
         assert _in_parallel(output) == parallel
-        with pytest.raises(_StepFailed, match="in the backward of replica 0 on device cpu" if parallel else "") as raised:
+        named = "in the backward of replica 0 on device cpu" if parallel else ""  # a note, where minidp raises it
+        with pytest.raises(_StepFailed, match=named) as raised:
             output.sum().backward()
     finally:
         minidp.set_parallel_backward(previous)
@@ -698,7 +699,8 @@ def test_a_replica_backward_raises_the_very_error_it_raised_as_autograd_does(gen
 
 
 def test_a_replica_whose_backward_raises_leaves_no_reference_cycles(generator):
-    """docs/stock-behaviour.md B36, for the backward: the replica's own error, raised in the caller with its traceback, leaves no loop."""
+    """docs/stock-behaviour.md B36, for the backward: the replica's own error, raised in the caller with its
+    traceback, leaves no loop."""
     model, x = _FailsInReplica(failing=0), torch.randn(6, 4, generator=generator)
 
     def failing_step():
