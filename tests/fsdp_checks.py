@@ -1040,6 +1040,7 @@ def refusals(seed: int) -> dict[str, Any]:
         "three_dimensions": lambda model: md.fully_shard(model, mesh=init_device_mesh("cpu", (1, 1, 2))),
         "mesh_and_group": lambda model: md.fully_shard(model, mesh=init_device_mesh("cpu", (2,)),
                                                        process_group=dist.group.WORLD),
+        "hsdp_without_names": lambda model: md.fully_shard(model, mesh=init_device_mesh("cpu", (1, 2))),
         "pinned_offload": lambda model: md.fully_shard(model, offload_policy=CPUOffloadPolicy()),
         "non_contiguous": lambda model: md.fully_shard(_transposed_head(model)),
     }

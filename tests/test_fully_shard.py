@@ -572,15 +572,18 @@ def test_cpu_offload_of_a_module_on_the_cpu_trains_as_fsdp2_with_it(two):
 
 
 @pytest.mark.parametrize("case,error", [
+    # FSDP2's words in each message, and its type, where code written for FSDP2 matches them (upstream's own tests do)
     ("uneven_columns", "NotImplementedError: fully_shard: parameter 'blocks.0.linear.weight' (29, 13) cannot be cut "
-                       "evenly along dim 1 among 2 ranks"),
-    ("a_dimension_too_far", "ValueError: fully_shard: shard_placement_fn returned Shard(dim=2) for parameter "
-                            "'norm.weight', which has 1 dimensions"),
+                       "evenly along dim 1 among 2 ranks: FSDP does not support uneven sharding on dim 1"),
+    ("a_dimension_too_far", "AssertionError: fully_shard: shard_placement_fn returned Shard(dim=2) for parameter "
+                            "'norm.weight': Shard dim 2 is invalid for 1D tensor: (13,)"),
     ("not_a_shard", "NotImplementedError: fully_shard: shard_placement_fn returned 'Replicate()' for parameter"),
     ("three_dimensions", "ValueError: fully_shard expects a 1D or 2D DeviceMesh"),
     ("mesh_and_group", "ValueError: fully_shard got both mesh and process_group"),
+    ("hsdp_without_names", "AssertionError: Please init the 2D mesh for HSDP with mesh_dim_names specified"),
     ("pinned_offload", "RuntimeError: fully_shard: CPUOffloadPolicy(pin_memory=True)"),
-    ("non_contiguous", "NotImplementedError: fully_shard: parameter 'head.weight' is not contiguous"),  # FSDP2's type
+    ("non_contiguous", "NotImplementedError: fully_shard: parameter 'head.weight' is not contiguous (stride (1, 2)): "
+                       "FSDP does not support non-contiguous parameters"),
 ])
 def test_arguments_beyond_what_is_supported_are_refused_before_anything_is_sharded(two, case, error):
     if case == "pinned_offload" and torch.accelerator.is_available():
@@ -672,6 +675,7 @@ def test_a_model_refused_on_one_rank_only_is_refused_on_every_rank(two):
     # (a scalar parameter) is told to the others, whose first collective would otherwise wait for it in vain
     refused = each_rank(two, "refused_on_one_rank")
     assert refused[1].startswith("fully_shard: parameter 'head.bias' is a scalar")
+    assert "Change head.bias to a 1D tensor with numel equal to 1." in refused[1]  # FSDP2's words
     assert refused[0].startswith("fully_shard(Net) failed on rank 1: fully_shard: parameter 'head.bias' is a scalar")
 
 

@@ -1349,6 +1349,10 @@ def _groups_of(mesh: Optional[DeviceMesh], process_group: Optional[dist.ProcessG
     if mesh.ndim == 1:
         return mesh.get_group(0), None
     if mesh.ndim == 2:
+        if mesh.mesh_dim_names is None:  # FSDP2's refusal and type (_fsdp_init.py, _init_default_fully_shard_mesh):
+            # minidp reads the dimensions by position and would run, but a model that runs here must run on FSDP2
+            raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified (fully_shard reads "
+                                 "dimension 0 as the replicas and dimension 1 as the shards, as FSDP2 does)")
         return mesh.get_group(1), mesh.get_group(0)
     raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: 1-D shards over its ranks, 2-D "
                      f"(HSDP) replicates over dimension 0 and shards over dimension 1")
@@ -1390,13 +1394,14 @@ def _shard_dim(param: nn.Parameter, name: str, shard_placement_fn: Optional[Call
             f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{name}'; minidp takes Shard(dim) "
             f"or None (FSDP2's ShardPlacementResult, a mesh of its own for a parameter, is not supported)")
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
-    if not 0 <= dim < param.dim():
-        raise ValueError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{name}', which has "
-                         f"{param.dim()} dimensions {tuple(param.shape)}")
+    if not 0 <= dim < param.dim():  # FSDP2's type and words: code that catches it finds it
+        raise AssertionError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{name}': Shard "
+                             f"dim {dim} is invalid for {param.dim()}D tensor: {tuple(param.shape)}")
     if dim > 0 and param.size(dim) % world_size != 0:
         raise NotImplementedError(
             f"fully_shard: parameter '{name}' {tuple(param.shape)} cannot be cut evenly along dim {dim} among "
-            f"{world_size} ranks; as in FSDP2, only dim 0 may be cut unevenly: return Shard(0) or None for it")
+            f"{world_size} ranks: FSDP does not support uneven sharding on dim {dim}, and neither does minidp; only "
+            f"dim 0 may be cut unevenly: return Shard(0) or None for it")
     return dim
 
 
@@ -1622,12 +1627,12 @@ def _checked_here(
                 f"which an earlier fully_shard call sharded; a parameter can belong to one group only: call "
                 f"fully_shard on a module that holds every user of it (their common parent), not on each user")
         if param.dim() == 0:
-            raise ValueError(f"fully_shard: parameter '{name}' is a scalar; sharding needs at least one dimension "
-                             f"(make it a tensor of shape (1,))")
+            raise ValueError(f"fully_shard: parameter '{name}' is a scalar; sharding needs at least one dimension. "
+                             f"Change {name} to a 1D tensor with numel equal to 1.")  # (FSDP2's words)
         if not param.is_contiguous():
             raise NotImplementedError(  # FSDP2's type (_fsdp_param.py): code that catches it finds it
-                f"fully_shard: parameter '{name}' is not contiguous (stride {param.stride()}), which FSDP2 does not "
-                f"support either; make it contiguous first")
+                f"fully_shard: parameter '{name}' is not contiguous (stride {param.stride()}): FSDP does not support "
+                f"non-contiguous parameters yet, and neither does minidp; make it contiguous first")
     dims = {param: _shard_dim(param, name, shard_placement_fn, world_size) for name, param in named}
     devices = {p.device for _, p in named}
     if len(devices) > 1:
