@@ -1063,6 +1063,44 @@ def _transposed_head(model: nn.Module) -> nn.Module:
     return model
 
 
+def on_the_meta_device(seed: int) -> dict[str, Any]:
+    """A :class:`Net` built on the meta device, sharded there over a CPU mesh (where it will be materialised): the
+    error of that, and of a forward before ``to_empty`` (FSDP2 refuses it, naming the first group's parameters by
+    their names under the root)."""
+    with torch.device("meta"):
+        model = Net()
+    sharded = error_of(lambda: shard(model, md.fully_shard, True, mesh=init_device_mesh("cpu", (dist.get_world_size(),))))
+    return {"sharded": sharded, "forward": error_of(lambda: model(torch.randn(2, 13)))}
+
+
+def loaded_with_assign(seed: int) -> dict[str, Any]:
+    """A :class:`Tied` model built on the meta device and sharded there, given rank 0's whole weights as DTensors laid
+    out as its state dict's (``distribute_tensor``), loaded with ``load_state_dict(assign=True)`` (FSDP2's way from a
+    rank-0 checkpoint): the load's error; whether every registered parameter is at once its group's shard, and the
+    tied weight one parameter again (its two keys assign two); whether each holds this rank's rows of the whole. The
+    first error, of sharding or loading, alone if there is one."""
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(seed)
+    full = Tied().state_dict()
+    for value in full.values():
+        dist.broadcast(value, src=0)
+    with torch.device("meta"):
+        model = Tied()
+    error = error_of(lambda: md.fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),))))
+    if error == ("no error", ""):
+        loaded = {key: nn.Parameter(distribute_tensor(full[key], value.device_mesh, value.placements))
+                  for key, value in model.state_dict().items()}
+        error = error_of(lambda: model.load_state_dict(loaded, assign=True))
+    if error != ("no error", ""):
+        return {"error": error}
+    shards = {id(p.shard) for group in sharded_groups(model) for p in group.params}
+    rows = [torch.equal(param.detach(), torch.chunk(full[name], dist.get_world_size())[dist.get_rank()])
+            for name, param in model.named_parameters()]
+    return {"error": error, "shards": all(id(param) in shards for param in model.parameters()),
+            "tied": model.outer.weight is model.inner.weight, "rows": rows}
+
+
 def child_sharded_after_its_parent(seed: int) -> dict[str, Any]:
     """fully_shard on the root, then on one of its blocks (the wrong order): the second call's error, and whether the
     root's shards kept their shapes (a second sharding of a shard would cut it again)."""

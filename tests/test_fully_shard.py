@@ -130,6 +130,8 @@ TWO_PROCESSES = {
                                                        **UNSYNCED}),
     "offload": (checks.against_fsdp2, {"offload": True, "optimizer": "adamw"}),
     "refusals": (checks.refusals, {}),
+    "on_the_meta_device": (checks.on_the_meta_device, {}),
+    "loaded_with_assign": (checks.loaded_with_assign, {}),
     "optimizer_in_backward": (checks.optimizer_in_backward, {}),
     "checkpoint": (checks.checkpoint_round_trip, {}),
     "optimizer_checkpoint": (checks.optimizer_checkpoint, {}),
@@ -598,6 +600,28 @@ def test_a_model_built_on_the_meta_device_sharded_materialised_and_loaded_trains
     # the way large models are built (FSDP2: FSDPModule._apply, FSDPParam.reset_sharded_param): fully_shard on the
     # meta device, to_empty(device="cpu") registers new parameters, a full state dict gives them their weights
     assert_trains_as_fsdp2(two, case)
+
+
+def test_a_model_on_the_meta_device_takes_a_cpu_mesh_and_its_forward_before_to_empty_is_refused_as_fsdp2(two):
+    # FSDP2 shards meta parameters over a mesh of any device (to_empty puts them there later), and at the first
+    # forward refuses those still on meta, by their names under the root; minidp refused the mesh, then failed deep
+    # inside the all-gather ("Tensor on device meta is not on the expected device cpu!")
+    for result in each_rank(two, "on_the_meta_device"):
+        assert result["sharded"] == ("no error", "")
+        kind, message = result["forward"]
+        assert kind == "RuntimeError"
+        assert message.startswith("FSDP parameters should be materialized from meta device before training, but the "
+                                  "following were still on meta device: ['norm.weight', 'norm.bias', 'head.weight', 'head.bias']"), message
+
+
+def test_a_sharded_state_dict_loaded_with_assign_becomes_the_shards_at_once_and_keeps_a_tie(two):
+    # load_state_dict(assign=True) registers what minidp's pre-hook makes of each DTensor: it must be a leaf (the
+    # local rows of an nn.Parameter(DTensor) were a view in its graph: "Cannot assign non-leaf Tensor"), the group's
+    # shard before any forward (an optimizer built now, its state dict, clipping: all read the group), and a tied
+    # weight's two keys must not leave it untied
+    for result in each_rank(two, "loaded_with_assign"):
+        assert result["error"] == ("no error", ""), result["error"]
+        assert result["shards"] and result["tied"] and all(result["rows"]), result
 
 
 @pytest.mark.parametrize("case", ["meta", "meta-tied"])

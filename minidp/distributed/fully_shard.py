@@ -203,9 +203,10 @@ class ShardedParameter:
         """Whether ``shard`` is still the registered parameter and a view of ``padded``: ``module.to(dtype or
         device)`` after ``fully_shard`` gives the shard new data, which the all-gather (reading ``padded``) would
         not see, nor the optimizer's updates of it after that; ``module.to_empty()`` from the meta device, or
-        ``load_state_dict(assign=True)``, registers a new parameter in its place."""
+        ``load_state_dict(assign=True)``, registers a new parameter in its place, on each module that holds it (a tied
+        weight's two keys assign two parameters, untying it)."""
         shard, padded = self.shard, self.padded
-        return (self.module._parameters.get(self.name) is shard
+        return (all(module._parameters.get(name) is shard for module, name in [(self.module, self.name), *self.also_in])
                 and shard.dtype == padded.dtype and shard.device == padded.device
                 and shard.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr())
 
@@ -236,9 +237,9 @@ class ShardedParameter:
         registered = self.module._parameters.get(self.name)
         if isinstance(registered, nn.Parameter) and registered is not self.shard:
             self.shard = registered
-            self.set_on_modules(registered)
             setattr(registered, SHARDED_BY, self.group)
             self.refuse_gradient_of_shard()
+        self.set_on_modules(self.shard)  # the owner's, tied again where another holder got a parameter of its own
         self._pad(self.shard.detach())
         self.gathered = self.full = None
 
@@ -550,7 +551,10 @@ class ShardGroup:
     def own_rows(self, p: ShardedParameter, value: torch.Tensor, mesh: Optional[DeviceMesh]) -> torch.Tensor:
         """This rank's rows of ``p`` in ``value``, a tensor loaded for it: a DTensor laid out as :meth:`as_dtensor`
         lays ``p`` out on ``mesh`` gives its local rows (an alias); one laid out otherwise is gathered whole first (a
-        collective); a whole plain tensor (``p``'s full size) is cut as the shards were cut; rows are kept."""
+        collective); a whole plain tensor (``p``'s full size) is cut as the shards were cut; rows are kept.
+        Detached: a loaded value is data, and ``load_state_dict(assign=True)`` registers what this returns as the
+        parameter, which must be a leaf (the local rows of an ``nn.Parameter(DTensor)`` are a view in its graph)."""
+        value = value.detach()
         if isinstance(value, DTensor):
             laid_out_alike = value.device_mesh == mesh and value.placements == self.placements(p, mesh)
             value = value.to_local() if laid_out_alike else value.full_tensor()
@@ -770,6 +774,24 @@ def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj)
 
 
+def _refuse_parameters_on_meta(root: nn.Module) -> None:
+    """Refuse, at the root's first forward and before anything is gathered, a group whose registered parameters are
+    still on the meta device (a model built there, sharded, and not yet given storage by ``to_empty``), naming them
+    under the root, in FSDP2's words (``_fsdp_param_group.py``, ``_validate_no_meta_params``, at its lazy init):
+    gathering them would fail deep inside the all-gather, saying neither which parameters nor what to do."""
+    names: dict[int, str] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)  # a tied weight by its first name, as FSDP2's fully qualified names
+    for group in sharded_groups(root):
+        registered = [p.module._parameters.get(p.name) for p in group.params]  # to_empty() registers new ones
+        on_meta = [names.get(id(param), p.path) for p, param in zip(group.params, registered) if param.is_meta]
+        if on_meta:
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, but the following were "
+                f"still on meta device: {on_meta}\nFor example, call module.to_empty(device) to materialize to device "
+                "and call module.reset_parameters() on each module to initialize values.")
+
+
 def _refuse_gradients_of_two_dtypes(params: list[ShardedParameter]) -> None:
     """Refuse ``params``, the parameters of one group whose gradients would be reduced together, if they have several
     dtypes: one reduce-scatter buffer carries their gradients, in one dtype, and hands them back to the shards in
@@ -800,6 +822,7 @@ class Iteration:
         # whose trainable parameters have several dtypes here, before anything is gathered or set.
         for group in sharded_groups(root.module):
             _refuse_gradients_of_two_dtypes([p for p in group.params if p.shard.requires_grad])
+        _refuse_parameters_on_meta(root.module)
         self.groups: list[ShardGroup] = []
         for name, module in root.module.named_modules():
             group = _group_of(module)
@@ -1328,6 +1351,7 @@ def fully_shard(
     holders = {id(m): m for p in params for m, _ in [(p.module, p.name), *p.also_in]}
     for holder in holders.values():
         holder._register_load_state_dict_pre_hook(functools.partial(_keep_own_rows, shard_group, holder))
+        holder.register_load_state_dict_post_hook(functools.partial(_take_loaded_shards, shard_group))
         holder.register_state_dict_pre_hook(functools.partial(_reshard_before_state_dict, shard_group))
         holder.register_state_dict_post_hook(functools.partial(_shards_as_dtensors, shard_group))
     for root in roots:
@@ -1406,8 +1430,10 @@ def _shard_dim(param: nn.Parameter, name: str, shard_placement_fn: Optional[Call
 
 
 def _check_placement(device: torch.device, mesh: Optional[DeviceMesh], offload_policy: OffloadPolicy) -> None:
-    """The parameters are on the mesh's kind of device, and an offload policy asks for nothing minidp does not do."""
-    if mesh is not None and mesh.device_type != device.type:
+    """The parameters are on the mesh's kind of device, and an offload policy asks for nothing minidp does not do.
+    Parameters on the meta device may meet any mesh: a model built there is sharded there, then materialised on the
+    mesh's device by ``to_empty`` (FSDP2 lets them through alike: ``_fsdp_param.py``, ``_init_sharded_param``)."""
+    if mesh is not None and device.type != "meta" and mesh.device_type != device.type:
         raise ValueError(
             f"fully_shard: the parameters are on {device} but the mesh is a {mesh.device_type!r} mesh; move the "
             f"module to the mesh's device first (module.to('{mesh.device_type}')), or build the mesh on {device.type}")
@@ -1488,6 +1514,14 @@ def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefi
     for key, p in keys:
         if state_dict.get(key) is not None:
             state_dict[key] = group.own_rows(p, state_dict[key], mesh)
+
+
+def _take_loaded_shards(group: ShardGroup, holder: nn.Module, incompatible_keys: Any) -> None:
+    """After ``holder.load_state_dict``: ``assign=True`` registered new parameters (this rank's rows, from
+    :func:`_keep_own_rows`) in place of the shards; the group takes them as its shards at once, as FSDP2's registered
+    DTensor is its shard at once, so that what ``parameters()`` gives now is what the group gathers and reduces into.
+    A load that copied into the shards moved nothing, and this does nothing."""
+    group.follow_moved_shards()
 
 
 def _reshard_before_state_dict(group: ShardGroup, module: nn.Module, prefix: str, keep_vars: bool) -> None:
