@@ -14,9 +14,12 @@ from them), ``test_fully_shard_state_dict.py`` (DTensor state dicts over the sha
 meshes, loaded in place, gathered whole on rank 0), ``test_fully_shard_grad_scaler.py`` (a loss scaler that sees
 an inf in another rank's shard), ``test_fully_shard_comm.py`` (the collectives a step issues, by count),
 ``test_fully_shard_clip_grad_norm_.py``
-(clipping through :func:`minidp.distributed.clip_grad_norm_`), and ``test/distributed/checkpoint/fsdp/test_fsdp_dsd.py``
-(``torch.distributed.checkpoint``'s state dicts of a sharded model and its optimizer, a checkpoint of FSDP1's loaded). Upstream gates most of them on
-GPUs only to have a device per rank, and runs them on 2 to 8 ranks; here the CPU and 2 ranks. What the port adapts
+(clipping through :func:`minidp.distributed.clip_grad_norm_`), ``test/distributed/checkpoint/fsdp/test_fsdp_dsd.py``
+(``torch.distributed.checkpoint``'s state dicts of a sharded model and its optimizer, a checkpoint of FSDP1's loaded),
+and ``test_fully_shard_init.py`` (21 of its 44 cases: what ``fully_shard`` takes and refuses, the shards it makes, a
+model built on the meta device and materialised, or loaded from rank 0's whole weights with ``assign=True``, meshes made
+from process groups, HSDP by hand with an all-reduce hook, shards along the largest or the last dimension). Upstream
+gates most of them on GPUs only to have a device per rank, and runs them on 2 to 8 ranks; here the CPU and 2 ranks. What the port adapts
 (DTensor parameters read as plain shards, collectives seen through a dispatch mode, fewer iterations, the int
 ``reshard_after_forward=2`` of 2 ranks as True) is in that module's docstring and in each case's. Examined but not
 ported, with the reason: :data:`NOT_PORTED`.
@@ -133,6 +136,29 @@ PORTED = {
         "test_1d_fsdp_cpu_offload_full_model_state_dict",
         "test_save_with_fsdp1_and_load_with_fsdp2",
     ],
+    "test_fully_shard_init.py": [
+        "test_moduledict_subclass_with_forward",
+        "test_modulelist_subclass_with_forward",
+        "test_invalid_mesh_ndim",
+        "test_2d_mesh_without_mesh_dim_names",
+        "test_shard_tensor_parameters",
+        "test_raise_scalar_parameter",
+        "test_raise_noncontiguous_parameter",
+        "test_reset_sharded_param_in_lazy_init",
+        "test_meta_device_1d_init",
+        "test_invalid_meta_device_init",
+        "test_rank0_broadcast_meta_device_init",
+        "test_1d_process_group_init",
+        "test_2d_process_group_init",
+        "test_hsdp_broadcast_across_replicas",
+        "test_custom_hsdp_all_reduce_hook",
+        "test_init_1d_transformer_shard_largest_dim",
+        "test_init_1d_transformer_shard_dim_neg1",
+        "test_init_1d_uneven_shard_largest_dim",
+        "test_invalid_shard_dim",
+        "test_old_import_training",
+        "test_mixed_dtypes_no_grad_param",
+    ],
 }
 CASES = [name for names in PORTED.values() for name in names]
 
@@ -224,6 +250,33 @@ NOT_PORTED = {
                      "test_set_modules_to_backward_prefetch"],
                     "records the order of FSDP2's private FSDPParamGroup.unshard, reshard and post_backward calls "
                     "(tests/test_fully_shard.py checks minidp's prefetching: -k prefetch)"),
+    # test_fully_shard_init.py
+    **dict.fromkeys(["test_move_states_to_device_tensor", "test_move_states_to_device_ignored_param_device"],
+                    "checks that fully_shard moves a CPU module's parameters and buffers (but not ignored ones) to the "
+                    "accelerator, FSDP2's default device; on the CPU there is nowhere to move them"),
+    "test_move_states_to_device_dtensor_valid": "tensor parallelism (parallelize_module) on a 2-D mesh of 4 ranks, "
+                                                "whose DTensors fully_shard moves to the accelerator",
+    "test_move_states_to_device_dtensor_invalid": "tensor parallelism (parallelize_module) on a CPU mesh of 4 ranks "
+                                                  "beside an accelerator mesh: needs an accelerator",
+    **dict.fromkeys(["test_managed_modules_single", "test_managed_modules_nested",
+                     "test_managed_modules_nested_fully_shard_and_replicate", "test_managed_modules_duplicate",
+                     "test_managed_modules_list_of_mlps", "test_managed_states_shared_params_and_buffers",
+                     "test_managed_states_nested_fully_shard", "test_managed_states_list_of_mlps"],
+                    "calls FSDP2's private _get_managed_modules and _get_managed_states directly (no fully_shard call "
+                    "whose effect it checks); which parameters a call takes is checked through fully_shard by "
+                    "test_shard_tensor_parameters and tests/test_fully_shard.py"),
+    **dict.fromkeys(["test_get_param_module_infos_shared_params", "test_get_param_module_infos_duplicates",
+                     "test_get_param_module_infos_list_of_mlps"],
+                    "calls FSDP2's private _get_param_module_infos and compares its ParamModuleInfo records"),
+    "test_shard_dtensor_parameters": "tensor parallelism (parallelize_module) on a 2-D mesh of 4 ranks",
+    **dict.fromkeys(["test_fully_shard_is_root", "test_fully_shard_module_and_param_fqns",
+                     "test_fully_shard_double_lazy_init", "test_fully_shard_multi_module_root"],
+                    "calls FSDP2's private lazy initialisation (fully_shard.state(module)._lazy_init()) and reads its "
+                    "private state (_is_root, _state_ctx, _fsdp_param_group, _param_fqn)"),
+    "test_meta_device_2d_init": "tensor parallelism (parallelize_module) on a 2-D mesh of 4 ranks",
+    "test_custom_hook_custom_stream": "an all-reduce hook run on a CUDA stream of its own (set_all_reduce_hook's "
+                                      "stream=); minidp runs it on the current stream and refuses stream=",
+    "test_init_2d_transformer_shard_diff_dim": "tensor parallelism (Transformer.parallelize) on a 2-D mesh of 8 ranks",
 }
 
 

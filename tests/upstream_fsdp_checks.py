@@ -14,6 +14,7 @@ https://github.com/pytorch/pytorch, copyright the PyTorch contributors):
 * ``test/distributed/_composable/fsdp/test_fully_shard_comm.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_clip_grad_norm_.py``;
 * ``test/distributed/checkpoint/fsdp/test_fsdp_dsd.py``;
+* ``test/distributed/_composable/fsdp/test_fully_shard_init.py``;
 * the helpers they import from ``torch/testing/_internal/common_fsdp.py`` (``MLP``, ``DoubleLinear``,
   ``check_sharded_parity``),
   ``common_distributed.py`` (``SaveForwardInputsModel``) and ``distributed/_tensor/common_dtensor.py``
@@ -37,6 +38,9 @@ What differs in the assertions, because minidp's parameters are plain tensors wh
   parameter is a DTensor (FSDP2) or the shard of one of minidp's groups;
 * ``full_tensor()`` is :func:`full_tensor`, an all-gather of the rows by hand for a plain shard;
 * ``isinstance(module, FSDPModule)`` is :func:`is_sharded_module`;
+* a parameter's DTensor attributes (global size and stride, ``device_mesh``, placements, ``_local_tensor``) are read
+  from the DTensor minidp's ``state_dict()`` gives for it (:func:`_state_dict_dtensor`), over the very shard;
+* ``assertRaisesRegex`` is :func:`assert_raises_regex`;
 * upstream patches ``dist.reduce_scatter_single`` to see the reduce-scatter's dtype or size and counts collectives
   with ``CommDebugMode``; here :class:`CollectiveLog`, a dispatch mode, sees the c10d operators either implementation
   calls (minidp holds its own reference to the collective functions, so patching ``dist`` would not see it);
@@ -58,6 +62,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import re
 import sys
 from collections import Counter
 from typing import Any, Callable, NamedTuple, Optional
@@ -233,6 +238,18 @@ class CollectiveLog(TorchDispatchMode):
         return {numel for called, _, numel in self.calls if called == name}
 
 
+@contextlib.contextmanager
+def assert_raises_regex(expected: type, regex: str):
+    """Upstream's ``assertRaisesRegex``: the block raises ``expected`` (or a subclass of it), in whose message
+    ``regex`` is found (``re.search``)."""
+    try:
+        yield
+    except expected as error:
+        assert re.search(regex, str(error)), f"{type(error).__name__}: {error} (expected to match {regex!r})"
+    else:
+        raise AssertionError(f"{expected.__name__} not raised")
+
+
 REDUCE_SCATTER, ALL_GATHER, ALL_REDUCE = "_reduce_scatter_base_", "_allgather_base_", "allreduce_"
 
 
@@ -251,7 +268,8 @@ def swap_tensors_on_conversion():
 
 
 class MLP(nn.Module):
-    """``common_fsdp.MLP``: in_proj (dim -> multiplier * dim), relu, out_proj, relu, an optional buffer."""
+    """``common_fsdp.MLP``: in_proj (dim -> multiplier * dim), relu, out_proj, relu, an optional buffer (which
+    ``reset_parameters`` draws again)."""
 
     def __init__(self, dim: int, device: Optional[torch.device] = None, *, bias: bool = True,
                  with_buffer: bool = False, dim_multiplier: int = 4) -> None:
@@ -266,6 +284,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = F.relu(self.out_proj(F.relu(self.in_proj(x))))
         return z if self.buffer is None else z + self.buffer
+
+    def reset_parameters(self) -> None:
+        if self.buffer is not None:
+            torch.nn.init.normal_(self.buffer)
 
 
 @dataclasses.dataclass
@@ -3173,3 +3195,680 @@ def test_save_with_fsdp1_and_load_with_fsdp2():
             dist.barrier()
             if dist.get_rank() == 0:
                 shutil.rmtree(temp_dir[0])
+
+
+# ==================================================================================================
+# test_fully_shard_init.py
+# ==================================================================================================
+
+
+def _state_dict_dtensor(model: nn.Module, name: str, param: torch.Tensor) -> Any:
+    """A registered parameter as FSDP2's DTensor: the parameter itself (FSDP2), or its value in ``model.state_dict()``,
+    the DTensor minidp gives over this rank's shard (with the global size, stride, mesh and placements)."""
+    return param if ON_TORCH else model.state_dict()[name]
+
+
+class DictWithForward(nn.ModuleDict):
+    def __init__(self, in_features: int = 8, out_features: int = 8) -> None:
+        super().__init__({"lin": nn.Linear(in_features, out_features)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self["lin"](x)
+
+
+class ListWithForward(nn.ModuleList):
+    def __init__(self, in_features: int = 8, out_features: int = 8) -> None:
+        super().__init__([nn.Linear(in_features, out_features)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x
+        for m in self:
+            out = m(out)
+        return out
+
+
+def test_moduledict_subclass_with_forward():
+    """TestFullyShardContainerSubclasses: a ``ModuleDict`` subclass that implements ``forward`` is taken (a plain
+    container is refused) and runs forward. Adapted: a CPU mesh of 2 ranks (upstream: 1 GPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = DictWithForward(8, 8)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fsdp_model = fully_shard(model, mesh=mesh)
+    fsdp_model(torch.randn(2, 8))
+
+
+def test_modulelist_subclass_with_forward():
+    """TestFullyShardContainerSubclasses: the same for a ``ModuleList`` subclass."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = ListWithForward(8, 8)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fsdp_model = fully_shard(model, mesh=mesh)
+    fsdp_model(torch.randn(2, 8))
+
+
+def test_invalid_mesh_ndim():
+    """TestFullyShardMeshArg: a 3-D mesh is refused (``ValueError``). Adapted: (2, 1, 1) on 2 ranks (upstream:
+    (4, 1, 1) on 4)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1, 1))
+    model = MLP(8)
+    with assert_raises_regex(ValueError, r"fully\_shard expects a 1D or 2D DeviceMesh but got DeviceMesh"):
+        fully_shard(model, mesh=mesh)
+
+
+def test_2d_mesh_without_mesh_dim_names():
+    """TestFullyShardMeshArg: a 2-D mesh (HSDP) without ``mesh_dim_names`` is refused (``AssertionError``). Adapted:
+    (1, 2) on 2 ranks (upstream: (2, 2) on 4)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2))
+    model = MLP(8)
+    with assert_raises_regex(AssertionError, "Please init the 2D mesh for HSDP with mesh_dim_names specified"):
+        fully_shard(model, mesh=mesh)
+
+
+def test_shard_tensor_parameters():
+    """TestFullyShardShardedParameterTensor: odd sizes (uneven shards), with and without a shared sub-module: each
+    parameter is a DTensor on the world's 1-D mesh, of the original's size and stride, ``Shard(0)``, whose local
+    tensor is rank r's ``torch.chunk``. Adapted: the registered parameter is checked sharded
+    (:func:`is_sharded_param`) and the DTensor read is minidp's state-dict value for it (:func:`_state_dict_dtensor`);
+    on the CPU (upstream gates it on a GPU for the device only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = nn.Sequential(*[MLP(3, dim_multiplier=3) for _ in range(3)])
+    orig_params = [param.detach().clone() for param in model.parameters()]
+    fully_shard(model)
+    _check_1d_sharded_parameters(model, orig_params, init_device_mesh("cpu", (dist.get_world_size(),)))
+
+    model = nn.Sequential(*[MLP(3, dim_multiplier=3) for _ in range(3)])
+    model[0].in_proj = model[1].in_proj
+    orig_params = [param.detach().clone() for param in model.parameters()]
+    fully_shard(model)
+    _check_1d_sharded_parameters(model, orig_params, init_device_mesh("cpu", (dist.get_world_size(),)))
+
+
+def _check_1d_sharded_parameters(model: nn.Module, orig_params: list[torch.Tensor], global_mesh: Any) -> None:
+    sharded_params = list(model.named_parameters())
+    assert len(orig_params) == len(sharded_params)
+    for orig_param, (name, param) in zip(orig_params, sharded_params):
+        assert is_sharded_param(model, param), f"{name} is not sharded"
+        sharded_param = _state_dict_dtensor(model, name, param)
+        assert _is_dtensor(sharded_param), name
+        assert sharded_param.device_mesh == global_mesh, name
+        assert sharded_param.size() == orig_param.size(), name
+        assert sharded_param.stride() == orig_param.stride(), name
+        assert sharded_param._spec.placements == (Shard(0),), name
+        chunks = torch.chunk(orig_param, dist.get_world_size(), dim=0)
+        assert_close(sharded_param._local_tensor, chunks[dist.get_rank()])
+
+
+def test_raise_scalar_parameter():
+    """TestFullyShardShardedParameterTensor: a scalar parameter is refused, with the way out (``ValueError``)."""
+    model = nn.Sequential(*[MLP(3, dim_multiplier=3) for _ in range(3)])
+    model.register_parameter("scalar_p", nn.Parameter(torch.tensor(1.0)))
+    with assert_raises_regex(ValueError, "Change scalar_p to a 1D tensor with numel equal to 1."):
+        fully_shard(model)
+
+
+def test_raise_noncontiguous_parameter():
+    """TestFullyShardShardedParameterTensor: a non-contiguous parameter (a ``channels_last`` convolution's weight) is
+    refused (``NotImplementedError``)."""
+    conv2d = nn.Conv2d(8, 8, 3).to(memory_format=torch.channels_last)
+    with assert_raises_regex(NotImplementedError, "FSDP does not support non-contiguous parameters"):
+        fully_shard(conv2d)
+
+
+def test_reset_sharded_param_in_lazy_init():
+    """TestFullyShardLazyInit: a model built on the meta device and sharded there, two of its groups materialised
+    with ``to_empty``, and the root's own parameter replaced by one computed from their (sharded) weights, before
+    the first forward: forward and backward run on it. Adapted: on 2 processes (upstream: 2 threads)."""
+
+    class MyModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer1 = nn.Linear(3, 3, bias=False)
+            self.layer2 = nn.Linear(3, 3, bias=False)
+            self.weight_norm = nn.Parameter(torch.empty(3))
+
+        def init_weight_norm(self) -> None:
+            with torch.no_grad():
+                weight_norm = torch.linalg.norm(self.layer1.weight, dim=1) + torch.linalg.norm(
+                    self.layer2.weight, dim=1)
+            model.weight_norm = nn.Parameter(weight_norm)
+
+        def forward(self, inp: torch.Tensor) -> torch.Tensor:
+            out = self.layer1(inp)
+            out = self.layer2(out)
+            return out.sum() + self.weight_norm.sum()
+
+    with torch.device("meta"):
+        model = MyModel()
+    fully_shard(model.layer1)
+    fully_shard(model.layer2)
+    fully_shard(model)
+
+    model.layer1.to_empty(device="cpu")
+    model.layer2.to_empty(device="cpu")
+    model.init_weight_norm()
+
+    inp = torch.randn(3, 3)
+    loss = model(inp).sum()
+    loss.backward()
+
+
+def test_meta_device_1d_init():
+    """TestFullyShardMetaDeviceInit: models built on the meta device and sharded there (even shards, uneven ones and
+    an empty one; with a bfloat16 compute dtype or not; and under ``torch.device("meta")`` without a mesh) stay on the
+    meta device; ``to_empty`` materialises them, ``reset_parameters`` gives values to every local shard and buffer,
+    and a step runs. Adapted: ``to_empty(device="cpu")`` on 2 ranks (upstream: the current GPU, 4 ranks; its mlp_dim
+    of 1 leaves an empty shard on 2 ranks too)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape=(dist.get_world_size(),))
+    # Test both even sharding (8), uneven sharding (3), and empty local tensor (1)
+    for mlp_dim in (8, 3, 1):
+        # cover foreach_copy code path for bf16
+        for mp_policy in (MixedPrecisionPolicy(),
+                          MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)):
+            with torch.device("meta"):
+                model = nn.Sequential(MLP(mlp_dim, dim_multiplier=1, with_buffer=True, bias=False),
+                                      MLP(mlp_dim, dim_multiplier=1, bias=False))
+                for param in model.parameters():
+                    assert param.device == torch.device("meta")
+                fully_shard(model[0], mesh=mesh, mp_policy=mp_policy)
+                fully_shard(model[1], mesh=mesh, mp_policy=mp_policy)
+                fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+            for param in model.parameters():
+                assert param.device == torch.device("meta")
+            _test_to_empty_and_reset_parameters(model, mlp_dim)
+
+    # Test that we can call `fully_shard` under meta-device context and
+    # that `init_device_mesh` call still works
+    mlp_dim = 8
+    with torch.device("meta"):
+        model = nn.Sequential(MLP(mlp_dim, with_buffer=True), MLP(mlp_dim))
+        for param in model.parameters():
+            assert param.device == torch.device("meta")
+        for module in (model[0], model[1], model):
+            fully_shard(module)
+    for param in model.parameters():
+        assert param.device == torch.device("meta")
+    _test_to_empty_and_reset_parameters(model, mlp_dim)
+
+
+def _test_to_empty_and_reset_parameters(model: nn.Module, mlp_dim: int) -> None:
+    # Check that we can materialize it on the CPU with empty values
+    device = torch.device("cpu")
+    model.to_empty(device=device)
+    for param in model.parameters():
+        assert param.device == device
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    # Check that `reset_parameters()` on each module initializes values
+    const = 1337
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        tensor.detach().fill_(const)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    for param in model.parameters():
+        local_tensor = local(param)
+        if local_tensor.numel() > 0:
+            assert not torch.equal(local_tensor, torch.ones_like(local_tensor) * const)
+    for buffer in model.buffers():
+        assert not torch.equal(buffer, torch.ones_like(buffer) * const)
+
+    # Check that we can run an iteration without erroring
+    inp = torch.randn((4, mlp_dim))
+    model(inp).sum().backward()
+    optim.step()
+
+
+def test_invalid_meta_device_init():
+    """TestFullyShardMetaDeviceInit: a forward on parameters still on the meta device is refused, naming them (those
+    of the first group to gather, by their names under the root). Adapted: a CPU mesh of 2 ranks, the input on the
+    CPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape=(dist.get_world_size(),))
+    mlp_dim = 8
+    with torch.device("meta"):
+        model = nn.Sequential(MLP(mlp_dim, with_buffer=True), MLP(mlp_dim))
+        for param in model.parameters():
+            assert param.device == torch.device("meta")
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[1], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    inp = torch.randn((4, mlp_dim))
+    error_regex = (
+        "FSDP parameters should be materialized from meta device before training, "
+        "but the following were still on meta device: "
+        r"\['0.in_proj.weight', '0.in_proj.bias', '0.out_proj.weight', '0.out_proj.bias'\]"
+    )
+    with assert_raises_regex(RuntimeError, error_regex):
+        model(inp)
+
+
+def test_rank0_broadcast_meta_device_init():
+    """TestFullyShardMetaDeviceInit: a Transformer built on the meta device and sharded there gets its weights from
+    rank 0's whole state dict, broadcast and cut by ``distribute_tensor`` along the placements of the meta state
+    dict's DTensors, loaded with ``assign=True``; it then equals a reference sharded from whole weights, in its
+    parameters, its loss and its gradients. Adapted: the registered parameters are checked sharded
+    (:func:`is_sharded_param`) and compared by their local tensors (:func:`local`); on the CPU, 2 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model_args = ModelArgs(dropout_p=0.0)
+    # Assume we have a CPU full state dict on rank 0
+    if rank == 0:
+        torch.manual_seed(42)
+        ref_model = Transformer(model_args)
+        full_sd = ref_model.state_dict()
+        for param in full_sd.values():
+            assert param.device == torch.device("cpu")
+
+    # Initialize the sharded model on meta device
+    fsdp_mesh = init_device_mesh("cpu", (world_size,))
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            fully_shard(module, mesh=fsdp_mesh)
+    fully_shard(model, mesh=fsdp_mesh)
+    for param in model.parameters():
+        assert param.device == torch.device("meta")
+
+    # Construct a sharded state dict from the rank 0 full state dict by
+    # broadcasting and sharding
+    meta_sharded_sd = model.state_dict()
+    sharded_sd = {}
+    if rank == 0:
+        assert len(meta_sharded_sd) == len(full_sd)
+        assert list(meta_sharded_sd.keys()) == list(full_sd.keys())
+        for (param_name, full_param), sharded_meta_param in zip(full_sd.items(), meta_sharded_sd.values()):
+            full_param = full_param.detach()
+            mesh = sharded_meta_param.device_mesh
+            dist.broadcast(full_param, src=0, group=mesh.get_group(0))
+            sharded_tensor = distribute_tensor(full_param, mesh, sharded_meta_param.placements)
+            sharded_sd[param_name] = nn.Parameter(sharded_tensor)
+    else:
+        for param_name, sharded_meta_param in meta_sharded_sd.items():
+            full_tensor = torch.empty(sharded_meta_param.size(), dtype=sharded_meta_param.dtype)
+            mesh = sharded_meta_param.device_mesh
+            dist.broadcast(full_tensor, src=0, group=mesh.get_group(0))
+            sharded_tensor = distribute_tensor(full_tensor, mesh, sharded_meta_param.placements)
+            sharded_sd[param_name] = nn.Parameter(sharded_tensor)
+
+    model.load_state_dict(sharded_sd, assign=True)
+    for name, param in model.named_parameters():
+        assert is_sharded_param(model, param), name
+        assert param.device.type == "cpu"
+
+    # Construct the reference model on nonzero ranks by broadcasting the
+    # unsharded model from rank 0 and sharding on all ranks
+    if rank != 0:
+        ref_model = Transformer(model_args)
+    for param in ref_model.parameters():
+        torch.distributed.broadcast(param.detach(), src=0)
+    for module in ref_model.modules():
+        if isinstance(module, TransformerBlock):
+            fully_shard(module, mesh=fsdp_mesh)
+    fully_shard(ref_model, mesh=fsdp_mesh)
+
+    for (param_name, param), (ref_param_name, ref_param) in zip(model.named_parameters(),
+                                                                ref_model.named_parameters()):
+        assert param_name == ref_param_name
+        assert_close(local(param), local(ref_param))
+
+    # Check one forward/backward for parity
+    inp = torch.randint(0, model_args.vocab_size, (2, 16))
+    loss = model(inp).sum()
+    loss.backward()
+    ref_loss = ref_model(inp).sum()
+    ref_loss.backward()
+    assert_close(loss, ref_loss)
+    for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+        assert_close(local(param.grad), local(ref_param.grad))
+
+
+def _mesh_of(model: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
+    """The ranks of the mesh a registered parameter is sharded over (FSDP2's ``param.device_mesh.mesh``; minidp's:
+    that of the DTensor its state dict gives for it)."""
+    return _state_dict_dtensor(model, name, param).device_mesh.mesh
+
+
+def test_1d_process_group_init():
+    """TestFullyShardProcessGroupInit: a 1-D mesh made by ``DeviceMesh.from_group`` from the data-parallel group of a
+    (dp, tp) mesh equals that mesh's dp slice, and sharding over it gives the same loss, shards and gradients as over
+    the slice. Adapted: a (2, 1) mesh on 2 ranks (upstream: (2, 2) on 4; its TP ranks only share the input); DTensors
+    compared by their local tensors (:func:`local`), their meshes as :func:`_mesh_of` reads them (a gradient's mesh is
+    its parameter's: minidp's is a plain tensor)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    # For convenience, use device mesh's infra to construct the DP PG
+    # (in practice, the trainer would do it manually via `new_group()`)
+    dp_size = 2
+    global_mesh = init_device_mesh("cpu", (dp_size, dist.get_world_size() // dp_size), mesh_dim_names=("dp", "tp"))
+    ref_dp_mesh, tp_mesh = global_mesh["dp"], global_mesh["tp"]
+    dp_pg = ref_dp_mesh.get_group(0)
+
+    # Check the `from_group()` API for correctness
+    dp_mesh = DeviceMesh.from_group(dp_pg, "cpu", mesh_dim_names=("dp",))
+    # Only compare the mesh tensors, not `DeviceMesh` objects themselves,
+    # since the ref has a parent mesh, while the `from_group` one does not
+    assert torch.equal(dp_mesh.mesh, ref_dp_mesh.mesh)
+    assert dp_mesh._coordinate_on_dim == ref_dp_mesh._coordinate_on_dim
+    assert dp_mesh._dim_group_names == ref_dp_mesh._dim_group_names
+
+    # Check 1D FSDP forward/backward parity over the DP mesh
+    torch.manual_seed(42)
+    mlp_dim = 8
+    ref_model = MLP(mlp_dim)
+    for param in ref_model.parameters():
+        dist.broadcast(param.detach(), src=0)
+    model = copy.deepcopy(ref_model)
+
+    # Parallelize the test model with the ref DP mesh
+    for module in (ref_model.in_proj, ref_model.out_proj, ref_model):
+        fully_shard(module, mesh=ref_dp_mesh)
+    # Parallelize the test model with the new DP mesh from the PG
+    for module in (model.in_proj, model.out_proj, model):
+        fully_shard(module, mesh=dp_mesh)
+
+    # Ensure that TP ranks have the same input
+    inp = torch.randn((4, mlp_dim))
+    dist.broadcast(inp, src=dist.get_process_group_ranks(tp_mesh.get_group(0))[0], group=tp_mesh.get_group(0))
+
+    ref_loss = ref_model(inp).sum()
+    ref_loss.backward()
+    loss = model(inp).sum()
+    loss.backward()
+    assert_close(loss, ref_loss)
+    for (name, param), ref_param in zip(model.named_parameters(), ref_model.parameters()):
+        assert_close(local(param), local(ref_param))
+        assert torch.equal(_mesh_of(model, name, param), _mesh_of(ref_model, name, ref_param))
+        assert_close(local(param.grad), local(ref_param.grad))
+
+
+def test_2d_process_group_init():
+    """TestFullyShardProcessGroupInit: a 2-D mesh made by ``DeviceMesh.from_group`` from a replicate group and a shard
+    group (FSDP1's helpers make them) equals ``init_device_mesh``'s, and HSDP over it gives the same loss, shards and
+    gradients. Adapted: a (1, 2) mesh on 2 ranks (upstream: (2, 2) on 4), whose replicate groups are found by the ranks
+    per node (the shard group's size); compared by local tensors (:func:`local`)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp._init_utils import _init_inter_node_process_group, _init_intra_node_process_group
+
+    world_size = dist.get_world_size()
+    shard_mesh_dim_size = 2
+    assert world_size % shard_mesh_dim_size == 0
+    replicate_mesh_dim_size = world_size // shard_mesh_dim_size
+    mesh_dim_names = ("replicate", "shard")
+    ref_mesh = init_device_mesh("cpu", (replicate_mesh_dim_size, shard_mesh_dim_size), mesh_dim_names=mesh_dim_names)
+
+    # Use the global PG as the parent group (in practice, this could be a
+    # subgroup of the global PG)
+    dp_group = dist.distributed_c10d._get_default_group()
+    dp_shard_group = _init_intra_node_process_group(shard_mesh_dim_size)
+    # (the helper takes the ranks per node, the shard group's size: upstream passes replicate_mesh_dim_size, the same
+    # number on its 2 x 2 mesh, not on 1 x 2)
+    dp_replicate_group = _init_inter_node_process_group(dp_group, shard_mesh_dim_size)
+    mesh_tensor = torch.tensor(dist.get_process_group_ranks(dp_group), dtype=torch.int).view(
+        replicate_mesh_dim_size, shard_mesh_dim_size)
+
+    # Check the `from_group()` API for correctness
+    mesh = DeviceMesh.from_group([dp_replicate_group, dp_shard_group], "cpu", mesh_dim_names=mesh_dim_names,
+                                 mesh=mesh_tensor)
+    assert torch.equal(mesh.mesh, ref_mesh.mesh)
+    assert mesh._coordinate_on_dim == ref_mesh._coordinate_on_dim
+    for mesh_dim_name in mesh_dim_names:
+        child_mesh = mesh[mesh_dim_name]
+        ref_child_mesh = ref_mesh[mesh_dim_name]
+        assert child_mesh == ref_child_mesh
+        child_ranks = dist.distributed_c10d.get_process_group_ranks(child_mesh.get_group())
+        ref_child_ranks = dist.distributed_c10d.get_process_group_ranks(ref_child_mesh.get_group())
+        assert child_ranks == ref_child_ranks
+
+    # Check HSDP forward/backward parity
+    torch.manual_seed(42)
+    mlp_dim = 8
+    ref_model = MLP(mlp_dim)
+    for param in ref_model.parameters():
+        dist.broadcast(param.detach(), src=0)
+    model = copy.deepcopy(ref_model)
+
+    # Parallelize the test model with the ref mesh
+    for module in (ref_model.in_proj, ref_model.out_proj, ref_model):
+        fully_shard(module, mesh=ref_mesh)
+    # Parallelize the test model with the new mesh from the PG
+    for module in (model.in_proj, model.out_proj, model):
+        fully_shard(module, mesh=mesh)
+
+    inp = torch.randn((4, mlp_dim))
+    ref_loss = ref_model(inp).sum()
+    ref_loss.backward()
+    loss = model(inp).sum()
+    loss.backward()
+    assert_close(loss, ref_loss)
+    for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+        assert_close(local(param), local(ref_param))
+        assert_close(local(param.grad), local(ref_param.grad))
+
+
+def test_hsdp_broadcast_across_replicas():
+    """TestFullyShardHSDPBroadcast: a Transformer (and a buffer) sharded by HSDP, whose states only the first replica
+    keeps (the others' filled with 1337), is made equal across replicas by a broadcast of each local tensor over the
+    replicate group; an iteration then runs. Adapted: 2 replicas of 1 shard on 2 ranks (upstream: 2 of 2 on 4); local
+    tensors read by :func:`local`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shard_size, replicate_size = 1, 2
+    mesh = init_device_mesh("cpu", (replicate_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    model_args = ModelArgs()
+    model = Transformer(model_args)
+    # Add a buffer to show that this flow works for buffers too
+    model.buf = torch.nn.Buffer(torch.randn((model_args.dim,)))
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+    # Only preserve the model states on the replicate mesh's rank 0
+    if mesh.get_local_rank("replicate") > 0:
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            tensor.detach().fill_(1337)
+
+    # Check that replicas are different
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        local_tensor = local(tensor)
+        local_tensor_list = [torch.empty_like(local_tensor) for _ in range(mesh["replicate"].size())]
+        dist.all_gather(local_tensor_list, local_tensor, group=mesh.get_group("replicate"))
+        for other_local_tensor in local_tensor_list[1:]:
+            assert other_local_tensor.shape == local_tensor_list[0].shape
+            assert not torch.equal(other_local_tensor, local_tensor_list[0])
+
+    # Broadcast from replicate mesh's rank 0
+    replicate_group = mesh.get_group("replicate")
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        # E.g. for mesh [[0, 1, 2, 3], [4, 5, 6, 7]] sharding on dim-1 and
+        # replicating on dim-0, broadcast with sources 0, 1, 2, 3
+        src_rank = dist.get_process_group_ranks(replicate_group)[0]
+        torch.distributed.broadcast(local(tensor), src=src_rank, group=replicate_group)
+
+    # Check that replicas are the same
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        local_tensor = local(tensor)
+        local_tensor_list = [torch.empty_like(local_tensor) for _ in range(mesh["replicate"].size())]
+        dist.all_gather(local_tensor_list, local_tensor, group=mesh.get_group("replicate"))
+        for other_local_tensor in local_tensor_list[1:]:
+            assert_close(other_local_tensor, local_tensor_list[0])
+
+    # Check that we can run an iteration without erroring
+    inp = torch.randint(0, model_args.vocab_size, (2, 16))
+    model(inp).sum().backward()
+
+
+def test_custom_hsdp_all_reduce_hook():
+    """TestHSDPWithCustomHook: HSDP by hand, ``fully_shard`` over a shard group and an all-reduce hook that averages
+    the reduced shards over the replicas' group: the hook runs, and the gradients are the replicas' average (replica
+    0's weights are zeros, so half of replica 1's). Adapted: shard groups of 1 rank and one replicate group of 2 on 2
+    ranks (upstream: shard groups of 2 and replicate groups of 2 on 4), so each rank's gradient is the whole one
+    (upstream's expected values, on all the rows); the average is a SUM and a division (Gloo's all-reduce has no
+    AVG)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._init_utils import _init_inter_node_process_group, _init_intra_node_process_group
+
+    shard_size = 1
+    world_pg = dist.distributed_c10d._get_default_group()
+    intra_pg = _init_intra_node_process_group(shard_size)
+    inter_pg = _init_inter_node_process_group(world_pg, shard_size)
+    mesh = DeviceMesh.from_group(intra_pg, "cpu", dist.get_process_group_ranks(intra_pg), mesh_dim_names=("shard",))
+    model = MLP(10, bias=False)
+    rank = dist.get_rank()
+    rank_group = rank // shard_size
+
+    # init the weights to be constant within each group
+    # this is just to simplify the test numeric check when we do bwd
+    torch.nn.init.constant_(model.in_proj.weight, 1.0 * rank_group)
+    torch.nn.init.constant_(model.out_proj.weight, 2.0 * rank_group)
+
+    model = fully_shard(model, mesh=mesh)
+
+    hook_called: bool = False
+
+    def _custom_hook(output: torch.Tensor) -> None:
+        nonlocal hook_called
+        dist.all_reduce(output, group=inter_pg)
+        output.div_(dist.get_world_size(inter_pg))
+        hook_called = True
+
+    model.set_all_reduce_hook(_custom_hook)
+
+    inp = torch.arange(10, dtype=torch.float32, requires_grad=True).view(1, 10)
+    out = model(inp)
+    out.sum().backward()
+    # custom hook was fired
+    assert hook_called
+    out_proj_local_grad = local(model.out_proj.weight.grad)
+    in_proj_local_grad = local(model.in_proj.weight.grad)
+
+    # grad is halved in custom bwd all reduce hook during avg
+    # as replica 0 weights are 0
+    assert_close(out_proj_local_grad, torch.full((10 // shard_size, 40), 22.5, dtype=torch.float32))
+    assert_close(in_proj_local_grad,
+                 torch.arange(0, 100, 10, dtype=torch.float32).repeat(40 // shard_size, 1))
+
+
+def _init_transformers() -> tuple[nn.Module, nn.Module]:
+    """TestFullyShardShardPlacementFn's ``_init_models``: a Transformer of 3 layers, rank 0's weights on every rank,
+    and a copy as the reference."""
+    torch.manual_seed(42)
+    model_args = ModelArgs(n_layers=3, dropout_p=0.0)
+    model = Transformer(model_args)
+    for param in model.parameters():
+        dist.broadcast(param.detach(), src=0)
+    ref_model = copy.deepcopy(model)
+    return model, ref_model
+
+
+def test_init_1d_transformer_shard_largest_dim():
+    """TestFullyShardShardPlacementFn: each parameter of a Transformer cut along its largest dimension (some along
+    dim 1): every placement is one ``Shard``, and each parameter gathered whole equals the reference's. Adapted: 2
+    ranks (upstream: 8), the dimension read by :func:`shard_dim`, the whole by :func:`full_tensor`."""
+    model, ref_model = _init_transformers()
+
+    for layer in model.layers:
+        fully_shard(layer, shard_placement_fn=_largest_dim_placement)
+    fully_shard(model, shard_placement_fn=_largest_dim_placement)
+
+    any_shard_dim1 = False
+    for param in model.parameters():
+        if ON_TORCH:
+            assert len(param.placements) == 1
+            assert isinstance(param.placements[0], Shard)
+        any_shard_dim1 |= shard_dim(model, param) == 1
+    assert any_shard_dim1
+
+    for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+        full_param = full_tensor(param, ref_param.shape, shard_dim(model, param))
+        assert_close(full_param, ref_param)
+
+
+def test_init_1d_transformer_shard_dim_neg1():
+    """TestFullyShardShardPlacementFn: ``Shard(-1)`` is taken as the last dimension: each parameter gathered whole
+    equals the reference's. Adapted as test_init_1d_transformer_shard_largest_dim."""
+    model, ref_model = _init_transformers()
+
+    def shard_placement_fn(param: nn.Parameter) -> Optional[Shard]:
+        # Check that FSDP will normalize this dim to non-negative
+        return Shard(-1)
+
+    for layer in model.layers:
+        fully_shard(layer, shard_placement_fn=shard_placement_fn)
+    fully_shard(model, shard_placement_fn=shard_placement_fn)
+
+    for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+        full_param = full_tensor(param, ref_param.shape, shard_dim(model, param))
+        assert_close(full_param, ref_param)
+
+
+def test_init_1d_uneven_shard_largest_dim():
+    """TestFullyShardShardPlacementFn: a dimension other than 0 that the ranks do not divide (17 columns) is refused
+    (``NotImplementedError``). Adapted: 2 ranks (upstream: 8; 17 is odd, uneven either way)."""
+    torch.manual_seed(42)
+    model = nn.Sequential(nn.Linear(16, 17), nn.Linear(17, 8))
+    with assert_raises_regex(NotImplementedError, "FSDP does not support uneven sharding on dim 1"):
+        fully_shard(model, shard_placement_fn=_largest_dim_placement)
+
+
+def test_invalid_shard_dim():
+    """TestFullyShardShardPlacementFn: ``Shard(1)`` for a 1-D bias is refused (``AssertionError``)."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
+
+    def shard_placement_fn(param: nn.Parameter) -> Optional[Shard]:
+        return Shard(1)
+
+    # Shard(1) is invalid for 1D bias parameters
+    with assert_raises_regex(AssertionError, "Shard dim 1 is invalid for 1D tensor"):
+        fully_shard(model, shard_placement_fn=shard_placement_fn)
+
+
+def test_old_import_training():
+    """TestFullyShardOldImport: two Linears and their parent sharded with a bfloat16 compute dtype are sharded modules
+    (:func:`is_sharded_module`), and forward and backward run."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard(model[0], mp_policy=mp_policy)
+    fully_shard(model[1], mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+
+    assert is_sharded_module(model[0])
+    assert is_sharded_module(model[1])
+    assert is_sharded_module(model)
+
+    inp = torch.randn((8, 16))
+    model(inp).sum().backward()
+
+
+def test_mixed_dtypes_no_grad_param():
+    """TestFullyShardMixedDtypeParam: a frozen float8 parameter beside a float32 one in one group: the all-gather of
+    the forward (a module that returns nothing) runs. Adapted: a CPU mesh of 2 ranks (upstream: 2 GPUs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # no grad params with different dtypes
+            self.w_fp8 = torch.nn.Parameter(torch.empty((256, 256), dtype=torch.float8_e4m3fn), requires_grad=False)
+            self.w_fp32 = torch.nn.Parameter(torch.empty((256, 256), dtype=torch.float32))
+
+        def forward(self, input):
+            return
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Model()
+    fully_shard(model, mesh=mesh)
+    model(0)
