@@ -40,7 +40,7 @@ What differs in the assertions, because minidp's parameters are plain tensors wh
 * ``isinstance(module, FSDPModule)`` is :func:`is_sharded_module`;
 * a parameter's DTensor attributes (global size and stride, ``device_mesh``, placements, ``_local_tensor``) are read
   from the DTensor minidp's ``state_dict()`` gives for it (:func:`_state_dict_dtensor`), over the very shard;
-* ``assertRaisesRegex`` is :func:`assert_raises_regex`;
+* ``assertRaisesRegex`` and ``assertNotEqual`` are ``raises`` and ``assert_not_close`` of the DDP port's checks;
 * upstream patches ``dist.reduce_scatter_single`` to see the reduce-scatter's dtype or size and counts collectives
   with ``CommDebugMode``; here :class:`CollectiveLog`, a dispatch mode, sees the c10d operators either implementation
   calls (minidp holds its own reference to the collective functions, so patching ``dist`` would not see it);
@@ -62,7 +62,6 @@ import dataclasses
 import functools
 import itertools
 import os
-import re
 import sys
 from collections import Counter
 from typing import Any, Callable, NamedTuple, Optional
@@ -79,6 +78,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import minidp.distributed as md
 
 from .helpers import assert_equal_as_upstream
+from .upstream_ddp_checks import assert_not_close, raises
 
 ON_TORCH = os.environ.get("MINIDP_UPSTREAM_FSDP") == "torch"
 
@@ -236,18 +236,6 @@ class CollectiveLog(TorchDispatchMode):
 
     def numels(self, name: str) -> set:
         return {numel for called, _, numel in self.calls if called == name}
-
-
-@contextlib.contextmanager
-def assert_raises_regex(expected: type, regex: str):
-    """Upstream's ``assertRaisesRegex``: the block raises ``expected`` (or a subclass of it), in whose message
-    ``regex`` is found (``re.search``)."""
-    try:
-        yield
-    except expected as error:
-        assert re.search(regex, str(error)), f"{type(error).__name__}: {error} (expected to match {regex!r})"
-    else:
-        raise AssertionError(f"{expected.__name__} not raised")
 
 
 REDUCE_SCATTER, ALL_GATHER, ALL_REDUCE = "_reduce_scatter_base_", "_allgather_base_", "allreduce_"
@@ -3255,7 +3243,7 @@ def test_invalid_mesh_ndim():
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(), 1, 1))
     model = MLP(8)
-    with assert_raises_regex(ValueError, r"fully\_shard expects a 1D or 2D DeviceMesh but got DeviceMesh"):
+    with raises(ValueError, r"fully\_shard expects a 1D or 2D DeviceMesh but got DeviceMesh"):
         fully_shard(model, mesh=mesh)
 
 
@@ -3266,7 +3254,7 @@ def test_2d_mesh_without_mesh_dim_names():
 
     mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2))
     model = MLP(8)
-    with assert_raises_regex(AssertionError, "Please init the 2D mesh for HSDP with mesh_dim_names specified"):
+    with raises(AssertionError, "Please init the 2D mesh for HSDP with mesh_dim_names specified"):
         fully_shard(model, mesh=mesh)
 
 
@@ -3309,7 +3297,7 @@ def test_raise_scalar_parameter():
     """TestFullyShardShardedParameterTensor: a scalar parameter is refused, with the way out (``ValueError``)."""
     model = nn.Sequential(*[MLP(3, dim_multiplier=3) for _ in range(3)])
     model.register_parameter("scalar_p", nn.Parameter(torch.tensor(1.0)))
-    with assert_raises_regex(ValueError, "Change scalar_p to a 1D tensor with numel equal to 1."):
+    with raises(ValueError, "Change scalar_p to a 1D tensor with numel equal to 1."):
         fully_shard(model)
 
 
@@ -3317,7 +3305,7 @@ def test_raise_noncontiguous_parameter():
     """TestFullyShardShardedParameterTensor: a non-contiguous parameter (a ``channels_last`` convolution's weight) is
     refused (``NotImplementedError``)."""
     conv2d = nn.Conv2d(8, 8, 3).to(memory_format=torch.channels_last)
-    with assert_raises_regex(NotImplementedError, "FSDP does not support non-contiguous parameters"):
+    with raises(NotImplementedError, "FSDP does not support non-contiguous parameters"):
         fully_shard(conv2d)
 
 
@@ -3417,9 +3405,9 @@ def _test_to_empty_and_reset_parameters(model: nn.Module, mlp_dim: int) -> None:
     for param in model.parameters():
         local_tensor = local(param)
         if local_tensor.numel() > 0:
-            assert not torch.equal(local_tensor, torch.ones_like(local_tensor) * const)
+            assert_not_close(local_tensor, torch.ones_like(local_tensor) * const)
     for buffer in model.buffers():
-        assert not torch.equal(buffer, torch.ones_like(buffer) * const)
+        assert_not_close(buffer, torch.ones_like(buffer) * const)
 
     # Check that we can run an iteration without erroring
     inp = torch.randn((4, mlp_dim))
@@ -3448,7 +3436,7 @@ def test_invalid_meta_device_init():
         "but the following were still on meta device: "
         r"\['0.in_proj.weight', '0.in_proj.bias', '0.out_proj.weight', '0.out_proj.bias'\]"
     )
-    with assert_raises_regex(RuntimeError, error_regex):
+    with raises(RuntimeError, error_regex):
         model(inp)
 
 
@@ -3688,7 +3676,7 @@ def test_hsdp_broadcast_across_replicas():
         dist.all_gather(local_tensor_list, local_tensor, group=mesh.get_group("replicate"))
         for other_local_tensor in local_tensor_list[1:]:
             assert other_local_tensor.shape == local_tensor_list[0].shape
-            assert not torch.equal(other_local_tensor, local_tensor_list[0])
+            assert_not_close(other_local_tensor, local_tensor_list[0])
 
     # Broadcast from replicate mesh's rank 0
     replicate_group = mesh.get_group("replicate")
@@ -3820,7 +3808,7 @@ def test_init_1d_uneven_shard_largest_dim():
     (``NotImplementedError``). Adapted: 2 ranks (upstream: 8; 17 is odd, uneven either way)."""
     torch.manual_seed(42)
     model = nn.Sequential(nn.Linear(16, 17), nn.Linear(17, 8))
-    with assert_raises_regex(NotImplementedError, "FSDP does not support uneven sharding on dim 1"):
+    with raises(NotImplementedError, "FSDP does not support uneven sharding on dim 1"):
         fully_shard(model, shard_placement_fn=_largest_dim_placement)
 
 
@@ -3832,7 +3820,7 @@ def test_invalid_shard_dim():
         return Shard(1)
 
     # Shard(1) is invalid for 1D bias parameters
-    with assert_raises_regex(AssertionError, "Shard dim 1 is invalid for 1D tensor"):
+    with raises(AssertionError, "Shard dim 1 is invalid for 1D tensor"):
         fully_shard(model, shard_placement_fn=shard_placement_fn)
 
 
