@@ -816,6 +816,16 @@ def already_wrapped(seed: int) -> dict:
     return errors
 
 
+def containers_without_forward(seed: int) -> dict:
+    """fully_shard on a plain ModuleList and a plain ModuleDict (containers whose forward is nn.Module's), by minidp
+    and by FSDP2: the errors, per container."""
+    containers = {"ModuleList": lambda: nn.ModuleList([Block(13, 13)]),
+                  "ModuleDict": lambda: nn.ModuleDict({"block": Block(13, 13)})}
+    return {kind: {name: error_of(lambda: function(make())) for name, function in (("minidp", md.fully_shard),
+                                                                                    ("fsdp2", torch_fully_shard))}
+            for kind, make in containers.items()}
+
+
 def shared_between_groups(seed: int) -> dict:
     """A weight shared by two modules sharded as two groups: minidp's error at the second
     fully_shard, and FSDP2's (at the first forward)."""

@@ -94,6 +94,7 @@ TWO_PROCESSES = {
     "deepcopies": (checks.deepcopies, {}),
     "as_fsdp_modules": (checks.as_fsdp_modules, {}),
     "already_wrapped": (checks.already_wrapped, {}),
+    "containers_without_forward": (checks.containers_without_forward, {}),
     "shared_between_groups": (checks.shared_between_groups, {}),
     "mismatched_model": (checks.mismatched_model, {}),
     **{_frozen_name(frozen, policy): (checks.against_fsdp2, {"model": "gained", "frozen": FROZEN[frozen],
@@ -307,8 +308,10 @@ def test_deepcopy_is_refused_before_and_after_training_as_fsdp2_refuses_it(two):
     for result in each_rank(two, "deepcopies"):
         assert result["fsdp2"] == ["AssertionError: FSDP does not support deepcopy. Please use state dict for "
                                    "serialization."] * 2
+        # FSDP2's words first (code written for FSDP2 matches them), then what to do instead
         assert len(result["minidp"]) == 2 and all(
-            outcome.startswith("AssertionError: fully_shard does not support deepcopy") for outcome in result["minidp"])
+            outcome.startswith("AssertionError: FSDP does not support deepcopy. Please use state dict for "
+                               "serialization: ") for outcome in result["minidp"])
 
 
 def test_a_weight_tied_inside_one_group_is_gathered_once_and_reduced_once_as_fsdp2(two):
@@ -885,10 +888,21 @@ def test_a_module_already_sharded_or_wrapped_is_refused_on_every_rank(two):
     for errors in each_rank(two, "already_wrapped"):
         # twice: AssertionError, as torch's contract() raises it ("can only be applied to a module once")
         assert errors["minidp"][0] == errors["fsdp2_twice"][0] == "AssertionError"
-        assert errors["minidp"][1].startswith("fully_shard was already applied to this Net")
+        assert errors["minidp"][1].startswith("Each distinct composable distributed API can only be applied to a "
+                                              "module once: fully_shard was already applied to this Net")
         assert errors["fsdp2_twice"][1].startswith("Each distinct composable distributed API")
         assert "already wrapped (FSDPNet)" in errors["fsdp2"][1]  # torch's fully_shard swaps the class
         assert "already wrapped (DistributedDataParallel)" in errors["ddp"][1] and "pass the plain model" in errors["ddp"][1]
+
+
+def test_a_container_without_forward_is_refused_in_fsdp2s_words(two):
+    # FSDP2's ValueError and its words (_fsdp_init.py), which code written for FSDP2 may match
+    words = "fully_shard does not support containers that do not implement forward"
+    for errors in each_rank(two, "containers_without_forward"):
+        for kind, error in errors.items():
+            assert error["minidp"][0] == error["fsdp2"][0] == "ValueError"
+            assert error["fsdp2"][1].startswith(words)
+            assert error["minidp"][1].startswith(f"{words}: got a {kind}; shard its items one by one")
 
 
 def test_a_parameter_shared_between_two_groups_is_refused_where_fsdp2_refuses_it(two):

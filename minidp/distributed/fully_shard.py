@@ -1096,11 +1096,12 @@ class ShardedModule(FSDPModule):
         return super(FSDPModule, self)._apply(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> None:
-        # As FSDP2's classes (_fully_shard.py, _unimplemented_deepcopy), with its exception type: after a backward
-        # the whole parameters' storage is freed, and a copy of them would read freed memory.
+        # As FSDP2's classes (_fully_shard.py, _unimplemented_deepcopy), with its exception type and its words (code
+        # written for FSDP2 matches them): after a backward the whole parameters' storage is freed, and a copy of
+        # them would read freed memory.
         raise AssertionError(
-            f"fully_shard does not support deepcopy (FSDP2 refuses it too): copy the weights through a state dict "
-            f"instead, e.g. full_state_dict(module) into a new {_class_name(self)} (a copy to shard, if needed)")
+            f"FSDP does not support deepcopy. Please use state dict for serialization: copy the weights through a "
+            f"state dict, e.g. full_state_dict(module) into a new {_class_name(self)} (a copy to shard, if needed)")
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this module's parameters now and leave them on it, whole (not recursive); its next
@@ -1223,18 +1224,20 @@ def _managed_modules(module: nn.Module) -> list[nn.Module]:
 def _check_module(module: nn.Module) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if _group_of(module) is not None:  # torch's contract() refuses it with AssertionError: code may catch that
+    if _group_of(module) is not None:
+        # torch's contract() refuses it with AssertionError and these words, which code written for FSDP2 may match
         raise AssertionError(
-            f"fully_shard was already applied to this {_class_name(module)}; apply it once per module "
-            f"(sub-modules first, then the root)")
+            f"Each distinct composable distributed API can only be applied to a module once: fully_shard was already "
+            f"applied to this {_class_name(module)}; apply it once per module (sub-modules first, then the root)")
     if isinstance(module, (FSDPModule, nn.parallel.DistributedDataParallel)):  # minidp's DDP too: a subclass
         raise ValueError(
             f"fully_shard got a module already wrapped ({type(module).__name__}); pass the plain model, "
             f"not one that torch's fully_shard or a DistributedDataParallel already manages")
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        # FSDP2's error type and words (_fsdp_init.py): code written for FSDP2 may match them
         raise ValueError(
-            f"fully_shard needs a module that runs forward, got a {type(module).__name__}: shard its items one by "
-            f"one, or the module that calls them")
+            f"fully_shard does not support containers that do not implement forward: got a {type(module).__name__}; "
+            f"shard its items one by one, or the module that calls them")
 
 
 def fully_shard(
