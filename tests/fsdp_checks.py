@@ -826,6 +826,21 @@ def containers_without_forward(seed: int) -> dict:
             for kind, make in containers.items()}
 
 
+def states(seed: int) -> dict:
+    """``fully_shard.state`` of each module of a Net whose blocks, ``[norm, head]`` (one call) and root were sharded,
+    by minidp and by FSDP2: per library, which modules have a state (None: none), numbered by first appearance, so
+    that modules sharing one state share a number."""
+    results = {}
+    for name, function in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
+        model = shard(Net(), function, True, grouped=("norm", "head"))
+        numbers: dict[int, int] = {}
+        results[name] = {}
+        for module_name, module in model.named_modules():
+            found = function.state(module)
+            results[name][module_name] = None if found is None else numbers.setdefault(id(found), len(numbers))
+    return results
+
+
 def shared_between_groups(seed: int) -> dict:
     """A weight shared by two modules sharded as two groups: minidp's error at the second
     fully_shard, and FSDP2's (at the first forward)."""

@@ -95,6 +95,7 @@ TWO_PROCESSES = {
     "as_fsdp_modules": (checks.as_fsdp_modules, {}),
     "already_wrapped": (checks.already_wrapped, {}),
     "containers_without_forward": (checks.containers_without_forward, {}),
+    "states": (checks.states, {}),
     "shared_between_groups": (checks.shared_between_groups, {}),
     "mismatched_model": (checks.mismatched_model, {}),
     **{_frozen_name(frozen, policy): (checks.against_fsdp2, {"model": "gained", "frozen": FROZEN[frozen],
@@ -903,6 +904,16 @@ def test_a_container_without_forward_is_refused_in_fsdp2s_words(two):
             assert error["minidp"][0] == error["fsdp2"][0] == "ValueError"
             assert error["fsdp2"][1].startswith(words)
             assert error["minidp"][1].startswith(f"{words}: got a {kind}; shard its items one by one")
+
+
+def test_fully_shard_state_is_one_per_call_as_fsdp2s(two):
+    # torch's fully_shard.state(module) (its contract's lookup): None for a module fully_shard was not applied to, one
+    # state per call, shared by the modules of fully_shard([norm, head])
+    for result in each_rank(two, "states"):
+        assert result["minidp"] == result["fsdp2"]
+        assert result["minidp"] == {"": 0, "norm": 1, "blocks": None, "blocks.0": 2, "blocks.0.linear": None,
+                                    "blocks.1": 3, "blocks.1.linear": None, "blocks.2": 4, "blocks.2.linear": None,
+                                    "head": 1}
 
 
 def test_a_parameter_shared_between_two_groups_is_refused_where_fsdp2_refuses_it(two):

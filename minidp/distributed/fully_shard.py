@@ -1362,6 +1362,16 @@ def fully_shard(
     return module
 
 
+def state(module: nn.Module) -> Optional[ShardGroup]:
+    """The state ``fully_shard`` keeps for ``module``: its group, ``None`` where it was not applied (torch's
+    ``fully_shard.state(module)``, the lookup of its ``contract``, whose FSDP2 ``FSDPState`` is likewise one per
+    call, shared by the modules of ``fully_shard([a, b])``)."""
+    return _group_of(module)
+
+
+fully_shard.state = state  # type: ignore[attr-defined]  # torch's fully_shard.state(module), by the same name
+
+
 def _groups_of(mesh: Optional[DeviceMesh], process_group: Optional[dist.ProcessGroup]
                ) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
     """The ranks that shard, and (HSDP) those that hold the same shard, from ``fully_shard``'s ``mesh`` (FSDP2's
