@@ -15,6 +15,7 @@ https://github.com/pytorch/pytorch, copyright the PyTorch contributors):
 * ``test/distributed/_composable/fsdp/test_fully_shard_clip_grad_norm_.py``;
 * ``test/distributed/checkpoint/fsdp/test_fsdp_dsd.py``;
 * ``test/distributed/_composable/fsdp/test_fully_shard_init.py``;
+* ``test/distributed/_composable/fsdp/test_fully_shard_state.py``;
 * the helpers they import from ``torch/testing/_internal/common_fsdp.py`` (``MLP``, ``DoubleLinear``,
   ``check_sharded_parity``),
   ``common_distributed.py`` (``SaveForwardInputsModel``) and ``distributed/_tensor/common_dtensor.py``
@@ -3860,3 +3861,84 @@ def test_mixed_dtypes_no_grad_param():
     model = Model()
     fully_shard(model, mesh=mesh)
     model(0)
+
+
+# ---- test_fully_shard_state.py ----------------------------------------------------------------------------------
+# Upstream runs these on one thread-rank (FSDPTestMultiThread, world size 1); each is about the module, not the
+# collectives, and runs alike on each of the 2 ranks here.
+
+# The name fully_shard gives a sharded module's class: FSDP<cls> for FSDP2, Sharded<cls> for minidp (a class of
+# minidp's own, as its parameters are plain shards: isinstance to FSDPModule and to <cls> holds for both).
+SHARDED_CLASS_PREFIX = "FSDP" if ON_TORCH else "Sharded"
+
+
+def test_fully_shard_state():
+    """TestFullyShardState: ``fully_shard.state(module)`` gives the state of a sharded module, a distinct one for
+    each ``fully_shard`` call (three MLPs and the root: four). FSDP2's is its ``FSDPState``, minidp's the module's
+    group."""
+    num_mlps = 3
+    model = nn.Sequential(*[MLP(8) for _ in range(num_mlps)])
+    for mlp in model:
+        fully_shard(mlp)
+    fully_shard(model)
+    root_state = fully_shard.state(model)
+    assert root_state is not None
+    all_states = [root_state] + [fully_shard.state(mlp) for mlp in model]
+    # Check that each `fully_shard` call constructs a distinct state object
+    assert len(set(all_states)) == num_mlps + 1
+
+
+def test_fully_shard_reapply():
+    """TestFullyShardState: ``fully_shard`` a second time on one module is refused, with the ``AssertionError`` of
+    torch's composable ``contract``."""
+    model = MLP(8)
+    fully_shard(model)
+    with raises(AssertionError, "Each distinct composable distributed API can only be applied to a module once."):
+        fully_shard(model)
+
+
+def test_fully_shard_cls():
+    """TestFullyShardState: only the module given to ``fully_shard`` has its class swapped (still an instance of its
+    own class, now of ``FSDPModule`` too, named with the prefix), and a slice of a sharded ``Sequential`` is a plain
+    ``Sequential``. Adapted: the class's name is ``FSDPMLP`` on FSDP2, ``ShardedMLP`` on minidp
+    (:data:`SHARDED_CLASS_PREFIX`)."""
+    # Check that we only swap class for the module passed to `fully_shard`
+    model = MLP(8)
+    fully_shard(model)
+    assert isinstance(model, MLP)
+    assert is_sharded_module(model)
+    assert model.__class__.__name__ == f"{SHARDED_CLASS_PREFIX}MLP"
+    for module in model.modules():
+        if module is model:
+            continue
+        assert not is_sharded_module(module)
+
+    # Check that slicing into a `Sequential` does not preserve FSDP
+    model = nn.Sequential(*[MLP(8) for _ in range(3)])
+    fully_shard(model)
+    assert isinstance(model, nn.Sequential)
+    assert is_sharded_module(model)
+    assert model.__class__.__name__ == f"{SHARDED_CLASS_PREFIX}Sequential"
+    sliced_model = model[:2]
+    assert isinstance(sliced_model, nn.Sequential)
+    assert not is_sharded_module(sliced_model)
+
+
+def test_fully_shard_unsupported_module_cls():
+    """TestFullyShardState: a plain ``ModuleList`` or ``ModuleDict`` (a container without ``forward``) is refused
+    (``ValueError``)."""
+    regex = r"fully\_shard does not support containers that do not implement forward"
+    model = nn.ModuleList([MLP(8) for _ in range(3)])
+    with raises(ValueError, regex):
+        fully_shard(model)
+    model = nn.ModuleDict({"1": MLP(8), "2": MLP(8)})
+    with raises(ValueError, regex):
+        fully_shard(model)
+
+
+def test_fully_shard_deepcopy():
+    """TestFullyShardState: ``copy.deepcopy`` of a sharded module is refused (``AssertionError``)."""
+    model = MLP(8)
+    fully_shard(model)
+    with raises(AssertionError, "FSDP does not support deepcopy"):
+        copy.deepcopy(model)
