@@ -493,8 +493,8 @@ def description_as_stock(seed: int) -> dict:
 
 def compiled_as_stock(seed: int, steps: int = 3) -> dict:
     """``torch.compile(ddp)`` (AOTAutograd, eager kernels: the backward compiled too), then SGD: bitwise stock's
-    parameters after every step; then, compiled alone, where dynamo broke minidp's graph (each reason's first
-    line after its title, with its count)."""
+    parameters after every step; then, compiled alone, where dynamo broke minidp's graph: the functions it was told
+    not to trace, each with its count (each reason's line after its title names one)."""
     import torch._dynamo
 
     def train(wrappers: list[nn.Module], modules: list[nn.Module]) -> list:
@@ -515,8 +515,66 @@ def compiled_as_stock(seed: int, steps: int = 3) -> dict:
     torch._dynamo.utils.counters.clear()
     alone = copy.deepcopy(ours_module)
     train([md.DistributedDataParallel(alone)], [alone])
-    breaks = {reason.splitlines()[1].strip(): count for reason, count in torch._dynamo.utils.counters["graph_break"].items()}
+    breaks: dict[str, int] = {}
+    for reason, count in torch._dynamo.utils.counters["graph_break"].items():
+        explanation = reason.splitlines()[1]
+        name = explanation.split("`")[1] if "should not be traced" in explanation else explanation.strip()
+        breaks[name] = breaks.get(name, 0) + count
     return {"differences": differences, "breaks": breaks}
+
+
+class _SplitCounter:
+    """A dynamo backend that counts the graphs it is given and runs them as they are: DDPOptimizer gives it one per
+    piece of the split graph (upstream's ``CheckSplitsCompiler``, test_dynamo_distributed.py)."""
+
+    def __init__(self) -> None:
+        self.compiler_called = 0
+
+    def compile_fn(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.compiler_called += 1
+        return gm
+
+
+class _ToyModel(nn.Module):
+    """Upstream's ``ToyModel`` (test_dynamo_distributed.py), narrower: four linear layers, the middle two of 1.4 MiB
+    each, so that a 1 MiB bucket cap (DDPOptimizer's first bucket is 1 MiB, and no cap may be smaller) splits it. A
+    module of the user's: dynamo compiles a frame of it (one of torch.nn's own, a bare ``nn.Sequential``, it does not
+    start a compilation at)."""
+
+    def __init__(self, hidden: int = 600) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 5), nn.ReLU())
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)
+
+
+def graph_splits_as_stock(seed: int, composable: bool) -> dict:
+    """Upstream's TestSingleProc split tests (``test_graph_split``, ``test_no_split``), on two ranks and against
+    torch's own wrapper (``composable``: ``replicate``, torch's and minidp's): a compiled forward and backward with
+    ``bucket_cap_mb`` 1 and 25; per cap, how many graphs DDPOptimizer made for each, and the difference in the
+    gradients."""
+    import torch._dynamo
+    from torch.distributed._composable.replicate import replicate as torch_replicate
+
+    wrappers = (torch_replicate, md.replicate) if composable else (TorchDDP, md.DistributedDataParallel)
+    seen = {}
+    for cap in (1, 25):
+        modules, splits = [], []
+        for wrap in wrappers:
+            torch._dynamo.reset()
+            torch.manual_seed(seed)
+            module = _ToyModel()
+            ddp = _quiet(lambda: wrap(module, bucket_cap_mb=cap))
+            counter = _SplitCounter()
+            compiled = torch.compile(ddp, backend=counter.compile_fn)
+            compiled(_inputs(seed, 0, 20, 10)).sum().backward()
+            modules.append(module)
+            splits.append(counter.compiler_called)
+        seen[cap] = {"stock": splits[0], "minidp": splits[1], "difference": _difference(modules[1], modules[0])}
+    torch._dynamo.reset()
+    return seen
 
 
 # ---- communication hooks ---------------------------------------------------------------------------

@@ -75,6 +75,8 @@ TWO_PROCESSES = {
     "create_graph_second": (checks.create_graph_with_several_parameters, {}),
     "gradient_penalty": (checks.gradient_penalty_as_stock, {}),
     "compiled": (checks.compiled_as_stock, {}),
+    "graph_splits": (checks.graph_splits_as_stock, {"composable": False}),
+    "graph_splits_replicate": (checks.graph_splits_as_stock, {"composable": True}),
     "description": (checks.description_as_stock, {}),
     "post_accumulate_hooks": (checks.post_accumulate_grad_hooks_as_stock, {}),
     "backward_of_some_parameters": (checks.backward_of_some_parameters_with_find_unused, {}),
@@ -349,14 +351,24 @@ def test_the_wrappers_description_of_its_module_is_stocks(two):
 
 def test_torch_compile_of_the_wrapper_trains_as_stock_bitwise_and_traces_only_the_module(two):
     # torch DDP means dynamo to compile the module only (distributed.py, _inside_ddp_forward: "dynamo only kicks in
-    # for the 'module_to_run' underneath"; measured, its forward also breaks the graph at its logger); minidp's steps
-    # before and after the module are skipped by dynamo as a whole, so the graph breaks there, never inside them
+    # for the 'module_to_run' underneath"; measured, its forward breaks the graph at its logger, and twice at
+    # _inside_ddp_forward); minidp's forward is skipped as a whole, as is its _inside_ddp_forward, so the graph breaks
+    # there and the module's frame is compiled alone, never inside a step of the wrapper's
     for result in each_rank(two, "compiled"):
         assert result["differences"] == [None] * 3
-        assert sorted(result["breaks"]) == [
-            f"Explanation: Dynamo developers have intentionally marked that the function "
-            f"`DistributedDataParallel.{step}` should not be traced." for step in ("_after_module", "_before_module")
-        ]
+        assert sorted(result["breaks"]) == ["DistributedDataParallel._inside_ddp_forward", "DistributedDataParallel.forward"]
+
+
+@pytest.mark.parametrize("check", ["graph_splits", "graph_splits_replicate"])
+def test_dynamo_splits_the_compiled_module_at_the_buckets_as_for_stock(two, check):
+    # upstream's test_dynamo_distributed.py, TestSingleProc.test_graph_split and test_no_split: DDPOptimizer splits
+    # the module's graph where its buckets end (convert_frame.py engages it while _get_active_ddp_module() names a
+    # wrapper), so that each bucket's all-reduce overlaps the backward of the pieces before it; as many pieces as for
+    # torch's wrapper (or torch's replicate), a 1 MiB cap more than the default, and the gradients bitwise stock's
+    for seen in each_rank(two, check):
+        assert seen[1]["minidp"] == seen[1]["stock"] == 3, seen
+        assert seen[25]["minidp"] == seen[25]["stock"] == 2, seen  # the default 1 MiB first bucket splits it once
+        assert seen[1]["difference"] is seen[25]["difference"] is None, seen
 
 
 # ---- communication hooks: _check_comm_hook (distributed.py:2462), _register_builtin_comm_hook (:2260) ----

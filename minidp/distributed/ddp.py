@@ -352,12 +352,41 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self._attach_replicas()
         self._attach_reducer()
 
+    # Under torch.compile, dynamo compiles the module's forward alone, as torch DDP means it to ("dynamo only kicks in
+    # for the 'module_to_run' underneath", distributed.py): this frame is skipped (recursive=False: the frames it calls
+    # are compiled, the module's among them), and the two steps around the module run as they are (enter_forward,
+    # leave_forward, skipped whole: traced, the reducer's clock readings and its search of the output would each break
+    # the graph). So the graph breaks only where the wrapper is skipped, never inside its steps, and the module's frame
+    # is compiled inside _inside_ddp_forward, which DDPOptimizer needs. The decorators import dynamo at their first
+    # call, as torch DDP's forward does.
+    @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiled("minidp.DistributedDataParallel.forward"):
             recording, inputs, kwargs = self.enter_forward(inputs, kwargs)
-            output = (self.module if self._replicas is None else self._replicas)(*inputs, **kwargs)
+            with self._inside_ddp_forward():
+                output = (self.module if self._replicas is None else self._replicas)(*inputs, **kwargs)
             return self.leave_forward(output, recording)
 
+    # Dynamo's DDPOptimizer splits a compiled graph where the wrapper's buckets would end, so that each bucket's
+    # all-reduce starts while the backward of the graph's earlier pieces still runs (torch/_dynamo/backends/
+    # distributed.py). It engages only for a frame compiled while torch's DistributedDataParallel._active_ddp_module
+    # is set (convert_frame.py asks _get_active_ddp_module() of torch's class, and reads the wrapper's
+    # bucket_bytes_cap), which torch DDP sets around its module's forward: the same here, on torch's class (an
+    # attribute set on this subclass would not be seen there). The previous value is restored, not cleared, for a DDP
+    # inside another (torch's reason: TorchRec wraps embeddings in an inner DDP); the function itself is skipped by
+    # dynamo, as torch's is.
+    @contextmanager
+    @torch._disable_dynamo(recursive=False)
+    def _inside_ddp_forward(self) -> Iterator[None]:
+        """The module's forward runs with this wrapper as torch DDP's active module (DDPOptimizer reads it)."""
+        previous = TorchDistributedDataParallel._active_ddp_module
+        TorchDistributedDataParallel._active_ddp_module = self
+        try:
+            yield
+        finally:
+            TorchDistributedDataParallel._active_ddp_module = previous
+
+    @torch._disable_dynamo
     def enter_forward(self, inputs: tuple, kwargs: dict) -> tuple[bool, tuple, dict]:
         """What DDP does before the module's forward (torch's ``_pre_forward``): prepare the reducer, sync the
         buffers, cast to low precision; whether this forward records a graph, and the inputs to give the module.
@@ -370,6 +399,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                 self.reducer.find_accumulators()  # the new dtype gave each parameter a new accumulator
         return recording, inputs, kwargs
 
+    @torch._disable_dynamo
     def leave_forward(self, output: Any, recording: bool) -> Any:
         """What DDP does after the module's forward (torch's ``_post_forward``): the next backward reduces if this
         forward recorded and syncs (searching ``output``'s graph with ``find_unused_parameters``)."""
@@ -377,11 +407,6 @@ class DistributedDataParallel(TorchDistributedDataParallel):
             self._mixed.after_unrecorded_forward()
         return self._after_module(output, recording)
 
-    # Under torch.compile, dynamo compiles the module's forward and runs the two steps around it as they are
-    # (torch._disable_dynamo; torch DDP means the same, "dynamo only kicks in for the 'module_to_run' underneath",
-    # distributed.py): traced, the reducer's clock readings and its search of the output would each break the graph
-    # inside the wrapper. The decorator imports dynamo at its first call, as torch DDP's forward does.
-    @torch._disable_dynamo
     def _before_module(self) -> bool:
         """Before the module's forward: whether this forward records a graph (and so prepares a backward)."""
         if not self._lazy_init_ran:
@@ -404,7 +429,6 @@ class DistributedDataParallel(TorchDistributedDataParallel):
             sync_backward_vote(self, joined=False)
         return recording
 
-    @torch._disable_dynamo
     def _after_module(self, output: Any, recording: bool) -> Any:
         """After the module's forward: the next backward reduces if this forward recorded and syncs."""
         if self.will_sync_module_buffers() and self._buffer_hook_location() is _BufferCommHookLocation.POST_FORWARD:
