@@ -14,7 +14,7 @@ import os
 import time
 import warnings
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -575,6 +575,64 @@ def graph_splits_as_stock(seed: int, composable: bool) -> dict:
         seen[cap] = {"stock": splits[0], "minidp": splits[1], "difference": _difference(modules[1], modules[0])}
     torch._dynamo.reset()
     return seen
+
+
+@contextlib.contextmanager
+def _optimize_ddp(mode: Union[bool, str]) -> Iterator[None]:
+    """``torch._dynamo.config.optimize_ddp = mode`` for the wrappers built inside, and afterwards what torch's DDP
+    changes for the whole process when it is built in the "python_reducer" mode put back (inductor's DDP fusion
+    settings, dynamo's tracing into distributed.py), so that the checks run after this one see torch as it was."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    inductor = torch._inductor.config.save_config()
+    inlined = set(torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST)
+    try:
+        with torch._dynamo.config.patch(optimize_ddp=mode):
+            yield
+    finally:
+        torch._inductor.config.load_config(inductor)
+        torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST.intersection_update(inlined)
+        torch._dynamo.trace_rules.get_legacy_mod_inlinelist.cache_clear()
+
+
+def compiled_autograd_as_stock(seed: int, python_reducer: bool, composable: bool = False, steps: int = 3) -> dict:
+    """Three SGD steps whose backward runs under compiled autograd (its graph compiled by dynamo, eager kernels),
+    in stock and minidp, built with ``optimize_ddp`` "python_reducer" or the default (``composable``: each library's
+    ``replicate``). Per wrapper, the first error its steps raised ("ok" if none), and per step the difference."""
+    import torch._dynamo.compiled_autograd
+    from torch.distributed._composable.replicate import replicate as torch_replicate
+
+    with _optimize_ddp("python_reducer" if python_reducer else True):
+        if composable:
+            torch.manual_seed(seed + dist.get_rank())
+            theirs_module = _tanh_mlp()
+            ours_module = copy.deepcopy(theirs_module)
+            theirs, ours = torch_replicate(theirs_module), md.replicate(ours_module)
+            with torch.no_grad():
+                for model in (theirs, ours):  # replicate builds its DDP at the first forward: in this mode
+                    model(_inputs(seed, -1, 5, 6))
+        else:
+            theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)
+    pairs = [("stock", theirs, theirs_module), ("minidp", ours, ours_module)]
+    optimizers = {name: torch.optim.SGD(module.parameters(), lr=0.1) for name, _, module in pairs}
+    raised = {"stock": "ok", "minidp": "ok"}
+    differences = []
+    for step in range(steps):
+        for name, model, module in pairs:
+            if raised[name] != "ok":
+                continue
+            optimizers[name].zero_grad()
+            try:  # the forward too: a reducer left waiting by the last backward raises there
+                loss = model(_inputs(seed, step, 5, 6)).pow(2).mean()
+                with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+                    loss.backward()
+            except RuntimeError as error:
+                raised[name] = f"{type(error).__name__}: {error}"
+                continue
+            optimizers[name].step()
+        differences.append(_difference(ours_module, theirs_module))
+    return {"raised": raised, "differences": differences}
 
 
 # ---- communication hooks ---------------------------------------------------------------------------

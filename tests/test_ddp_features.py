@@ -18,7 +18,7 @@ from .helpers import (
     RTOL_FLOAT64, TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP, assert_no_differences, cpu_ids, each_rank, job_fixture, run_job,
 )
 from minidp.distributed import RankFailed, launch
-from minidp.distributed.reducer import CREATE_GRAPH_WARNING
+from minidp.distributed.reducer import COMPILED_AUTOGRAD_REFUSED, CREATE_GRAPH_WARNING
 
 
 @pytest.fixture(autouse=True)
@@ -77,6 +77,8 @@ TWO_PROCESSES = {
     "compiled": (checks.compiled_as_stock, {}),
     "graph_splits": (checks.graph_splits_as_stock, {"composable": False}),
     "graph_splits_replicate": (checks.graph_splits_as_stock, {"composable": True}),
+    "compiled_autograd_refused": (checks.compiled_autograd_as_stock, {"python_reducer": False}),
+    "compiled_autograd_refused_replicate": (checks.compiled_autograd_as_stock, {"python_reducer": False, "composable": True}),
     "description": (checks.description_as_stock, {}),
     "post_accumulate_hooks": (checks.post_accumulate_grad_hooks_as_stock, {}),
     "backward_of_some_parameters": (checks.backward_of_some_parameters_with_find_unused, {}),
@@ -369,6 +371,16 @@ def test_dynamo_splits_the_compiled_module_at_the_buckets_as_for_stock(two, chec
         assert seen[1]["minidp"] == seen[1]["stock"] == 3, seen
         assert seen[25]["minidp"] == seen[25]["stock"] == 2, seen  # the default 1 MiB first bucket splits it once
         assert seen[1]["difference"] is seen[25]["difference"] is None, seen
+
+
+@pytest.mark.parametrize("check", ["compiled_autograd_refused", "compiled_autograd_refused_replicate"])
+def test_compiled_autograd_is_refused_as_stock_refuses_it_before_any_gradient(two, check):
+    # reducer.cpp: compiled autograd meeting the C++ reducer's hook raises (the default optimize_ddp); minidp's
+    # end-of-backward callback would never run there, leaving every rank with its own gradients. The same error,
+    # raised before any gradient is accumulated: every .grad still None, as stock's
+    for seen in each_rank(two, check):
+        assert seen["raised"]["minidp"] == seen["raised"]["stock"] == f"RuntimeError: {COMPILED_AUTOGRAD_REFUSED}"
+        assert seen["differences"] == [None] * 3
 
 
 # ---- communication hooks: _check_comm_hook (distributed.py:2462), _register_builtin_comm_hook (:2260) ----

@@ -42,6 +42,7 @@ write-back at the end.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 import warnings
@@ -69,6 +70,12 @@ CREATE_GRAPH_WARNING = (
 STATIC_GRAPH_USED_LATER = (
     "Your training graph has changed in this iteration, e.g., one parameter is unused in first iteration, but then "
     "got used in the second iteration. this is not compatible with static_graph set to True."
+)
+
+# reducer.cpp's error when compiled autograd meets its hooks (the compiled_args of its post-hook refuses to be traced
+# unless the Python reducer is on), the same words and type.
+COMPILED_AUTOGRAD_REFUSED = (
+    'Compiled autograd is not compatible with C++ DDP Reducer, please use torch._dynamo.config.optimize_ddp="python_reducer".'
 )
 
 # Timestamps: time.perf_counter() (monotonic, fine-grained), reported as seconds since the Unix
@@ -382,6 +389,7 @@ class Reducer:
         backward pass. The end-of-backward callback is queued here (as torch DDP's ``_DDPSink`` queues
         its own), so that it runs when that pass ends, not at the end of a re-entrant inner backward
         (``checkpoint(use_reentrant=True)``) in which some parameter's hook happens to fire first."""
+        refuse_compiled_autograd()  # here, before autograd accumulates any gradient, as torch's reducer refuses
         if self._backward_start is None:
             self._backward_start = time.perf_counter()
         if self._expect_hooks:
@@ -899,9 +907,27 @@ def _hook(reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
     def hook(_: torch.Tensor) -> None:
         live = ref()
         if live is not None:
+            refuse_compiled_autograd()  # a backward that did not start at an output of a synchronised forward
             live.autograd_hook(index)
 
     return hook
+
+
+def refuse_compiled_autograd() -> None:
+    """Raise torch's error if this backward runs under compiled autograd (``torch._dynamo.config.compiled_autograd=True``
+    around a compiled step, or ``torch._dynamo.compiled_autograd._enable(...)``).
+
+    There the reducer cannot work: compiled autograd turns the backward into one graph and runs the parameters' hooks
+    inside it, but not the callback queued on the autograd engine (:meth:`Reducer._queue_finish`), so the buckets
+    would be filled and launched and never waited for nor written back: every rank left with its own gradients, and
+    the next forward raising that the reduction did not finish. torch's C++ reducer refuses when compiled autograd
+    collects its hook; in Python the first place to see it is the hook, which the compiled graph calls with this flag
+    set (compiled_autograd.py's runtime wrapper sets it around the graph, while the graph is compiled and while it
+    runs): the hook on the forward's outputs, which runs before any gradient is accumulated, and each parameter's, for
+    a backward that does not start there. Dynamo not imported: nothing is compiled."""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled_autograd is not None and compiled_autograd.in_compiled_autograd_region:
+        raise RuntimeError(COMPILED_AUTOGRAD_REFUSED)
 
 
 def _remove(handles: list) -> None:
