@@ -79,6 +79,8 @@ TWO_PROCESSES = {
     "graph_splits_replicate": (checks.graph_splits_as_stock, {"composable": True}),
     "compiled_autograd_refused": (checks.compiled_autograd_as_stock, {"python_reducer": False}),
     "compiled_autograd_refused_replicate": (checks.compiled_autograd_as_stock, {"python_reducer": False, "composable": True}),
+    "python_reducer": (checks.compiled_autograd_as_stock, {"python_reducer": True}),
+    "python_reducer_replicate": (checks.compiled_autograd_as_stock, {"python_reducer": True, "composable": True}),
     "description": (checks.description_as_stock, {}),
     "post_accumulate_hooks": (checks.post_accumulate_grad_hooks_as_stock, {}),
     "backward_of_some_parameters": (checks.backward_of_some_parameters_with_find_unused, {}),
@@ -380,6 +382,15 @@ def test_compiled_autograd_is_refused_as_stock_refuses_it_before_any_gradient(tw
     # raised before any gradient is accumulated: every .grad still None, as stock's
     for seen in each_rank(two, check):
         assert seen["raised"]["minidp"] == seen["raised"]["stock"] == f"RuntimeError: {COMPILED_AUTOGRAD_REFUSED}"
+        assert seen["differences"] == [None] * 3
+
+
+@pytest.mark.parametrize("check", ["python_reducer", "python_reducer_replicate"])
+def test_python_reducer_under_compiled_autograd_trains_as_stock_bitwise(two, check):
+    # distributed.py, optimize_ddp="python_reducer": _register_accum_grad_hook's per-parameter all-reduce, traced
+    # by compiled autograd; three steps, bitwise stock's
+    for seen in each_rank(two, check):
+        assert seen["raised"] == {"stock": "ok", "minidp": "ok"}
         assert seen["differences"] == [None] * 3
 
 

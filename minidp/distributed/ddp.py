@@ -41,7 +41,7 @@ from ..torch_versions import DDP_DEPRECATES_BROADCAST_BUFFERS
 from ..wrapper import DataParallel
 from .batchnorm import attach_exchange, check_torch_sync_batchnorm
 from .broadcast import broadcast_from, broadcast_from_rank0
-from .buckets import BucketCaps
+from .buckets import MIB, BucketCaps
 from .checks import (
     IGNORED_ATTRIBUTE, check_one_device_type, check_same_model, collectives_on, ignored_names, reducer_candidates,
     reducer_parameters, sparse_gradient_flags, synced_tensors,
@@ -51,7 +51,7 @@ from .isinstance_only import refuse_inherited
 from .join import DDPJoinHook, common_rank, sync_backward_vote
 from .logging_data import LoggingData
 from .mixed_precision import MixedPrecision, allreduce_and_upcast, check_mixed_precision
-from .reducer import Reducer
+from .reducer import Reducer, python_reducer_mode
 
 DeviceLike = Union[int, str, torch.device]
 
@@ -134,6 +134,11 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         refuse_unsupported(
             delay_all_reduce_named_params=delay_all_reduce_named_params, param_to_hook_all_reduce=param_to_hook_all_reduce,
         )
+        # torch._dynamo.config.optimize_ddp="python_reducer", read at construction as torch DDP reads it: the gradients
+        # reduced by per-parameter hooks that compiled autograd can trace (_register_accum_grad_hook)
+        self._use_python_reducer = python_reducer_mode()
+        if self._use_python_reducer:
+            refuse_with_python_reducer(mixed_precision, bucket_cap_mb_list)
         if mixed_precision is not None:
             check_mixed_precision(mixed_precision)
             if device_ids is not None and len(device_ids) > 1:
@@ -166,6 +171,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.static_graph = static_graph
         self._ddp_sink_clone = True  # the outputs cloned where torch's _DDPSink clones them (_after_module)
+        self._comm_hooks: list[tuple[CommHook, object]] = []  # what register_comm_hook registered, for the Python reducer
         self.device_ids = None if device_ids is None or len(device_ids) == 0 else list(device_ids)  # [] as torch: None
         self.output_device = output_device
         self.mixed_precision = mixed_precision
@@ -310,6 +316,11 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         if mixed is not None:
             self.__dict__["_mixed"] = MixedPrecision(mixed, self.module, self.parameters_to_ignore, self.process_group)
             self.register_comm_hook(self._mixed, allreduce_and_upcast)
+        if self._use_python_reducer:
+            # The buckets stay for what reads them (bucket_plan, the logging data) and reduce nothing, as torch's C++
+            # reducer does in this mode (its forward never prepares it for a backward): the Python hooks reduce.
+            self.reducer._remove_autograd_hooks()
+            self._register_accum_grad_hook()
 
     # ---- pickling: torch.save, copy.deepcopy ------------------------------------------------
 
@@ -323,7 +334,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                 "constructor"
             )
         state = dict(self.__dict__)
-        for transient in ("process_group", "reducer", "_replicas", "_mixed"):
+        for transient in ("process_group", "reducer", "_replicas", "_mixed", "_accum_grad_hooks", "_comm_hooks"):
             state.pop(transient, None)
         return state
 
@@ -346,6 +357,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.__dict__.setdefault("batched_grad_copy", False)
         self.__dict__.setdefault("skip_all_reduce_unused_params", False)
         self.__dict__.setdefault("mixed_precision", None)
+        self.__dict__.setdefault("_use_python_reducer", False)
+        self._comm_hooks = []  # the reducer is new: no hook registered on it yet
         self.process_group = process_group
         self.__dict__.setdefault("require_forward_param_sync", True)
         self.__dict__.setdefault("require_backward_grad_sync", True)
@@ -391,6 +404,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         """What DDP does before the module's forward (torch's ``_pre_forward``): prepare the reducer, sync the
         buffers, cast to low precision; whether this forward records a graph, and the inputs to give the module.
         :func:`minidp.distributed.replicate` calls it from a forward pre-hook."""
+        if self._use_python_reducer:  # as torch's _pre_forward: nothing to prepare, the hooks reduce by themselves
+            return False, inputs, kwargs
         recording = self._before_module()
         if self._mixed is not None:  # the parameters and inputs in low precision (minidp.distributed.mixed_precision)
             self._mixed.to_low_precision(recording)
@@ -403,6 +418,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
     def leave_forward(self, output: Any, recording: bool) -> Any:
         """What DDP does after the module's forward (torch's ``_post_forward``): the next backward reduces if this
         forward recorded and syncs (searching ``output``'s graph with ``find_unused_parameters``)."""
+        if self._use_python_reducer:  # as torch's _post_forward
+            return output
         if self._mixed is not None and not recording:
             self._mixed.after_unrecorded_forward()
         return self._after_module(output, recording)
@@ -467,6 +484,40 @@ class DistributedDataParallel(TorchDistributedDataParallel):
             futures = hook(state, buffers)
         if futures is not None:
             self.reducer._install_post_backward_futures(futures)
+
+    def _register_accum_grad_hook(self) -> None:
+        """The Python reducer (``torch._dynamo.config.optimize_ddp="python_reducer"``; torch DDP's method of this name,
+        the same arithmetic): a post-accumulate-grad hook on each parameter that requires grad, which divides its
+        gradient by the world size and all-reduces it at once, alone, with a functional collective, or hands
+        ``(param.grad, param)`` to each hook ``register_comm_hook`` registered (not a bucket: such a hook must be written
+        for it). No buckets, no end-of-backward callback: everything is in the hooks, which compiled autograd traces
+        into its graph, where the C++-style reducer's callback would never run (:func:`~.reducer.in_compiled_autograd`).
+        Under inductor, its pass that fuses these all-reduces into buckets of ``bucket_cap_mb`` does the bucketing, as
+        torch DDP switches it on here. Nothing else of DDP's forward runs in this mode (as torch's): no buffer
+        broadcast, no search for unused parameters (a parameter that gets no gradient is not reduced), no ``join()``."""
+        import torch._inductor.config
+        import torch.distributed._functional_collectives as fcol
+
+        torch._inductor.config._fuse_ddp_communication = True
+        torch._inductor.config._fuse_ddp_bucket_size = self.bucket_bytes_cap / MIB  # bucket_cap_mb (25 by default)
+        ddp_ref = weakref.ref(self)  # as the reducer's hooks: a dropped wrapper stops reducing
+
+        def compiled_accum_grad_hook(param: nn.Parameter) -> None:
+            ddp = ddp_ref()
+            if ddp is None or not ddp.require_backward_grad_sync or param.grad is None:
+                return
+            if ddp._comm_hooks:
+                for hook, state in ddp._comm_hooks:
+                    hook(state, (param.grad, param))
+            else:
+                # a division, as torch's Python reducer (its C++ one multiplies by 1/world_size: see the reducer)
+                gradient = param.grad / ddp.process_group.size()
+                param.grad.copy_(fcol.all_reduce(gradient, "sum", ddp.process_group))
+
+        self.__dict__["_accum_grad_hooks"] = [
+            param.register_post_accumulate_grad_hook(compiled_accum_grad_hook)
+            for param in self._module_parameters if param.requires_grad
+        ]
 
     def _setup_in_backward_optimizers(self) -> None:
         """If parameters DDP reduces were given optimizers by ``torch.distributed.optim._apply_optimizer_in_backward``,
@@ -567,6 +618,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         with self._errors_logged():
             check_comm_hook(hook)
             self.reducer.register_comm_hook(state, hook)
+        self._comm_hooks.append((hook, state))
         self._logging.entries["comm_hook"] = getattr(hook, "__qualname__", type(hook).__qualname__)
 
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
@@ -662,6 +714,20 @@ def refuse_unsupported(**arguments: Any) -> None:
             f"minidp's DistributedDataParallel does not implement {', '.join(given)} (torch DDP's; the rest of its "
             f"arguments work): leave {'it' if len(given) == 1 else 'them'} unset, or use "
             f"torch.nn.parallel.DistributedDataParallel for this model"
+        )
+
+
+def refuse_with_python_reducer(mixed_precision: Optional[Any], bucket_cap_mb_list: Optional[list[float]]) -> None:
+    """Raise for what the Python reducer cannot do: per-bucket caps (torch's refusal, its type and words), and
+    ``mixed_precision``, whose casts are steps of the forward this mode skips; torch DDP then trains in full precision
+    without a word, minidp says so."""
+    if bucket_cap_mb_list:
+        raise AssertionError("when using bucket_cap_mb_list, python reducer is not supported")
+    if mixed_precision is not None:
+        raise NotImplementedError(
+            'mixed_precision with torch._dynamo.config.optimize_ddp="python_reducer": in that mode DDP\'s forward '
+            'does nothing around the module, so nothing would be cast (torch DDP trains in full precision then). Cast '
+            'the module and its inputs yourself, or use another optimize_ddp mode'
         )
 
 

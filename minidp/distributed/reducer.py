@@ -913,6 +913,13 @@ def _hook(reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
     return hook
 
 
+def python_reducer_mode() -> bool:
+    """Whether ``torch._dynamo.config.optimize_ddp`` is ``"python_reducer"`` (torch DDP reads it at construction,
+    ``torch._dynamo.utils.get_optimize_ddp_mode()``). Dynamo not imported: nobody set it."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo is not None and dynamo.utils.get_optimize_ddp_mode() == "python_reducer"
+
+
 def refuse_compiled_autograd() -> None:
     """Raise torch's error if this backward runs under compiled autograd (``torch._dynamo.config.compiled_autograd=True``
     around a compiled step, or ``torch._dynamo.compiled_autograd._enable(...)``).
