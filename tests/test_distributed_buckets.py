@@ -61,6 +61,18 @@ def test_default_caps_are_25_mib_with_a_1_mib_first_bucket_and_explicit_caps_app
     assert BucketCaps.from_mb(0) == BucketCaps(first=0, cap=0)  # torch takes 0: a bucket per parameter
 
 
+@pytest.mark.skipif(not hasattr(torch.nn.parallel.distributed, "_BucketCapacityConfig"),
+                    reason="this torch's DDP has no bucket_cap_mb_list (_BucketCapacityConfig) to compare with")
+@pytest.mark.parametrize("bucket_cap_mb, bucket_cap_mb_list", [(None, [1, 4, 2]), (0.5, [3, 0.25]), (None, None), (2, None)])
+def test_caps_equal_torchs_bucket_capacity_config_the_largest_of_a_list_the_cap(bucket_cap_mb, bucket_cap_mb_list):
+    # distributed.py, _BucketCapacityConfig.create: with bucket_cap_mb_list the cap (DDP's bucket_bytes_cap, in its
+    # logging data) is the largest of the list, and the first bucket's limit is that cap too
+    stock = torch.nn.parallel.distributed._BucketCapacityConfig.create(bucket_cap_mb, bucket_cap_mb_list, False)
+    caps = BucketCaps.from_mb(bucket_cap_mb, bucket_cap_mb_list)
+    assert (caps.cap, caps.first, caps.per_bucket) == (
+        stock.bucket_bytes_cap, stock.first_bucket_bytes_cap, stock.per_bucket_bytes_caps)
+
+
 def test_a_zero_cap_closes_every_bucket_at_its_first_tensor_as_torchs_plan_does():
     tensors = [torch.empty(n) for n in (10, 10, 100, 10)]
     expected, _ = dist._compute_bucket_assignment_by_size(tensors, [0])
