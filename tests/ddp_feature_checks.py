@@ -199,6 +199,21 @@ def pickling_with_a_subgroup(seed: int) -> dict:
     return errors
 
 
+def subgroup_without_rank_0_as_stock(seed: int) -> dict:
+    """Both wrappers on a group of the ranks after 0 (global and group ranks differ), trained as
+    :func:`tests.ddp_checks.against_torch` trains them: the rebuilt plan is broadcast from the group's rank 0, which is
+    not global rank 0. Rank 0 is outside the group (no differences); an error is reported as a difference."""
+    group = dist.new_group(list(range(1, dist.get_world_size())))
+    if dist.get_rank() == 0:
+        return {"differences": []}
+    from .ddp_checks import against_torch
+
+    try:
+        return against_torch(seed, model="resnet_bn", bucket_cap_mb=0.001, process_group=group)
+    except Exception as error:  # every rank of the group meets it alike: reported, not raised into the job
+        return {"differences": [f"raised {type(error).__name__}: {error}"]}
+
+
 # ---- second-order gradients -----------------------------------------------------------------------
 
 
@@ -864,14 +879,18 @@ def static_graph_set_late(seed: int) -> dict:
 
 
 def uneven_inputs_as_stock(seed: int, model: str = "tanh_mlp", through: str = "join", batches: Optional[Sequence[int]] = None,
-                           static: Optional[str] = None, **join_options: Any) -> dict:
+                           static: Optional[str] = None, bucket_cap_mb: Optional[float] = None,
+                           **join_options: Any) -> dict:
     """Rank r trains on ``batches[r]`` batches (default 2 + 2r) inside ``ddp.join(**join_options)`` (``through="Join"``:
     ``Join([ddp], **join_options)``), stock then minidp, a static graph if ``static`` says how (``"static_graph"``:
-    the argument, ``"set_static_graph"``: ``_set_static_graph()`` after construction): the first difference between
+    the argument, ``"set_static_graph"``: ``_set_static_graph()`` after construction), ``bucket_cap_mb`` as given to
+    both wrappers (default theirs): the first difference between
     the two models after the context, and each one's error if it raised."""
     build = {"tanh_mlp": _tanh_mlp, "batch_norm": lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)),
              "partly_used": _PartlyUsedBy0}[model]
     options = {"find_unused_parameters": True} if model == "partly_used" else {}
+    if bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = bucket_cap_mb
     theirs, ours, theirs_module, ours_module = _pair(build, seed, **options, **({"static_graph": True} if static ==
                                                                               "static_graph" else {}))
     if static == "set_static_graph":

@@ -118,6 +118,8 @@ TWO_PROCESSES = {
     "join_batch_norm": (checks.uneven_inputs_as_stock, {"model": "batch_norm"}),
     "join_find_unused": (checks.uneven_inputs_as_stock, {"model": "partly_used"}),
     "join_throw": (checks.uneven_inputs_as_stock, {"throw_on_early_termination": True}),
+    # a bucket per parameter once rebuilt; rank 0 joins after its first backward, before it installs that plan
+    "join_rebuilt_small_buckets": (checks.uneven_inputs_as_stock, {"batches": (1, 3), "bucket_cap_mb": 0.0001}),
     # a static graph, a rank out of data after its first backward (which only counts hooks) or its second
     **{f"join_{static}_{'_'.join(map(str, batches))}": (checks.uneven_inputs_as_stock, {"static": static, "batches": batches})
        for static in ("static_graph", "set_static_graph") for batches in ((1, 3), (3, 1), (2, 3))},
@@ -172,6 +174,7 @@ THREE_PROCESSES = {
     "join_static_graph_1_4_2": (checks.uneven_inputs_as_stock, {"static": "static_graph", "batches": (1, 4, 2)}),
     "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
     "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
+    "subgroup_without_rank_0": (checks.subgroup_without_rank_0_as_stock, {}),
 }
 
 
@@ -530,6 +533,14 @@ def test_uneven_inputs_under_join_end_with_stocks_model_on_every_rank(two, check
         assert result["difference"] is None
 
 
+def test_a_rank_that_joins_before_installing_the_rebuilt_plan_shadows_its_buckets_as_stock(two):
+    # _DDPJoinHook.main_hook starts with reducer._rebuild_buckets(): the plan rebuilt after rank 0's only backward
+    # (a bucket per parameter) is the one the ranks still training all-reduce by, and the one rank 0 must shadow
+    for result in each_rank(two, "join_rebuilt_small_buckets"):
+        assert result["errors"] == {}
+        assert result["difference"] is None
+
+
 @pytest.mark.parametrize("check", [f"join_{static}_{batches}" for static in ("static_graph", "set_static_graph")
                                    for batches in ("1_3", "3_1", "2_3")])
 def test_uneven_inputs_in_a_static_graph_end_with_stocks_model_on_every_rank(two, check):
@@ -807,6 +818,12 @@ def test_a_mesh_sliced_from_a_larger_one_averages_over_its_ranks_as_stock(two):
     # distributed.py: a device_mesh whose root mesh is larger goes through _pre_dp_module_transform (DTensor
     # parameters made local around the forward; none here) and DDP averages over the slice's group
     assert_no_differences(two, "device_mesh_slice")
+
+
+def test_a_process_group_without_global_rank_0_trains_as_stock_its_rebuilt_plan_from_the_groups_first_rank(three):
+    # reducer.cpp, sync_bucket_indices: the rebuilt plan is broadcast from the group's rank 0 (global rank 1 here);
+    # small buckets, so that the plan has several and the rebuild matters
+    assert_no_differences(three, "subgroup_without_rank_0")
 
 
 def test_a_sliced_mesh_with_tensor_parallel_parameters_is_refused_with_the_way_out(two):
