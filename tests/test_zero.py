@@ -38,6 +38,7 @@ TWO_PROCESSES = {
     **TRAINING,
     "bucket_view_sgd": (checks.against_torch, {"optimizer": "sgd", "parameters_as_bucket_view": True}),
     "bucket_view_adamw": (checks.against_torch, {"optimizer": "adamw", "parameters_as_bucket_view": True, "wrapper": "torch"}),
+    "bucket_view_unfrozen": (checks.unfrozen_under_bucket_view, {}),
     "add_param_group": (checks.add_param_group, {}),
     "add_param_group_after_lr_change": (checks.add_param_group, {"optimizer": "sgd", "lr_changed_first": True}),
     "closure": (checks.closure, {}),
@@ -65,6 +66,7 @@ THREE_PROCESSES = {
     "state_memory": (checks.state_memory, {}),
     "failing_step": (checks.failing_step, {"failing_rank": 2}),
     "alone_under_join": (checks.alone_under_join, {}),
+    "subgroup_without_rank_0": (checks.subgroup_without_rank_0, {}),
 }
 
 
@@ -122,6 +124,12 @@ def test_parameters_as_bucket_view_equals_torch_and_keeps_each_share_in_one_buck
         assert all(result["in_owners_bucket"] for result in each_rank(results, check))
 
 
+def test_a_parameter_unfrozen_under_bucket_view_joins_its_owners_bucket_and_is_broadcast_as_torchs(two):
+    # ZRO step: when the trainable mask changed, the buckets are rebuilt (_build_param_buckets); a weight frozen at
+    # construction and unfrozen later is updated by its owner and must reach the other ranks
+    assert_same_as_torch(two, "bucket_view_unfrozen")
+
+
 def test_add_param_group_deals_out_the_new_group_as_torch_does(two, three):
     # ZRO add_param_group (lines 467-511): the new group's parameters partitioned after the others'
     for results in (two, three):
@@ -141,6 +149,13 @@ def test_step_with_a_closure_returns_its_loss_and_equals_torch(two):
     assert_same_as_torch(two, "closure")
     for result in each_rank(two, "closure"):
         assert all(ours == theirs for ours, theirs in result["losses"])
+
+
+def test_a_process_group_without_global_rank_0_trains_and_consolidates_as_torchs(three):
+    # ZRO step and consolidate_state_dict: each share is broadcast from its owner's global rank, and the state dicts
+    # meet on the group's rank ``to``, not the global rank of that number
+    assert_same_as_torch(three, "subgroup_without_rank_0")
+    assert [result["same_state_dict"] for result in each_rank(three, "subgroup_without_rank_0")] == [None, True, None]
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

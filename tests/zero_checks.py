@@ -138,6 +138,35 @@ def against_torch(
     }
 
 
+def unfrozen_under_bucket_view(seed: int, steps: int = 4, unfrozen_at: int = 2) -> dict:
+    """``parameters_as_bucket_view=True`` with the first weight frozen at construction (left out of the buckets) and
+    unfrozen before step ``unfrozen_at``: from then on its owner updates it and must send it to the others, so the
+    buckets are rebuilt at that step (ZRO step: the trainable mask changed). No DDP: each rank steps from the
+    gradients of its own batch. After every step the first difference, as in :func:`against_torch`."""
+    optimizer_class, defaults = OPTIMIZERS["sgd"]
+    torch.manual_seed(seed)  # the same weights on every rank: the optimizers alone keep them equal
+    theirs = varied()
+    ours = copy.deepcopy(theirs)
+    frozen = [module[0].weight for module in (ours, theirs)]
+    for weight in frozen:
+        weight.requires_grad_(False)
+    zeros = [md.ZeroRedundancyOptimizer(ours.parameters(), optimizer_class, parameters_as_bucket_view=True, **defaults),
+             TorchZero(theirs.parameters(), optimizer_class, parameters_as_bucket_view=True, **defaults)]
+    differences = []
+    with warnings.catch_warnings():  # torch's warns that the trainable parameters changed
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            if step == unfrozen_at:
+                for weight in frozen:
+                    weight.requires_grad_(True)
+            for module, zero in zip((ours, theirs), zeros):
+                zero.zero_grad()
+                module(_batch(seed, step, dist.get_rank(), torch.float32)).pow(2).mean().backward()
+                zero.step()
+            differences.append(_difference(ours, theirs, *zeros))
+    return {"differences": differences}
+
+
 def closure(seed: int, steps: int = 3) -> dict:
     """``step(closure)``: the closure (forward and backward under DDP) runs inside the local step, on every
     rank; the returned losses and the parameters and state after each step, against torch's."""
@@ -215,6 +244,38 @@ def checkpoint(seed: int, to: int, optimizer: str = "adamw") -> dict:
     for step in range(2, 4):
         _train_step([(ours_ddp, fresh[0]), (theirs_ddp, fresh[1])], seed, step, torch.float64)
         result["differences"].append(_difference(ours, theirs, *fresh))
+    return result
+
+
+def subgroup_without_rank_0(seed: int, steps: int = 3) -> dict:
+    """Both optimizers (each under its own library's DDP) on a group of the ranks after 0, where global and group
+    ranks differ: each share is broadcast from its owner's global rank, and consolidate_state_dict(to=0) gathers on
+    the group's rank 0 (global rank 1). After every step the first difference, as in :func:`against_torch`; the state
+    dicts compared on the group's rank 0. Rank 0 is outside the group; an error is reported as a difference."""
+    group = dist.new_group(list(range(1, dist.get_world_size())))
+    result: dict[str, Any] = {"differences": [], "same_state_dict": None}
+    if dist.get_rank() == 0:
+        return result
+    optimizer_class, defaults = OPTIMIZERS["adamw"]
+    torch.manual_seed(seed + dist.get_rank())  # the DDP constructors must broadcast the group's first rank's
+    theirs = varied()
+    ours = copy.deepcopy(theirs)
+    try:
+        with warnings.catch_warnings():  # torch 2.13 deprecates the name broadcast_buffers (same meaning)
+            warnings.simplefilter("ignore", FutureWarning)
+            ours_ddp = md.DistributedDataParallel(ours, process_group=group)
+            theirs_ddp = TorchDDP(theirs, process_group=group)
+        zeros = [md.ZeroRedundancyOptimizer(_groups(ours, defaults["lr"]), optimizer_class, process_group=group, **defaults),
+                 TorchZero(_groups(theirs, defaults["lr"]), optimizer_class, process_group=group, **defaults)]
+        for step in range(steps):
+            _train_step([(ours_ddp, zeros[0]), (theirs_ddp, zeros[1])], seed, step, torch.float32)
+            result["differences"].append(_difference(ours, theirs, *zeros))
+        for zero in zeros:
+            zero.consolidate_state_dict(to=0)
+        if dist.get_rank(group) == 0:
+            result["same_state_dict"] = _same_value(*(zero.state_dict() for zero in zeros))
+    except Exception as error:  # every rank of the group meets it alike: reported, not raised into the job
+        result["differences"].append(f"raised {type(error).__name__}: {error}")
     return result
 
 
