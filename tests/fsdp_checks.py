@@ -524,6 +524,110 @@ def optimizer_checkpoint(seed: int, mesh: Optional[tuple[int, ...]] = None) -> d
     return results
 
 
+class ColumnDecay(torch.optim.Optimizer):
+    """SGD with momentum that also keeps, for a matrix, a statistic per column: a plain 1-D state of the optimizer's
+    own making, not shaped like the parameter (as Adafactor's factored second moment is not), which FSDP2's
+    optimizer keeps as the plain tensor it is."""
+
+    def __init__(self, params: Any, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                momentum = state.setdefault("momentum", torch.zeros_like(p))
+                momentum.mul_(0.9).add_(p.grad)
+                p.add_(momentum, alpha=-group["lr"])
+                if p.dim() == 2:
+                    state.setdefault("column_scale", torch.ones(p.size(-1), dtype=p.dtype)).mul_(0.5)
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int, step: int) -> None:
+    batch = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + dist.get_rank()))
+    model(batch).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def optimizer_state_unlike_the_parameter(seed: int, steps: int = 2) -> dict[str, Any]:
+    """:class:`ColumnDecay` on minidp's shards and on FSDP2's, trained alike: the first difference between their
+    ``optimizer.state_dict()`` (``alike``: None), the per-column state plain in both, the momentum FSDP2's DTensor."""
+    torch.manual_seed(seed)
+    theirs = Net()
+    ours = shard(copy.deepcopy(theirs), md.fully_shard, True)
+    shard(theirs, torch_fully_shard, True)
+    pairs = [(model, ColumnDecay(model.parameters())) for model in (ours, theirs)]
+    for step in range(steps):
+        for model, optimizer in pairs:
+            _train_step(model, optimizer, seed, step)
+    ours_state, theirs_state = (optimizer.state_dict() for _, optimizer in pairs)
+    return {"alike": state_difference(ours_state, theirs_state),
+            "column_scale": [type(state["state"][2]["column_scale"]).__name__ for state in (ours_state, theirs_state)]}
+
+
+def whole_optimizer_state_loaded_by_hand(seed: int) -> dict[str, Any]:
+    """FSDP2's whole optimizer state dict (AdamW, two steps; matrices cut along their columns where the ranks divide
+    them) loaded with ``optimizer.load_state_dict`` into minidp's optimizer, trained alike, which cuts this rank's
+    rows out of each whole tensor; then every tensor of the loaded dict changed in place. ``owned``: the state
+    tensors that are not a contiguous tensor holding its own bytes, as FSDP2's local state is (a view would keep the
+    whole tensor alive, and be strided where cut along dim 1); ``resumed``: the first difference from FSDP2 after
+    one more step of each (the change to the loaded dict must not reach the optimizer)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    arguments = sharding_arguments(placement=True)
+    torch.manual_seed(seed)
+    theirs = MODELS["wide"]()
+    ours = shard(copy.deepcopy(theirs), md.fully_shard, True, **arguments)
+    shard(theirs, torch_fully_shard, True, **arguments)
+    pairs = [(model, OPTIMIZERS["adamw"](model.parameters())) for model in (ours, theirs)]
+    for step in range(2):
+        for model, optimizer in pairs:
+            _train_step(model, optimizer, seed, step)
+    whole = get_optimizer_state_dict(*pairs[1], options=StateDictOptions(full_state_dict=True))
+    loaded = copy.deepcopy(whole)  # as read from a file, keyed by the parameters' names
+    names = [name for name, _ in ours.named_parameters()]
+    optimizer = pairs[0][1]
+    optimizer.load_state_dict({"state": {names.index(name): state for name, state in loaded["state"].items()},
+                               "param_groups": [{**group, "params": [names.index(n) for n in group["params"]]}
+                                                for group in loaded["param_groups"]]})
+    not_owned = [f"{name} {key}" for name, param in ours.named_parameters() for key in ("exp_avg", "exp_avg_sq")
+                 if not (optimizer.state[param][key].is_contiguous() and optimizer.state[param][key].untyped_storage(
+                 ).nbytes() == optimizer.state[param][key].numel() * optimizer.state[param][key].element_size())]
+    for state in loaded["state"].values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key].add_(1.0)
+    for model, optimizer in pairs:
+        _train_step(model, optimizer, seed, 2)
+    return {"not_owned": not_owned, "resumed": first_difference(ours, theirs, tuple(o for _, o in pairs))}
+
+
+def param_group_added_after_a_step(seed: int, steps: int = 2) -> dict[str, Any]:
+    """An optimizer built on the ignored (unsharded) head only, stepped, then given every sharded parameter by
+    ``add_param_group`` and stepped again, in minidp and in FSDP2: the first difference between their
+    ``optimizer.state_dict()`` (``alike``: None; FSDP2's state of the added shards is DTensors) and after the
+    steps (``differences``)."""
+    torch.manual_seed(seed)
+    theirs = Net()
+    ours = shard(copy.deepcopy(theirs), md.fully_shard, True, ignored=("head.weight", "head.bias"))
+    shard(theirs, torch_fully_shard, True, ignored=("head.weight", "head.bias"))
+    pairs = [(model, OPTIMIZERS["adamw"](model.head.parameters())) for model in (ours, theirs)]
+    differences = []
+    for step in range(steps):
+        if step == 1:
+            for model, optimizer in pairs:
+                optimizer.add_param_group({"params": [p for name, p in model.named_parameters()
+                                                      if not name.startswith("head.")]})
+        for model, optimizer in pairs:
+            _train_step(model, optimizer, seed, step)
+        differences.append(first_difference(ours, theirs, tuple(optimizer for _, optimizer in pairs)))
+    return {"alike": state_difference(*(optimizer.state_dict() for _, optimizer in pairs)),
+            "differences": differences}
+
+
 def _functions_of(module: Any) -> list[Callable]:
     """The functions a module defines, at its top level and in its classes (the originals of wrapped ones)."""
     found = []

@@ -137,6 +137,9 @@ TWO_PROCESSES = {
     "optimizer_in_backward": (checks.optimizer_in_backward, {}),
     "checkpoint": (checks.checkpoint_round_trip, {}),
     "optimizer_checkpoint": (checks.optimizer_checkpoint, {}),
+    "optimizer_state_unlike_the_parameter": (checks.optimizer_state_unlike_the_parameter, {}),
+    "whole_optimizer_state_loaded_by_hand": (checks.whole_optimizer_state_loaded_by_hand, {}),
+    "param_group_added_after_a_step": (checks.param_group_added_after_a_step, {}),
     "compiled": (checks.compiled_as_eager, {}),
     "clip-2": (checks.clips_as_fsdp2, {"norm_type": 2.0, "dtype": torch.float32}),
     "clip-1": (checks.clips_as_fsdp2, {"norm_type": 1.0}),
@@ -815,6 +818,36 @@ def test_an_optimizer_state_dict_loaded_before_the_first_step_becomes_rows_again
     # a resumed job loads before it steps: the DTensors torch.save kept become this rank's rows at the first step
     for rank, result in enumerate(each_rank(two, "optimizer_checkpoint")):
         assert result["loaded_before_a_step"] is None, f"rank {rank}: {result['loaded_before_a_step']}"
+
+
+
+def test_optimizer_state_not_shaped_like_the_parameter_stays_plain_in_the_state_dict_as_fsdp2s(two):
+    # a per-column statistic of a matrix's own making (as Adafactor's factored moments are not shaped like it) is no
+    # rows of the parameter: FSDP2's optimizer keeps it plain, and so must the state dict; the momentum beside it is
+    # FSDP2's DTensor
+    for rank, result in enumerate(each_rank(two, "optimizer_state_unlike_the_parameter")):
+        assert result["alike"] is None, f"rank {rank}: {result['alike']}"
+        assert result["column_scale"] == ["Tensor", "Tensor"], f"rank {rank}"
+
+
+def test_rows_cut_from_a_loaded_whole_optimizer_state_are_contiguous_and_hold_their_own_bytes(two):
+    # a view would keep the whole tensor alive, and be strided where a matrix is cut along dim 1 (shard_placement_fn)
+    for rank, result in enumerate(each_rank(two, "whole_optimizer_state_loaded_by_hand")):
+        assert result["not_owned"] == [], f"rank {rank}: {result['not_owned']}"
+
+
+def test_changing_a_loaded_whole_optimizer_state_dict_in_place_leaves_the_optimizer_as_fsdp2s(two):
+    # the rows are copies: the next step is bitwise FSDP2's, which never saw the change
+    for rank, result in enumerate(each_rank(two, "whole_optimizer_state_loaded_by_hand")):
+        assert result["resumed"] is None, f"rank {rank}: {result['resumed']}"
+
+
+def test_shards_added_by_add_param_group_after_a_step_are_dtensors_in_the_state_dict_as_fsdp2s(two):
+    # the optimizer held no shard at its first step (the ignored head only): the step pre-hook must look again when
+    # its parameters change in number, or the added shards' state stays plain rows in its state dict
+    for rank, result in enumerate(each_rank(two, "param_group_added_after_a_step")):
+        assert result["differences"] == [None, None], f"rank {rank}: {result['differences']}"
+        assert result["alike"] is None, f"rank {rank}: {result['alike']}"
 
 
 @pytest.mark.parametrize("world", ["two", "three"])
