@@ -92,7 +92,7 @@ def against_torch(seed: int, **kwargs: Any) -> dict:
 
 
 def the_module_stays_itself(seed: int) -> dict:
-    """What replicate leaves of the module: its class (a subclass of its own), its state-dict keys, a slice of a
+    """What replicate leaves of the module: its class (a subclass of its own, and its name), its state-dict keys, a slice of a
     replicated Sequential (of the plain class, as torch's), ``copy.deepcopy`` (refused, as torch's), and what
     ``replicate.state`` says of a module replicate was not applied to (torch's contract: ``None``)."""
     results = {}
@@ -107,7 +107,8 @@ def the_module_stays_itself(seed: int) -> dict:
             copied = "copied"
         except AssertionError as error:
             copied = str(error)
-        results[library] = {"is_net": isinstance(model, Net), "keys": list(model.state_dict()) == keys,
+        results[library] = {"class": type(model).__name__, "is_net": isinstance(model, Net),
+                            "keys": list(model.state_dict()) == keys,
                             "slice": type(sequential[1:]).__name__, "deepcopy": copied,
                             "state_elsewhere": replicate.state(nn.Linear(2, 2))}
     return results

@@ -67,7 +67,7 @@ def test_the_replicated_module_keeps_its_class_and_state_dict_keys_and_refuses_d
     for result in each_rank(two, "itself"):
         assert result["minidp"]["is_net"] and result["minidp"]["keys"]
         assert result["minidp"] == result["torch"]
-        assert result["minidp"]["slice"] == "Sequential"
+        assert result["minidp"]["slice"] == "Sequential" and result["minidp"]["class"] == "DDPNet"
         assert result["minidp"]["deepcopy"].startswith("DDP does not support deepcopy")
         assert result["minidp"]["state_elsewhere"] is None
 

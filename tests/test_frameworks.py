@@ -45,9 +45,9 @@ JOBS = {
 DDP_CLASSES = {"torch": "torch.nn.parallel.distributed.DistributedDataParallel",
                "minidp": "minidp.distributed.ddp.DistributedDataParallel"}
 SHARDED_CLASSES = {"torch": "torch.distributed.fsdp._fully_shard._fsdp_init.FSDPBlocks",
-                   "minidp": "minidp.distributed.fully_shard.ShardedBlocks"}
+                   "minidp": "minidp.distributed.fully_shard.FSDPBlocks"}
 REPLICATED_CLASSES = {"torch": "torch.distributed._composable.replicate.DDPBlocks",
-                      "minidp": "minidp.distributed.replicate.ReplicatedBlocks"}
+                      "minidp": "minidp.distributed.replicate.DDPBlocks"}
 
 
 def run_job(job: str, wrapper: str, directory: Path) -> list[dict]:

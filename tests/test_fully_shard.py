@@ -283,7 +283,7 @@ def test_recurse_false_switches_off_sync_in_the_root_group_only(two):
 def test_the_sharded_module_is_an_instance_of_its_own_class_with_fsdp2s_methods(two):
     # FSDP2 (_fsdp_init.py, _apply_to_module): the class becomes FSDP<cls>, a subclass of (FSDPModule, cls)
     for result in each_rank(two, "collectives_unsynced"):
-        assert (result["class"], result["is_net"], result["block_class"]) == ("ShardedNet", True, "ShardedBlock")
+        assert (result["class"], result["is_net"], result["block_class"]) == ("FSDPNet", True, "FSDPBlock")
 
 
 def test_sharded_modules_are_fsdp_modules_and_a_sliced_container_its_own_class_as_fsdp2s(two):

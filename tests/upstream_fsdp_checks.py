@@ -3867,11 +3867,6 @@ def test_mixed_dtypes_no_grad_param():
 # Upstream runs these on one thread-rank (FSDPTestMultiThread, world size 1); each is about the module, not the
 # collectives, and runs alike on each of the 2 ranks here.
 
-# The name fully_shard gives a sharded module's class: FSDP<cls> for FSDP2, Sharded<cls> for minidp (a class of
-# minidp's own, as its parameters are plain shards: isinstance to FSDPModule and to <cls> holds for both).
-SHARDED_CLASS_PREFIX = "FSDP" if ON_TORCH else "Sharded"
-
-
 def test_fully_shard_state():
     """TestFullyShardState: ``fully_shard.state(module)`` gives the state of a sharded module, a distinct one for
     each ``fully_shard`` call (three MLPs and the root: four). FSDP2's is its ``FSDPState``, minidp's the module's
@@ -3900,14 +3895,13 @@ def test_fully_shard_reapply():
 def test_fully_shard_cls():
     """TestFullyShardState: only the module given to ``fully_shard`` has its class swapped (still an instance of its
     own class, now of ``FSDPModule`` too, named with the prefix), and a slice of a sharded ``Sequential`` is a plain
-    ``Sequential``. Adapted: the class's name is ``FSDPMLP`` on FSDP2, ``ShardedMLP`` on minidp
-    (:data:`SHARDED_CLASS_PREFIX`)."""
+    ``Sequential``."""
     # Check that we only swap class for the module passed to `fully_shard`
     model = MLP(8)
     fully_shard(model)
     assert isinstance(model, MLP)
     assert is_sharded_module(model)
-    assert model.__class__.__name__ == f"{SHARDED_CLASS_PREFIX}MLP"
+    assert model.__class__.__name__ == "FSDPMLP"
     for module in model.modules():
         if module is model:
             continue
@@ -3918,7 +3912,7 @@ def test_fully_shard_cls():
     fully_shard(model)
     assert isinstance(model, nn.Sequential)
     assert is_sharded_module(model)
-    assert model.__class__.__name__ == f"{SHARDED_CLASS_PREFIX}Sequential"
+    assert model.__class__.__name__ == "FSDPSequential"
     sliced_model = model[:2]
     assert isinstance(sliced_model, nn.Sequential)
     assert not is_sharded_module(sliced_model)

@@ -1192,7 +1192,7 @@ def _used_outside_forward(name: str, grad: torch.Tensor) -> None:
 
 
 def _class_name(module: nn.Module) -> str:
-    """The name of ``module``'s class before ``fully_shard`` swapped it ("Net", not "ShardedNet")."""
+    """The name of ``module``'s class before ``fully_shard`` swapped it ("Net", not "FSDPNet")."""
     return getattr(type(module), "original_class", type(module)).__name__
 
 
@@ -1358,7 +1358,9 @@ def fully_shard(
         holder.register_state_dict_pre_hook(functools.partial(_reshard_before_state_dict, shard_group))
         holder.register_state_dict_post_hook(functools.partial(_shards_as_dtensors, shard_group))
     for root in roots:
-        give_methods(root, ShardedModule, "Sharded")
+        # FSDP2's name for the class (FSDP<its class>): code reads it, Hugging Face's save_pretrained among it (the
+        # architecture it writes in the config is the class's name without "FSDP")
+        give_methods(root, ShardedModule, "FSDP")
     return module
 
 

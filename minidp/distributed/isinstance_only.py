@@ -51,7 +51,7 @@ def give_methods(module: nn.Module, methods: type, prefix: str) -> None:
     ``original_class`` on the new class is the module's class before the swap."""
     cls = type(module)
     if (methods, cls) not in _CLASSES:
-        # (named in the methods' module: minidp.distributed.fully_shard.ShardedNet, as FSDP2's live in its own)
+        # (named in the methods' module: minidp.distributed.fully_shard.FSDPNet, as FSDP2's live in its own)
         _CLASSES[methods, cls] = type(f"{prefix}{cls.__name__}", (methods, cls),
                                       {"original_class": cls, "__module__": methods.__module__})
     module.__class__ = _CLASSES[methods, cls]

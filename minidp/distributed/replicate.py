@@ -147,7 +147,7 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
     module.__dict__[REPLICATE_STATE] = replicated
     module.register_forward_pre_hook(replicated.before_forward, with_kwargs=True)
     module.register_forward_hook(replicated.after_forward)
-    give_methods(module, ReplicatedModule, "Replicated")
+    give_methods(module, ReplicatedModule, "DDP")  # torch's replicate names the class DDP<its class> too
     return module
 
 
