@@ -491,7 +491,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         gradient by the world size and all-reduces it at once, alone, with a functional collective, or hands
         ``(param.grad, param)`` to each hook ``register_comm_hook`` registered (not a bucket: such a hook must be written
         for it). No buckets, no end-of-backward callback: everything is in the hooks, which compiled autograd traces
-        into its graph, where the C++-style reducer's callback would never run (:func:`~.reducer.in_compiled_autograd`).
+        into its graph, where the bucketing reducer's callback would never run (:func:`~.reducer.refuse_compiled_autograd`).
         Under inductor, its pass that fuses these all-reduces into buckets of ``bucket_cap_mb`` does the bucketing, as
         torch DDP switches it on here. Nothing else of DDP's forward runs in this mode (as torch's): no buffer
         broadcast, no search for unused parameters (a parameter that gets no gradient is not reduced), no ``join()``."""
