@@ -389,7 +389,6 @@ class Reducer:
         backward pass. The end-of-backward callback is queued here (as torch DDP's ``_DDPSink`` queues
         its own), so that it runs when that pass ends, not at the end of a re-entrant inner backward
         (``checkpoint(use_reentrant=True)``) in which some parameter's hook happens to fire first."""
-        refuse_compiled_autograd()  # here, before autograd accumulates any gradient, as torch's reducer refuses
         if self._backward_start is None:
             self._backward_start = time.perf_counter()
         if self._expect_hooks:
@@ -397,6 +396,9 @@ class Reducer:
 
     def _queue_finish(self) -> None:
         if not self._finish_queued:
+            # Once a backward, before anything is reduced (from the output's hook, before autograd accumulates any
+            # gradient; else from the first parameter's): the callback queued here is what compiled autograd never runs.
+            refuse_compiled_autograd()
             self._finish_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -907,7 +909,6 @@ def _hook(reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
     def hook(_: torch.Tensor) -> None:
         live = ref()
         if live is not None:
-            refuse_compiled_autograd()  # a backward that did not start at an output of a synchronised forward
             live.autograd_hook(index)
 
     return hook
@@ -930,8 +931,9 @@ def refuse_compiled_autograd() -> None:
     the next forward raising that the reduction did not finish. torch's C++ reducer refuses when compiled autograd
     collects its hook; in Python the first place to see it is the hook, which the compiled graph calls with this flag
     set (compiled_autograd.py's runtime wrapper sets it around the graph, while the graph is compiled and while it
-    runs): the hook on the forward's outputs, which runs before any gradient is accumulated, and each parameter's, for
-    a backward that does not start there. Dynamo not imported: nothing is compiled."""
+    runs): asked once a backward, as the reducer queues that callback (the hook on the forward's outputs, which runs
+    before any gradient is accumulated, or the first parameter's, for a backward that does not start there). Dynamo not
+    imported: nothing is compiled."""
     compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
     if compiled_autograd is not None and compiled_autograd.in_compiled_autograd_region:
         raise RuntimeError(COMPILED_AUTOGRAD_REFUSED)
