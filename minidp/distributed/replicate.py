@@ -21,13 +21,13 @@ refuses ``copy.deepcopy``. Everything else is DistributedDataParallel's, with it
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 
 from .ddp import DistributedDataParallel
 from .isinstance_only import give_methods
@@ -48,7 +48,7 @@ class ReplicateState:
         self.no_sync = False
         self.comm_hooks: list[tuple[tuple, dict]] = []
         self.recording = False
-        self.active_before: Optional[DistributedDataParallel] = None  # torch DDP's active module before the forward
+        self.inside_ddp_forward: Optional[contextlib.AbstractContextManager] = None  # entered for the module's forward
 
     @property
     def _ddp_weakref(self) -> weakref.ref:
@@ -84,17 +84,16 @@ class ReplicateState:
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ddp = self.ddp if self.ddp is not None else self.build()
         ddp.require_backward_grad_sync = not self.no_sync
-        # The module's forward runs with the DDP object as torch DDP's active module, as the wrapper's runs inside
-        # DistributedDataParallel._inside_ddp_forward: dynamo's DDPOptimizer then splits a compiled forward at the
-        # bucket boundaries. torch's replicate sets it in its pre-hook too, and clears it in its post-hook; here the
-        # value before is put back, as the wrapper puts it back, for a replicated module inside another.
-        self.active_before = TorchDistributedDataParallel._active_ddp_module
-        TorchDistributedDataParallel._active_ddp_module = ddp
+        # The module's forward runs inside the wrapper's _inside_ddp_forward, entered here and left in the post-hook:
+        # the DDP object is torch DDP's active module, so dynamo's DDPOptimizer splits a compiled forward at the
+        # bucket boundaries (torch's replicate sets it in its pre-hook too, and clears it in its post-hook).
+        self.inside_ddp_forward = ddp._inside_ddp_forward()
+        self.inside_ddp_forward.__enter__()
         self.recording, args, kwargs = ddp.enter_forward(args, kwargs)
         return args, kwargs
 
     def after_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        TorchDistributedDataParallel._active_ddp_module = self.active_before
+        self.inside_ddp_forward.__exit__(None, None, None)
         return self.ddp.leave_forward(output, self.recording)
 
 
