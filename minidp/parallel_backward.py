@@ -398,8 +398,6 @@ class ParallelBackward(torch.autograd.Function):
             start += count
 
             def call(pairs=pairs, edges=edges) -> tuple:
-                if not edges:
-                    return ()
                 roots, root_grads = zip(*pairs)
                 return torch.autograd.grad(
                     roots, edges, root_grads, retain_graph=keep_graph, create_graph=create_graph, allow_unused=True

@@ -255,11 +255,11 @@ class _Message(str):
 
 
 class _ReplicaFailure:
-    """An exception raised inside a replica, with the traceback formatted in the replica's thread."""
+    """An exception raised inside a replica (its traceback, the replica's frames, formatted only if it is re-raised
+    wrapped: a forward's)."""
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
-        self.traceback = "".join(traceback.format_exception(error))
 
     def reraise(self, replica: int, device: torch.device, stage: str) -> None:
         if not isinstance(self.error, Exception):  # KeyboardInterrupt and friends pass through
@@ -276,7 +276,7 @@ class _ReplicaFailure:
             finally:
                 del error, self  # as below: no loop through this frame
         message = _Message(f"Caught {type(self.error).__name__} in replica {replica} on device {device}.\n"
-                           f"Original {self.traceback}")
+                           f"Original {''.join(traceback.format_exception(self.error))}")
         try:
             wrapped = type(self.error)(message)
         except Exception:
