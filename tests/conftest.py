@@ -37,10 +37,12 @@ def generator(request) -> torch.Generator:
     """A generator with a fresh random seed per test, or the seed in ``MINIDP_TEST_SEED`` to replay one.
 
     The seed is printed, so a failing test's report shows it: rerun with
-    ``MINIDP_TEST_SEED=<seed> python -m pytest -q '<test id>'`` to draw the same inputs.
+    ``MINIDP_TEST_SEED=<seed> python -m pytest -q '<test id>'`` to draw the same inputs. torch's global
+    generator is seeded with it too, so that the modules a test builds (their initial weights) replay as well.
     """
     seed = int(os.environ[SEED_VARIABLE]) if os.environ.get(SEED_VARIABLE) else random.SystemRandom().randrange(2**31)
     print(f"generator seed: {seed} (replay: {SEED_VARIABLE}={seed} python -m pytest -q '{request.node.nodeid}')")
+    torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
 
 

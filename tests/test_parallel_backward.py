@@ -28,7 +28,7 @@ import minidp
 from minidp import cpu_threads, parallel_backward
 from minidp.zoo import SmallCNN, VGGSplit
 
-from .helpers import cpu_ids, forked_child, fresh_python, garbage_left_by
+from .helpers import cpu_ids, forked_child, fresh_python, garbage_left_by, max_relative_error
 
 
 @pytest.fixture(autouse=True)
@@ -1019,4 +1019,6 @@ def test_a_tensor_entering_by_two_routes_gets_the_serial_gradient_up_to_rounding
         finally:
             minidp.set_parallel_backward(previous)
     assert _equal(results[True][0], results[False][0])
-    torch.testing.assert_close(results[True][1], results[False][1], rtol=1e-14, atol=0)
+    # Rounding is relative to the largest gradient, not to each element: an element that nearly cancels (a few
+    # in a hundred seeds) differs by 1e-14 of itself and more, while 300 seeds stay under 3e-16 of the largest.
+    assert max_relative_error(results[True][1], results[False][1]) < 1e-14
