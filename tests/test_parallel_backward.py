@@ -129,7 +129,7 @@ def test_shared_threads_give_the_serial_gradients_up_to_rounding(generator):
         minidp.set_parallel_backward_threads(previous)
     assert ran_parallel
     for a, b in zip(shared, serial):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+        assert max_relative_error(a, b) < 1e-12
 
 
 def test_an_unknown_thread_setting_is_refused_and_changes_nothing():
@@ -772,8 +772,8 @@ def test_a_penalty_on_a_gradient_made_with_create_graph_equals_the_serial_path_t
         (output.mean() + penalty if loss == "output_and_penalty" else penalty).backward()
 
     grads = _gradients_both_ways(model, step)
-    for parallel, serial in zip(grads[True], grads[False]):
-        torch.testing.assert_close(parallel, serial, rtol=1e-13, atol=1e-15)
+    for parallel, serial in zip(grads[True], grads[False]):  # rounding, relative to each gradient's largest element
+        assert max_relative_error(parallel, serial) < 1e-13
 
 
 @pytest.mark.parametrize("input_requires_grad", [False, True], ids=["tangent_only", "tangent_and_grad"])
@@ -832,7 +832,7 @@ def test_reentrant_checkpointing_on_three_replicas_keeps_the_serial_backward_to_
     parallel, ran_parallel = _step(model, x, True, replicas=3)
     assert not ran_parallel
     for got, expected in zip(parallel, serial, strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-15)
+        assert max_relative_error(got, expected) < 1e-13
 
 
 def test_nested_data_parallel_runs_in_parallel_with_the_serial_gradients(generator):
