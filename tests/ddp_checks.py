@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import minidp.distributed as md
 from minidp.zoo import MLP, ResNetBlockBN
 
-from .helpers import debug_level, max_relative_error
+from .helpers import debug_level, max_relative_error, timm_vit, torchvision_resnet18
 
 TorchDDP = nn.parallel.DistributedDataParallel
 
@@ -79,6 +79,10 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator]
     "resnet_bn": (ResNetBlockBN, lambda n, g: torch.randn(n, 3, 8, 8, generator=g), lambda out: out.pow(2).mean()),
     "partly_used": (PartlyUsed, lambda n, g: torch.randn(n, 8, generator=g), lambda out: out[0].pow(2).mean()),
     "some_unused": (SomeUnused, lambda n, g: torch.randn(n, 8, generator=g), lambda out: out[0].pow(2).mean()),
+    # models nobody here wrote (tests/test_model_libraries.py runs them where the libraries import)
+    "torchvision_resnet18": (torchvision_resnet18, lambda n, g: torch.randn(n, 3, 32, 32, generator=g),
+                             lambda out: out.pow(2).mean()),
+    "timm_vit": (timm_vit, lambda n, g: torch.randn(n, 3, 32, 32, generator=g), lambda out: out.pow(2).mean()),
 }
 
 

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import minidp.distributed as md
 from minidp.distributed.fully_shard import ShardedModule, sharded_groups
 
-from .helpers import error_of, state_difference
+from .helpers import error_of, state_difference, timm_vit
 
 
 class Block(nn.Module):
@@ -183,7 +183,9 @@ class Gained(Net):
 
 MODELS = {"net": Net, "tied": Tied, "embedded": Embedded, "branchy": Branchy,
           "wide": lambda: Net(hidden=30),  # (30, 30) and (7, 30) weights: columns that 2 and 3 ranks divide
-          "two_dtypes": TwoDtypes, "gained": Gained}
+          "two_dtypes": TwoDtypes, "gained": Gained,
+          "timm_vit": timm_vit}  # nobody here wrote it (tests/test_model_libraries.py runs it where timm imports)
+SAMPLE_SHAPES = {"timm_vit": (3, 32, 32)}  # one row of a batch: 13 features, but for these
 
 
 def sharded_modules(model: nn.Module) -> list[nn.Module]:
@@ -348,7 +350,8 @@ def against_fsdp2(seed: int, model: str = "net", dtype: torch.dtype = torch.floa
         for opt in optimizers:
             opt.zero_grad()
         for micro in range(micro_batches):
-            x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + 10 * micro + rank),
+            x = torch.randn(5, *SAMPLE_SHAPES.get(model, (13,)),
+                            generator=torch.Generator().manual_seed(seed + 100 * step + 10 * micro + rank),
                             dtype=dtype)
             losses = []
             for sharded in (ours, theirs):

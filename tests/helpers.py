@@ -45,6 +45,33 @@ TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP = hasattr(torch.nn.parallel.distributed, "_Buc
 FSDP2_SHARDS_INTEGER_PARAMETERS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
+def library(name: str) -> Any:
+    """The module ``name`` of a library the install leaves out (torchvision, timm), or a skip that says why not: not
+    installed, or a build whose compiled parts do not load with this torch (torchvision's wheels on the package
+    registry are built for CUDA torch: with torch 2.13's CPU wheel its operators are missing; CI's torch 2.11 job,
+    a CUDA build, installs the matching torchvision and timm)."""
+    try:
+        return importlib.import_module(name)
+    except Exception as error:  # noqa: BLE001 - ImportError, or the RuntimeError of operators that do not load
+        pytest.skip(f"{name} cannot be imported: {type(error).__name__}: {error}")
+
+
+def torchvision_resnet18() -> nn.Module:
+    """torchvision's ResNet-18 (code nobody here wrote), 10 classes: 62 parameters, 20 BatchNorm layers."""
+    from torchvision.models import resnet18
+
+    return resnet18(num_classes=10)
+
+
+def timm_vit() -> nn.Module:
+    """timm's ViT (code nobody here wrote), small: 32x32 images cut into 8x8 patches, 2 blocks of width 32; a class
+    token and a position embedding beside the layers' parameters, no dropout. Its ``blocks`` are its layers."""
+    import timm
+
+    return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
+                             num_classes=10)
+
+
 def error_of(call: Callable[[], Any]) -> tuple[str, str]:
     """The type's name (what code that catches it matches) and the message of what ``call()`` raises, with the notes
     added to it, one a line; ``("no error", "")`` if it returns."""

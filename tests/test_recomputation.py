@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import minidp
 from minidp.reference import chunked_reference
-from .helpers import cpu_ids
+from .helpers import cpu_ids, library
 from .reference import Case, Result, assert_same_results, forward_backward
 from .stock_emulation import emulated_stock
 
@@ -157,7 +157,7 @@ def test_verify_fails_on_a_recomputed_sample_counter_that_sees_chunk_0_twice(gen
 
 def test_a_densenet_with_memory_efficient_layers_verifies_and_matches_stock(generator):
     """torchvision's DenseNet checkpoints the bottleneck of every dense layer (norm1, relu1, conv1) with ``memory_efficient=True``."""
-    models = pytest.importorskip("torchvision.models")
+    models = library("torchvision.models")
     model = models.DenseNet(growth_rate=4, block_config=(2, 2), num_init_features=8, bn_size=2, num_classes=3,
                             memory_efficient=True).double()
     x = torch.randn(5, 3, 32, 32, generator=generator, dtype=torch.float64)

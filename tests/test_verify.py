@@ -17,7 +17,7 @@ from torch import nn
 import minidp
 from minidp.zoo import ZOO, MLP
 
-from .helpers import CountsCalls, cpu_ids, requires_cuda
+from .helpers import CountsCalls, cpu_ids, library, requires_cuda
 
 
 class DropsLastChunk(minidp.DataParallel):
@@ -360,17 +360,9 @@ def test_verify_explains_the_running_statistics_of_a_tracking_instancenorm(gener
 # --------------------------------------------------------------------------------------------------
 
 
-def _torchvision_models():
-    try:
-        from torchvision import models
-    except Exception as error:  # not installed, or a build whose compiled ops do not load with this torch
-        pytest.skip(f"torchvision cannot be imported: {type(error).__name__}: {error}")
-    return models
-
-
 @pytest.mark.parametrize("name", ["mobilenet_v3_small", "efficientnet_b0", "shufflenet_v2_x0_5"])
 def test_verify_passes_on_torchvision_models(generator, two_intra_op_threads, name):
-    models = _torchvision_models()
+    models = library("torchvision.models")
     torch.manual_seed(generator.initial_seed())
     model = getattr(models, name)(num_classes=10)
     # 32x32: the last feature maps are 1x1, so BatchNorm there normalizes over 2 values per channel
