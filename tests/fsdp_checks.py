@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import minidp.distributed as md
 from minidp.distributed.fully_shard import ShardedModule, sharded_groups
 
-from .helpers import error_of, state_difference, timm_vit
+from .helpers import error_of, state_difference, timm_vit, torchvision_resnet18
 
 
 class Block(nn.Module):
@@ -184,8 +184,9 @@ class Gained(Net):
 MODELS = {"net": Net, "tied": Tied, "embedded": Embedded, "branchy": Branchy,
           "wide": lambda: Net(hidden=30),  # (30, 30) and (7, 30) weights: columns that 2 and 3 ranks divide
           "two_dtypes": TwoDtypes, "gained": Gained,
-          "timm_vit": timm_vit}  # nobody here wrote it (tests/test_model_libraries.py runs it where timm imports)
-SAMPLE_SHAPES = {"timm_vit": (3, 32, 32)}  # one row of a batch: 13 features, but for these
+          # nobody here wrote these (tests/test_model_libraries.py runs them where their libraries import)
+          "timm_vit": timm_vit, "torchvision_resnet18": torchvision_resnet18}
+SAMPLE_SHAPES = {"timm_vit": (3, 32, 32), "torchvision_resnet18": (3, 32, 32)}  # one row of a batch: else 13 features
 
 
 def sharded_modules(model: nn.Module) -> list[nn.Module]:
