@@ -91,3 +91,13 @@ def pytest_collection_modifyitems(config, items) -> None:
         config.hook.pytest_deselected(items=repeats)
         deselected = set(repeats)
         items[:] = [item for item in items if item not in deselected]
+
+
+@pytest.fixture
+def one_intra_op_thread():
+    """The caller runs one intra-op thread for the test: where README's row of ``parallel_apply`` says CPU replicas
+    equal stock bit for bit (with more, each replica's share of them splits a kernel's sums otherwise)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -6,6 +6,7 @@ is :func:`minidp.reference.chunked_reference`; ``test_against_stock`` checks it 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -14,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import minidp
 from .helpers import RTOL_FLOAT64, max_relative_error
 from minidp import zoo
 from minidp.nested import map_tensors, tensors_in
 from minidp.reference import chunked_reference
 from minidp.zoo import ZOO
-from .stock_emulation import swapped
+from .stock_emulation import emulated_stock, swapped
 
 # (replicas, rows): even and uneven batches; 5 rows on 4 replicas use 3, 2 rows on 4 use 2.
 SPLITS = [(1, 6), (2, 6), (3, 10), (4, 10), (4, 5), (4, 2)]
@@ -110,31 +112,58 @@ def forward_backward(case: Case, call: Call) -> Result:
     return Result(output, grads, {n: b.clone() for n, b in model.named_buffers()})
 
 
+def wrapped_call(case: Case, wrapper: type, device_ids: list) -> Call:
+    """Run the case's model under ``wrapper`` (a DataParallel class) on ``device_ids``; a model
+    that parallelises its own parts is given the ids instead."""
+
+    def call(model, args, kwargs):
+        if case.parallelises_itself:
+            model.device_ids = device_ids
+            return model(*args, **kwargs)
+        return wrapper(model, device_ids, dim=case.dim)(*args, **kwargs)
+
+    return call
+
+
+def minidp_forward_backward(case: Case, device_ids: list) -> Result:
+    return forward_backward(case, wrapped_call(case, minidp.DataParallel, device_ids))
+
+
+def stock_forward_backward(case: Case, device_ids: list, emulate: bool = True) -> Result:
+    """Stock DataParallel (in the VGG model: stock data_parallel), forward and backward; integer ``device_ids`` are
+    "GPUs" that are the CPU, under the emulation (``emulate=False``: stock as it runs on this machine)."""
+    with emulated_stock() if emulate else contextlib.nullcontext():
+        with swapped(zoo, "data_parallel", nn.parallel.data_parallel):
+            return forward_backward(case, wrapped_call(case, nn.DataParallel, device_ids))
+
+
 def tensor_leaves(obj: Any) -> dict[str, torch.Tensor]:
     """Every tensor inside ``obj``, by its path."""
     return dict(tensors_in(obj, "output"))
 
 
-def assert_tensors_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+def assert_tensors_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str,
+                         exact: bool = False) -> None:
+    """Equal keys, shapes, dtypes and devices; floating-point values to float64 rounding, or bit for bit (``exact``)."""
     assert actual.keys() == expected.keys(), f"{what}: {sorted(actual)} != {sorted(expected)}"
     for key in expected:
         a, e = actual[key], expected[key]
         assert a.shape == e.shape and a.dtype == e.dtype, f"{what} {key}: {a.shape}/{a.dtype} vs {e.shape}/{e.dtype}"
         assert a.device == e.device, f"{what} {key}: on {a.device}, expected {e.device}"
-        if e.is_floating_point():
+        if e.is_floating_point() and not exact:
             error = max_relative_error(a, e)
             assert error <= RTOL_FLOAT64, f"{what} {key}: relative error {error:.3g} > {RTOL_FLOAT64}"
         else:
             assert torch.equal(a, e), f"{what} {key}: {a} != {e}"
 
 
-def assert_same_results(actual: Result, expected: Result, compare_non_tensors: bool = True) -> None:
-    """Outputs, every parameter's gradient and every buffer agree to float64 rounding."""
+def assert_same_results(actual: Result, expected: Result, compare_non_tensors: bool = True, exact: bool = False) -> None:
+    """Outputs, every parameter's gradient and every buffer agree to float64 rounding, or bit for bit (``exact``)."""
     if compare_non_tensors:
         assert _skeleton(actual.output) == _skeleton(expected.output)
-    assert_tensors_close(tensor_leaves(actual.output), tensor_leaves(expected.output), "output")
-    assert_tensors_close(actual.grads, expected.grads, "gradient of")
-    assert_tensors_close(actual.buffers, expected.buffers, "buffer")
+    assert_tensors_close(tensor_leaves(actual.output), tensor_leaves(expected.output), "output", exact)
+    assert_tensors_close(actual.grads, expected.grads, "gradient of", exact)
+    assert_tensors_close(actual.buffers, expected.buffers, "buffer", exact)
 
 
 def _skeleton(obj: Any) -> Any:

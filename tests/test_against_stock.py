@@ -24,37 +24,15 @@ from minidp import zoo
 from .reference import (
     SPLITS,
     Case,
-    Result,
     assert_same_results,
     forward_backward,
     make_case,
+    minidp_forward_backward,
     reference_call,
+    stock_forward_backward,
+    wrapped_call,
 )
-from .stock_emulation import swapped, emulated_stock, stock_comm
-
-
-def wrapped_call(case: Case, wrapper: type, device_ids: list):
-    """Run the case's model under ``wrapper`` (a DataParallel class) on ``device_ids``; a model
-    that parallelises its own parts is given the ids instead."""
-
-    def call(model, args, kwargs):
-        if case.parallelises_itself:
-            model.device_ids = device_ids
-            return model(*args, **kwargs)
-        return wrapper(model, device_ids, dim=case.dim)(*args, **kwargs)
-
-    return call
-
-
-def minidp_forward_backward(case: Case, device_ids: list) -> Result:
-    return forward_backward(case, wrapped_call(case, minidp.DataParallel, device_ids))
-
-
-def stock_forward_backward(case: Case, device_ids: list, emulate: bool = True) -> Result:
-    """Stock DataParallel (in the VGG model: stock data_parallel), forward and backward."""
-    with emulated_stock() if emulate else contextlib.nullcontext():
-        with swapped(zoo, "data_parallel", nn.parallel.data_parallel):
-            return forward_backward(case, wrapped_call(case, nn.DataParallel, device_ids))
+from .stock_emulation import emulated_stock, stock_comm
 
 
 @pytest.mark.parametrize("replicas,rows", SPLITS)
@@ -80,30 +58,14 @@ def test_matches_stock_emulated(name, replicas, rows, generator):
     assert_same_results(actual, expected, compare_non_tensors=False)
 
 
-def test_with_one_intra_op_thread_cpu_replicas_equal_stock_bit_for_bit(generator):
+def test_with_one_intra_op_thread_cpu_replicas_equal_stock_bit_for_bit(generator, one_intra_op_thread):
     """README (parallel_apply's row): a CPU replica's forward runs on its share of the caller's intra-op threads, where
     stock's workers keep the whole count, so kernels that split a sum by thread (BatchNorm on a channels_last input, a
     long reduction) round otherwise; with one thread there is nothing to share, and the results are stock's, bitwise."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(36, 500)).double()
-        x = torch.randn(6, 3, 5, 5, generator=generator, dtype=torch.float64).to(memory_format=torch.channels_last)
-        results = []
-        for wrapper, context in ((lambda m: minidp.DataParallel(m, cpu_ids(2)), contextlib.nullcontext),
-                                 (lambda m: nn.DataParallel(m, [0, 1]), emulated_stock)):
-            copy = [p.detach().clone() for p in model.parameters()]  # the same start for both
-            with context():
-                output = wrapper(model)(x)
-                output.square().mean().backward()
-            results.append([output] + [p.grad for p in model.parameters()] + list(model.buffers()))
-            model.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                for p, start in zip(model.parameters(), copy):
-                    p.copy_(start)
-        assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
-    finally:
-        torch.set_num_threads(threads)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(36, 500)).double()
+    x = torch.randn(6, 3, 5, 5, generator=generator, dtype=torch.float64).to(memory_format=torch.channels_last)
+    case = Case("channels_last_bn", model, (x,), {}, 0, lambda output: output.square().mean())
+    assert_same_results(minidp_forward_backward(case, cpu_ids(2)), stock_forward_backward(case, [0, 1]), exact=True)
 
 
 def test_a_wgan_gp_critic_step_with_the_serial_backward_equals_stock_bit_for_bit(generator):

@@ -23,7 +23,6 @@ installs both.
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable
 
 import pytest
@@ -36,7 +35,7 @@ import minidp
 from . import ddp_checks, fsdp_checks
 from .ddp_checks import run_checks
 from .helpers import assert_no_differences, cpu_ids, each_rank, library, run_job
-from .stock_emulation import emulated_stock
+from .reference import Case, assert_same_results, minidp_forward_backward, stock_forward_backward
 
 JOB_TIMEOUT = 240.0  # seconds for the whole job of 2 processes
 
@@ -63,14 +62,6 @@ MODELS: dict[str, tuple[str, Callable[[Any], nn.Module], int]] = {
 }
 
 
-@pytest.fixture
-def one_intra_op_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _classification_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the logits, summed over every head of a namedtuple of them (GoogLeNet's auxiliary ones)."""
     heads = output if isinstance(output, tuple) else (output,)
@@ -83,19 +74,12 @@ def test_data_parallel_on_cpu_replicas_equals_stock_bit_for_bit(name, generator,
     model = build(library(module_name)).double()
     images = torch.randn(6, 3, size, size, generator=generator, dtype=torch.float64)
     labels = torch.randint(0, 10, (6,), generator=generator)
-    results = []
-    for wrap, context in ((lambda m: minidp.DataParallel(m, cpu_ids(2)), minidp.trace),  # traced: it must change nothing
-                          (lambda m: nn.DataParallel(m, [0, 1]), emulated_stock)):
-        trained = copy.deepcopy(model)  # the same start for both: the step updates BatchNorm's buffers
-        with context():
-            output = wrap(trained)(images)
-            _classification_loss(output, labels).backward()
-        heads = list(output) if isinstance(output, tuple) else [output]
-        results.append((type(output), heads + [p.grad for p in trained.parameters()] + list(trained.buffers())))
-    (ours_type, ours), (stock_type, stock) = results
-    assert ours_type is stock_type
-    differing = [i for i, (a, b) in enumerate(zip(ours, stock, strict=True)) if not torch.equal(a, b)]
-    assert differing == [], f"{name}: outputs, gradients or buffers at {differing} are not stock's bits"
+    case = Case(name, model, (images,), {}, 0, lambda output: _classification_loss(output, labels))
+    with minidp.trace():  # which must change nothing
+        ours = minidp_forward_backward(case, cpu_ids(2))
+    stock = stock_forward_backward(case, [0, 1])
+    assert type(ours.output) is type(stock.output)  # GoogLeNet's namedtuple gathers into its own type
+    assert_same_results(ours, stock, exact=True)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,7 @@ from torch.utils.checkpoint import checkpoint
 import minidp
 from minidp.reference import chunked_reference
 from .helpers import cpu_ids, library
-from .reference import Case, Result, assert_same_results, forward_backward
-from .stock_emulation import emulated_stock
+from .reference import Case, Result, assert_same_results, forward_backward, stock_forward_backward
 
 MODES = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 ROWS = 7  # uneven chunks on 2, 3 and 4 replicas
@@ -47,12 +46,6 @@ def checkpointed_case(use_reentrant: bool, generator: torch.Generator) -> Case:
     return Case("checkpointed_bn", model, (x,), {}, 0, lambda out: out.pow(2).mean())
 
 
-def stock_forward_backward(case: Case, replicas: int) -> Result:
-    """Stock ``DataParallel`` on "GPUs" ``0..replicas-1``, its forward and backward under the emulation."""
-    with emulated_stock():
-        return forward_backward(case, lambda model, args, kwargs: nn.DataParallel(model, list(range(replicas)))(*args))
-
-
 def reference_forward_backward(case: Case, replicas: int) -> Result:
     return forward_backward(case, lambda model, args, kwargs: chunked_reference(model, args, kwargs, replicas))
 
@@ -72,7 +65,7 @@ def test_stock_updates_the_originals_statistics_twice_from_chunk_0(use_reentrant
         expected_mean = (1 - bn.momentum) * expected_mean + bn.momentum * mean
         expected_var = (1 - bn.momentum) * expected_var + bn.momentum * var
 
-    stock = stock_forward_backward(case, replicas)
+    stock = stock_forward_backward(case, list(range(replicas)))
     assert stock.buffers["block.0.num_batches_tracked"].item() == 2
     torch.testing.assert_close(stock.buffers["block.0.running_mean"], expected_mean, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(stock.buffers["block.0.running_var"], expected_var, rtol=1e-12, atol=1e-14)
@@ -83,7 +76,7 @@ def test_stock_updates_the_originals_statistics_twice_from_chunk_0(use_reentrant
 def test_the_reference_computes_what_stock_computes(use_reentrant, replicas, generator):
     """Outputs, gradients and buffers of the chunked reference against stock (emulated), then minidp against both."""
     case = checkpointed_case(use_reentrant, generator)
-    stock = stock_forward_backward(case, replicas)
+    stock = stock_forward_backward(case, list(range(replicas)))
     reference = reference_forward_backward(case, replicas)
     assert_same_results(reference, stock)
     ours = forward_backward(case, lambda model, args, kwargs: minidp.DataParallel(model, cpu_ids(replicas))(*args))
@@ -164,7 +157,7 @@ def test_a_densenet_with_memory_efficient_layers_verifies_and_matches_stock(gene
     report = minidp.verify(model, (x,), cpu_ids(2))
     assert report.ok, str(report)
     case = Case("densenet", model, (x,), {}, 0, lambda out: out.pow(2).mean())
-    stock = stock_forward_backward(case, 2)
+    stock = stock_forward_backward(case, [0, 1])
     reference = reference_forward_backward(case, 2)
     assert_same_results(reference, stock)
     assert stock.buffers["features.denseblock1.denselayer1.norm1.num_batches_tracked"].item() == 2
