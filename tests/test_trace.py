@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import mmap
 import re
 import sys
 import threading
@@ -301,11 +302,20 @@ def test_table_has_a_row_for_every_stage_and_the_memory_peak(cnn_step):
     assert all(0 <= s <= 1 for s in shares)
 
 
+def _hold_fresh_memory(nbytes: int) -> None:
+    """Make ``nbytes`` resident, then free them: a mapping of their own, every page written, then unmapped. (Not a
+    tensor: malloc may serve one from memory an earlier test freed that is still resident, so the process's RSS does
+    not move; that happened after torchvision's models, in one run of three.)"""
+    block = mmap.mmap(-1, nbytes)
+    for offset in range(0, nbytes, mmap.PAGESIZE):
+        block[offset] = 1
+    block.close()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU peak is the kernel's RSS high-water mark")
 def test_cpu_memory_peak_sees_memory_held_only_inside_the_step():
     with minidp.trace() as step:
-        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed before the trace ends
-        del block
+        _hold_fresh_memory(64 * 2**20)
     (cpu,) = [peak for peak in step.memory if peak.device == "cpu"]
     assert cpu.bytes >= 60 * 2**20
 
@@ -344,8 +354,7 @@ def test_cpu_memory_peak_read_through_getrusage_alone_sees_memory_held_only_insi
     monkeypatch.setattr(PeakResidentMemory, "_least_max_resident", 0)
     monkeypatch.setattr(PeakResidentMemory, "_status", staticmethod(no_status_file))
     with minidp.trace() as step:
-        block = torch.ones(64 * 2**20 // 4)
-        del block
+        _hold_fresh_memory(64 * 2**20)
     (cpu,) = [peak for peak in step.memory if peak.device == "cpu"]
     assert 60 * 2**20 <= cpu.bytes < 2**40
 
@@ -356,8 +365,7 @@ def test_cpu_memory_peak_falls_back_to_the_status_file_where_getrusage_cannot_se
     monkeypatch.setattr(PeakResidentMemory, "_least_max_resident", None)
     monkeypatch.setattr(PeakResidentMemory, "_max_resident", staticmethod(lambda: 2**50))
     with minidp.trace() as step:
-        block = torch.ones(64 * 2**20 // 4)
-        del block
+        _hold_fresh_memory(64 * 2**20)
     (cpu,) = [peak for peak in step.memory if peak.device == "cpu"]
     assert 60 * 2**20 <= cpu.bytes < 2**40
 
