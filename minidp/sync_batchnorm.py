@@ -46,6 +46,7 @@ only.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -206,6 +207,17 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         """
         converted = module
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+            if type(module).forward is not nn.modules.batchnorm._BatchNorm.forward:
+                # torch's converter replaces such a layer as silently: timm's BatchNormAct2d (normalisation, then its
+                # `act` and `drop` children) keeps its children but never calls them, and a ReLU net goes negative.
+                warnings.warn(
+                    f"convert_sync_batchnorm: {type(module).__name__} is a BatchNorm with a forward of its own; the "
+                    f"SyncBatchNorm that replaces it only normalises (its children "
+                    f"{[name for name, _ in module.named_children()]} stay but are not called, as with "
+                    f"torch.nn.SyncBatchNorm.convert_sync_batchnorm). Convert such a model with its library's own "
+                    f"converter if it has one (timm: timm.layers.convert_sync_batchnorm), or leave the layer as it is.",
+                    UserWarning, stacklevel=2,
+                )
             # Without affine there is no bias either way: bias=True then, which every torch takes (2.11 has no option).
             converted = cls(
                 module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,

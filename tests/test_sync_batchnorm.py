@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 from typing import Callable
 
 import pytest
@@ -92,6 +93,33 @@ def steps_agree(
             assert_close(grad, expected_grad, f"step {step}: input gradient")
 
     return run
+
+
+class BatchNormThenReLU(nn.BatchNorm2d):
+    """A BatchNorm with a forward of its own, as timm's ``BatchNormAct2d``: normalisation, then its ``act`` child."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(super().forward(x))
+
+
+def test_converting_a_batchnorm_with_a_forward_of_its_own_warns_that_it_is_not_kept():
+    """``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` swaps such a layer for a plain SyncBatchNorm, silently: its
+    ``act`` stays a child but is never called. minidp converts alike (a drop-in), and says so, naming the class."""
+    with pytest.warns(UserWarning, match=r"BatchNormThenReLU is a BatchNorm with a forward of its own.*\['act'\]"):
+        converted = minidp.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(BatchNormThenReLU(3)))
+    stock = torch.nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(BatchNormThenReLU(3)))
+    assert type(converted[0]) is minidp.SyncBatchNorm and type(stock[0]) is nn.SyncBatchNorm
+    assert isinstance(converted[0].act, nn.ReLU) and isinstance(stock[0].act, nn.ReLU)
+
+
+def test_converting_plain_batchnorm_layers_warns_of_nothing(generator):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        minidp.SyncBatchNorm.convert_sync_batchnorm(conv_net(generator))
 
 
 @pytest.mark.parametrize("cache_replicas", [True, False], ids=["cached", "fresh"])
