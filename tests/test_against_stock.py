@@ -13,6 +13,7 @@ gradient + every buffer, relative error <= ``RTOL_FLOAT64``:
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -66,6 +67,27 @@ def test_with_one_intra_op_thread_cpu_replicas_equal_stock_bit_for_bit(generator
     x = torch.randn(6, 3, 5, 5, generator=generator, dtype=torch.float64).to(memory_format=torch.channels_last)
     case = Case("channels_last_bn", model, (x,), {}, 0, lambda output: output.square().mean())
     assert_same_results(minidp_forward_backward(case, cpu_ids(2)), stock_forward_backward(case, [0, 1]), exact=True)
+
+
+def test_several_forwards_before_one_backward_add_their_gradients_newest_first_as_one_device(generator,
+                                                                                           one_intra_op_thread):
+    """README (parallel_apply's row): micro-batches added into one loss. Autograd runs the newest nodes first, by a
+    number each thread counts; one device, and minidp's replicas (replica 0 in the caller's thread, the others in
+    threads that keep counting), add the calls' gradients newest first. (Stock's fresh threads start counting at zero
+    each: its order is another, in float32 a few bits off.)"""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    batches = [torch.randn(4, 8, generator=generator) * 3.0**k for k in range(3)]  # sums that round by their order
+
+    def weight_gradient(calls: list[int]) -> torch.Tensor:
+        trained = copy.deepcopy(model)
+        wrapper = minidp.DataParallel(trained, cpu_ids(2))
+        sum(wrapper(batches[k]).sum() for k in calls).backward()
+        return trained[0].weight.grad
+
+    each = [weight_gradient([k]) for k in range(3)]
+    newest_first, oldest_first = each[2] + each[1] + each[0], each[0] + each[1] + each[2]
+    assert not torch.equal(newest_first, oldest_first)  # else this draw could not tell the orders apart
+    assert torch.equal(weight_gradient([0, 1, 2]), newest_first)
 
 
 def test_a_wgan_gp_critic_step_with_the_serial_backward_equals_stock_bit_for_bit(generator):
