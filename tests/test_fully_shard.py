@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import fsdp_checks as checks
 from .ddp_checks import run_checks
-from .helpers import FSDP2_SHARDS_INTEGER_PARAMETERS, each_rank, fresh_python, job_fixture, torchrun
+from .helpers import FSDP2_SHARDS_INTEGER_PARAMETERS, assert_ended_well, each_rank, fresh_python, job_fixture, torchrun
 from .helpers import assert_no_differences as assert_same_as_fsdp2
 from minidp.cli import main
 from minidp.distributed import RankFailed, chrome_trace, fully_shard, launch
@@ -1059,10 +1059,13 @@ def test_demo_shard_refuses_what_it_cannot_do(argv, message):
         main(["demo", *argv])
 
 
+LAST_WORDS = "loaded the full state dict back into the shards"  # examples/fsdp_train.py's last line
+
+
 def test_torchrun_example_trains_sharded_and_loads_its_full_state_dict_back(tmp_path):
     done = torchrun("examples/fsdp_train.py", "--epochs", "1", "--samples", "200", "--width", "64",
                     "--save", str(tmp_path / "full.pt"))
-    assert done.returncode == 0, done.stdout
+    assert_ended_well(done, LAST_WORDS)
     assert "rank 0's shards: [(32, 784), (32,)" in done.stdout  # 64 rows over 2 ranks
     assert "epoch 1/1: train loss" in done.stdout and "loaded the full state dict back" in done.stdout
     saved = torch.load(tmp_path / "full.pt")
@@ -1078,7 +1081,7 @@ def test_the_torchrun_example_resumed_from_its_checkpoint_ends_as_a_run_that_nev
             torchrun(*example, "--epochs", "1", "--checkpoint", checkpoint),
             torchrun(*example, "--epochs", "2", "--checkpoint", checkpoint, "--save", str(tmp_path / "resumed.pt"))]
     for done in runs:
-        assert done.returncode == 0, done.stdout
+        assert_ended_well(done, LAST_WORDS)
     assert "resumed from" in runs[2].stdout and "epoch 1/2" not in runs[2].stdout
     straight, resumed = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
     assert straight.keys() == resumed.keys()
@@ -1093,7 +1096,7 @@ def test_the_examples_checkpoint_converts_to_one_file_of_whole_tensors_without_p
     checkpoint = str(tmp_path / "checkpoint")
     done = torchrun("examples/fsdp_train.py", "--epochs", "1", "--samples", "200", "--width", "64",
                     "--checkpoint", checkpoint, "--save", str(tmp_path / "full.pt"))
-    assert done.returncode == 0, done.stdout
+    assert_ended_well(done, LAST_WORDS)
     dcp_to_torch_save(checkpoint, tmp_path / "converted.pt")
     converted, full = torch.load(tmp_path / "converted.pt", weights_only=False), torch.load(tmp_path / "full.pt")
     assert converted["model"].keys() == full.keys()
