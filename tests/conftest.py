@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Iterator
 
 import pytest
 import torch
@@ -93,11 +94,22 @@ def pytest_collection_modifyitems(config, items) -> None:
         items[:] = [item for item in items if item not in deselected]
 
 
-@pytest.fixture
-def one_intra_op_thread():
-    """The caller runs one intra-op thread for the test: where README's row of ``parallel_apply`` says CPU replicas
-    equal stock bit for bit (with more, each replica's share of them splits a kernel's sums otherwise)."""
+def _intra_op_threads(count: int) -> Iterator[None]:
+    """The caller runs ``count`` intra-op threads for the test; its own count again after it."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def one_intra_op_thread() -> Iterator[None]:
+    """Where README's row of ``parallel_apply`` says CPU replicas equal stock bit for bit (with more, each replica's
+    share of them splits a kernel's sums otherwise)."""
+    yield from _intra_op_threads(1)
+
+
+@pytest.fixture
+def two_intra_op_threads() -> Iterator[None]:
+    """This machine's default: two intra-op threads in the caller, one per CPU replica of two."""
+    yield from _intra_op_threads(2)

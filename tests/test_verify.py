@@ -164,15 +164,6 @@ class ThreadsPerReplicaVary(minidp.DataParallel):
         return outputs
 
 
-@pytest.fixture
-def two_intra_op_threads():
-    """This machine's default: two intra-op threads in the caller, one per CPU replica of two."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(previous)
-
-
 def test_verify_measures_a_zero_gradient_against_its_layer_not_its_own_rounding(generator, two_intra_op_threads):
     # Relative to its own size, a.bias's gradient differs by ~100% between two correct summations.
     report = minidp.verify(BiasBeforeBatchNorm(), torch.randn(8, 16, generator=generator), cpu_ids(2),
