@@ -202,23 +202,21 @@ def torchrun(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, process.returncode, output)
 
 
-# torch 2.11's Gloo can abort a rank as its interpreter exits, after the script's last line: "terminate called without
-# an active exception", from a worker thread of the process group that lets go of a collective's tensors while the
-# interpreter is finalizing (pytorch/pytorch#179291 describes it). examples/fsdp_train.py resumed from its checkpoint
-# ended so in 2 to 4 runs of 10 under 2.11, with minidp's fully_shard and with torch's own FSDP2 in its place alike,
-# and in none of 6 under 2.13.
-ABORTS_AT_EXIT = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
-
-
 def assert_ended_well(done: subprocess.CompletedProcess, last_words: str) -> None:
-    """A torchrun job ended well: exit status 0, or, with a torch whose Gloo aborts at exit (:data:`ABORTS_AT_EXIT`),
-    ranks that said ``last_words`` and then died of that abort alone (SIGABRT, and SIGTERM from torchrun for the
-    others): the job's work is done, and the test goes on to read it."""
+    """A torchrun job ended well: exit status 0, or ranks that said ``last_words`` and then died of an abort as their
+    interpreter exited, and of nothing else (SIGABRT, and torchrun's SIGTERM for the others): the job's work is done,
+    and the test goes on to read it.
+
+    That abort is torch's Gloo: "terminate called without an active exception", from a worker thread of the process
+    group letting go of an all-gather's tensors while the interpreter finalizes (gdb; pytorch/pytorch#179291 describes
+    it). ``examples/fsdp_train.py`` resumed from its checkpoint ended so in 2 to 4 runs of 10 under torch 2.11, with
+    torch's own FSDP2 in place of minidp's too, and once in a clean CI run under torch 2.13.
+    """
     if done.returncode == 0:
         return
     exit_codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", done.stdout))
-    aborted_at_exit = (ABORTS_AT_EXIT and "terminate called without an active exception" in done.stdout
-                       and last_words in done.stdout and exit_codes and exit_codes <= {"-6", "-15"})
+    aborted_at_exit = ("terminate called without an active exception" in done.stdout and last_words in done.stdout
+                       and exit_codes and exit_codes <= {"-6", "-15"})
     assert aborted_at_exit, done.stdout
 
 
