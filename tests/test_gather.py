@@ -237,7 +237,6 @@ class CachingModel(nn.Module):
 def test_a_cache_returned_by_every_replica_equals_the_single_device_cache(generator):
     """Through DataParallel (cache on and off, both backends): the gathered cache is one ``LayerCache``
     equal to the one the module returns for the whole batch, in float64."""
-    torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
     model = CachingModel()
     x = torch.randn(5, 4, generator=generator, dtype=torch.float64)
     expected = model(x, use_cache=True)["cache"]
@@ -277,7 +276,6 @@ def test_gpt2_cache_from_every_replica_equals_the_single_device_cache(generator)
     replica. The gathered cache is one ``DynamicCache`` equal to the single-device cache; the loss vector
     and the cache equal stock's; ``.mean()`` of the loss backpropagates."""
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
     config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config).double().eval()
     ids = torch.randint(50, (4, 7), generator=generator)

@@ -34,15 +34,16 @@ import minidp
 
 from . import ddp_checks, fsdp_checks
 from .ddp_checks import run_checks
-from .helpers import assert_no_differences, cpu_ids, each_rank, library, run_job
+from .helpers import assert_no_differences, cpu_ids, each_rank, library, run_job, timm_vit, torchvision_resnet18
 from .reference import Case, assert_same_results, minidp_forward_backward, stock_forward_backward
 
 JOB_TIMEOUT = 240.0  # seconds for the whole job of 2 processes
 
-# name: (library, build from the library's module, image size). Dropout and stochastic depth off: a replica's random
-# draws cannot be stock's (README: one generator for all CPU replicas).
+# name: (library, build from the library's module, image size); the two the DDP and FSDP2 checks train too are built
+# by their helpers. Dropout and stochastic depth off: a replica's random draws cannot be stock's (README: one
+# generator for all CPU replicas).
 MODELS: dict[str, tuple[str, Callable[[Any], nn.Module], int]] = {
-    "torchvision-resnet18": ("torchvision.models", lambda m: m.resnet18(num_classes=10), 64),
+    "torchvision-resnet18": ("torchvision.models", lambda m: torchvision_resnet18(), 64),
     "torchvision-densenet121-checkpointed": (
         "torchvision.models", lambda m: m.densenet121(num_classes=10, memory_efficient=True), 64),
     "torchvision-mobilenet_v3_small": ("torchvision.models", lambda m: m.mobilenet_v3_small(num_classes=10, dropout=0.0), 64),
@@ -58,7 +59,7 @@ MODELS: dict[str, tuple[str, Callable[[Any], nn.Module], int]] = {
     "timm-resnet18": ("timm", lambda m: m.create_model("resnet18", num_classes=10), 64),
     "timm-convnext_atto": ("timm", lambda m: m.create_model("convnext_atto", num_classes=10), 64),
     "timm-efficientnet_b0": ("timm", lambda m: m.create_model("efficientnet_b0", num_classes=10), 64),
-    "timm-vit": ("timm", lambda m: m.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, num_classes=10), 32),
+    "timm-vit": ("timm", lambda m: timm_vit(), 32),
 }
 
 

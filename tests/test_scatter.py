@@ -337,7 +337,6 @@ def test_trainers_num_items_in_batch_gives_each_replica_one_row_as_stock_does(ge
     """Hugging Face's ``Trainer`` passes ``num_items_in_batch`` as an ``(n_gpu, 1)`` tensor beside a batch of
     4 rows: 2 chunks of ``input_ids`` and 2 rows of ``num_items_in_batch``. Stock gives each replica one
     row (B14: the counts agree, nothing is dropped); so does minidp: same loss vector, same gradients."""
-    torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
     model = CausalLMWithLossKeywords()
     ids = torch.randint(13, (4, 7), generator=generator)
     num_items = torch.tensor([[11.0], [11.0]], dtype=torch.float64)
@@ -361,7 +360,6 @@ def test_one_row_per_device_beside_a_short_last_batch_gives_the_replicas_that_ru
     """Trainer's last batch may cut into fewer chunks than there are devices (1 row on 2; torch.chunk cuts 5 rows on 4,
     and 4 on 3, into 3 and 2), beside ``num_items_in_batch``'s one value per device. Stock's zip (B14) runs the replicas
     the batch fills, each with its row; minidp does the same (it raised, and Trainer stopped at its last step)."""
-    torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
     model = CausalLMWithLossKeywords()
     ids = torch.randint(13, (rows, 7), generator=generator)
     num_items = torch.arange(1.0, replicas + 1, dtype=torch.float64)[:, None]
