@@ -64,7 +64,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from itertools import chain, repeat
-from operator import attrgetter, eq, is_, itemgetter
+from operator import attrgetter, eq, is_, is_not, itemgetter
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -94,25 +94,31 @@ class _Signature:
     of its module's ``__dict__``, the registries seen are then the stored ones. The stored values
     keep every object alive, so identity cannot be fooled by a new object at a freed address.
 
-    All comparisons are C iterators over flat sequences: 0.2 to 0.3 ms for ResNet-50's 151 modules
-    (about 4,000 entries) on a 2-core machine, against 0.4 to 0.6 ms for a tuple of ``id``s.
+    All comparisons are C iterators over flat sequences. Once the sizes match, only the dicts that held something
+    are read for their keys and values (336 of ResNet-50's 604): an empty one still empty has nothing to compare.
+    Keys compare as lists (a list built from an iterator is cheaper than a tuple), values as ``not any(is_not)``:
+    0.12 ms for ResNet-50's 151 modules (about 4,000 entries) on a 2-core machine, against 0.16 ms for tuples over
+    every dict and 0.4 to 0.6 ms for a tuple of ``id``s (``python -m timeit -s "import torch; from minidp import
+    ReplicaCache; from minidp.zoo import resnet50; m = resnet50(base=8); c = ReplicaCache(); d = [torch.device('cpu')]
+    * 2; c.replicate(m, d); e = next(iter(c._entries.values())); ms = e.modules(m)" "e.signature.matches(ms)"``).
     """
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.types = tuple(map(type, modules))
         self.states = list(map(_dict_of, modules))
         self.dicts = self.states + list(chain.from_iterable(map(_registries_of, self.states)))
-        self.sizes = tuple(map(len, self.dicts))
-        self.keys = tuple(chain.from_iterable(self.dicts))
-        self.values = tuple(chain.from_iterable(map(dict.values, self.dicts)))
+        self.sizes = list(map(len, self.dicts))
+        self.filled = [d for d in self.dicts if d]
+        self.keys = list(chain.from_iterable(self.filled))
+        self.values = tuple(chain.from_iterable(map(dict.values, self.filled)))
 
     def matches(self, modules: list[nn.Module]) -> bool:
         return (
             all(map(is_, map(type, modules), self.types))
             and all(map(is_, map(_dict_of, modules), self.states))
-            and tuple(map(len, self.dicts)) == self.sizes
-            and tuple(chain.from_iterable(self.dicts)) == self.keys
-            and all(map(is_, chain.from_iterable(map(dict.values, self.dicts)), self.values))
+            and list(map(len, self.dicts)) == self.sizes
+            and list(chain.from_iterable(self.filled)) == self.keys
+            and not any(map(is_not, chain.from_iterable(map(dict.values, self.filled)), self.values))
         )
 
 

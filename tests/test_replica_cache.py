@@ -156,12 +156,26 @@ def _changed(pair: Pair, edit: Callable[[nn.Module], None], make_input: Callable
         (lambda m: m.__setitem__(1, nn.Sigmoid()), "sub-modules ['1'] of the root module"),
         (lambda m: setattr(m[0], "weight", nn.Parameter(torch.ones(6, 5) / 4)), "parameters ['weight'] of module '0'"),
         (lambda m: setattr(m[2], "bias", None), "parameters ['bias'] of module '2'"),
+        (lambda m: m[1].register_buffer("scale", torch.ones(1)), "buffers ['scale'] of module '1'"),
     ],
-    ids=["sub-module added", "sub-module removed", "sub-module replaced", "parameter replaced", "parameter set to None"],
+    ids=["sub-module added", "sub-module removed", "sub-module replaced", "parameter replaced", "parameter set to None",
+         "buffer registered where there was none"],
 )
 def test_tree_changes_rebuild_the_replicas(edit, reason, generator):
     pair = Pair(_mlp(), cpu_ids(2))
     assert reason in _changed(pair, edit, lambda: torch.randn(6, 5, generator=generator))
+
+
+def test_an_attribute_renamed_keeping_its_value_and_place_rebuilds_the_replicas(generator):
+    # The same values in the same order, and the same sizes: only the keys tell the replicas' `tag` is stale.
+    model = _mlp()
+    model.tag = [1, 2]
+
+    def rename(m: nn.Module) -> None:
+        m.label = m.__dict__.pop("tag")
+
+    reason = _changed(Pair(model, cpu_ids(2)), rename, lambda: torch.randn(6, 5, generator=generator))
+    assert "attributes ['label', 'tag'] of the root module" in reason
 
 
 def test_a_replaced_buffer_rebuilds_the_replicas(generator):
