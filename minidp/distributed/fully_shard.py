@@ -551,7 +551,8 @@ class ShardGroup:
     def own_rows(self, p: ShardedParameter, value: torch.Tensor, mesh: Optional[DeviceMesh]) -> torch.Tensor:
         """This rank's rows of ``p`` in ``value``, a tensor loaded for it: a DTensor laid out as :meth:`as_dtensor`
         lays ``p`` out on ``mesh`` gives its local rows (an alias); one laid out otherwise is gathered whole first (a
-        collective); a whole plain tensor (``p``'s full size) is cut as the shards were cut; rows are kept.
+        collective); a whole plain tensor (``p``'s full size) is cut as the shards were cut; rows are kept (an
+        optimizer's state of another shape: a module's state dict is refused any other shape before it comes here).
         Detached: a loaded value is data, and ``load_state_dict(assign=True)`` registers what this returns as the
         parameter, which must be a leaf (the local rows of an ``nn.Parameter(DTensor)`` are a view in its graph)."""
         value = value.detach()
@@ -1321,7 +1322,7 @@ def fully_shard(
     named = [(names.get(id(p), owners[p][1]), p) for p in order]
     local_error: Optional[Exception] = None
     try:  # what this rank can check alone: another rank's model may pass, and must not wait for this one in vain
-        dims, device = _checked_here(named, called, shard_placement_fn, world_size, mesh, offload_policy)
+        dims, device = _checked_here(named, called, shard_placement_fn, world_size, mesh, offload_policy, mp_policy)
     except Exception as error:  # noqa: BLE001 - told to the other ranks, then raised here as it is
         local_error = error
     groups = [ranks for ranks in (group, replicate_group) if ranks is not None]
@@ -1351,6 +1352,8 @@ def fully_shard(
             root.register_forward_pre_hook(functools.partial(_group_pre_forward, shard_group), prepend=True,
                                            with_kwargs=True)
             root.register_forward_hook(functools.partial(_group_post_forward, shard_group))
+    for root in roots:
+        root._register_load_state_dict_pre_hook(functools.partial(_refuse_misshapen_before_loading, root))
     holders = {id(m): m for p in params for m, _ in [(p.module, p.name), *p.also_in]}
     for holder in holders.values():
         holder._register_load_state_dict_pre_hook(functools.partial(_keep_own_rows, shard_group, holder))
@@ -1444,14 +1447,19 @@ def _shard_dim(param: nn.Parameter, name: str, shard_placement_fn: Optional[Call
     return dim
 
 
-def _check_placement(device: torch.device, mesh: Optional[DeviceMesh], offload_policy: OffloadPolicy) -> None:
-    """The parameters are on the mesh's kind of device, and an offload policy asks for nothing minidp does not do.
+def _check_placement(device: torch.device, mesh: Optional[DeviceMesh], offload_policy: OffloadPolicy,
+                     mp_policy: MixedPrecisionPolicy) -> None:
+    """The parameters are on the mesh's kind of device, the policies are FSDP2's classes, and an offload policy asks
+    for nothing minidp does not do.
     Parameters on the meta device may meet any mesh: a model built there is sharded there, then materialised on the
     mesh's device by ``to_empty`` (FSDP2 lets them through alike: ``_fsdp_param.py``, ``_init_sharded_param``)."""
     if mesh is not None and device.type != "meta" and mesh.device_type != device.type:
         raise ValueError(
             f"fully_shard: the parameters are on {device} but the mesh is a {mesh.device_type!r} mesh; move the "
             f"module to the mesh's device first (module.to('{mesh.device_type}')), or build the mesh on {device.type}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy (torch.distributed.fsdp), got "
+                        f"{type(mp_policy).__name__}; leave it unset for none (MixedPrecisionPolicy())")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy (torch.distributed.fsdp), got "
                         f"{type(offload_policy).__name__}")
@@ -1518,13 +1526,38 @@ def _keys_of(group: ShardGroup, holder: nn.Module, prefix: str) -> list[tuple[st
             if module is holder]
 
 
+def _refuse_size_mismatches(module: nn.Module, keys: list[tuple[str, ShardedParameter]], state_dict: dict) -> None:
+    """Raise torch's ``load_state_dict`` error, in its words, if a value in ``state_dict`` for one of ``keys`` is not
+    its parameter's whole shape (a plain tensor's shape, a DTensor's global one): what FSDP2 reports, where the
+    parameter is a DTensor of that shape. A tensor of another model whose shape happens to be one rank's rows would
+    otherwise be loaded as that rank's shard, and another rank's rows refused: ranks holding different models."""
+    found = [f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, the shape in current "
+             f"model is {p.full_size}." for key, p in keys
+             if isinstance(value := state_dict.get(key), torch.Tensor) and value.shape != p.full_size]
+    if found:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(found)
+                           + "\n\t(nothing was loaded into the sharded parameters)")
+
+
+def _refuse_misshapen_before_loading(root: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Before ``root.load_state_dict`` (a module fully_shard was called on) loads anything: every sharded parameter of
+    its sub-tree is checked (:func:`_refuse_size_mismatches`), so that a refused state dict leaves every module as it
+    was; torch's own ``load_state_dict`` reports a size mismatch after loading the rest."""
+    paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    keys = [(prefix + (f"{paths[id(module)]}." if paths[id(module)] else "") + name, p)
+            for group in sharded_groups(root) for p in group.params
+            for module, name in [(p.module, p.name), *p.also_in] if id(module) in paths]
+    _refuse_size_mismatches(root, keys, state_dict)
+
+
 def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     """Before ``holder.load_state_dict``: a full tensor in ``state_dict`` is cut to this rank's rows, a DTensor (what
     ``state_dict()`` gives, filled by ``torch.distributed.checkpoint.load``) becomes its local rows, or the whole
-    tensor first where it is laid out otherwise (a collective then); rows are loaded as they are. So a full state
-    dict, or a sharded one, loads into a sharded module."""
-    group.reshard_for_state_dict()  # load into the shards, not into gathered copies
+    tensor first where it is laid out otherwise (a collective then). So a full state dict, or a sharded one, loads
+    into a sharded module; a tensor of any other shape is refused (:func:`_refuse_size_mismatches`)."""
     keys = _keys_of(group, holder, prefix)
+    _refuse_size_mismatches(holder, keys, state_dict)
+    group.reshard_for_state_dict()  # load into the shards, not into gathered copies
     mesh = group.dtensor_mesh() if any(isinstance(state_dict.get(key), DTensor) for key, _ in keys) else None
     for key, p in keys:
         if state_dict.get(key) is not None:
@@ -1657,7 +1690,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
 
 def _checked_here(
     named: list[tuple[str, nn.Parameter]], called: str, shard_placement_fn: Optional[Callable[[nn.Parameter], Any]],
-    world_size: int, mesh: Optional[DeviceMesh], offload_policy: OffloadPolicy,
+    world_size: int, mesh: Optional[DeviceMesh], offload_policy: OffloadPolicy, mp_policy: MixedPrecisionPolicy,
 ) -> tuple[dict[nn.Parameter, int], torch.device]:
     """What one fully_shard call can check on this rank alone, before any shard is made: each parameter sharded once
     (sub-modules before their parent), with a dimension to cut, on one device; the dimension each is cut along, and
@@ -1687,7 +1720,7 @@ def _checked_here(
     if len(devices) > 1:
         raise ValueError(f"fully_shard: the parameters of one call must be on one device, found {sorted(map(str, devices))}")
     device = next(iter(devices)) if devices else torch.device("cpu")
-    _check_placement(device, mesh, offload_policy)
+    _check_placement(device, mesh, offload_policy, mp_policy)
     return dims, device
 
 
