@@ -26,12 +26,16 @@ checkpoint). ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` an
 optimizer that holds no state yet themselves (with a learning rate of 0) before they read it, so they meet the hooks;
 an optimizer given plain rows by ``load_state_dict`` and saved again before any step gives them as plain rows.
 
+The same hook warns, once per optimizer, where the optimizer is one of torch's whose step reduces over a
+parameter's elements (:data:`WHOLE_PARAMETER_OPTIMIZERS`): on plain rows it sees this rank's alone.
+
 This module knows a shard by the weak reference to its group that ``fully_shard`` sets on it (:data:`SHARDED_BY`),
 and asks that group for the layout; it imports nothing of ``fully_shard``'s.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Iterable, Optional
 
@@ -46,6 +50,12 @@ SHARDED_BY = "_minidp_sharded_by"
 _watched: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()  # -> params seen
 _hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _step_hook: Optional[Any] = None
+
+# torch's optimizers whose step reduces over many elements of a parameter, not one element at a time: Adafactor's
+# row and column means, Muon's orthogonalised update matrix, L-BFGS's dot products over every gradient. On a shard
+# (plain rows) each rank's step reads its own rows alone, where the unsharded parameter would give every row the
+# same reduction; FSDP2's DTensor parameters reduce over the whole, or refuse (its Adafactor raises).
+WHOLE_PARAMETER_OPTIMIZERS = ("Adafactor", "Muon", "LBFGS")
 
 
 def watch_optimizers() -> None:
@@ -93,6 +103,14 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
         optimizer.register_load_state_dict_post_hook(_state_as_rows)
         _hooked.add(optimizer)
         _state_as_rows(optimizer)  # what was loaded before this first step
+        kind = type(optimizer)
+        if kind.__module__.startswith("torch.optim") and kind.__name__ in WHOLE_PARAMETER_OPTIMIZERS:
+            warnings.warn(
+                f"torch.optim.{kind.__name__} reduces over many elements of each parameter in its step, and this "
+                f"optimizer holds parameters sharded by minidp's fully_shard: plain tensors of this rank's rows, so "
+                f"each rank's step sees its own rows alone and the update differs from the unsharded one. Use an "
+                f"optimizer that updates element by element (SGD, Adam, AdamW, ...) with minidp's fully_shard, or "
+                f"torch's fully_shard (DTensor parameters) for this one", stacklevel=3)
 
 
 def _state_as_dtensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
