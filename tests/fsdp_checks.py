@@ -1176,6 +1176,7 @@ def refusals(seed: int) -> dict[str, Any]:
         "hsdp_without_names": lambda model: md.fully_shard(model, mesh=init_device_mesh("cpu", (1, 2))),
         "pinned_offload": lambda model: md.fully_shard(model, offload_policy=CPUOffloadPolicy()),
         "non_contiguous": lambda model: md.fully_shard(_transposed_head(model)),
+        "mp_policy_none": lambda model: md.fully_shard(model, mp_policy=None),
     }
     results = {}
     for name, call in cases.items():
@@ -1232,6 +1233,53 @@ def loaded_with_assign(seed: int) -> dict[str, Any]:
             for name, param in model.named_parameters()]
     return {"error": error, "shards": all(id(param) in shards for param in model.parameters()),
             "tied": model.outer.weight is model.inner.weight, "rows": rows}
+
+
+def loaded_with_wrong_shapes(seed: int) -> dict[str, dict[str, Any]]:
+    """A two-layer model, each layer and the root sharded by each library, given a state dict whose first layer fits
+    and whose second layer's weight is another size: a plain tensor the size of one rank's rows (another model's whole
+    weight), and a DTensor of another model sharded alike. For each library and case: the error, and whether the first
+    layer's shard changed (torch's load_state_dict loads what fits, then raises)."""
+    results: dict[str, dict[str, Any]] = {}
+    for library, shard_with in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
+        def sharded(width: int) -> nn.Module:
+            model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, width))
+            for layer in model:
+                shard_with(layer)
+            return shard_with(model)
+
+        torch.manual_seed(seed)
+        rows_of_another = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 4)).state_dict()  # 4 rows: rank r's of 8
+        torch.manual_seed(seed + 1)
+        cases = {"plain rows": rows_of_another, "dtensor": sharded(7).state_dict()}
+        for case, state in cases.items():
+            torch.manual_seed(seed + 2)
+            model = sharded(8)
+            before = local(model[0].weight).clone()
+            try:
+                model.load_state_dict(state)
+                error = "no error"
+            except RuntimeError as raised:
+                error = str(raised)
+            results[f"{library} {case}"] = {"error": error,
+                                            "first_changed": not torch.equal(local(model[0].weight), before)}
+    return results
+
+
+def whole_parameter_optimizers(seed: int) -> dict[str, list[str]]:
+    """Two steps of torch's Adafactor and of its AdamW on a :class:`Net` sharded by minidp: the warnings each gave."""
+    results = {}
+    for name in ("Adafactor", "AdamW"):
+        torch.manual_seed(seed)
+        model = shard(Net(), md.fully_shard, True)
+        optimizer = getattr(torch.optim, name)(model.parameters(), lr=0.01)
+        model(torch.randn(4, 13)).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+            optimizer.step()
+        results[name] = [str(warning.message) for warning in caught]
+    return results
 
 
 def child_sharded_after_its_parent(seed: int) -> dict[str, Any]:

@@ -132,6 +132,8 @@ TWO_PROCESSES = {
                                                        **UNSYNCED}),
     "offload": (checks.against_fsdp2, {"offload": True, "optimizer": "adamw"}),
     "refusals": (checks.refusals, {}),
+    "loaded_with_wrong_shapes": (checks.loaded_with_wrong_shapes, {}),
+    "whole_parameter_optimizers": (checks.whole_parameter_optimizers, {}),
     "on_the_meta_device": (checks.on_the_meta_device, {}),
     "loaded_with_assign": (checks.loaded_with_assign, {}),
     "optimizer_in_backward": (checks.optimizer_in_backward, {}),
@@ -593,6 +595,9 @@ def test_cpu_offload_of_a_module_on_the_cpu_trains_as_fsdp2_with_it(two):
     ("pinned_offload", "RuntimeError: fully_shard: CPUOffloadPolicy(pin_memory=True)"),
     ("non_contiguous", "NotImplementedError: fully_shard: parameter 'head.weight' is not contiguous (stride (1, 2)): "
                        "FSDP does not support non-contiguous parameters"),
+    # FSDP2 takes any mp_policy and fails at the first forward ("'NoneType' object has no attribute 'param_dtype'")
+    ("mp_policy_none", "TypeError: fully_shard: mp_policy must be a MixedPrecisionPolicy (torch.distributed.fsdp), "
+                       "got NoneType"),
 ])
 def test_arguments_beyond_what_is_supported_are_refused_before_anything_is_sharded(two, case, error):
     if case == "pinned_offload" and torch.accelerator.is_available():
@@ -848,6 +853,32 @@ def test_shards_added_by_add_param_group_after_a_step_are_dtensors_in_the_state_
     for rank, result in enumerate(each_rank(two, "param_group_added_after_a_step")):
         assert result["differences"] == [None, None], f"rank {rank}: {result['differences']}"
         assert result["alike"] is None, f"rank {rank}: {result['alike']}"
+
+
+@pytest.mark.parametrize("case,rows", [("plain rows", 4), ("dtensor", 7)])
+def test_a_state_dict_of_another_size_is_refused_in_fsdp2s_words_before_anything_is_loaded(two, case, rows):
+    # FSDP2's parameters are DTensors of the whole shape: torch's load_state_dict reports "size mismatch", naming that
+    # shape, after loading what fits (a DTensor; a plain tensor it cannot copy into a DTensor at all). minidp's shards
+    # are plain rows: a tensor the size of a rank's rows was loaded as them. Now refused on every rank in FSDP2's
+    # words, before any layer is loaded.
+    mismatches = [f"size mismatch for 1.{name}: copying a param with shape torch.Size([{rows}{rest}]) from checkpoint, "
+                  f"the shape in current model is torch.Size([8{rest}])." for name, rest in (("weight", ", 6"), ("bias", ""))]
+    for result in each_rank(two, "loaded_with_wrong_shapes"):
+        ours, theirs = result[f"minidp {case}"], result[f"fsdp2 {case}"]
+        assert all(mismatch in theirs["error"] for mismatch in mismatches)
+        assert ours["error"] == ("Error(s) in loading state_dict for FSDPSequential:\n\t" + "\n\t".join(mismatches)
+                                 + "\n\t(nothing was loaded into the sharded parameters)")
+        assert not ours["first_changed"]
+        assert theirs["first_changed"] == (case == "dtensor")
+
+
+def test_an_optimizer_that_reduces_over_whole_parameters_is_warned_of_once_and_an_elementwise_one_is_not(two):
+    # minidp's shards are plain rows (README, "Parameters"): Adafactor's row and column means would be this rank's
+    # rows' alone, silently; FSDP2's DTensor parameters refuse them (its Adafactor raises on a _NormPartial)
+    for result in each_rank(two, "whole_parameter_optimizers"):
+        assert len(result["Adafactor"]) == 1, result["Adafactor"]
+        assert result["Adafactor"][0].startswith("torch.optim.Adafactor reduces over many elements of each parameter")
+        assert result["AdamW"] == []
 
 
 @pytest.mark.parametrize("world", ["two", "three"])
