@@ -139,13 +139,18 @@ def step_guarded(module: nn.Module, params: Sequence[torch.Tensor], buffers: Seq
 
 def _refuse_changed_parameters(module: nn.Module, params: Sequence[torch.Tensor], versions: list[int]) -> None:
     names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
-    changed = [names[id(p)] for p, version in zip(params, versions) if p._version != version]
+    moved = [p for p, version in zip(params, versions) if p._version != version]
+    changed = [names[id(p)] for p in moved]
+    frozen = [names[id(p)] for p in moved if not p.requires_grad]
     raise RuntimeError(
         f"the replicas' forward changed parameter(s) {changed} in place. Replicas on the module's device share its "
         "parameters' memory (no copy), so the change landed in it once per replica there, and it now holds all of them "
-        "(stock refuses the change in replica 0 and drops the other replicas'). Change parameters outside the forward "
-        "(under torch.no_grad(), between steps), or compute a new tensor from the parameter inside it "
-        "(weight = self.weight * 2)."
+        "(stock refuses the change in replica 0 of a parameter that requires grad, and drops the other replicas'). "
+        "Change parameters outside the forward (under torch.no_grad(), between steps), or compute a new tensor from "
+        "the parameter inside it (weight = self.weight * 2)."
+        + (f" {frozen} require(s) no grad: stock lets replica 0's change land once and the others change copies; "
+           "state a forward updates (running statistics) belongs in a buffer (module.register_buffer), which every "
+           "replica but the first gets a copy of, as stock gives it" if frozen else "")
     )
 
 

@@ -698,6 +698,36 @@ def test_a_one_device_data_parallel_traces_as_its_module(generator):
 # --------------------------------------------------------------------------------------------------
 
 
+class _CountsInAFrozenParameter(nn.Module):
+    """Keeps a count of its forwards in a parameter that requires no grad, added to in place in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3).double()
+        self.count = nn.Parameter(torch.zeros((), dtype=torch.float64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.count.add_(1)
+        return self.lin(x)
+
+
+def test_a_forward_that_changes_a_frozen_parameter_in_place_fails_the_step_pointing_to_a_buffer(generator):
+    """docs/stock-behaviour.md B42: a parameter that requires no grad reaches replica 0 as the original, unrefused, so
+    stock's count lands once (the other replica counts in its copy); minidp's replicas share it, so it lands twice:
+    the step fails, naming it, and says where such state belongs."""
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    stock_model = _CountsInAFrozenParameter()
+    with emulated_stock():
+        nn.DataParallel(stock_model, [0, 1])(x)
+    assert stock_model.count.item() == 1
+    model = _CountsInAFrozenParameter()
+    with pytest.raises(RuntimeError, match=r"changed parameter\(s\) \['count'\] in place.*\['count'\] require\(s\) no "
+                                           r"grad: stock lets replica 0's change land once.*register_buffer"):
+        minidp.DataParallel(model, cpu_ids(2))(x)
+    assert model.count.item() == 2
+
+
 class _ScalesItsWeight(nn.Module):
     """Doubles its linear layer's weight in place in forward, in grad mode or under ``torch.no_grad()``."""
 
