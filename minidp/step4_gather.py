@@ -49,6 +49,13 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
     return _gather_map(list(outputs), "output", destination, comm.check_dim(dim))
 
 
+_WHAT_WORKS = (
+    "Return tensors, or dicts, lists, tuples, namedtuples or dataclasses of them, or an object that iterates over its "
+    "contents and can be built from them; or pass gather_output=False to DataParallel to get the replicas' outputs as "
+    "they are"
+)
+
+
 def _gather_map(values: list[Any], path: str, destination: torch.device, dim: int) -> Any:
     """The replicas' ``values`` at ``path`` (one each, in replica order), joined into one."""
     first = values[0]
@@ -70,7 +77,14 @@ def _gather_map(values: list[Any], path: str, destination: torch.device, dim: in
         _gather_map([p[position][1] for p in per_replica], path + suffix, destination, dim)
         for position, (suffix, _) in enumerate(parts)
     ]
-    return rebuild(first, gathered)
+    try:
+        return rebuild(first, gathered)
+    except TypeError as error:  # a tuple subclass built otherwise than from one iterable (torch.Size, fields)
+        kind = type(first).__qualname__
+        raise TypeError(
+            f"{path} is of type {kind}, which gather cannot join: {kind}(gathered items) fails ({error}). "
+            f"{_WHAT_WORKS}"
+        ) from error
 
 
 def _gather_tensors(values: list[torch.Tensor], path: str, destination: torch.device, dim: int) -> torch.Tensor:
@@ -96,11 +110,6 @@ def _gather_by_items(values: list[Any], path: str, destination: torch.device, di
     """Stock's rule for any other object: ``type(first)`` built from the gathered items of all replicas."""
     first = values[0]
     kind = type(first).__qualname__
-    what_works = (
-        "return tensors, or dicts, lists, tuples, namedtuples or dataclasses of them, or an object that "
-        "iterates over its contents and can be built from them; or pass gather_output=False to "
-        "DataParallel to get the replicas' outputs as they are"
-    )
     for replica, value in enumerate(values[1:], start=1):
         if type(value) is not type(first):
             raise ValueError(f"{path} is of type {kind} in replica 0 but of type {type(value).__qualname__} in replica {replica}")
@@ -110,7 +119,7 @@ def _gather_by_items(values: list[Any], path: str, destination: torch.device, di
         raise TypeError(
             f"{path} is of type {kind}, which gather cannot join: it is neither a tensor nor a container, and it is "
             f"not iterable, so it cannot be rebuilt from the replicas' items as stock does "
-            f"(type(obj)(gathered items)). {what_works}"
+            f"(type(obj)(gathered items)). {_WHAT_WORKS}"
         ) from error
     items = [list(iterator) for iterator in iterators]
     for replica, replica_items in enumerate(items[1:], start=1):
@@ -127,7 +136,7 @@ def _gather_by_items(values: list[Any], path: str, destination: torch.device, di
     except Exception as error:  # whatever the constructor raises, say which object it was
         raise TypeError(
             f"{path} is of type {kind}, which gather cannot join: it iterates over {len(gathered)} items, but "
-            f"{kind}(gathered items) fails ({type(error).__name__}: {error}). {what_works}"
+            f"{kind}(gathered items) fails ({type(error).__name__}: {error}). {_WHAT_WORKS}"
         ) from error
 
 

@@ -247,13 +247,25 @@ def test_a_cache_returned_by_every_replica_equals_the_single_device_cache(genera
             assert max_relative_error(got, want) <= RTOL_FLOAT64
 
 
+class TwoFields(tuple):
+    """A tuple built from two fields, not from one iterable."""
+
+    def __new__(cls, a: object, b: object) -> "TwoFields":
+        return super().__new__(cls, (a, b))
+
+
 @pytest.mark.parametrize(
     "make,message",
     [
         (Opaque, r"output\['state'\] is of type Opaque, which gather cannot join: .* not iterable"),
         (Fixed, r"output\['state'\] is of type Fixed, which gather cannot join: it iterates over 1 items, but "
                 r"Fixed\(gathered items\) fails \(TypeError"),
+        (lambda: torch.Size([3, 2]), r"output\['state'\] is of type Size, which gather cannot join: Size\(gathered "
+                                     r"items\) fails \(torch.Size\(\) takes an iterable of 'int'"),
+        (lambda: TwoFields(1, 2), r"output\['state'\] is of type TwoFields, which gather cannot join: "
+                                  r"TwoFields\(gathered items\) fails"),
     ],
+    ids=["not iterable", "built otherwise", "torch.Size", "tuple built from fields"],
 )
 def test_an_object_that_cannot_be_rebuilt_is_an_error_naming_its_type_and_path(make, message, generator):
     """Stock fails with ``TypeError: 'Opaque' object is not iterable`` (or the constructor's own error),
