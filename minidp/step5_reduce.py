@@ -38,6 +38,13 @@ class Broadcast(torch.autograd.Function):
         source = ctx.source_device = tensors[0].device
         ctx.num_tensors = len(tensors)
         ctx.reduce_backend = reduce_backend
+        # A frozen parameter's copies get no gradient, and would get a tensor of zeros each from autograd, for a
+        # backward that discards them: a frozen backbone's size of zeros per replica at every step (stock's Broadcast
+        # makes them). Not materialised, a gradient that did not arrive is None; the backward makes zeros only where
+        # a parameter needs its sum and a replica gave it none (an unused parameter), as autograd made them: like its
+        # output (the input's layout, on the replica's device).
+        ctx.set_materialize_grads(False)
+        ctx.inputs, ctx.devices = tensors, devices  # held for their metadata: the inputs live while the module does
         # On the source device broadcast returns the tensors themselves. Returned as they are, autograd
         # would turn each into a view of its input; a detached alias is the same storage (no copy, and
         # the same version counter, so in-place changes stay visible), takes this node as its grad_fn
@@ -53,7 +60,10 @@ class Broadcast(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         n = ctx.num_tensors
         needed = [i for i in range(n) if ctx.needs_input_grad[2 + i]]  # frozen parameters need no sum
-        per_replica = [grads[start + i] for start in range(0, len(grads), n) for i in needed]
+        per_replica = [
+            grads[start + i] if grads[start + i] is not None else torch.zeros_like(ctx.inputs[i], device=device)
+            for start, device in zip(range(0, len(grads), n), ctx.devices) for i in needed
+        ]
         sums = ReduceAddCoalesced.apply(ctx.source_device, len(needed), ctx.reduce_backend, *per_replica) if needed else ()
         result: list[Optional[torch.Tensor]] = [None] * n
         for i, total in zip(needed, sums):

@@ -6,6 +6,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import minidp
 from .helpers import RTOL_FLOAT64, cpu_ids, max_relative_error
@@ -141,3 +142,64 @@ def test_broadcast_coalesced_copies_have_version_counters_of_their_own(generator
     before = copies[1]._version
     copies[0].add_(1)
     assert copies[1]._version == before
+
+
+class _ZerosMade(TorchDispatchMode):
+    """The shapes of the tensors of zeros made while it is active (in this thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default):
+            self.shapes.append(tuple(result.shape))
+        return result
+
+
+def _frozen_backbone_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16).requires_grad_(False), nn.Tanh(), nn.Linear(16, 3)).double()
+
+
+def test_the_backward_makes_no_zeros_for_a_frozen_parameters_copies(generator):
+    """Stock's Broadcast marks a frozen parameter's copies non-differentiable, and autograd still hands its backward a
+    tensor of zeros for each of them on every replica, which it discards: a frozen backbone's size of zeros per
+    replica at every step (seen under the emulation). minidp's backward is handed nothing for them, and the head's
+    gradient is the same."""
+    x = torch.randn(6, 8, generator=generator, dtype=torch.float64)
+    model = _frozen_backbone_model()
+    stock_model = copy.deepcopy(model)
+    with emulated_stock():
+        stock_output = nn.DataParallel(stock_model, [0, 1])(x).sum()
+        with _ZerosMade() as stock_zeros:
+            stock_output.backward()
+    output = minidp.DataParallel(model, cpu_ids(2))(x).sum()
+    with _ZerosMade() as zeros:
+        output.backward()
+    assert stock_zeros.shapes.count((16, 8)) == 2
+    assert (16, 8) not in zeros.shapes and (16,) not in zeros.shapes
+    assert torch.equal(model[2].weight.grad, stock_model[2].weight.grad)
+
+
+def test_a_parameter_one_replica_leaves_unused_still_sums_zeros_for_it(generator):
+    """B31: a trainable parameter that a replica's forward does not use gets zeros from that replica in the sum,
+    as the zeros autograd made for it before (its gradient is then not None)."""
+
+    class SkipsOnShortChunks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(self.first(x)) if x.shape[0] > 2 else self.first(x)
+
+    model = SkipsOnShortChunks()
+    x = torch.randn(5, 4, generator=generator, dtype=torch.float64)  # chunks of 3 and 2 rows
+    minidp.DataParallel(model, cpu_ids(2))(x).sum().backward()
+    expected = copy.deepcopy(model)
+    expected.zero_grad()
+    expected.second(expected.first(x[:3])).sum().backward()
+    expected.first(x[3:]).sum().backward()
+    assert max_relative_error(model.second.weight.grad, expected.second.weight.grad) <= RTOL_FLOAT64
+    assert max_relative_error(model.first.weight.grad, expected.first.weight.grad) <= RTOL_FLOAT64
