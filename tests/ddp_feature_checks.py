@@ -344,6 +344,29 @@ def _steps_until_an_error(pair: tuple, seed: int, steps: int, step_of: Callable[
     return {"differences": differences, "errors": {}, "step": None}
 
 
+class _ActorCritic(nn.Module):
+    """Two heads that share no parameter, on the same input: a policy and a value, as reinforcement learning's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy, self.value = nn.Linear(6, 3), nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.policy(x).log_softmax(-1), self.value(x)
+
+
+def two_losses_back_propagated_in_turn(seed: int, steps: int = 3, **options: Any) -> dict:
+    """One forward of :class:`_ActorCritic`, then the policy's loss back-propagated, then the value's (no
+    ``retain_graph``: the heads share nothing), by each wrapper, for ``steps`` steps of SGD (:func:`_steps_until_an_error`)."""
+
+    def step_of(ddp: nn.Module, step: int) -> None:
+        log_probabilities, values = ddp(_inputs(seed, step, 5, 6))
+        (-log_probabilities[:, 0].mean()).backward()
+        values.pow(2).mean().backward()
+
+    return _steps_until_an_error(_pair(_ActorCritic, seed, **options), seed, steps, step_of)
+
+
 def backward_of_some_parameters_with_find_unused(seed: int) -> dict:
     """``find_unused_parameters=True``, then ``loss.backward(inputs=<the head's parameters>)`` (a step that trains one part
     of the model, as a GAN's generator step does), then a whole step: per wrapper, what the head's ``.grad`` became (this

@@ -84,6 +84,9 @@ TWO_PROCESSES = {
     "description": (checks.description_as_stock, {}),
     "post_accumulate_hooks": (checks.post_accumulate_grad_hooks_as_stock, {}),
     "backward_of_some_parameters": (checks.backward_of_some_parameters_with_find_unused, {}),
+    **{f"two_losses_in_turn_{name}": (checks.two_losses_back_propagated_in_turn, options)
+       for name, options in (("default", {}), ("find_unused", {"find_unused_parameters": True}),
+                             ("static", {"static_graph": True}))},
     "output_in_place_find_unused": (checks.output_changed_in_place_as_stock, {"find_unused_parameters": True}),
     "output_in_place_static": (checks.output_changed_in_place_as_stock, {"static_graph": True}),
     "output_in_place_not_cloned": (checks.output_changed_in_place_as_stock, {
@@ -295,6 +298,27 @@ def test_a_users_post_accumulate_grad_hook_runs_before_the_reduction_as_in_stock
     for result in each_rank(two, check):
         assert result["differences"] == [None] * 3
         assert result["same_seen"] and result["hook_calls"] == 3 * 6  # every parameter of the MLP, every step
+
+
+def test_two_losses_back_propagated_in_turn_are_reduced_together_as_stock(two):
+    # reducer.cpp finishes when its last bucket is ready, in whichever backward pass: the policy's loss, then the
+    # value's (heads that share nothing) end one reduction, every gradient the mean, bitwise stock's at every step.
+    # minidp's reducer ended it at the first pass's end: the value head's gradients stayed each rank's own.
+    for result in each_rank(two, "two_losses_in_turn_default"):
+        assert result == {"differences": [None] * 3, "errors": {}, "step": None}
+
+
+@pytest.mark.parametrize("options", ["find_unused", "static"])
+def test_two_losses_back_propagated_in_turn_through_the_sink_raise_autograds_error_as_stock(two, options):
+    # distributed.py, _DDPSink: with find_unused_parameters (and in a static graph's first iteration) the outputs go
+    # through one node; the first backward runs the value head's graph too, with no gradient, and frees it, so the
+    # second raises autograd's error. minidp's outputs went through no such node: the second backward ran after the
+    # reduction had ended, and the ranks' value heads drifted apart, silently.
+    for result in each_rank(two, f"two_losses_in_turn_{options}"):
+        assert result["step"] == 0
+        error = ("RuntimeError", "Trying to backward through the graph a second time (or directly access saved tensors "
+                                 "after they have already been freed)")
+        assert result["errors"] == {"stock": error, "minidp": error}
 
 
 def test_a_backward_of_some_parameters_with_find_unused_is_reduced_where_stock_stalls(two):

@@ -34,7 +34,7 @@ from torch.distributed.optim import apply_optimizer_in_backward
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..hooks import profiled
 from ..torch_versions import DDP_DEPRECATES_BROADCAST_BUFFERS
@@ -54,6 +54,38 @@ from .mixed_precision import MixedPrecision, allreduce_and_upcast, check_mixed_p
 from .reducer import Reducer, python_reducer_mode
 
 DeviceLike = Union[int, str, torch.device]
+
+
+class _Sink(torch.autograd.Function):
+    """torch DDP's ``_DDPSink``: the outputs that autograd records, through one node (clones of them, or, with
+    ``_set_ddp_sink_clone(False)``, themselves). Its backward passes each gradient on, and an output the loss did not
+    use gets none (not materialised): autograd still runs what lies behind it in that backward pass, so the hooks of
+    the parameters it reaches fire (and count them used if they hold a gradient), and its graph is freed with the
+    rest: a second backward into another output of the same forward raises autograd's "backward through the graph a
+    second time", as under torch DDP, where the first backward's reduction has ended."""
+
+    @staticmethod
+    def forward(ctx, clone: bool, *tensors: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        return tuple(t.clone() for t in tensors) if clone else tensors
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        return (None, *grads)
+
+
+def _through_sink(output: Any, clone: bool) -> Any:
+    """``output`` with its tensors that autograd recorded passed through one :class:`_Sink`, found as torch finds
+    them, with its pytree (a container type it does not know, a dict subclass of the user's, is left as it is). The
+    clones matter too: an output changed in place after a function that saved it (``out.mul_(2)`` after a tanh) is
+    then the clone, and the backward works."""
+    leaves, spec = tree_flatten(output)
+    recorded = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]
+    if not recorded:
+        return output
+    for i, passed in zip(recorded, _Sink.apply(clone, *[leaves[i] for i in recorded])):
+        leaves[i] = passed
+    return tree_unflatten(leaves, spec)
 
 
 class DistributedDataParallel(TorchDistributedDataParallel):
@@ -453,14 +485,9 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.require_forward_param_sync = recording and self.require_backward_grad_sync
         if self.require_forward_param_sync:
             self.reducer.prepare_for_backward(output)
-        # torch passes the outputs through its _DDPSink where it searches for unused parameters, or counts a static
-        # graph's first backward, and that function returns clones: an output then changed in place (`out.mul_(2)`
-        # after a tanh, which saved its output) is the clone, and the backward works. Clones are not seen otherwise
-        # (the gradient of a clone is its output's), so minidp clones where torch does, and finds them as torch does,
-        # with torch's pytree: a container type it does not know (a dict subclass of the user's) is left as it is.
         static_first = self.static_graph and self.reducer._counting()
-        if self._ddp_sink_clone and ((self.find_unused_parameters and not self.static_graph) or static_first):
-            output = tree_map_only(torch.Tensor, lambda t: t.clone() if t.grad_fn is not None else t, output)
+        if (self.find_unused_parameters and not self.static_graph) or static_first:
+            output = _through_sink(output, self._ddp_sink_clone)
         return output
 
     def _named_buffers_to_sync(self) -> dict[str, torch.Tensor]:

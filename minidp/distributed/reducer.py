@@ -625,19 +625,21 @@ class Reducer:
             self._finish_queued = False
             if not self._expect_hooks or not self._arrived:
                 return  # no parameter's gradient in this pass (autograd.grad on the inputs): wait for the next
+            # the static graph's first backward (delay_all_reduce): every parameter is reduced now
+            counting = self._counting()
+            missing = [i for i, ready in enumerate(self._ready) if not ready]
+            if missing and not counting and (self.static_graph or not self.find_unused_parameters):
+                # Left unreduced, as torch DDP leaves it: torch's reducer finishes when its last bucket is ready, in
+                # whichever backward pass that is, so a later pass of the same forward may bring the rest (an
+                # actor's loss back-propagated, then a critic's: two heads that share nothing); the hooks stay
+                # expected. If none does, the next forward raises (before_forward), in torch's words, naming what got
+                # no gradient.
+                return
             end = time.perf_counter()
             self._stamps["backward_compute_end"] = end
             # the backward's computation: from the gradient reaching the outputs to the last parameter's
             start = self._backward_start if self._backward_start is not None else self._last_gradient
             self._events.append({"stage": "backward", "bucket": None, "start": start, "end": self._last_gradient})
-            # the static graph's first backward (delay_all_reduce): every parameter is reduced now
-            counting = self._counting()
-            missing = [i for i, ready in enumerate(self._ready) if not ready]
-            if missing and not counting and (self.static_graph or not self.find_unused_parameters):
-                # Left unreduced, as torch DDP leaves it: the backward ends, and the next forward raises
-                # (before_forward), with torch's words, naming what got no gradient.
-                self._expect_hooks = False
-                return
             for index in missing:
                 # Reached from an output that the loss did not use: DDP's hook fires for it with no
                 # incoming gradient (its _DDPSink sees to that) and counts it used if .grad is set.
