@@ -401,3 +401,15 @@ def assert_equal_as_upstream(actual: Any, expected: Any) -> None:
     package to import) on state dicts, as ported upstream tests use it: :func:`state_difference` with tolerances."""
     difference = state_difference(actual, expected, exact=False)
     assert difference is None, difference
+
+
+class LayerCache:
+    """Shaped like Hugging Face's ``DynamicCache``: iterating gives each layer's ``(keys, values)``, and the
+    class is built from an iterable of such layers (``DynamicCache(ddp_cache_data)``, the call stock's
+    gather makes)."""
+
+    def __init__(self, layers=()) -> None:
+        self.layers = [tuple(layer) for layer in layers]
+
+    def __iter__(self):
+        return iter(self.layers)

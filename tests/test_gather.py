@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import minidp
-from .helpers import RTOL_FLOAT64, Encoding, cpu_ids, garbage_left_by, max_relative_error
+from .helpers import RTOL_FLOAT64, Encoding, LayerCache, cpu_ids, garbage_left_by, max_relative_error
 from .stock_emulation import swapped, emulated_stock, stock_functions, stock_scatter_gather
 
 Pair = collections.namedtuple("Pair", "left right")
@@ -171,18 +171,6 @@ def test_0_dim_outputs_along_another_dim_are_a_clear_error():
 # --------------------------------------------------------------------------------------------------
 # objects that are neither tensors nor containers: stock's type(obj)(gathered items) (B28)
 # --------------------------------------------------------------------------------------------------
-
-
-class LayerCache:
-    """Shaped like Hugging Face's ``DynamicCache``: iterating gives each layer's ``(keys, values)``, and the
-    class is built from an iterable of such layers (``DynamicCache(ddp_cache_data)``, the call stock's
-    gather makes)."""
-
-    def __init__(self, layers=()) -> None:
-        self.layers = [tuple(layer) for layer in layers]
-
-    def __iter__(self):
-        return iter(self.layers)
 
 
 class Opaque:

@@ -39,7 +39,7 @@ from torch.nn import functional as F
 
 import minidp
 
-from .helpers import RTOL_FLOAT64, cpu_ids, max_relative_error
+from .helpers import RTOL_FLOAT64, LayerCache, cpu_ids, max_relative_error
 from .stock_emulation import emulated_stock
 
 # replicas -> rows: 4 rows on 2 replicas (2, 2); 7 rows on 3 replicas (3, 3, 1: uneven)
@@ -55,17 +55,6 @@ class LMOutput(OrderedDict):
             return self[key]
         except KeyError:
             raise AttributeError(key) from None
-
-
-class TinyCache:
-    """What transformers' ``DynamicCache`` is to DataParallel: neither a tensor nor a container, but
-    iterable as one ``(keys, values)`` tuple per layer, and rebuilt from such an iterable."""
-
-    def __init__(self, layers: Any = ()) -> None:
-        self.layers = [tuple(layer) for layer in layers]
-
-    def __iter__(self):
-        return iter(self.layers)
 
 
 class TinyCausalLM(nn.Module):
@@ -97,7 +86,7 @@ class TinyCausalLM(nn.Module):
                 loss = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / num_items_in_batch
             output = LMOutput(loss=loss, **output)
         if use_cache:
-            output["cache"] = TinyCache([(hidden, output["logits"])])
+            output["cache"] = LayerCache([(hidden, output["logits"])])
         return output
 
 
