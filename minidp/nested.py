@@ -9,7 +9,11 @@ reference and verify compare outputs leaf by leaf. They all walk with the two fu
   for a leaf (a tensor, a number, a string, any other object);
 * :func:`rebuild` makes a container of the same kind and type from new children, in that order.
 
-Everything else here is built from those two.
+Everything else here is built from those two, and :func:`tensors_in` and :func:`leaves` take
+``by_items=True`` to also go inside the objects that gather rebuilds from their items (see
+:func:`items_of`): Hugging Face's ``DynamicCache``, say, whose tensors a step does move and
+concatenate, but which :func:`children` leaves closed, as scatter, parallel_apply and the parallel
+backward need it to.
 """
 
 from __future__ import annotations
@@ -98,13 +102,47 @@ def _rebuild_mapping(like: Mapping, items: dict) -> Mapping:
             f"instead (dict(obj), or its items as keyword arguments)") from error
 
 
-def tensors_in(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor inside ``obj``, with its path (``inputs[0]['image']``) for error messages."""
+def items_of(obj: Any) -> Optional[list[tuple[str, Any]]]:
+    """``(path suffix, item)`` for an object that gather rebuilds from its items, ``None`` for anything else.
+
+    Such an object is neither a tensor, nor ``None``, nor a plain value (:data:`PLAIN`), nor a
+    container :func:`children` looks inside, but it is iterable: gather joins the replicas' items
+    position by position and builds ``type(obj)(gathered items)`` (``minidp/step4_gather.py``, as stock
+    does), so its items are where its tensors are, Hugging Face's ``DynamicCache`` (one
+    ``(keys, values, ...)`` tuple per layer) for one. They are listed in iteration order, with the
+    suffixes ``[0]``, ``[1]``, ... that gather's error messages use.
+
+    An object that is its own iterator (a generator, a file) is ``None``: iterating over it would
+    consume it, and the caller's object would come back empty.
+    """
+    if obj is None or isinstance(obj, (torch.Tensor, PLAIN)) or children(obj) is not None:
+        return None
+    try:
+        iterator = iter(obj)
+    except TypeError:  # not iterable: an opaque object
+        return None
+    if iterator is obj:
+        return None
+    return [(f"[{i}]", item) for i, item in enumerate(iterator)]
+
+
+def _parts(obj: Any, by_items: bool) -> Optional[list[tuple[str, Any]]]:
+    """What the walkers below look inside: :func:`children`, and with ``by_items`` :func:`items_of` too."""
+    parts = children(obj)
+    return items_of(obj) if parts is None and by_items else parts
+
+
+def tensors_in(obj: Any, path: str = "", *, by_items: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor inside ``obj``, with its path (``inputs[0]['image']``) for error messages.
+
+    ``by_items``: also the tensors inside objects that gather rebuilds from their items (:func:`items_of`),
+    as the tensors a gather joins: ``output['cache'][0][1]`` is layer 0's values in a ``DynamicCache``.
+    """
     if isinstance(obj, torch.Tensor):
         yield path, obj
         return
-    for suffix, child in children(obj) or ():
-        yield from tensors_in(child, path + suffix)
+    for suffix, child in _parts(obj, by_items) or ():
+        yield from tensors_in(child, path + suffix, by_items=by_items)
 
 
 def holds_opaque(obj: Any) -> bool:
@@ -120,14 +158,18 @@ def holds_opaque(obj: Any) -> bool:
     return any(holds_opaque(child) for _, child in parts)
 
 
-def leaves(obj: Any, path: str = "") -> dict[str, Any]:
-    """Every leaf inside ``obj`` (tensors and plain values), by path."""
-    parts = None if isinstance(obj, torch.Tensor) else children(obj)
+def leaves(obj: Any, path: str = "", *, by_items: bool = False) -> dict[str, Any]:
+    """Every leaf inside ``obj`` (tensors and plain values), by path.
+
+    ``by_items``: the items of objects that gather rebuilds from them (:func:`items_of`) too, instead of
+    the object as one leaf; verify compares outputs so, a ``DynamicCache`` tensor by tensor.
+    """
+    parts = None if isinstance(obj, torch.Tensor) else _parts(obj, by_items)
     if parts is None:
         return {path: obj}
     found: dict[str, Any] = {}
     for suffix, child in parts:
-        found.update(leaves(child, path + suffix))
+        found.update(leaves(child, path + suffix, by_items=by_items))
     return found
 
 

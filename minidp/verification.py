@@ -11,8 +11,14 @@ its own deep copy, so the model passed in is never touched:
 3. **full batch**: one plain call on the whole batch: what the user computes without data
    parallelism. Its Python attributes after the step are what a user expects too: an attribute
    that ``forward`` changes (a call counter, say) is changed on a replica and lost under data
-   parallelism, and that is a failure;
+   parallelism, and that is a failure. So is a tensor kept as a plain attribute (not a buffer) that
+   ``forward`` reassigns (``self.seen = self.seen + n``): compared within ``rtol``, as buffers are;
 4. **stock** ``torch.nn.DataParallel`` on the same devices, where it can run (CUDA device ids).
+
+Outputs are compared leaf by leaf, and inside the objects that :func:`minidp.gather` rebuilds from
+their items (``nested.leaves(..., by_items=True)``: a ``DynamicCache``'s keys and values, each where
+iterating over it puts it). The batch must give at least two replicas a chunk: with one, data
+parallelism makes one plain call and nothing would be compared, so verify refuses it first.
 
 What ``report.ok`` means: DataParallel computes what one device computes, except for the effect
 of batch statistics in the layers known to have them, each named in ``report.batch_statistics``.
@@ -86,8 +92,9 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 
 from .comm import check_dim
 from .device_ids import DeviceLike, as_devices, default_device_ids, generator_state
-from .nested import leaves, map_tensors
+from .nested import leaves, map_tensors, tensors_in
 from .reference import chunked_reference
+from .step1_scatter import scatter_kwargs
 from .step2_replicate import check_is_module
 from .step3_parallel_apply import parallel_apply
 from .wrapper import DataParallel
@@ -164,8 +171,9 @@ class VerifyReport:
 
 
 def default_loss(output: Any) -> torch.Tensor:
-    """The sum of ``mean(t ** 2)`` over every floating-point tensor in ``output``."""
-    return sum(t.pow(2).mean() for t in leaves(output).values() if _is_float_tensor(t))
+    """The sum of ``mean(t ** 2)`` over every floating-point tensor in ``output``, those inside an object that gather
+    rebuilds from its items (a ``DynamicCache``) included."""
+    return sum(t.pow(2).mean() for _, t in tensors_in(output, by_items=True) if t.is_floating_point())
 
 
 def verify(
@@ -186,9 +194,10 @@ def verify(
 
     Args:
         module: the model; left untouched (every run uses a deep copy).
-        inputs: the positional arguments of one batch (a tuple; anything else is one argument).
-        device_ids: where the replicas run; default every visible GPU where there are several, else two
-            replicas on the one GPU (``[0, 0]``) or on the CPU (``["cpu"] * 2``).
+        inputs: the positional arguments of one batch (a tuple; anything else is one argument). The batch must give
+            at least two replicas a chunk: 2 rows or more along ``dim`` (a ValueError says so before anything runs).
+        device_ids: where the replicas run, at least two (a device may be repeated); default every visible GPU
+            where there are several, else two replicas on the one GPU (``[0, 0]``) or on the CPU (``["cpu"] * 2``).
         kwargs: keyword arguments of the batch (scattered like ``inputs``).
         dim: the batch dimension.
         loss: output -> scalar for the backward; default :func:`default_loss`.
@@ -222,6 +231,7 @@ def verify(
     rtol = rtol if rtol is not None else (1e-10 if dtype == torch.float64 else 1e-4)
     home = devices[0]
     inputs, kwargs = map_tensors(lambda t: t.to(home, dtype if dtype is not None and t.is_floating_point() else None), (inputs, kwargs))
+    _check_two_replicas_run(inputs, kwargs, devices, dim)
     report = VerifyReport([str(d) for d in devices], rtol)
     threads = _replica_threads(devices) if home.type == "cpu" else None
 
@@ -275,12 +285,34 @@ def verify(
     report.info.extend(explained)
     report.checks.extend(unexplained)
     report.batch_statistics = [_layer_name(runs[FULL_BATCH][0], name) for name in layers]
-    report.checks.extend(_compare_state(parallel, runs[FULL_BATCH][0]))
+    report.checks.extend(_compare_state(parallel, runs[FULL_BATCH][0], rtol))
     return report
 
 
-def _is_float_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point()
+def _check_two_replicas_run(inputs: tuple, kwargs: dict[str, Any], devices: Sequence[torch.device], dim: int) -> None:
+    """Raise unless at least two replicas get rows of the batch: with one, DataParallel makes one plain call (with none,
+    every replica runs on nothing), so nothing data-parallel would be compared and the report would say OK about nothing.
+
+    The batch is cut as the chunked reference cuts it, by :func:`minidp.scatter_kwargs` (on ``devices[0]`` alone:
+    views, nothing copied), which is how the wrapper's scatter cuts it too. Arguments without a tensor are not cut:
+    every replica runs on them whole.
+    """
+    if len(devices) < 2:
+        raise ValueError(
+            f"device_ids names one device ({devices[0]}): verify compares data parallelism with one device, so it needs "
+            f"at least two replicas; a device may be repeated, e.g. ['cpu'] * 2 or [0, 0]")
+    found = [(path, int(t.shape[dim])) for root, name in ((inputs, "inputs"), (kwargs, "kwargs")) for path, t in tensors_in(root, name)]
+    if not found:
+        return
+    chunks = zip(*scatter_kwargs(inputs, kwargs, [devices[0]] * len(devices), dim))
+    given = sum(any(t.shape[dim] for _, t in tensors_in(chunk)) for chunk in chunks)
+    if given >= 2:
+        return
+    path, rows = min(found, key=lambda pair: pair[1])
+    raise ValueError(
+        f"{path} has {rows} row{'' if rows == 1 else 's'} along dim {dim}, which gives {given} of the {len(devices)} "
+        f"replicas a chunk: nothing data-parallel would run, so nothing would be compared. verify needs a batch of at "
+        f"least 2 rows ({len(devices)} give every replica one)")
 
 
 def _fresh(module: nn.Module, device: torch.device, dtype: Optional[torch.dtype]) -> nn.Module:
@@ -537,7 +569,8 @@ def _compare(kind: str, name: str, actual: Any, expected: Any, against: str, rto
 
 
 def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
+    """``value`` for a message: its repr where that is short (``8``, ``tensor(8.)``), else its type (and shape)."""
+    if isinstance(value, torch.Tensor) and (value.numel() > 8 or len(repr(value)) >= 40):
         return f"a tensor {tuple(value.shape)}"
     return f"{value!r}" if len(repr(value)) < 40 else f"a {type(value).__name__}"
 
@@ -554,7 +587,8 @@ def _layer_scales(grads: dict[str, Optional[torch.Tensor]]) -> dict[str, float]:
 
 def _compare_runs(parallel: tuple[nn.Module, Any], other: tuple[nn.Module, Any], against: str, rtol: float) -> list[Check]:
     (model, output), (other_model, other_output) = parallel, other
-    found, expected = leaves(output, "output"), leaves(other_output, "output")
+    # Inside the objects gather rebuilds from their items too (a DynamicCache): item by item, as they are joined.
+    found, expected = leaves(output, "output", by_items=True), leaves(other_output, "output", by_items=True)
     if against == FULL_BATCH:  # only the numbers: gather turns a replica's string into a list of them
         found = {p: v for p, v in found.items() if isinstance(v, torch.Tensor)}
         expected = {p: v for p, v in expected.items() if isinstance(v, torch.Tensor)}
@@ -588,22 +622,33 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def _compare_state(parallel: nn.Module, full: nn.Module) -> list[Check]:
+def _compare_state(parallel: nn.Module, full: nn.Module, rtol: float) -> list[Check]:
     """Python attributes of every sub-module after the step, against the plain full-batch run.
 
     ``forward`` runs on replicas, which are shallow copies: an attribute it assigns is lost, and a
-    shared list it appends to sees every replica. Only plain values are compared; one row for all
-    the attributes that agree, one per attribute that does not.
+    shared list it appends to sees every replica. Plain values are compared by ``==``; tensors kept
+    as plain attributes (``self.seen = torch.zeros(())``, neither parameter nor buffer, which live
+    in ``_parameters`` and ``_buffers``) within ``rtol``, as buffers are: reassigned by ``forward``
+    (``self.seen = self.seen + n``), such a tensor is lost on a replica just as an int is. Other
+    objects are not compared. One row for all the attributes that agree, one per attribute that
+    does not.
     """
     compared, checks = 0, []
     for (name, module), (_, reference) in zip(parallel.named_modules(), full.named_modules()):
         for key, value in vars(reference).items():
-            if key.startswith("_") or key == "training" or not _plain(value):
+            is_tensor = isinstance(value, torch.Tensor)
+            if key.startswith("_") or key == "training" or not (is_tensor or _plain(value)):
                 continue
             compared += 1
             found = vars(module).get(key, "<missing>")
-            if found != value:
-                checks.append(Check("state", f"{name}.{key}" if name else key, FULL_BATCH, math.inf, math.inf, False,
+            where = f"{name}.{key}" if name else key
+            if is_tensor:
+                check = _compare("state", where, found, value, FULL_BATCH, rtol)
+                if not check.ok:
+                    check.note = f"{_describe(found)} under data parallelism, {_describe(value)} on one device"
+                    checks.append(check)
+            elif found != value:
+                checks.append(Check("state", where, FULL_BATCH, math.inf, math.inf, False,
                                     f"{found!r} under data parallelism, {value!r} on one device"))
     same = compared - len(checks)
-    return [Check("state", f"{same} plain attributes", FULL_BATCH, 0.0, 0.0, True)] + checks
+    return [Check("state", f"{same} attribute{'' if same == 1 else 's'}", FULL_BATCH, 0.0, 0.0, True)] + checks

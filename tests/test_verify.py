@@ -17,7 +17,7 @@ from torch import nn
 import minidp
 from minidp.zoo import ZOO, MLP
 
-from .helpers import CountsCalls, cpu_ids, library, requires_cuda
+from .helpers import CountsCalls, LayerCache, cpu_ids, library, requires_cuda
 
 
 class DropsLastChunk(minidp.DataParallel):
@@ -68,6 +68,46 @@ def test_verify_fails_on_state_that_forward_mutates(generator):
     [failure] = report.failures
     assert (failure.kind, failure.name) == ("state", "calls")
     assert "0 under data parallelism, 1 on one device" in str(report)
+
+
+class CountsSamplesInATensorAttribute(nn.Module):
+    """Counts its samples in a tensor kept as a plain attribute (neither buffer nor parameter), reassigned by
+    forward: on a replica, a shallow copy, the new tensor is lost, as a reassigned int is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.seen = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = self.seen + x.shape[0]
+        return self.linear(x)
+
+
+class ScalesByATensorAttribute(nn.Module):
+    """Reads a tensor kept as a plain attribute and never assigns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3))
+        self.scale = torch.tensor(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight * self.scale
+
+
+def test_verify_fails_on_a_tensor_attribute_that_forward_reassigns(generator):
+    report = minidp.verify(CountsSamplesInATensorAttribute(), torch.randn(6, 4, generator=generator), cpu_ids(2))
+    assert not report.ok
+    [failure] = report.failures
+    assert (failure.kind, failure.name) == ("state", "seen")
+    assert "tensor(0.) under data parallelism, tensor(6.) on one device" in str(report)
+
+
+def test_verify_compares_a_tensor_attribute_that_forward_leaves_alone_and_passes_it(generator):
+    report = minidp.verify(ScalesByATensorAttribute(), torch.randn(6, 4, generator=generator), cpu_ids(2))
+    assert report.ok, str(report)
+    assert [c.name for c in report.checks if c.kind == "state"] == ["1 attribute"]  # scale, the model's only one
 
 
 def test_verify_fails_on_a_gather_that_drops_a_chunk(generator):
@@ -317,6 +357,27 @@ def test_verify_refuses_a_batch_dependent_that_is_not_a_module_type(generator):
         minidp.verify(MLP(), torch.randn(4, 16, generator=generator), cpu_ids(2), batch_dependent=("BatchCentering",))
 
 
+class MustNotRun(nn.Linear):
+    """A model for the refusals that come before anything runs: its forward fails the test."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("verify ran the model before refusing its arguments")
+
+
+@pytest.mark.parametrize("rows", [0, 1])
+def test_verify_refuses_a_batch_that_gives_fewer_than_two_replicas_a_chunk_before_running_anything(generator, rows):
+    """One row is one chunk, which DataParallel runs as one plain call; no row, empty chunks: either way nothing
+    data-parallel would be compared, and the report would say OK about nothing."""
+    message = rf"inputs\[0\] has {rows} rows? along dim 0, which gives {rows} of the 4 replicas a chunk: .* at least 2 rows"
+    with pytest.raises(ValueError, match=message):
+        minidp.verify(MustNotRun(16, 4), torch.randn(rows, 16, generator=generator), cpu_ids(4))
+
+
+def test_verify_refuses_a_single_device_before_running_anything(generator):
+    with pytest.raises(ValueError, match=r"device_ids names one device \(cpu\): .* at least two replicas"):
+        minidp.verify(MustNotRun(16, 4), torch.randn(6, 16, generator=generator), cpu_ids(1))
+
+
 @pytest.mark.parametrize("norm, name", [
     (lambda: nn.SyncBatchNorm(8), "1 (SyncBatchNorm)"),
     (lambda: nn.BatchNorm1d(8, track_running_stats=False), "1 (BatchNorm1d)"),
@@ -344,6 +405,53 @@ def test_verify_explains_the_running_statistics_of_a_tracking_instancenorm(gener
     assert report.ok and report.batch_dependent, str(report)
     assert {c.kind for c in report.info if not c.ok} == {"buffer"}
     assert report.batch_statistics == ["1 (InstanceNorm1d)"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Outputs that gather rebuilds from their items (Hugging Face's DynamicCache): compared item by item
+# --------------------------------------------------------------------------------------------------
+
+
+class ReturnsAPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        y = self.linear(x)
+        return {"y": y, "pair": LayerCache([(2 * y, torch.tanh(y))])}
+
+
+class ShiftsTheLastReplicasSecondItem(minidp.DataParallel):
+    """A broken step: the last replica's second item of the pair is off by one when it reaches the gather."""
+
+    def gather(self, outputs, output_device):
+        (first, second), = outputs[-1]["pair"]
+        outputs[-1]["pair"] = LayerCache([(first, second + 1)])
+        return super().gather(outputs, output_device)
+
+
+def test_verify_passes_an_output_object_rebuilt_from_its_items_comparing_each_item(generator):
+    report = minidp.verify(ReturnsAPair(), torch.randn(6, 4, generator=generator), cpu_ids(2))
+    assert report.ok, str(report)
+    assert {"output['pair'][0][0]", "output['pair'][0][1]"} <= {c.name for c in report.checks if c.kind == "output"}
+
+
+def test_verify_fails_on_an_item_that_one_replica_gets_wrong_inside_such_an_object(generator):
+    report = minidp.verify(ReturnsAPair(), torch.randn(6, 4, generator=generator), cpu_ids(2),
+                           wrapper=ShiftsTheLastReplicasSecondItem)
+    assert {c.name for c in report.failures if c.kind == "output"} == {"output['pair'][0][1]"}
+
+
+def test_verify_passes_gpt2_with_its_key_value_cache(generator):
+    """GPT-2 returns its ``DynamicCache`` (``use_cache`` is on by default); gathered, it equals the one-device cache."""
+    transformers = library("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    report = minidp.verify(transformers.GPT2LMHeadModel(config), torch.randint(0, 50, (6, 10), generator=generator),
+                           cpu_ids(2))
+    assert report.ok, str(report)
+    assert any(c.name.endswith("'][1][1]") for c in report.checks if c.kind == "output")  # layer 1's values, compared
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,18 +10,36 @@ import argparse
 import torch
 from tqdm import tqdm
 
-from ..device_ids import as_devices, default_device_ids
+from ..device_ids import DeviceLike, as_devices, default_device_ids
 from ..verification import verify
 from ..zoo import ZOO
-from .args import parse_device_ids, positive_int, seed
+from .args import parse_device_ids, seed
+
+
+def replicas(text: str) -> list[DeviceLike]:
+    """``--devices``: at least two, as :func:`minidp.verify` compares two or more replicas with one device."""
+    ids = parse_device_ids(text)
+    if len(ids) < 2:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names one device: verify compares at least two replicas with one device; repeat it, e.g. "
+            f"cpu*2 or 0,0")
+    return ids
+
+
+def split_batch(text: str) -> int:
+    """``--batch``: at least 2 rows, so that at least two replicas get a chunk (:func:`minidp.verify` refuses fewer)."""
+    value = int(text)  # not a number: argparse says "invalid split_batch value"
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2, got {value}: verify gives a row to each of at least two replicas")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--devices", type=parse_device_ids, default=None,
-                        help="device ids, e.g. 0,1 or cpu*4 (default: every GPU if several, else 2 replicas on the GPU or the CPU)")
+    parser.add_argument("--devices", type=replicas, default=None,
+                        help="device ids, at least two, e.g. 0,1 or cpu*4 (default: every GPU if several, else 2 replicas on the GPU or the CPU)")
     parser.add_argument("--models", nargs="+", choices=list(ZOO), default=list(ZOO), metavar="MODEL",
                         help=f"zoo models to check (default: all of {', '.join(ZOO)})")
-    parser.add_argument("--batch", type=positive_int, default=7, help="batch size (default 7: uneven chunks)")
+    parser.add_argument("--batch", type=split_batch, default=7, help="batch size (default 7: uneven chunks)")
     parser.add_argument("--seed", type=seed, default=0, help="seed of the random batch and weights")
     parser.add_argument("--verbose", action="store_true", help="print every model's full report")
 
