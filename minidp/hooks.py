@@ -53,7 +53,11 @@ _listener: Optional[Listener] = None
 
 
 def set_listener(listener: Optional[Listener]) -> Optional[Listener]:
-    """Install ``listener`` (``None``: remove it); returns the one it replaces."""
+    """Install ``listener`` (``None``: remove it); returns the one it replaces.
+
+    The slot is the process's, not a thread's: the listener hears the calls of every thread (a replica's forward
+    runs in a worker thread, its backward in autograd's), so there is one listener at a time for them all.
+    """
     global _listener
     previous, _listener = _listener, listener
     return previous

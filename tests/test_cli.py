@@ -104,8 +104,10 @@ BAD_OPTION_VALUES = [
     (["verify", "--devices", "gpu"], "argument --devices: 'gpu' is not a device: use cpu, cuda, cuda:N or a GPU number N"),
     (["verify", "--devices", "-2"], "argument --devices: '-2' is not a device"),
     (["verify", "--devices", f"cuda:{max(9, torch.cuda.device_count())}"], "is out of range: this process sees"),
-    (["verify", "--batch", "0"], "argument --batch: must be at least 1, got 0"),
-    (["verify", "--batch", "-3"], "argument --batch: must be at least 1, got -3"),
+    (["verify", "--batch", "0"], "argument --batch: must be at least 2, got 0"),
+    (["verify", "--batch", "-3"], "argument --batch: must be at least 2, got -3"),
+    (["verify", "--batch", "1"], "argument --batch: must be at least 2, got 1: verify gives a row to each of at least two replicas"),
+    (["verify", "--devices", "cpu"], "argument --devices: 'cpu' names one device: verify compares at least two replicas"),
     (["trace", "--batch", "0"], "argument --batch: must be at least 1, got 0"),
     (["trace", "--warmup", "-1"], "argument --warmup: must be 0 or more"),
     (["trace", "--devices", "cpu*2,gpu"], "argument --devices: 'gpu' is not a device"),
@@ -134,3 +136,15 @@ def test_a_bad_option_value_is_a_usage_error_naming_the_option_and_what_works(ar
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option", [["trace", "--out"], ["demo", "--trace"]], ids=["trace --out", "demo --trace"])
+def test_an_output_folder_that_cannot_be_made_is_a_usage_error_before_anything_runs(option, tmp_path, capsys):
+    # Below a dangling link: its parent is a directory, yet no folder can be made there (as under /proc); the run
+    # used to train and trace, then die with a FileNotFoundError traceback.
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(SystemExit) as exit_info:
+        main([*option, str(tmp_path / "gone" / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option[1]}: " in err and "cannot be made" in err and "Traceback" not in err

@@ -20,7 +20,7 @@ from minidp.tracing import STAGE_COLOURS, STAGES, write_trace_artifacts
 from minidp.tracing.memory import PeakResidentMemory
 from minidp.zoo import ZOO, ResNetBlockBN
 
-from .helpers import cpu_ids, fresh_python
+from .helpers import LayerCache, cpu_ids, fresh_python
 
 REPLICAS = 3
 
@@ -162,6 +162,20 @@ def test_reduce_bytes_of_a_sparse_gradient_are_its_indices_and_values(generator)
     assert [e.bytes for e in events(step, "reduce")] == [12 * 8 + 12 * 4 * 4, 0]
 
 
+def test_gather_bytes_count_the_tensors_inside_an_object_gather_rebuilds_from_its_items(generator):
+    # a Hugging Face DynamicCache (here its shape, LayerCache): gather concatenates each layer's keys and values into
+    # fresh memory, as it does the logits; the trace counted the logits only
+    class Caching(nn.Module):
+        def forward(self, x):
+            return {"logits": x * 2, "cache": LayerCache([(x + 1, x - 1)])}
+
+    with minidp.trace(ledger=True) as step:
+        minidp.DataParallel(Caching(), cpu_ids(2))(torch.randn(6, 4, generator=generator))
+    assert [e.bytes for e in events(step, "gather")] == [3 * (3 * 4 * 4)] * 2  # 3 rows each, 3 tensors, float32
+    device_row = next(row for row in step.ledger() if row.device == "cpu" and row.replica is None)
+    assert device_row.held["gathered outputs"] == 3 * 6 * 4 * 4  # the ledger's gathered outputs, the cache's too
+
+
 def test_gather_bytes_of_sparse_outputs_are_their_indices_and_values(generator):
     class Sparse(nn.Module):
         def forward(self, x):
@@ -280,9 +294,52 @@ def test_a_replica_whose_layers_are_recomputed_by_a_reentrant_checkpoint_has_its
 
 def test_traces_do_not_nest():
     with minidp.trace():
-        with pytest.raises(RuntimeError, match="already active"):
+        with pytest.raises(RuntimeError, match="a trace is already recording in this process"):
             with minidp.trace():
                 pass
+
+
+def test_a_trace_opened_in_another_thread_while_one_records_says_a_trace_records_every_thread():
+    # Nothing nests here: the open trace is the process's, and records the other thread's steps too.
+    errors = []
+
+    def open_a_trace():
+        try:
+            with minidp.trace():
+                pass
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    with minidp.trace():
+        other = threading.Thread(target=open_a_trace)
+        other.start()
+        other.join()
+    assert len(errors) == 1
+    assert "already recording in this process (this thread's or another thread's)" in errors[0]
+    assert "records the steps of every thread" in errors[0]
+
+
+READERS = {
+    "events": lambda step, folder: step.events,
+    "duration": lambda step, folder: step.duration,
+    "table": lambda step, folder: step.table(),
+    "summary": lambda step, folder: step.summary(),
+    "to_chrome": lambda step, folder: step.to_chrome(folder / "step.json"),
+    "ledger": lambda step, folder: step.ledger(),
+    "write_trace_artifacts": lambda step, folder: write_trace_artifacts(step, folder),
+}
+
+
+@pytest.mark.parametrize("reader", READERS.values(), ids=READERS.keys())
+def test_reading_a_trace_inside_its_with_block_raises_and_says_to_read_it_after(reader, generator, tmp_path):
+    # Inside the block the duration is still 0 and the backward's events unwritten: the table showed a step of
+    # 0.00 ms, a negative "(other)" and no backward row.
+    model = minidp.DataParallel(ZOO["mlp"].build(), cpu_ids(2))
+    with minidp.trace(ledger=True) as step:
+        model(torch.randn(4, 16, generator=generator)).sum().backward()
+        with pytest.raises(RuntimeError, match="still recording.*read it after the with block"):
+            reader(step, tmp_path)
+    reader(step, tmp_path)  # and answers once the block has ended
 
 
 def test_stages_show_in_torch_profiler_without_the_tracer(generator):
@@ -300,6 +357,14 @@ def test_table_has_a_row_for_every_stage_and_the_memory_peak(cnn_step):
     assert "peak memory cpu" in table
     shares = [row["share"] for row in cnn_step.summary()]
     assert all(0 <= s <= 1 for s in shares)
+
+
+def test_table_heading_says_how_many_steps_the_trace_covers(generator):
+    model = minidp.DataParallel(ZOO["mlp"].build(), cpu_ids(2))
+    with minidp.trace() as step:
+        for _ in range(3):
+            model(torch.randn(4, 16, generator=generator)).sum().backward()
+    assert step.table().startswith("3 traced steps: ")
 
 
 def _hold_fresh_memory(nbytes: int) -> None:

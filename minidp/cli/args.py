@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 from pathlib import Path
 
 from ..device_ids import DeviceLike, as_device
@@ -42,13 +43,27 @@ def positive_float(text: str) -> float:
 
 
 def output_directory(text: str) -> Path:
-    """A directory to write into (``--out``, ``--trace``): one that exists, or a path where none is yet, below a
-    directory (the nearest existing folder on the way is where it will be made)."""
+    """A directory to write into (``--out``, ``--trace``), made now if it is not there yet, and checked by writing
+    a file into it: a folder that cannot be made or written (below a file, under ``/proc``, read-only) is a usage
+    error before anything runs, not a traceback once the run is done."""
     path = Path(text)
     existing = next(p for p in (path, *path.parents) if p.exists())  # the last parent ("." or "/") exists
     if not existing.is_dir():
         what = "is a file" if existing == path else f"cannot be made: {str(existing)!r} is a file"
         raise argparse.ArgumentTypeError(f"{text!r} {what}; give a directory, existing or to be made")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} cannot be made ({error.strerror or error}); give a directory that can be made and written"
+        ) from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=path):  # what the artifacts need: a new file in it
+            pass
+    except OSError as error:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} cannot be written ({error.strerror or error}); give a directory that can be made and written"
+        ) from None
     return path
 
 

@@ -8,7 +8,6 @@ first step also pays for starting the replica threads). Writes ``table.txt``, ``
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
@@ -33,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel-backward", choices=list(_PARALLEL_BACKWARD), default="auto",
                         help="CPU replicas' backwards in parallel where their threads fit the cores (auto, the "
                              "default), always (on) or never (off): minidp.set_parallel_backward")
-    parser.add_argument("--out", type=output_directory, default=Path("minidp-trace"), help="directory for the artifacts")
+    parser.add_argument("--out", type=output_directory, default="minidp-trace",  # a string: argparse checks it too
+                        help="directory for the artifacts (default minidp-trace)")
 
 
 def run(args: argparse.Namespace) -> int:

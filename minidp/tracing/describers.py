@@ -34,8 +34,10 @@ class Recorder(Protocol):
 Describer = Callable[[Recorder, dict, Any], Callable[[], Served]]
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for _, t in tensors_in(obj)]
+def _tensors(obj: Any, by_items: bool = False) -> list[torch.Tensor]:
+    """The tensors inside ``obj``; ``by_items``: those inside objects gather rebuilds from their items too (a
+    ``DynamicCache``'s keys and values, which gather concatenates: :func:`minidp.nested.items_of`)."""
+    return [t for _, t in tensors_in(obj, by_items=by_items)]
 
 
 def _parts(tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -153,11 +155,11 @@ def gather(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Serve
     # Counted now, a few tensors per replica: held until the events were read, the replicas' outputs cost the traced
     # step 1.6 to 3.9 points more than no gather describer at all, in four runs of `python benchmarks/trace_overhead.py
     # --steps 300 --replicas 2 --batch 64 --parts` (BENCHMARKS.md, "The targets in one afternoon").
-    gathered = _storages(_tensors(result))
+    gathered = _storages(_tensors(result, by_items=True))
     target = arguments["target_device"]
     rows = [
         (replica, _device_of(tensors, target), _bytes_outside(tensors, gathered), f"into {target}")
-        for replica, tensors in enumerate(_tensors(output) for output in arguments["outputs"])
+        for replica, tensors in enumerate(_tensors(output, by_items=True) for output in arguments["outputs"])
     ]
     return functools.partial(iter, rows)
 

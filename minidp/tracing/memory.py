@@ -532,7 +532,7 @@ class AllocationLedger:
                 _, parameters, buffers = _replica_tensors(named["network"], module)
                 self.mark(parameters + buffers, "parameters", replica, made_now=True)
         elif stage == "gather":
-            self.mark(_tensors(result), "gathered outputs", made_now=True)
+            self.mark(_tensors(result, by_items=True), "gathered outputs", made_now=True)
         elif stage == "reduce":
             self.mark(_tensors(result), "gradients", made_now=True)
         return result

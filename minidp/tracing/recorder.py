@@ -119,12 +119,41 @@ class _Backward:
     end: list[_Mark] = field(default_factory=list)
 
 
+_opening = threading.Lock()  # held while a trace checks the listener slot and takes it
+
+
+def _after_the_block(reader: Callable) -> Callable:
+    """Decorator: ``reader`` raises while its trace is recording, instead of answering from half a record.
+
+    Inside the ``with`` block the step's duration is not known yet (0), the backward's events are written at its
+    end, and the memory peaks are read there: a table would show a step of 0 ms, a negative "(other)" and no
+    backward. One check for every public reader (the views read the trace through them too).
+    """
+
+    @functools.wraps(reader)
+    def guarded(self: "Trace", *args: Any, **kwargs: Any) -> Any:
+        if self._recording:
+            raise RuntimeError(
+                f"Trace.{reader.__name__} was read while the trace is still recording, inside its "
+                f"`with minidp.trace()` block, where the step's duration, its backward's events and its memory "
+                f"peaks are not known yet; read it after the with block ends"
+            )
+        return reader(self, *args, **kwargs)
+
+    return guarded
+
+
 class Trace:
     """The record of the data-parallel steps run inside ``with minidp.trace():``.
 
     ``events`` lists every step of every replica; ``duration`` is the length of the ``with`` block
-    (the "step" the table's shares refer to); ``memory`` the peak memory of each device.
-    Run the backward inside the block too: its events are recorded by hooks as it runs.
+    (the "step" the table's shares refer to); ``memory`` the peak memory of each device; ``steps`` how many
+    data-parallel steps ran in it. Run the backward inside the block too: its events are recorded by hooks
+    as it runs. Read them after the block: until it ends they are incomplete (the duration is not known, the
+    backward's events are written at its end), so every reader raises inside it (:func:`_after_the_block`).
+
+    A trace records the steps of every thread of the process while it is open (the hooks have one listener
+    slot, :mod:`minidp.hooks`): one trace is open at a time, whichever thread opened it.
 
     The block itself only notes when each call ran and what it was given; the events (bytes moved,
     details) are written from those notes when first read (``events``, the views), so that bookkeeping
@@ -136,8 +165,11 @@ class Trace:
 
     def __init__(self, ledger: bool = False) -> None:
         self._events: list[Event] = []
-        self.duration = 0.0
-        self.memory: list[MemoryPeak] = []
+        self._duration = 0.0
+        self._memory: list[MemoryPeak] = []
+        self._recording = False  # inside the with block: the readers refuse (_after_the_block)
+        self._steps = 0  # steps run at the top level: replicate calls, and modules run alone (_count_step)
+        self._in_replica = threading.local()  # .forward: this thread runs a replica's forward (on_replica)
         self._lock = threading.Lock()
         self._writing = threading.Lock()  # one writer of the events at a time (any thread may read them first)
         self._sorted = 0  # how many events were in self._events when it was last sorted
@@ -153,31 +185,62 @@ class Trace:
     # -- the with block -----------------------------------------------------------------------------
 
     def __enter__(self) -> "Trace":
-        if hooks.current_listener() is not None:
-            raise RuntimeError("minidp.trace() is already active; traces do not nest. Use the outer one.")
-        self._device_memory.start()
-        if self._allocations is not None:
-            self._allocations.start()
-        self._origin = time.perf_counter()
-        hooks.set_listener(self)
+        with _opening:  # two threads opening traces at once: one gets the slot, the other the error
+            if hooks.current_listener() is not None:
+                raise RuntimeError(
+                    "minidp.trace(): a trace is already recording in this process (this thread's or another "
+                    "thread's). A trace records the steps of every thread of the process while it is open, so one "
+                    "is open at a time: read the steps from the open one, or open this one after its with block ends."
+                )
+            self._device_memory.start()
+            if self._allocations is not None:
+                self._allocations.start()
+            self._origin = time.perf_counter()
+            self._recording = True
+            hooks.set_listener(self)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         hooks.set_listener(None)
-        if self._allocations is not None:
-            self._allocations.stop()
-        for index in gpus_in_use():
-            torch.cuda.synchronize(index)
-        self.duration = time.perf_counter() - self._origin
-        self._backward_of.clear()
-        self._finish_backward()
-        self.memory = self._device_memory.peaks()
+        try:
+            if self._allocations is not None:
+                self._allocations.stop()
+            for index in gpus_in_use():
+                torch.cuda.synchronize(index)
+            self._duration = time.perf_counter() - self._origin
+            self._backward_of.clear()
+            self._finish_backward()
+            self._memory = self._device_memory.peaks()
+        finally:
+            self._recording = False
 
     @property
+    @_after_the_block
     def events(self) -> list[Event]:
         """Every step of every replica, by start time; written from the calls' notes when first read."""
         self._write_events()
         return self._events
+
+    @property
+    @_after_the_block
+    def duration(self) -> float:
+        """Seconds the ``with`` block lasted: the "step" the table's shares refer to."""
+        return self._duration
+
+    @property
+    @_after_the_block
+    def memory(self) -> list[MemoryPeak]:
+        """The peak memory of each device during the block."""
+        return self._memory
+
+    @property
+    @_after_the_block
+    def steps(self) -> int:
+        """How many data-parallel steps ran in the block, in any thread: the replicate calls (one per
+        ``DataParallel`` call, or per step run by hand), and the forwards of a module alone on its one device (which
+        nothing replicates). The replicate call of a ``data_parallel`` nested in a replica is part of the outer step;
+        a loss computed on the replicas (``parallel_criterion``) replicates nothing, and adds no step."""
+        return self._steps
 
     def _write_events(self) -> None:
         with self._writing:
@@ -200,19 +263,25 @@ class Trace:
         else:
             result = self._allocations.on_call(stage, function, arguments)
         self._close(span, stage, describers.DESCRIBERS[stage](self, named, result))
+        if stage == "replicate":
+            self._count_step()
         return result
 
     def on_replica(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         span = self._open(device)
+        outer, self._in_replica.forward = getattr(self._in_replica, "forward", False), True
         try:
             return call() if self._allocations is None else self._allocations.on_replica(replica, device, module, call)
         finally:
+            self._in_replica.forward = outer
             self._close(span, "forward", lambda: iter([(replica, device, 0, "")]))
 
     def on_module(self, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         if self._allocations is not None:
             self._allocations.watch_module(module)
-        return self.on_replica(0, device, module, call)
+        output = self.on_replica(0, device, module, call)
+        self._count_step()
+        return output
 
     def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
         if one_call_each:
@@ -269,6 +338,14 @@ class Trace:
                 else:
                     node.register_prehook(self._end_of(backward.end, [p.output_nr for p in made_here]))
 
+    def _count_step(self) -> None:
+        """A step's replicas were made, or a module ran alone: one more step, unless this thread runs a replica's
+        forward, whose nested ``data_parallel`` calls are part of the outer step."""
+        if not getattr(self._in_replica, "forward", False):
+            with self._lock:
+                self._steps += 1
+
+    @_after_the_block
     def ledger(self) -> list[LedgerRow]:
         """Per device and per replica: the most memory the step held, and what it was made of, counted from
         its allocations (see :mod:`minidp.tracing.memory`); needs ``minidp.trace(ledger=True)``."""
@@ -394,22 +471,27 @@ class Trace:
 
     # -- views (minidp/tracing/views.py) --------------------------------------------------------------
 
+    @_after_the_block
     def lanes(self) -> list[tuple[str, Optional[int]]]:
         """``(device, replica)`` of every track, in device then replica order."""
         return views.lanes(self)
 
+    @_after_the_block
     def summary(self) -> list[dict[str, Any]]:
         """One row per stage and device: wall time, busy thread time, share of the step, bytes."""
         return views.summary(self)
 
+    @_after_the_block
     def table(self) -> str:
         """The step as text: per stage and device, wall time, its share of the step, thread time, bytes."""
         return views.table(self)
 
+    @_after_the_block
     def ledger_table(self) -> str:
         """The memory ledger as text: per device and replica, the peak and what it was made of."""
         return views.ledger_table(self.ledger())
 
+    @_after_the_block
     def to_chrome(self, path: Union[str, Path]) -> Path:
         """Write the Chrome trace format (JSON): one process per device, one track per replica.
 
@@ -417,6 +499,7 @@ class Trace:
         """
         return views.write_chrome(self, path)
 
+    @_after_the_block
     def plot(self, path: Union[str, Path]) -> Path:
         """Draw the step as a PNG timeline: one lane per device and replica, one colour per stage."""
         return views.plot(self, path)

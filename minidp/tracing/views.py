@@ -18,6 +18,7 @@ class Recorded(Protocol):
     events: list  # of minidp.tracing.Event
     duration: float
     memory: list[MemoryPeak]
+    steps: int  # data-parallel steps (forwards) run while it recorded
 
 STAGE_COLOURS = {
     "scatter": "#4c72b0", "replicate": "#8172b3", "forward": "#55a868",
@@ -54,7 +55,7 @@ def summary(step: Recorded) -> list[dict[str, Any]]:
 def table(step: Recorded) -> str:
     """The step as text: per stage and device, wall time, its share of the step, thread time, bytes."""
     lines = [
-        f"one traced step: {step.duration * 1e3:.2f} ms, {len(step.events)} events",
+        f"{steps_text(step.steps)}: {step.duration * 1e3:.2f} ms, {len(step.events)} events",
         f"{'stage':<10} {'device':<8} {'replicas':<9} {'wall ms':>9} {'share':>7} {'busy ms':>9} {'bytes':>12}",
     ]
     for row in summary(step):
@@ -74,6 +75,12 @@ def table(step: Recorded) -> str:
     for peak in step.memory:
         lines.append(f"peak memory {peak.device}: {bytes_text(peak.bytes)} ({peak.measure})")
     return "\n".join(lines)
+
+
+def steps_text(steps: int) -> str:
+    """The table's heading: how many steps the trace covers ("one traced step", "3 traced steps"), so that the
+    times of a traced loop are not read as one step's."""
+    return "one traced step" if steps == 1 else f"{steps} traced steps"
 
 
 LEDGER_NOTE = (
