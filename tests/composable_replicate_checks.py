@@ -18,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
+import minidp
 import minidp.distributed as md
 
 from .helpers import error_of, state_difference
@@ -131,3 +132,23 @@ def refusals(seed: int) -> dict:
 
 
 HOOKS = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}
+
+
+def sync_batchnorm_over_every_rank(seed: int) -> dict[str, float]:
+    """``minidp.SyncBatchNorm`` under each of minidp's wrappers across processes, rank r with 3 - r rows (uneven): the
+    largest difference of its output and running statistics from ``nn.BatchNorm1d`` on every rank's rows at once, in
+    float64, by wrapper. minidp's layer needs an exchange over the processes, which only its DDP gave it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    generator = torch.Generator().manual_seed(seed)
+    batches = [torch.randn(3 - r, 4, generator=generator, dtype=torch.float64) for r in range(world)]
+    reference = nn.BatchNorm1d(4, dtype=torch.float64)
+    expected = reference(torch.cat(batches)).detach().split([len(b) for b in batches])[rank]
+    wrappers = {"ddp": md.DistributedDataParallel, "replicate": md.replicate, "fully_shard": md.fully_shard}
+    differences = {}
+    for name, wrap in wrappers.items():
+        layer = minidp.SyncBatchNorm(4, dtype=torch.float64)
+        output = wrap(nn.Sequential(layer))(batches[rank]).detach()
+        differences[name] = max((output - expected).abs().max().item(),
+                                (layer.running_mean - reference.running_mean).abs().max().item(),
+                                (layer.running_var - reference.running_var).abs().max().item())
+    return differences

@@ -44,6 +44,7 @@ PLAN = {
     **{f"train-{name}": (checks.against_torch, arguments) for name, arguments in TRAINING.items()},
     "itself": (checks.the_module_stays_itself, {}),
     "refusals": (checks.refusals, {}),
+    "sync_batchnorm": (checks.sync_batchnorm_over_every_rank, {}),
 }
 
 two = job_fixture("two", run_checks, 2, PLAN, JOB_TIMEOUT)
@@ -84,3 +85,12 @@ def test_bad_input_is_refused_before_anything_changes(two, case, kind, error):
         assert result[case][0] == kind and result[case][1].startswith(error), result[case]
         assert result["twice_in_torch"][0] == "AssertionError"
         assert result["twice_in_torch"][1].startswith("Each distinct composable distributed API")
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "replicate", "fully_shard"])
+def test_minidps_sync_batchnorm_normalises_over_every_ranks_rows_under_each_wrapper(two, wrapper):
+    # torch's nn.SyncBatchNorm all-gathers its statistics by itself, whatever wraps it (on GPUs); minidp's layer, the
+    # one that synchronises on the CPU, is given its exchange by the wrapper: only its DDP gave it one, so under
+    # replicate and fully_shard each rank normalised its own rows, silently
+    for differences in each_rank(two, "sync_batchnorm"):
+        assert differences[wrapper] <= 1e-12, differences

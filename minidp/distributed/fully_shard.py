@@ -98,6 +98,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..nested import map_tensors, tensors_in
+from .batchnorm import attach_exchange
 from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference, raise_on_every_rank
 from .isinstance_only import give_methods, refuse_inherited
 from .replicate import REPLICATE_STATE
@@ -1342,6 +1343,8 @@ def fully_shard(
         setattr(param, _SHARDED_AS, f"parameter '{names.get(id(param), name)}' of the {called}")
         params.append(sharded)
     shard_group = ShardGroup(roots, params, group, reshard_after_forward, device, mp_policy, replicate_group, mesh)
+    for root in roots:  # minidp.SyncBatchNorm: statistics over the batch of every rank that shards or replicates
+        attach_exchange(root, dist.group.WORLD if replicate_group is not None else group, replicas=1)
     watch_optimizers()  # an optimizer built on the shards gives their state as FSDP2's DTensors in its state dict
     for root in roots:
         setattr(root, _GROUP, shard_group)

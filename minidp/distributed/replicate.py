@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from .batchnorm import attach_exchange
 from .ddp import DistributedDataParallel
 from .isinstance_only import give_methods
 
@@ -76,6 +77,8 @@ class ReplicateState:
             cpu = device_id is None or (isinstance(device_id, torch.device) and device_id.type == "cpu")
             kwargs["device_ids"] = None if cpu else [device_id]
         self.ddp = DistributedDataParallel(nn.ParameterList(self.parameters()), **kwargs)
+        # The DDP object holds the parameters, not the module: its own attach reaches no layer of the module.
+        attach_exchange(self.module, self.ddp.process_group, replicas=1)
         for args, hook_kwargs in self.comm_hooks:
             self.ddp.register_comm_hook(*args, **hook_kwargs)
         self.comm_hooks.clear()
