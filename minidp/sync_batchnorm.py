@@ -206,8 +206,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         buffers and ``training`` flag. Returns the converted module; sub-modules are replaced in place.
         """
         converted = module
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
-            if type(module).forward is not nn.modules.batchnorm._BatchNorm.forward:
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            # A SyncBatchNorm (torch's, or this class's) is converted again, as torch's converter does: the new layer
+            # takes the new process_group. Their forwards only normalise: nothing of theirs is lost.
+            if type(module).forward not in (nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward, cls.forward):
                 # torch's converter replaces such a layer as silently: timm's BatchNormAct2d (normalisation, then its
                 # `act` and `drop` children) keeps its children but never calls them, and a ReLU net goes negative.
                 warnings.warn(

@@ -120,6 +120,18 @@ def test_converting_plain_batchnorm_layers_warns_of_nothing(generator):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         minidp.SyncBatchNorm.convert_sync_batchnorm(conv_net(generator))
+        minidp.SyncBatchNorm.convert_sync_batchnorm(torch.nn.SyncBatchNorm.convert_sync_batchnorm(conv_net(generator)))
+
+
+def test_converting_a_converted_model_again_gives_its_layers_the_new_process_group(generator):
+    """torch's converter converts its own SyncBatchNorm layers too: a model converted with one group and then with
+    another ends with the other (minidp's kept the first)."""
+    ours = minidp.SyncBatchNorm.convert_sync_batchnorm(minidp.SyncBatchNorm.convert_sync_batchnorm(conv_net(generator),
+                                                                                                  "first"), "second")
+    stock = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+        conv_net(generator), "first"), "second")
+    assert [m.process_group for m in ours.modules() if isinstance(m, minidp.SyncBatchNorm)] == ["second"] * 3
+    assert [m.process_group for m in stock.modules() if isinstance(m, nn.SyncBatchNorm)] == ["second"] * 3
 
 
 @pytest.mark.parametrize("cache_replicas", [True, False], ids=["cached", "fresh"])
