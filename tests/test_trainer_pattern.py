@@ -247,3 +247,18 @@ def test_trainer_use_cache_gathers_one_cache_object_equal_to_the_full_batch(gene
                 assert tensor is None
             else:
                 assert max_relative_error(tensor, expected_tensor) <= lm.rtol
+
+
+def test_gpt2s_hidden_states_through_data_parallel_equal_its_own_once_it_captured_them_alone(generator):
+    """README, "Swapping in": transformers 5 registers the hooks that capture hidden states at a model's first such
+    forward, on itself; replicas share the original's hook dicts and lose the flag that says so, so a model wrapped
+    before its first call gets them again from every replica. Called once alone first, it has them in place: through
+    DataParallel its hidden states are then the model's own, as many as its layers and one."""
+    model = tiny_gpt2(generator).eval()
+    tokens = torch.randint(0, 100, (6, TOKENS), generator=generator)
+    expected = copy.deepcopy(model)(tokens, output_hidden_states=True).hidden_states  # a copy's own first call
+    model(tokens[:1], output_hidden_states=True)  # the hooks installed, once, on the original
+    got = minidp.DataParallel(model, cpu_ids(2))(tokens, output_hidden_states=True).hidden_states
+    assert len(got) == len(expected) == 3
+    assert all(max_relative_error(g, e) <= 1e-5 for g, e in zip(got, expected))
+    assert len(model(tokens, output_hidden_states=True).hidden_states) == 3  # the model alone: as before
