@@ -117,11 +117,12 @@ def the_module_stays_itself(seed: int) -> dict:
 
 def refusals(seed: int) -> dict:
     """minidp's refusals, each before anything changed: a second replicate of one module, replicate of a module
-    fully_shard sharded, a device_id that is a list."""
+    fully_shard sharded, a device_id that is a list, a function in place of a module."""
     cases: dict[str, Callable[[nn.Module], Any]] = {
         "twice": lambda model: md.replicate(md.replicate(model)),
         "sharded": lambda model: md.replicate(md.fully_shard(model)),
         "device_id": lambda model: md.replicate(model, device_id=["cpu"]),
+        "function": lambda model: md.replicate(model.forward),
     }
     results = {}
     for name, call in cases.items():

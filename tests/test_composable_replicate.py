@@ -77,6 +77,7 @@ def test_the_replicated_module_keeps_its_class_and_state_dict_keys_and_refuses_d
     ("twice", "AssertionError", "replicate was already applied to this Net"),
     ("sharded", "RuntimeError", "Cannot apply `replicate()` on a Module already managed by `fully_shard`"),
     ("device_id", "RuntimeError", "Expected device_id to be int or torch.device"),
+    ("function", "TypeError", "module must be an nn.Module, got <bound method"),
 ])
 def test_bad_input_is_refused_before_anything_changes(two, case, kind, error):
     # replicate.py's own refusals (the last two: its messages and types); twice: torch's contract() refuses a second

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from ..step2_replicate import check_is_module
 from .batchnorm import attach_exchange
 from .ddp import DistributedDataParallel
 from .isinstance_only import give_methods
@@ -138,6 +139,7 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
     ``torch.device``; a CPU device means ``device_ids=None``), as torch's ``replicate`` takes them.
     ``ignored_modules``: sub-modules whose parameters are left alone (not broadcast, not reduced).
     """
+    check_is_module(module, "module")  # torch's fails on a function with AttributeError, deep in its contract
     if "device_id" in kwargs and not isinstance(kwargs["device_id"], (int, torch.device)):
         raise RuntimeError(f"Expected device_id to be int or torch.device, but got {type(kwargs['device_id'])}")
     if isinstance(module, FSDPModule):
