@@ -326,7 +326,7 @@ READERS = {
     "summary": lambda step, folder: step.summary(),
     "to_chrome": lambda step, folder: step.to_chrome(folder / "step.json"),
     "ledger": lambda step, folder: step.ledger(),
-    "write_trace_artifacts": lambda step, folder: write_trace_artifacts(step, folder),
+    "write_trace_artifacts": lambda step, folder: write_trace_artifacts(step, folder / "out"),
 }
 
 
@@ -339,6 +339,7 @@ def test_reading_a_trace_inside_its_with_block_raises_and_says_to_read_it_after(
         model(torch.randn(4, 16, generator=generator)).sum().backward()
         with pytest.raises(RuntimeError, match="still recording.*read it after the with block"):
             reader(step, tmp_path)
+        assert not (tmp_path / "out").exists()  # refused before any folder was made
     reader(step, tmp_path)  # and answers once the block has ended
 
 

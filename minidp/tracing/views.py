@@ -207,9 +207,9 @@ def write_trace_artifacts(step: Recorded, directory: Union[str, Path]) -> dict[s
 
     The PNG is skipped (and left out of the result) when matplotlib is not installed.
     """
+    text = (table(step) + "\n").encode()  # first: a trace still recording refuses to be read, before any folder is made
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    text = (table(step) + "\n").encode()
     written = {
         "table": write_atomically(directory / "table.txt", lambda file: file.write(text)),
         "chrome": write_chrome(step, directory / "trace.json"),
