@@ -20,6 +20,11 @@ def test_a_bucket_cap_must_not_be_negative():
         DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1)
 
 
+def test_a_process_group_that_is_not_one_is_refused_by_name():
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup.*got 'WORLD' of type str"):
+        DistributedDataParallel(nn.Linear(2, 2), process_group="WORLD")
+
+
 def test_no_per_bucket_cap_may_be_negative():
     with pytest.raises(ValueError, match=r"bucket_cap_mb_list\[1\] must be 0 or more, got -0.5"):
         DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb_list=[1, -0.5])

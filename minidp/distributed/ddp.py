@@ -179,6 +179,11 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                     f"implemented: pass one device_id (or None) to train in mixed precision"
                 )
         caps = BucketCaps.from_mb(bucket_cap_mb, bucket_cap_mb_list)
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(  # torch's fails later, on an attribute of what it was given
+                f"DistributedDataParallel: process_group must be a torch.distributed.ProcessGroup "
+                f"(torch.distributed.new_group(ranks)), or None for the default group, got {process_group!r} of type "
+                f"{type(process_group).__name__}")
         ignored = ignored_names(module)
         check_one_device_type(module, ignored)
         if not dist.is_initialized():
