@@ -106,9 +106,9 @@ def items_of(obj: Any) -> Optional[list[tuple[str, Any]]]:
     """``(path suffix, item)`` for an object that gather rebuilds from its items, ``None`` for anything else.
 
     Such an object is neither a tensor, nor ``None``, nor a plain value (:data:`PLAIN`), nor a
-    container :func:`children` looks inside, but it is iterable: gather joins the replicas' items
-    position by position and builds ``type(obj)(gathered items)`` (``minidp/step4_gather.py``, as stock
-    does), so its items are where its tensors are, Hugging Face's ``DynamicCache`` (one
+    container :func:`children` looks inside, but it is iterable: gather takes the replicas' items from
+    here, joins them position by position and builds ``type(obj)(gathered items)`` (``minidp/step4_gather.py``,
+    as stock does), so its items are where its tensors are, Hugging Face's ``DynamicCache`` (one
     ``(keys, values, ...)`` tuple per layer) for one. They are listed in iteration order, with the
     suffixes ``[0]``, ``[1]``, ... that gather's error messages use.
 

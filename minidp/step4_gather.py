@@ -29,7 +29,7 @@ import torch
 
 from . import comm
 from .device_ids import DeviceLike, as_device
-from .nested import PLAIN, children, is_per_replica, rebuild
+from .nested import PLAIN, children, is_per_replica, items_of, rebuild
 from .hooks import observed
 
 
@@ -113,15 +113,14 @@ def _gather_by_items(values: list[Any], path: str, destination: torch.device, di
     for replica, value in enumerate(values[1:], start=1):
         if type(value) is not type(first):
             raise ValueError(f"{path} is of type {kind} in replica 0 but of type {type(value).__qualname__} in replica {replica}")
-    try:
-        iterators = [iter(value) for value in values]
-    except TypeError as error:
+    per_replica = [items_of(value) for value in values]  # the one view of such an object's items the walkers share
+    if any(parts is None for parts in per_replica):
         raise TypeError(
             f"{path} is of type {kind}, which gather cannot join: it is neither a tensor nor a container, and it is "
-            f"not iterable, so it cannot be rebuilt from the replicas' items as stock does "
-            f"(type(obj)(gathered items)). {_WHAT_WORKS}"
-        ) from error
-    items = [list(iterator) for iterator in iterators]
+            f"not iterable (or is its own iterator, a generator, which iterating would consume), so it cannot be "
+            f"rebuilt from the replicas' items as stock does (type(obj)(gathered items)). {_WHAT_WORKS}"
+        )
+    items = [[item for _, item in parts] for parts in per_replica]
     for replica, replica_items in enumerate(items[1:], start=1):
         if len(replica_items) != len(items[0]):
             raise ValueError(
