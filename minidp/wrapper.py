@@ -38,28 +38,31 @@ _warned_no_gpu = False
 def resolve_device_ids(device_ids: Optional[Sequence[DeviceLike]]) -> list[torch.device]:
     """The devices to run replicas on; ``[]`` means "call the module directly", as stock does without a GPU.
 
-    ``None`` means every visible GPU. Integer ids on a machine without a GPU fall back to a direct
-    call too, with a one-time warning that says how to ask for CPU replicas.
+    ``None`` means every visible GPU. Integer ids on a machine without a GPU, or none (``[]``), fall back to a
+    direct call too, with a one-time warning that says how to ask for CPU replicas. With a GPU, ``[]`` is an error
+    (stock's is an ``IndexError`` on ``device_ids[0]``).
     """
     global _warned_no_gpu
     if device_ids is None:
         return [torch.device("cuda", i) for i in range(visible_gpus())]
     check_device_list(device_ids, "device_ids")
     device_ids = list(device_ids)
-    if not device_ids:
-        raise ValueError("device_ids is empty: give at least one device, e.g. [0, 1] or ['cpu'] * 2")
+    # `list(range(torch.cuda.device_count()))`, the usual way to name every GPU, is [] here: stock calls the module.
     if visible_gpus() == 0 and all(isinstance(d, int) and not isinstance(d, bool) for d in device_ids):
         for i, d in enumerate(device_ids):  # no GPU to check them against, but -2 is no GPU anywhere
             parse_device(d, f"device_ids[{i}]")
         if not _warned_no_gpu:
             _warned_no_gpu = True
+            replicas = len(device_ids) or 2
+            what = "names GPUs, but this machine has none" if device_ids else "names no device (this machine has no GPU)"
             warnings.warn(
-                f"device_ids={device_ids} names GPUs, but this machine has none: the module will be called "
-                f"directly, without replicas. To run {len(device_ids)} replicas on the CPU, pass "
-                f"device_ids={['cpu'] * len(device_ids)!r}.",
+                f"device_ids={device_ids} {what}: the module will be called directly, without replicas. To run "
+                f"{replicas} replicas on the CPU, pass device_ids={['cpu'] * replicas!r}.",
                 stacklevel=3,
             )
         return []
+    if not device_ids:
+        raise ValueError("device_ids is empty: give at least one device, e.g. [0, 1] or ['cpu'] * 2")
     return as_devices(device_ids, "device_ids")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import re
 
 import pytest
@@ -161,8 +162,11 @@ def test_tensors_that_cut_into_different_numbers_of_chunks_are_an_error(model, g
     assert_untouched(model, before)
 
 
-def test_empty_device_ids_are_an_error(model):
-    """Stock fails with an IndexError on ``device_ids[0]`` (B2)."""
+def test_empty_device_ids_with_a_gpu_are_an_error(model, monkeypatch):
+    """With a GPU, stock fails with an IndexError on ``device_ids[0]`` (B2); without one it calls the module (B1,
+    tests/test_data_parallel.py). A GPU is made visible to minidp's checks; nothing runs."""
+    for module in (minidp.device_ids, importlib.import_module("minidp.wrapper")):
+        monkeypatch.setattr(module, "visible_gpus", lambda: 2)
     with pytest.raises(ValueError, match="device_ids is empty"):
         minidp.DataParallel(model, [])
 

@@ -276,6 +276,21 @@ def test_integer_ids_without_a_gpu_call_directly_and_warn_once(monkeypatch):
         minidp.DataParallel(bn_model(), [0, 1])
 
 
+@no_gpu_only
+def test_empty_device_ids_without_a_gpu_call_directly(generator, monkeypatch):
+    """B1: stock ignores ``device_ids`` here, so ``list(range(torch.cuda.device_count()))``, which is ``[]`` on such a
+    machine, is a plain call; minidp does the same, and says how to get CPU replicas."""
+    monkeypatch.setattr(data_parallel_module, "_warned_no_gpu", False)
+    model = bn_model()
+    x = torch.randn(4, 4, generator=generator)
+    with pytest.warns(UserWarning, match=r"names no device.*\['cpu', 'cpu'\]"):
+        dp = Recording(model, [])
+    assert dp.device_ids == nn.DataParallel(model, []).device_ids == []
+    assert torch.equal(dp(x), nn.DataParallel(model, [])(x))
+    assert dp.calls == []
+    assert torch.equal(minidp.data_parallel(model, x, []), model(x))
+
+
 @pytest.mark.parametrize(
     "device_ids,output_device,kept_ids,kept_output",
     [([0, 1], None, [0, 1], 0), (["cuda:1", torch.device("cuda", 0)], "cuda:0", [1, 0], 0), ([1, 0], 1, [1, 0], 1)],
