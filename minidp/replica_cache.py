@@ -159,9 +159,9 @@ class ReplicaCacheInfo:
     """What a :class:`ReplicaCache` has done: calls served from skeletons, builds, and why the last build."""
 
     hits: int
-    misses: int  # builds: the first call for a thread and device list, and every rebuild
+    misses: int  # builds: the first call for a module, thread and device list, and every rebuild
     last_rebuild_reason: Optional[str]
-    entries: int  # skeleton sets held (one per thread and device list)
+    entries: int  # skeleton sets held (one per module, thread and device list)
 
 
 class _Entry:
@@ -170,8 +170,8 @@ class _Entry:
     def __init__(self, network: nn.Module, devices: list[torch.device]) -> None:
         modules = list(network.modules())
         self.names = [name for name, _ in network.named_modules()]
-        # The root is passed in at each call, never held: a cache keyed weakly on it must not keep it alive.
-        self.root_id = id(network)
+        # The root is passed in at each call, never held: a cache keyed on its id must not keep it alive.
+        self.root = weakref.ref(network)
         self.submodules = modules[1:]
         self.params, self.buffers = list(network.parameters()), list(network.buffers())
         self.param_slots: Slots = tensor_slots(modules, "_parameters", self.params)
@@ -221,8 +221,6 @@ class _Entry:
 
     def change(self, network: nn.Module) -> Optional[str]:
         """Why these skeletons no longer fit ``network``, or ``None`` if they do."""
-        if id(network) != self.root_id:
-            return "a different module was passed"
         modules = self.modules(network)
         if not self.signature.matches(modules):
             return self._describe(modules)
@@ -332,8 +330,9 @@ class ReplicaCache:
     """Replica skeletons of a module tree, kept between steps: :meth:`replicate` is :func:`minidp.replicate`
     with the module copies reused.
 
-    One skeleton set per (thread, device list), at most ``max_entries`` of them (least recently
-    used dropped). :meth:`info` says how often the skeletons were reused and why they were last rebuilt;
+    One skeleton set per (module, thread, device list), at most ``max_entries`` of them (least recently
+    used dropped): one cache can serve several modules, such as the tutorial's ``features`` and ``classifier``,
+    each through a ``data_parallel`` call of its own in one forward. :meth:`info` says how often the skeletons were reused and why they were last rebuilt;
     :meth:`originals` gives the parameters and buffers replica 0 shares with the original without walking the tree.
     """
 
@@ -354,13 +353,15 @@ class ReplicaCache:
         reduce_backend = check_reduce_backend(reduce_backend, "reduce_backend")
         if not devices:
             return []
-        key = (threading.get_ident(), tuple(devices))
+        # The module's id: its entry checks it is the same object (a freed module's id given to a new one fails the
+        # signature, whose stored dicts are the old module's, kept alive).
+        key = (id(network), threading.get_ident(), tuple(devices))
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
         if entry is None:
-            reason: Optional[str] = "first call for these devices in this thread"
+            reason: Optional[str] = "first call for this module and these devices in this thread"
         elif entry.pending:
             reason = (
                 "the last replicas' backward has not run yet, and autograd may still run them (checkpointing); "
@@ -389,6 +390,9 @@ class ReplicaCache:
             with self._lock:
                 self._misses += 1
                 self._last_rebuild_reason = reason
+                # An entry whose module is gone serves nothing, and holds that module's parameters: drop it.
+                for gone in [k for k, e in self._entries.items() if e.root() is None]:
+                    del self._entries[gone]
                 self._entries[key] = entry
                 self._entries.move_to_end(key)
                 while len(self._entries) > self.max_entries:
@@ -399,10 +403,12 @@ class ReplicaCache:
         return entry.bind(devices, detach, reduce_backend)
 
     def release(self, devices: Sequence[DeviceLike]) -> None:
-        """Declare the replicas this thread was last given for ``devices`` finished: no backward or
+        """Declare the replicas this thread was last given for ``devices`` (of every module) finished: no backward or
         checkpoint will run them again. They are emptied now and re-bound by the next call, as after a backward."""
-        entry = self._entries.get((threading.get_ident(), tuple(as_devices(devices, "devices"))))
-        if entry is not None:
+        where = (threading.get_ident(), tuple(as_devices(devices, "devices")))
+        with self._lock:
+            entries = [entry for key, entry in self._entries.items() if key[1:] == where]
+        for entry in entries:
             entry.release()
 
     def originals(self, replica: nn.Module) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:

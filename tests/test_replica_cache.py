@@ -357,6 +357,41 @@ def test_data_parallel_reuses_replicas_from_a_cache_it_is_given(generator):
     assert (cache.info().hits, cache.info().misses) == (2, 1)
 
 
+def test_one_cache_serves_two_data_parallel_calls_of_one_forward(generator):
+    """The tutorial's pattern with one cache for both calls: each module keeps its own replicas (an entry per module),
+    the same numbers as replicas built anew at every call, as stock's data_parallel builds them."""
+    features, classifier = _mlp(), nn.Linear(3, 2)
+    fresh_features, fresh_classifier = copy.deepcopy(features), copy.deepcopy(classifier)
+    cache = ReplicaCache()
+    for _ in range(3):
+        x = torch.randn(6, 5, generator=generator)
+        hidden = minidp.data_parallel(features, x, cpu_ids(2), replica_cache=cache)
+        cached = minidp.data_parallel(classifier, hidden, cpu_ids(2), replica_cache=cache)
+        fresh = minidp.data_parallel(fresh_classifier, minidp.data_parallel(fresh_features, x, cpu_ids(2)), cpu_ids(2))
+        cached.pow(2).sum().backward()
+        fresh.pow(2).sum().backward()
+        assert torch.equal(cached, fresh)
+    for a, b in zip([*features.parameters(), *classifier.parameters()],
+                    [*fresh_features.parameters(), *fresh_classifier.parameters()]):
+        assert torch.equal(a.grad, b.grad)
+    assert (cache.info().hits, cache.info().misses, cache.info().entries) == (4, 2, 2)
+
+
+def test_a_cache_drops_the_replicas_of_a_module_that_is_gone(generator):
+    """An entry holds its module's parameters (the signature's values): once the module is freed, the next build drops
+    it, so a cache that outlives a model does not keep that model's tensors."""
+    cache = ReplicaCache()
+    model = _mlp()
+    minidp.data_parallel(model, torch.randn(4, 5, generator=generator), cpu_ids(2), replica_cache=cache).sum().backward()
+    weight = weakref.ref(model[0].weight)
+    del model
+    gc.collect()
+    minidp.data_parallel(_mlp(), torch.randn(4, 5, generator=generator), cpu_ids(2), replica_cache=cache).sum().backward()
+    gc.collect()
+    assert weight() is None
+    assert cache.info().entries == 1
+
+
 def test_data_parallel_keeps_no_reference_to_a_module_that_references_itself(generator):
     model = _mlp()
     model.myself = [model]  # a cycle through a plain attribute
