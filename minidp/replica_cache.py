@@ -43,7 +43,8 @@ fresh replica) and any mutable attribute changed in place.
 The life of one entry (:class:`EntryState`): ``CLEAN`` (built or reset, holding no tensor) ->
 ``BOUND`` by a call; if that binding is recorded by autograd it is ``BACKWARD_PENDING`` until the
 backward of its ``Broadcast`` node has run (a hook on the node says so; the node of an earlier binding,
-in a graph kept with ``retain_graph`` and run again, does not), then ``RELEASED``;
+in a graph kept with ``retain_graph`` and run again, does not), then ``RELEASED``, and emptied at once (``CLEAN``)
+unless something outside the cache holds a replica (below), so that no step's tensors stay until the next call;
 :meth:`ReplicaCache.release` releases it by hand. Only a ``CLEAN``, ``BOUND`` (no graph) or
 ``RELEASED`` entry is re-bound; while its backward is pending a call builds new skeletons, because
 autograd may still run the old ones: activation checkpointing re-runs a replica's forward during the
@@ -303,6 +304,11 @@ class _Entry:
                 live._pending_nodes -= 1
                 if live._pending_nodes == 0:
                     live.state = EntryState.RELEASED
+                    # Empty the replicas now, as stock's are freed after their step: else the step's copies (of the
+                    # parameters on the other GPUs, of the buffers) would stay until the next call. Not where anything
+                    # else still holds a replica: a graph that may recompute it needs its tensors.
+                    if not live.referenced:
+                        live.reset()
 
         for node in nodes:
             node.register_hook(backward_done)

@@ -537,6 +537,27 @@ def test_release_declares_the_last_replicas_finished_and_empties_them(generator)
     assert wrapper.replica_cache_info().hits == 1
 
 
+@pytest.mark.parametrize("parallel_backward", [True, False])
+def test_replicas_hold_no_tensor_of_their_step_once_its_backward_has_run(parallel_backward, generator):
+    """Stock's replicas are freed after their step; cached ones are emptied when their backward has run, so the step's
+    copies (replica 1's buffers here; on GPUs, the parameters too) do not stay until the next call."""
+    wrapper = minidp.DataParallel(ResNetBlockBN(), cpu_ids(2))
+    with parallel_backward_settings(parallel_backward):
+        output = wrapper(torch.randn(6, 3, 8, 8, generator=generator))
+        replica_copy = weakref.ref(wrapper.replica_cache._entries[next(iter(wrapper.replica_cache._entries))]
+                                   .replicas[1][0].get_buffer("bn1.running_mean"))
+        output.sum().backward()
+    (entry,) = wrapper.replica_cache._entries.values()
+    held = [v for replica_modules in entry.replicas for m in replica_modules for registry in ("_parameters", "_buffers")
+            for v in getattr(m, registry).values() if v is not None]
+    held += [v for replica_modules in entry.replicas for m in replica_modules for v in vars(m).values()
+             if isinstance(v, torch.Tensor)]
+    assert held == []
+    assert replica_copy() is None
+    wrapper(torch.randn(6, 3, 8, 8, generator=generator)).sum().backward()
+    assert wrapper.replica_cache_info().hits == 1
+
+
 def test_released_replicas_hold_no_buffer_in_their_registries_nor_their_templates(generator):
     # A BatchNorm replica's _buffers is a container it owns, refilled at every binding: a reset copies its template
     # (all None), so that neither the replicas nor the templates keep a step's buffers (replica 1's are private copies)
