@@ -7,7 +7,8 @@ primitives (:mod:`minidp.scatter`, :mod:`minidp.gather`, :mod:`minidp.replicate`
 Two rules hold throughout:
 
 * A copy to the device a tensor is already on is skipped: the result *is* that tensor (broadcast)
-  or a view of it (scatter). This is what makes several replicas on one device cheap.
+  or a view of it (scatter's first chunk for that device; a later one is a copy, :func:`split_to_devices` says
+  why). This is what makes several replicas on one device cheap.
 * ``scatter`` and ``gather`` are built from ``torch.split``, ``Tensor.to`` and ``torch.cat``, which
   autograd differentiates on its own: the backward of a scatter is a gather and vice versa.
   The reductions are not recorded by autograd; they *are* the backward of a broadcast.
@@ -428,8 +429,20 @@ def check_out(out: Sequence[torch.Tensor], shape: Sequence[int], dim: Optional[i
 def split_to_devices(
     tensor: torch.Tensor, devices: Sequence[torch.device], chunk_sizes: Sequence[int], dim: int
 ) -> list[torch.Tensor]:
-    """Chunk i of ``tensor`` (``torch.split`` by ``chunk_sizes``) on ``devices[i]``; the caller has checked both."""
-    return [move(piece, device) for piece, device in zip(torch.split(tensor, chunk_sizes, dim), devices)]
+    """Chunk i of ``tensor`` (``torch.split`` by ``chunk_sizes``) on ``devices[i]``; the caller has checked both.
+
+    The first chunk bound for the tensor's own device is a view of it, as stock's; a later one bound there too
+    (replicas sharing a device: CPU replicas, a repeated GPU id) is a copy, as it would be on a device of its own.
+    Views would share one version counter: a replica that changes its chunk in place (``x /= 255`` at the top of a
+    ``forward``, an ``inplace=True`` activation first) would invalidate what another replica saved for its backward.
+    """
+    pieces = []
+    viewed = False
+    for piece, device in zip(torch.split(tensor, chunk_sizes, dim), devices):
+        if device == tensor.device:
+            piece, viewed = (piece.clone() if viewed else piece), True
+        pieces.append(move(piece, device))
+    return pieces
 
 
 def scatter(
@@ -443,8 +456,9 @@ def scatter(
 ) -> tuple[torch.Tensor, ...]:
     """Split ``tensor`` along ``dim`` and send chunk i to ``devices[i]`` (or copy it into ``out[i]``).
 
-    Chunks follow ``torch.chunk`` unless ``chunk_sizes`` is given. A chunk bound for the tensor's own
-    device is a view of it, not a copy. ``streams`` is accepted for compatibility and unused.
+    Chunks follow ``torch.chunk`` unless ``chunk_sizes`` is given. The first chunk bound for the tensor's own
+    device is a view of it, not a copy; a later one bound there too is a copy (:func:`split_to_devices` says why).
+    ``streams`` is accepted for compatibility and unused.
     """
     del streams
     if (devices is None) == (out is None):

@@ -15,8 +15,9 @@ value each), beside a batch that cuts into fewer (``Trainer``'s last, short batc
 the replicas that run take their values, as in stock, and those of the replicas that do not run are left.
 Explicit ``chunk_sizes`` are one split of one size: every tensor must have that size.
 
-What moves: each chunk is copied to its device, except chunks for the device the tensor is on,
-which are views. What autograd records: ``split`` and ``to``, so the gradient of every chunk flows
+What moves: each chunk is copied to its device, except the first chunk for the device the tensor is on,
+which is a view (a later chunk for that device, a second CPU replica's, is a copy: each replica's chunk is its own,
+so one that changes its chunk in place leaves the others' alone, as on devices of their own). What autograd records: ``split`` and ``to``, so the gradient of every chunk flows
 back, concatenated, to the original tensor (a scatter's backward is a gather).
 
 Everything is checked before the first chunk is cut, and the walks are plain functions, not

@@ -342,6 +342,33 @@ def test_repeated_cpu_ids_give_that_many_replicas(generator):
     assert ("parallel_apply", 3) in dp.calls
 
 
+class NormalisesInPlace(nn.Module):
+    """Scales its input in place before a layer that saves it for the backward, as `x /= 255` at the top of a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        x /= 255
+        return self.conv(x)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_a_forward_that_changes_its_chunk_in_place_runs_on_replicas_sharing_a_device(replicas, generator):
+    """B16: on devices of their own, every replica's chunk but the source device's is a copy, so one replica's in-place
+    change of its chunk touches nothing another replica saved. Replicas that share a device get chunks of their own
+    too: the gradients are the single device's (with views of one batch, autograd refused the backward, a chunk
+    saved by one replica having been changed by another; with CPU replicas in threads, only some of the time)."""
+    model = NormalisesInPlace().double()
+    x = torch.rand(6, 3, 6, 6, generator=generator, dtype=torch.float64) * 255
+    reference = copy.deepcopy(model)
+    reference(x.clone()).square().sum().backward()
+    minidp.DataParallel(model, cpu_ids(replicas))(x.clone()).square().sum().backward()
+    for mine, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, expected.grad, rtol=1e-10, atol=0)
+
+
 # --------------------------------------------------------------------------------------------------
 # the function data_parallel (B11)
 # --------------------------------------------------------------------------------------------------

@@ -92,11 +92,14 @@ def test_a_bare_tensor_gives_a_tuple_anything_else_a_list(generator):
     assert isinstance(minidp.scatter([x], cpu_ids(2)), list)
 
 
-def test_chunks_on_the_source_device_are_views_not_copies(generator):
-    """B16: a chunk bound for the device the tensor is on shares its storage."""
+def test_the_first_chunk_on_the_source_device_is_a_view_and_the_others_there_copies(generator):
+    """B16: a chunk bound for the device the tensor is on shares its storage; stock has one such chunk where each
+    replica has a device of its own. Replicas that share the device get chunks of their own, as they would there."""
     x = torch.randn(6, 2, generator=generator)
-    for chunk in minidp.scatter(x, cpu_ids(3)):
-        assert chunk.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    first, *others = minidp.scatter(x, cpu_ids(3))
+    assert first.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert all(chunk.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for chunk in others)
+    assert torch.equal(torch.cat([first, *others]), x)
 
 
 def test_containers_are_scattered_recursively_like_stock(generator):

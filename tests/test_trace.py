@@ -78,10 +78,12 @@ def test_stages_follow_the_order_of_a_step(cnn_step):
         assert mine["backward"].end <= mine["reduce"].end
 
 
-def test_scatter_on_the_inputs_device_copies_nothing_and_reports_chunk_shapes(cnn_step):
-    # 6 rows on 3 CPU replicas: every chunk is a view of the batch (comm.scatter skips same-device copies).
+def test_scatter_copies_the_chunks_of_all_but_the_first_replica_on_the_inputs_device_and_reports_chunk_shapes(cnn_step):
+    # 6 rows on 3 CPU replicas: replica 0's chunk is a view of the batch, the others' copies of their own (a chunk
+    # shared by replicas on one device would let one replica's in-place change reach another's).
+    chunk_bytes = 2 * 1 * 28 * 28 * 8
+    assert {e.replica: e.bytes for e in events(cnn_step, "scatter")} == {0: 0, **dict.fromkeys(range(1, REPLICAS), chunk_bytes)}
     for e in events(cnn_step, "scatter"):
-        assert e.bytes == 0
         assert "(2, 1, 28, 28)" in e.detail
 
 
