@@ -50,7 +50,10 @@ come through an entry), no output holds an object the walk cannot look inside (o
 items may hold tensors of the graph), and no two outputs share memory (:func:`join`). Otherwise it leaves the outputs as they
 are and autograd runs the replicas' backwards one after the other, as before (the entries are then identity nodes
 on the way). Second-order gradients (``create_graph=True``) run the replicas' backwards one after the other in
-the calling thread, inside the node: the gradients it returns are differentiable, as the serial path's.
+the calling thread, inside the node: the gradients it returns are differentiable, as the serial path's. So does a
+backward under a ``TorchDispatchMode`` or a ``TorchFunctionMode`` (``torch.utils.flop_counter.FlopCounterMode``
+counting it, a mode that rounds every result): a mode belongs to the thread that entered it, and autograd runs
+every replica's nodes under it, which the workers would not (:func:`modes_the_workers_lack`).
 
 What the cut changes. Each replica's backward is a graph task of its own, so the backward the user started sees
 the replicated region as one node. A gradient with respect to a tensor made inside a replica is out of its reach
@@ -84,7 +87,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch.autograd import forward_ad
 from torch.autograd.graph import GradientEdge
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils import checkpoint
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .comm import storage_start
 from .cpu_threads import share, teams_fit
@@ -406,12 +411,26 @@ class ParallelBackward(torch.autograd.Function):
             # A replica none of whose outputs got a gradient has no backward to run, as autograd would run none of
             # its nodes: no call, so that no listener sees a backward of it.
             calls.append(call if pairs else None)
-        # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph.
-        results = ctx.run(calls, create_graph)
+        # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph;
+        # and under a mode of this thread's, which the workers do not have.
+        results = ctx.run(calls, create_graph or modes_the_workers_lack())
         if not keep_graph:  # this node cannot run again: let go of its outputs, and of the replica modules its runner
             ctx.outputs = ctx.run = None  # holds, as a finished graph holds no module (a cache of replicas reuses them)
         gradients = (g for result, edges in zip(results, ctx.edges) for g in (result or (None,) * len(edges)))
         return (None, *gradients)
+
+
+def modes_the_workers_lack() -> bool:
+    """Whether this thread runs under a ``TorchDispatchMode`` or ``TorchFunctionMode`` that the replicas' worker
+    threads would not run under: a mode is the state of the thread that entered it (autograd carries it to the
+    threads that run a backward it started, so the serial backward runs every replica's nodes under it). A mode
+    that enters itself in every replica's thread too says so by a true ``entered_in_replica_threads`` attribute
+    (the memory ledger's, :mod:`minidp.tracing.memory`).
+    """
+    if not (torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack()):
+        return False  # the common case: two C calls
+    modes = [*_get_current_dispatch_mode_stack(), *_get_current_function_mode_stack()]
+    return not all(getattr(mode, "entered_in_replica_threads", False) for mode in modes)
 
 
 def join(regions: Sequence[Region], run: Runner) -> Optional[list[torch.Tensor]]:

@@ -5,7 +5,8 @@ an element) on two CPU replicas, batch ``B`` cut into chunks ``b0 + b1``:
 
 * parameters ``P = (D*H + H + H*O + O) * 8``, held by the module; the replicas' parameters on the CPU alias
   them (stock replicate's same-device rule), so the replicas hold none of their own;
-* inputs: the batch ``B*D*8`` and the targets ``B*O*8``; the chunks are views of the batch (0 bytes);
+* inputs: the batch ``B*D*8`` and the targets ``B*O*8``; replica 0's chunk is a view of the batch (0 bytes),
+  replica 1's a copy of its own ``b1*D*8`` (minidp/comm.py, ``split_to_devices``);
 * activations kept for the backward, per replica: the ReLU's output ``b*H*8`` (ReLU's backward keeps its
   result and the second Linear keeps it as its input); the first Linear's output dies inside the forward,
   and the replica's output dies once gathered: both are temporaries; except where the replicas' backwards run
@@ -25,6 +26,7 @@ On the CPU the bytes counted are the sizes torch's allocator is asked for, which
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -143,6 +145,20 @@ def test_what_a_replicas_backward_makes_in_its_own_thread_is_that_replicas(gener
     hidden = 4 * H * BYTES
     for replica in (0, 1):
         assert row(ledger, replica=replica).held["temporaries"] == (2 * hidden if parallel_backward else hidden)
+
+
+def test_counting_leaves_the_replicas_backwards_in_their_own_threads(generator, monkeypatch):
+    # The ledger's mode is the calling thread's, where the parallel backward runs the replicas' backwards one after
+    # the other under a mode it would otherwise miss (a FlopCounterMode); the ledger enters one in every replica's
+    # thread itself, so the step runs as it does untraced: each replica's backward in a thread of its own.
+    monkeypatch.setattr(minidp.parallel_backward, "_enabled", True)
+    threads = set()
+    module = mlp()
+    module[2].register_full_backward_hook(lambda *_: threads.add(threading.get_ident()))
+    model = minidp.DataParallel(module, cpu_ids(2))
+    with minidp.trace(ledger=True):
+        model(torch.randn(8, D, generator=generator, dtype=torch.float64)).sum().backward()
+    assert len(threads) == 2
 
 
 def test_every_category_of_a_cpu_training_step_is_non_zero_on_the_device(generator):

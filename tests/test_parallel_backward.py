@@ -22,7 +22,9 @@ from typing import Optional
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
 import minidp
 from minidp import cpu_threads, parallel_backward
@@ -747,6 +749,40 @@ def test_second_order_gradients_run_serially_and_equal_the_serial_path(generator
         finally:
             minidp.set_parallel_backward(True)
     assert _equal([t.detach() for t in results[True]], [t.detach() for t in results[False]])
+
+
+class _RoundsToBfloat16(TorchDispatchMode):
+    """Rounds every floating result to bfloat16 and back: a precision emulation, a mode whose work changes the numbers."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if isinstance(result, torch.Tensor) and result.is_floating_point() and func is not torch.ops.aten.detach.default:
+            return result.to(torch.bfloat16).to(result.dtype)
+        return result
+
+
+def test_a_dispatch_mode_around_the_backward_runs_every_replica_s_backward_under_it(generator):
+    """A mode belongs to the thread that entered it; autograd runs the backward it starts under it, every replica's
+    nodes included (serially, and in stock, whose engine carries it to the threads that run the graph). So the
+    replicas' backwards run one after the other under it: torch's FlopCounterMode counts what the serial backward
+    does, and a mode that changes the numbers gives the serial gradients, bit for bit."""
+    model, x = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double(), torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    flops, grads = {}, {}
+    for parallel in (False, True):
+        minidp.set_parallel_backward(parallel)
+        try:
+            for mode, results in ((lambda: FlopCounterMode(display=False), flops), (_RoundsToBfloat16, grads)):
+                module = copy.deepcopy(model)
+                output = minidp.DataParallel(module, cpu_ids(2))(x)
+                assert _in_parallel(output) == parallel
+                loss = output.square().sum()
+                with mode() as active:
+                    loss.backward()
+                results[parallel] = active.get_total_flops() if results is flops else [p.grad for p in module.parameters()]
+        finally:
+            minidp.set_parallel_backward(True)
+    assert flops[True] == flops[False] > 0
+    assert _equal(grads[True], grads[False])
 
 
 @pytest.mark.parametrize("loss", ["output_and_penalty", "penalty_alone"])

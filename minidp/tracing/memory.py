@@ -268,6 +268,10 @@ class _Storage:
 class _Watch(TorchDispatchMode):
     """Shows the ledger every operator's tensors: arguments first (held already), then results (made now)."""
 
+    # The ledger enters a watch of its own in every replica's thread (AllocationLedger.watching): the parallel
+    # backward need not run the replicas' backwards in the calling thread to keep them under it.
+    entered_in_replica_threads = True
+
     def __init__(self, ledger: "AllocationLedger") -> None:
         super().__init__()
         self.ledger = ledger
