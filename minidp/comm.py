@@ -225,7 +225,8 @@ def reduce_backends(tensors: Sequence[torch.Tensor], backend: Optional[str] = No
             if not ext.supports(t):
                 raise TypeError(
                     f"reduce backend 'ext' cannot sum tensor {i} ({t.dtype}, {t.layout}, on {t.device}); it takes "
-                    f"dense tensors of {', '.join(map(str, ext.SUPPORTED_DTYPES))} on the CPU or a GPU. Use "
+                    f"dense tensors of {', '.join(map(str, ext.SUPPORTED_DTYPES))} on the CPU or a GPU, not the "
+                    f"batched ones of autograd.grad(..., is_grads_batched=True). Use "
                     f"reduce_backend='auto', which hands such tensors to the torch backend, or 'torch'."
                 )
         return ["ext"] * len(tensors)

@@ -155,8 +155,13 @@ def release_reduce_outputs() -> None:
 
 
 def supports(tensor: torch.Tensor) -> bool:
-    """Whether the kernels take ``tensor``: a dense tensor of a SUPPORTED_DTYPES dtype on the CPU or a GPU."""
-    return tensor.dtype in SUPPORTED_DTYPES and tensor.layout == torch.strided and tensor.device.type in ("cpu", "cuda")
+    """Whether the kernels take ``tensor``: a dense tensor of a SUPPORTED_DTYPES dtype on the CPU or a GPU, with memory
+    of its own: not a batched tensor of ``autograd.grad(..., is_grads_batched=True)`` (the vmap that autograd runs the
+    backward under), which has no storage whose data pointer the kernels could read."""
+    return (
+        tensor.dtype in SUPPORTED_DTYPES and tensor.layout == torch.strided and tensor.device.type in ("cpu", "cuda")
+        and not torch._C._functorch.is_legacy_batchedtensor(tensor)
+    )
 
 
 def _build(verbose: bool) -> ModuleType:

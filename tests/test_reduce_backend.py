@@ -138,6 +138,25 @@ def test_auto_hands_what_the_extension_does_not_take_to_the_torch_backend(extens
     assert torch.equal(sums[1], inputs[0][1] + inputs[1][1] + inputs[2][1])
 
 
+def _batched_parameter_gradients(model, wrapped, x, cotangents):
+    return torch.autograd.grad(wrapped(x), list(model.parameters()), cotangents, is_grads_batched=True)
+
+
+def test_batched_gradients_go_to_the_torch_backend_under_auto_and_ext_refuses_them(extension, generator):
+    """``autograd.grad(..., is_grads_batched=True)`` runs the backward under vmap: the reduction's inputs are batched
+    tensors, with no storage the extension could read. Stock cannot batch its reduction at all (its coalesced reduce
+    has no batching rule); "auto" sums them with torch, as the single device's gradients, and "ext" says why not."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).double()
+    x = torch.randn(4, 3, generator=generator, dtype=torch.float64)
+    cotangents = torch.randn(3, 4, 2, generator=generator, dtype=torch.float64)  # three backward passes at once
+    expected = _batched_parameter_gradients(model, model, x, cotangents)
+    got = _batched_parameter_gradients(model, minidp.DataParallel(model, cpu_ids(2), reduce_backend="auto"), x, cotangents)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    with pytest.raises(TypeError, match=r"cannot sum tensor 0 .*is_grads_batched=True"):
+        _batched_parameter_gradients(model, minidp.DataParallel(model, cpu_ids(2), reduce_backend="ext"), x, cotangents)
+
+
 def test_ext_refuses_a_tensor_it_cannot_sum_and_names_it(extension):
     with pytest.raises(TypeError, match=r"cannot sum tensor 1 \(torch.complex64.*reduce_backend='auto'"):
         comm.reduce_add_coalesced([[torch.ones(2), torch.ones(2, dtype=torch.complex64)]] * 2, "cpu", backend="ext")
