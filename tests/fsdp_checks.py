@@ -1044,10 +1044,17 @@ def optimizer_in_backward(seed: int, steps: int = 3) -> dict[str, Any]:
             "gradients_left": sum(p.grad is not None for p in ours.parameters())}
 
 
+def _backward_alike(ours: nn.Module, theirs: nn.Module, optimizers: tuple, seed: int, step: int) -> None:
+    """Both models' gradients, fresh, for this rank's batch of ``step``."""
+    x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + dist.get_rank()))
+    for model, optimizer in zip((ours, theirs), optimizers):
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+
+
 def frozen_and_unfrozen_midway_as_fsdp2(seed: int, steps: int = 4) -> list[Optional[str]]:
     """Train FSDP2 and minidp side by side; after the first step freeze a sharded block's weight, and unfreeze one
     frozen from the start (fine-tuning that thaws layers as it goes): per step, the first difference from FSDP2."""
-    rank = dist.get_rank()
     torch.manual_seed(seed)
     theirs = Net()
     theirs.blocks[2].linear.weight.requires_grad_(False)
@@ -1061,10 +1068,7 @@ def frozen_and_unfrozen_midway_as_fsdp2(seed: int, steps: int = 4) -> list[Optio
             for model in (ours, theirs):
                 model.blocks[0].linear.weight.requires_grad_(False)
                 model.blocks[2].linear.weight.requires_grad_(True)
-        x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + rank))
-        for model, optimizer in zip((ours, theirs), optimizers):
-            optimizer.zero_grad()
-            model(x).pow(2).mean().backward()
+        _backward_alike(ours, theirs, optimizers, seed, step)
         differences.append(first_difference(ours, theirs, optimizers))
         for optimizer in optimizers:
             optimizer.step()
@@ -1264,6 +1268,68 @@ def loaded_with_wrong_shapes(seed: int) -> dict[str, dict[str, Any]]:
             results[f"{library} {case}"] = {"error": error,
                                             "first_changed": not torch.equal(local(model[0].weight), before)}
     return results
+
+
+def _fine_tuned(seed: int) -> nn.Module:
+    """A :class:`Net` whose ``norm`` is a BatchNorm (buffers, which are not sharded; its running mean seeded too), with
+    a frozen bias in a block's group and one in the root's (a fine-tuning setup)."""
+    torch.manual_seed(seed)
+    model = Net()
+    model.norm = nn.BatchNorm1d(13)
+    model.norm.running_mean.uniform_(-1, 1)
+    for frozen in (model.blocks[1].linear.bias, model.head.bias):
+        frozen.requires_grad_(False)
+    return model
+
+
+def partial_full_state_dict_loaded(seed: int, steps: int = 2) -> dict[str, Any]:
+    """A fine-tuning checkpoint: a full state dict saved without the frozen parameters
+    (``get_model_state_dict(..., StateDictOptions(full_state_dict=True, ignore_frozen_params=True))``, by each library
+    from a model of other weights), nor a buffer (``norm.running_mean``), loaded with ``set_model_state_dict(...,
+    StateDictOptions(full_state_dict=True, strict=False))``, which puts back what ``named_parameters()`` gives for
+    every missing key (FSDP2: the DTensor; minidp: the shard itself, this rank's rows). Each load's error and what it
+    returned; whether the saved keys, and the loaded models' state dicts, are FSDP2's; whether the frozen parameters
+    and the buffer kept their own values and the rest took the saved ones; then ``steps`` steps of AdamW side by side,
+    the first difference after every backward and every step."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    theirs = _fine_tuned(seed)
+    ours = copy.deepcopy(theirs)
+    own = {k: v.clone() for k, v in theirs.state_dict().items()}
+    saved = {}
+    for library, function in (("ours", md.fully_shard), ("theirs", torch_fully_shard)):
+        source = shard(_fine_tuned(seed + 1), function, True)
+        saved[library] = get_model_state_dict(source, options=StateDictOptions(full_state_dict=True,
+                                                                               ignore_frozen_params=True))
+        del saved[library]["norm.running_mean"]
+    missing = sorted(set(own) - set(saved["theirs"]))
+    saved_keys_alike = list(saved["ours"]) == list(saved["theirs"]) and all(
+        torch.equal(saved["ours"][k], saved["theirs"][k]) for k in saved["theirs"])
+    expected = {k: (own[k] if k in missing else saved["theirs"][k]).clone() for k in own}
+    shard(theirs, torch_fully_shard, True)
+    shard(ours, md.fully_shard, True)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    returned: dict[str, Any] = {}
+    errors = {}
+    for library, model in (("ours", ours), ("theirs", theirs)):
+        def load(model: nn.Module = model, library: str = library) -> None:
+            incompatible = set_model_state_dict(model, dict(saved[library]), options=options)
+            returned[library] = (sorted(incompatible.missing_keys), sorted(incompatible.unexpected_keys))
+        errors[library] = error_of(load)
+    ours_full = md.full_state_dict(ours)
+    loaded_as_saved = list(ours_full) == list(expected) and all(torch.equal(ours_full[k], expected[k]) for k in expected)
+    alike_after_load = _state_dict_difference(ours.state_dict(), theirs.state_dict())
+    optimizers = (OPTIMIZERS["adamw"](ours.parameters()), OPTIMIZERS["adamw"](theirs.parameters()))
+    differences = [first_difference(ours, theirs, optimizers)]
+    for step in range(steps):
+        _backward_alike(ours, theirs, optimizers, seed, step)
+        differences.append(first_difference(ours, theirs, optimizers))
+        for optimizer in optimizers:
+            optimizer.step()
+        differences.append(first_difference(ours, theirs, optimizers))
+    return {"missing": missing, "saved_keys_alike": saved_keys_alike, "errors": errors, "returned": returned,
+            "loaded_as_saved": loaded_as_saved, "alike_after_load": alike_after_load, "differences": differences,
+            "alike_after_training": _state_dict_difference(ours.state_dict(), theirs.state_dict())}
 
 
 def whole_parameter_optimizers(seed: int) -> dict[str, list[str]]:

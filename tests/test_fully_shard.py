@@ -133,6 +133,7 @@ TWO_PROCESSES = {
     "offload": (checks.against_fsdp2, {"offload": True, "optimizer": "adamw"}),
     "refusals": (checks.refusals, {}),
     "loaded_with_wrong_shapes": (checks.loaded_with_wrong_shapes, {}),
+    "partial_full_state_dict_loaded": (checks.partial_full_state_dict_loaded, {}),
     "whole_parameter_optimizers": (checks.whole_parameter_optimizers, {}),
     "on_the_meta_device": (checks.on_the_meta_device, {}),
     "loaded_with_assign": (checks.loaded_with_assign, {}),
@@ -870,6 +871,21 @@ def test_a_state_dict_of_another_size_is_refused_in_fsdp2s_words_before_anything
                                  + "\n\t(nothing was loaded into the sharded parameters)")
         assert not ours["first_changed"]
         assert theirs["first_changed"] == (case == "dtensor")
+
+
+def test_a_full_state_dict_without_the_frozen_parameters_loads_with_strict_false_and_trains_as_fsdp2(two):
+    # get_model_state_dict(..., ignore_frozen_params=True) saves no frozen parameter; set_model_state_dict(...,
+    # full_state_dict=True, strict=False) puts back what named_parameters() gives for each missing key: FSDP2's DTensor,
+    # minidp's shard itself (this rank's rows), which the refusal of one rank's rows passed as a whole weight refused
+    # ("size mismatch for blocks.1.linear.bias"). Loaded as FSDP2 loads it (the frozen parameters and a missing buffer
+    # keep their values), then two steps bitwise FSDP2's.
+    assert_same_as_fsdp2(two, "partial_full_state_dict_loaded")
+    for rank, result in enumerate(each_rank(two, "partial_full_state_dict_loaded")):
+        assert result["missing"] == ["blocks.1.linear.bias", "head.bias", "norm.running_mean"], f"rank {rank}"
+        assert result["errors"] == {"ours": ("no error", ""), "theirs": ("no error", "")}, f"rank {rank}"
+        assert result["returned"]["ours"] == result["returned"]["theirs"], f"rank {rank}"
+        assert result["saved_keys_alike"] and result["loaded_as_saved"], f"rank {rank}"
+        assert result["alike_after_load"] is None and result["alike_after_training"] is None, f"rank {rank}"
 
 
 def test_an_optimizer_that_reduces_over_whole_parameters_is_warned_of_once_and_an_elementwise_one_is_not(two):

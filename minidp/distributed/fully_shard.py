@@ -1533,13 +1533,27 @@ def _refuse_size_mismatches(module: nn.Module, keys: list[tuple[str, ShardedPara
     """Raise torch's ``load_state_dict`` error, in its words, if a value in ``state_dict`` for one of ``keys`` is not
     its parameter's whole shape (a plain tensor's shape, a DTensor's global one): what FSDP2 reports, where the
     parameter is a DTensor of that shape. A tensor of another model whose shape happens to be one rank's rows would
-    otherwise be loaded as that rank's shard, and another rank's rows refused: ranks holding different models."""
+    otherwise be loaded as that rank's shard, and another rank's rows refused: ranks holding different models. The
+    registered shard itself (:func:`_is_own_shard`) is this rank's rows, as FSDP2's registered DTensor is the whole."""
     found = [f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, the shape in current "
              f"model is {p.full_size}." for key, p in keys
-             if isinstance(value := state_dict.get(key), torch.Tensor) and value.shape != p.full_size]
+             if isinstance(value := state_dict.get(key), torch.Tensor) and value.shape != p.full_size
+             and not _is_own_shard(p, value)]
     if found:
         raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(found)
                            + "\n\t(nothing was loaded into the sharded parameters)")
+
+
+def _is_own_shard(p: ShardedParameter, value: Any) -> bool:
+    """Whether ``value``, loaded for ``p``, is ``p``'s shard itself (the very ``nn.Parameter``, or the one registered
+    in its place that the group takes as its shard at the load, :meth:`ShardGroup.follow_moved_shards`: after
+    ``to_empty()``): what ``named_parameters()`` gives, which torch's ``set_model_state_dict(...,
+    StateDictOptions(full_state_dict=True, strict=False))`` puts back for every key its state dict lacks
+    (``_load_model_state_dict``: ``state_dict.update(local_state_dict)``), where FSDP2 puts back its DTensor. Loading
+    it is loading this rank's rows onto themselves; any other tensor of that shape (another model's rows, another
+    shard) is still refused."""
+    return value is p.shard or (value.shape != p.full_size and any(
+        module._parameters.get(name) is value for module, name in [(p.module, p.name), *p.also_in]))
 
 
 def _refuse_misshapen_before_loading(root: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
@@ -1563,7 +1577,7 @@ def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefi
     group.reshard_for_state_dict()  # load into the shards, not into gathered copies
     mesh = group.dtensor_mesh() if any(isinstance(state_dict.get(key), DTensor) for key, _ in keys) else None
     for key, p in keys:
-        if state_dict.get(key) is not None:
+        if state_dict.get(key) is not None and not _is_own_shard(p, state_dict[key]):  # the shard: left as it is
             state_dict[key] = group.own_rows(p, state_dict[key], mesh)
 
 
