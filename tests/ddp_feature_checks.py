@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import os
 import time
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms import Join
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, quantization_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.utils.checkpoint import checkpoint
@@ -424,16 +425,36 @@ class _Pair(tuple):
         return super().__new__(cls, (main, auxiliary))
 
 
+@dataclasses.dataclass
+class _HeadsInFields:
+    main: torch.Tensor
+    auxiliary: torch.Tensor
+
+
+class _HeadsByName(dict):
+    """A dict subclass of the user's, without a constructor of its own."""
+
+
 class _ReturnsAContainer(nn.Module):
+    """Two heads on one trunk, returned in a container type of the user's, which torch's pytree takes as a leaf:
+    ``pair`` (:class:`_Pair`), ``heads`` (:class:`_Heads`, with a ``rows`` attribute), ``dataclass`` or
+    ``dict_subclass``."""
+
     def __init__(self, container: str) -> None:
         super().__init__()
-        self.trunk, self.main, self.auxiliary, self.container = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 2), container
+        self.trunk, self.main, self.auxiliary = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 2)
+        self.container = container
 
     def forward(self, x: torch.Tensor) -> Any:
         hidden = torch.tanh(self.trunk(x))
+        main, auxiliary = self.main(hidden), self.auxiliary(hidden)
         if self.container == "pair":
-            return _Pair(self.main(hidden), self.auxiliary(hidden))
-        heads = _Heads(self.main(hidden), self.auxiliary(hidden))
+            return _Pair(main, auxiliary)
+        if self.container == "dataclass":
+            return _HeadsInFields(main, auxiliary)
+        if self.container == "dict_subclass":
+            return _HeadsByName(main=main, auxiliary=auxiliary)
+        heads = _Heads(main, auxiliary)
         heads.rows = x.shape[0]
         return heads
 
@@ -487,6 +508,35 @@ def static_graph_auxiliary_output_as_stock(seed: int, auxiliary_from: Optional[i
     return _steps_until_an_error(_pair(_MainAndAuxiliary, seed, static_graph=True), seed, steps, step_of)
 
 
+def static_graph_unused_head_in_a_container(seed: int, container: str, steps: int = 4) -> list:
+    """minidp alone, in a static graph (float64): the forward returns :class:`_ReturnsAContainer`'s heads, the
+    loss uses the main one only. Per step, the largest relative difference between a gradient and the mean over the
+    ranks of an unwrapped copy's gradients on the same batches, or the error (type and first sentence)."""
+    torch.manual_seed(seed + dist.get_rank())
+    module = _ReturnsAContainer(container).double()
+    ddp = md.DistributedDataParallel(module, static_graph=True)
+    single = copy.deepcopy(module)  # rank 0's weights, broadcast
+    found: list = []
+    for step in range(steps):
+        x = _inputs(seed, step, 5, 6).double()
+        try:
+            for model in (ddp, single):
+                model.zero_grad()
+                output = model(x)
+                (output.main if container == "dataclass" else output["main"]).pow(2).mean().backward()
+        except RuntimeError as error:  # raised in the forward, before any collective
+            found.append(f"{type(error).__name__}: {str(error).split('.')[0]}")
+            break
+        worst = 0.0
+        for ours, alone in zip(module.parameters(), single.parameters()):
+            if alone.grad is not None:  # the auxiliary head gets none
+                mean = alone.grad.clone()
+                dist.all_reduce(mean)
+                worst = max(worst, max_relative_error(ours.grad, mean / dist.get_world_size()))
+        found.append(worst)
+    return found
+
+
 def frozen_after_wrapping_as_stock(seed: int, frozen_at: Sequence[int], steps: int = 4, static: Optional[str] = "static_graph",
                                    dtype: str = "float32", **options: Any) -> dict:
     """The first layer's weight frozen (``requires_grad_(False)``) after wrapping, at the steps ``frozen_at`` and
@@ -527,6 +577,21 @@ def description_as_stock(seed: int) -> dict:
             refusals.append(str(error))
     return {"stock": described(theirs, theirs_module), "minidp": described(ours, ours_module), "empty_device_ids": empty,
             "without_parameters": refusals}
+
+
+def requires_grad_differs(seed: int) -> dict:
+    """``nn.Linear``'s bias frozen on rank 0 only: each wrapper's error at construction (type and message), or None."""
+    errors = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        torch.manual_seed(seed)
+        model = nn.Linear(3, 2)
+        model.bias.requires_grad_(dist.get_rank() != 0)
+        try:
+            _quiet(lambda: wrapper(model))
+            errors[name] = None
+        except Exception as error:  # noqa: BLE001 - the type is what is compared
+            errors[name] = (type(error).__name__, str(error))
+    return errors
 
 
 def compiled_as_stock(seed: int, steps: int = 3) -> dict:
@@ -753,6 +818,23 @@ def _shorter_mean(state, bucket):
 
 HOOK_RESULTS = {"collective_future": _collective_future, "list_of_two": _list_of_two, "longer_mean": _longer_mean,
                 "shorter_mean": _shorter_mean}
+
+
+def failing_comm_hook_as_stock(seed: int) -> dict:
+    """A comm hook whose future fails: torch's ``quantization_pertensor_hook``, whose callback reads its all_gather's
+    result as NCCL fills it and raises over Gloo (an ``IndexError``, which the future wraps). Each wrapper's error in
+    the backward, as its type and first line."""
+    errors = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        torch.manual_seed(seed)
+        ddp = _quiet(lambda: wrapper(_tanh_mlp()))
+        ddp.register_comm_hook(None, quantization_hooks.quantization_pertensor_hook)
+        try:
+            ddp(_inputs(seed, 0, 5, 6)).pow(2).mean().backward()
+            errors[name] = "no error"
+        except Exception as error:  # noqa: BLE001 - the type is what is compared
+            errors[name] = (type(error).__name__, str(error).splitlines()[0])
+    return errors
 
 
 def hook_results(seed: int) -> dict:

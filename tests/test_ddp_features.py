@@ -82,6 +82,7 @@ TWO_PROCESSES = {
     "python_reducer": (checks.compiled_autograd_as_stock, {"python_reducer": True}),
     "python_reducer_replicate": (checks.compiled_autograd_as_stock, {"python_reducer": True, "composable": True}),
     "description": (checks.description_as_stock, {}),
+    "requires_grad_differs": (checks.requires_grad_differs, {}),
     "post_accumulate_hooks": (checks.post_accumulate_grad_hooks_as_stock, {}),
     "backward_of_some_parameters": (checks.backward_of_some_parameters_with_find_unused, {}),
     **{f"two_losses_in_turn_{name}": (checks.two_losses_back_propagated_in_turn, options)
@@ -97,6 +98,7 @@ TWO_PROCESSES = {
     "post_accumulate_hooks_bucket_view": (checks.post_accumulate_grad_hooks_as_stock, {"gradient_as_bucket_view": True}),
     "comm_hook_errors": (checks.comm_hook_errors, {}),
     "hook_results": (checks.hook_results, {}),
+    "failing_comm_hook": (checks.failing_comm_hook_as_stock, {}),
     "builtin_allreduce": (checks.builtin_hook_as_stock, {"hook_type": "ALLREDUCE"}),
     "builtin_fp16": (checks.builtin_hook_as_stock, {"hook_type": "FP16_COMPRESS"}),
     **{f"checkpoint_{'reentrant' if r else 'plain'}_{'twice' if t else 'once'}_{'unused' if u else 'all'}_"
@@ -108,6 +110,8 @@ TWO_PROCESSES = {
     "static_set_late": (checks.static_graph_set_late, {}),
     "static_auxiliary_later": (checks.static_graph_auxiliary_output_as_stock, {"auxiliary_from": 1}),
     "static_auxiliary_never": (checks.static_graph_auxiliary_output_as_stock, {"auxiliary_from": None}),
+    **{f"static_unused_head_{container}": (checks.static_graph_unused_head_in_a_container, {"container": container})
+       for container in ("dataclass", "dict_subclass")},
     # the first layer's weight frozen after wrapping: at every step, or at the first only
     **{f"{static}_frozen_{name}": (checks.frozen_after_wrapping_as_stock, {"static": static, **options})
        for static in ("static_graph", "set_static_graph")
@@ -380,6 +384,18 @@ def test_the_wrappers_description_of_its_module_is_stocks(two):
         assert minidp == stock, (minidp, stock)
 
 
+def test_a_parameter_that_requires_grad_on_some_ranks_only_is_refused_on_every_rank_as_in_stock(two):
+    # distributed.py, _verify_param_shape_across_processes: a RuntimeError at construction, on every rank, where the
+    # reducers would wait for different gradients (each rank's own view, rank 1's "Rank 1 has 2 params, while rank 0
+    # has inconsistent 1 params"); minidp's is the same on every rank, and names the parameter
+    for errors in each_rank(two, "requires_grad_differs"):
+        assert errors["stock"][0] == errors["minidp"][0] == "RuntimeError"
+        assert errors["stock"][1].startswith("DDP expects same model across all ranks, but Rank ")
+        torchs = "DDP expects same model across all ranks, but Rank 0 has 1 params, while rank 1 has inconsistent 2 params"
+        assert torchs in errors["minidp"][1]
+        assert "parameter 1 ('bias') requires grad on rank 1 and not on rank 0" in errors["minidp"][1]
+
+
 def test_torch_compile_of_the_wrapper_trains_as_stock_bitwise_and_traces_only_the_module(two):
     # torch DDP means dynamo to compile the module only (distributed.py, _inside_ddp_forward: "dynamo only kicks in
     # for the 'module_to_run' underneath"; measured, its forward breaks the graph at its logger, and twice at
@@ -462,6 +478,15 @@ def test_a_hooks_tensor_longer_than_the_bucket_is_read_to_the_buckets_length_as_
         assert "holds a tensor of 7 elements; it must hold one tensor of 8 elements" in seen["shorter_mean"]["minidp"]
 
 
+def test_a_hooks_own_error_in_its_future_is_raised_as_stock_raises_it_not_taken_for_a_rank_that_left(two):
+    # reducer.cpp, finalize_backward: the future's error propagates as it is (quantization_pertensor_hook's callback
+    # fails over Gloo: "Got the following error when running the callback: ... IndexError"); only a collective's
+    # timeout or closed connection means another rank stopped taking part
+    for errors in each_rank(two, "failing_comm_hook"):
+        assert errors["minidp"] == errors["stock"]
+        assert errors["stock"][0] == "RuntimeError" and "IndexError" in errors["stock"][1]
+
+
 @pytest.mark.parametrize("hook_type", ["allreduce", "fp16"])
 def test_builtin_comm_hooks_give_stocks_bits(two, hook_type):
     for differences in each_rank(two, f"builtin_{hook_type}"):
@@ -523,6 +548,16 @@ def test_a_static_graphs_output_the_loss_never_uses_raises_at_the_third_forward_
         assert result["differences"] == [None, None] and result["step"] == 2
         assert result["errors"]["minidp"] == result["errors"]["stock"] == (
             "RuntimeError", "Expected to have finished reduction in the prior iteration before starting a new one")
+
+
+@pytest.mark.parametrize("container", ["dataclass", "dict_subclass"])
+def test_a_static_graphs_unused_head_in_a_dataclass_or_dict_subclass_leaves_every_step_averaged(two, container):
+    # distributed.py, _post_forward: torch's pytree takes these containers as leaves, so _DDPSink passes none of their
+    # tensors, and the first backward runs no hook behind the unused head: it is a static unused parameter from then
+    # on. Stock then never averages (its delayed all-reduce is queued by _DDPSink's backward); minidp counts what the
+    # sink passes, as stock's hooks do, and averages every step
+    for found in each_rank(two, f"static_unused_head_{container}"):
+        assert len(found) == 4 and all(isinstance(worst, float) and worst <= RTOL_FLOAT64 for worst in found), found
 
 
 @pytest.mark.parametrize("check", ["static_graph_frozen_always", "set_static_graph_frozen_always",

@@ -168,6 +168,12 @@ def test_mismatched_models_raise_on_every_rank_naming_the_parameter(two):
         assert "parameter 0 ('net.0.weight') has shape (33, 16) on rank 1 and (32, 16) on rank 0" in message
 
 
+def test_mismatched_models_raise_a_runtime_error_as_stock(two):
+    # distributed.py, _verify_param_shape_across_processes: torch raises RuntimeError, which code written for it catches
+    for message in each_rank(two, "mismatched_model"):
+        assert message.startswith("RuntimeError: DistributedDataParallel needs the same model on every rank")
+
+
 def test_a_parameter_without_gradient_fails_the_next_forward_with_stocks_words_and_log(two):
     # reducer.cpp (ensure_prior_reduction_finished): the backward ends, the next forward raises; the indices that
     # got no gradient on this rank, their names unless TORCH_DISTRIBUTED_DEBUG is OFF; logged (_log_and_throw)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -78,6 +80,23 @@ def test_a_module_on_two_device_types_is_refused_with_stocks_words_before_any_pr
     with pytest.raises(ValueError, match=r"must be on the same type of devices.*\{'cpu', 'meta'\}.*model.to\('cpu'\)"):
         DistributedDataParallel(model)
 
+
+@pytest.mark.parametrize("device_ids", [[0], [1], [torch.device("cuda", 0)], ["cpu", 0]])
+def test_gpu_device_ids_for_a_module_on_the_cpu_raise_stocks_value_error_before_any_process_group_is_needed(device_ids):
+    # torch/nn/parallel/distributed.py, DistributedDataParallel.__init__: a CPU module takes no device_ids; without a
+    # GPU minidp would otherwise run them as a direct call on the CPU, training silently where stock refuses
+    with pytest.raises(ValueError, match=re.escape(
+        f"DistributedDataParallel device_ids and output_device arguments only work with single-device/multiple-device "
+        f"GPU modules or CPU modules, but got device_ids {device_ids}, output_device None, and module parameters "
+        f"{{device(type='cpu')}}.")):
+        DistributedDataParallel(nn.Linear(2, 2), device_ids=device_ids)
+
+
+@pytest.mark.parametrize("device_ids", [["cpu"], ["cpu", "cpu"]])
+def test_cpu_device_ids_stay_minidps_cpu_replicas_past_the_device_check(device_ids):
+    # beyond stock (which refuses any device_ids for a CPU module): n CPU ids are n replicas on the CPU, one for ['cpu']
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        DistributedDataParallel(nn.Linear(2, 2), device_ids=device_ids)
 
 def test_without_a_process_group_the_error_says_how_to_make_one():
     with pytest.raises(RuntimeError, match="init_process_group.*minidp.distributed.launch"):

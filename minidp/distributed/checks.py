@@ -4,7 +4,7 @@ one rank raised on all), the parameters to reduce, which of them have sparse gra
 torch DDP checks the parameters' count, shapes and strides against rank 0's
 (``_verify_param_shape_across_processes``), and only the rank that differs learns why: the others
 see their next collective fail ("Connection closed by peer"). Here every rank describes its
-parameters and buffers (name, shape, stride, dtype), every rank receives every description
+parameters (name, shape, stride, dtype, whether it is reduced) and buffers, every rank receives every description
 (``all_gather_object``), and every rank raises the same error, naming the first difference.
 
 An error that only some ranks meet (a bad argument on one rank, an optimizer step that fails on
@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..device_ids import parse_device
+
 
 class TensorSpec(NamedTuple):
     kind: str  # "parameter" or "buffer"
@@ -29,6 +31,7 @@ class TensorSpec(NamedTuple):
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: str
+    reduced: bool = True  # a parameter the reducer reduces (it requires grad): every rank's reducer needs the same
 
 
 # Where torch DDP finds the names of what it leaves alone (``_set_params_and_buffers_to_ignore_for_model`` sets it).
@@ -56,10 +59,11 @@ def describe(
     module: nn.Module, buffers: bool, ignored: frozenset[str] = frozenset(), reduced: Iterable[torch.Tensor] = ()
 ) -> list[TensorSpec]:
     """What must match across ranks: every parameter not ignored or ``reduced`` (torch checks those the reducer
-    gets), and every buffer not ignored when they are broadcast."""
+    gets), whether it is ``reduced`` (a parameter frozen on one rank only would leave the others waiting for its
+    gradient in every backward), and every buffer not ignored when they are broadcast."""
     reduced_ids = {id(p) for p in reduced}
     specs = [
-        TensorSpec("parameter", n, tuple(p.shape), p.stride(), str(p.dtype))
+        TensorSpec("parameter", n, tuple(p.shape), p.stride(), str(p.dtype), id(p) in reduced_ids)
         for n, p in module.named_parameters() if n not in ignored or id(p) in reduced_ids
     ]
     if buffers:
@@ -84,6 +88,14 @@ def first_difference(specs: list[list[TensorSpec]]) -> Optional[str]:
                             f"{kind} {position} ('{b.name}') has {field} {getattr(b, field)} on rank {rank} and "
                             f"{getattr(a, field)} on rank 0{elsewhere}"
                         )
+                if a.reduced != b.reduced:
+                    counts = [sum(s.reduced for s in specs[r] if s.kind == kind) for r in (0, rank)]
+                    return (
+                        f"{kind} {position} ('{b.name}') requires grad on rank {rank if b.reduced else 0} and not "
+                        f"on rank {0 if b.reduced else rank}, so their reducers would wait for different gradients "
+                        f"(torch: \"DDP expects same model across all ranks, but Rank 0 has {counts[0]} params, while rank "
+                        f"{rank} has inconsistent {counts[1]} params\")"
+                    )
             if len(ours) != len(theirs):
                 longer, shorter, extra = (rank, 0, theirs) if len(theirs) > len(ours) else (0, rank, ours)
                 first_extra = extra[min(len(ours), len(theirs))]
@@ -106,25 +118,27 @@ def collectives_on(tensors: Iterable[torch.Tensor]) -> contextlib.AbstractContex
 
 
 def check_same_everywhere(
-    mine: Any, group: dist.ProcessGroup, difference: Callable[[list], Optional[str]], needs: str, advice: str
+    mine: Any, group: dist.ProcessGroup, difference: Callable[[list], Optional[str]], needs: str, advice: str,
+    error: type[Exception] = ValueError,
 ) -> None:
-    """Gather every rank's ``mine`` (a collective) and raise the same ``ValueError`` on every rank where
+    """Gather every rank's ``mine`` (a collective) and raise the same ``error`` on every rank where
     ``difference(everyone)`` names one: "``needs`` on every rank, but <difference>. ``advice``"."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     found = difference(everyone)
     if found is not None:
-        raise ValueError(f"{needs} on every rank, but {found}. {advice}")
+        raise error(f"{needs} on every rank, but {found}. {advice}")
 
 
 def check_same_model(
     module: nn.Module, group: dist.ProcessGroup, buffers: bool, ignored: frozenset[str] = frozenset(),
     reduced: Iterable[torch.Tensor] = (),
 ) -> None:
-    """Raise on every rank of ``group`` unless all ranks' ``module`` match rank 0's (a collective)."""
+    """Raise on every rank of ``group`` unless all ranks' ``module`` match rank 0's (a collective): a
+    ``RuntimeError``, as torch's ``_verify_param_shape_across_processes`` raises (code written for torch catches it)."""
     check_same_everywhere(
         describe(module, buffers, ignored, reduced), group, first_difference, "DistributedDataParallel needs the same model",
-        "Build the model the same way on every rank (rank 0's values are then broadcast to all).",
+        "Build the model the same way on every rank (rank 0's values are then broadcast to all).", RuntimeError,
     )
 
 
@@ -149,6 +163,30 @@ def check_one_device_type(module: nn.Module, ignored: frozenset[str] = frozenset
             f"DistributedDataParallel's input module must be on the same type of devices, but input module "
             f"parameters locate in {locations}. Move the module first, e.g. model.to('{types[0]}')."
         )
+
+
+def check_device_ids(
+    module: nn.Module, device_ids: Any, output_device: Any, ignored: frozenset[str] = frozenset()
+) -> None:
+    """Raise torch DDP's ``ValueError`` where ``device_ids`` name a GPU for a module whose parameters (those not
+    ``ignored``) are all on the CPU. torch refuses any ``device_ids`` there; minidp takes CPU ones (``["cpu"] * n``, n
+    replicas on the CPU, one of them for ``["cpu"]``), but GPU ids would run as a direct call on the CPU where there is
+    no GPU (:class:`minidp.DataParallel`), training silently on what torch refuses."""
+    devices = {p.device for name, p in module.named_parameters() if name not in ignored}
+    if device_ids and {d.type for d in devices} == {"cpu"} and any(map(_names_a_gpu, device_ids)):
+        raise ValueError(
+            f"DistributedDataParallel device_ids and output_device arguments only work with "
+            f"single-device/multiple-device GPU modules or CPU modules, but got device_ids {device_ids}, output_device {output_device}, and module "
+            f"parameters {devices}. Move the module to its GPU first (module.to(device_ids[0])), or pass "
+            f"device_ids=['cpu'] * n for n replicas on the CPU (minidp's own)."
+        )
+
+
+def _names_a_gpu(device: Any) -> bool:
+    try:
+        return parse_device(device, "device_ids").type != "cpu"
+    except (TypeError, ValueError):  # misspelled: DataParallel's checks name it
+        return False
 
 
 def reducer_candidates(module: nn.Module, ignored: frozenset[str] = frozenset()) -> list[tuple[str, nn.Parameter]]:

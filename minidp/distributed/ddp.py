@@ -34,7 +34,7 @@ from torch.distributed.optim import apply_optimizer_in_backward
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from ..hooks import profiled
 from ..torch_versions import DDP_DEPRECATES_BROADCAST_BUFFERS
@@ -43,15 +43,15 @@ from .batchnorm import attach_exchange, check_torch_sync_batchnorm
 from .broadcast import broadcast_from, broadcast_from_rank0
 from .buckets import MIB, BucketCaps
 from .checks import (
-    IGNORED_ATTRIBUTE, check_one_device_type, check_same_model, collectives_on, ignored_names, reducer_candidates,
-    reducer_parameters, sparse_gradient_flags, synced_tensors,
+    IGNORED_ATTRIBUTE, check_device_ids, check_one_device_type, check_same_model, collectives_on, ignored_names,
+    reducer_candidates, reducer_parameters, sparse_gradient_flags, synced_tensors,
 )
 from .comm_hooks import CommHook, builtin_hook, check_comm_hook, optimizer_in_backward_hook
 from .isinstance_only import refuse_inherited
 from .join import DDPJoinHook, common_rank, sync_backward_vote
 from .logging_data import LoggingData
 from .mixed_precision import MixedPrecision, allreduce_and_upcast, check_mixed_precision
-from .reducer import Reducer, python_reducer_mode
+from .reducer import Reducer, python_reducer_mode, sink_leaves
 
 DeviceLike = Union[int, str, torch.device]
 
@@ -76,11 +76,10 @@ class _Sink(torch.autograd.Function):
 
 def _through_sink(output: Any, clone: bool) -> Any:
     """``output`` with its tensors that autograd recorded passed through one :class:`_Sink`, found as torch finds
-    them, with its pytree (a container type it does not know, a dict subclass of the user's, is left as it is). The
-    clones matter too: an output changed in place after a function that saved it (``out.mul_(2)`` after a tanh) is
-    then the clone, and the backward works."""
-    leaves, spec = tree_flatten(output)
-    recorded = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]
+    them, with its pytree (:func:`~minidp.distributed.reducer.sink_leaves`: a container type it does not know, a
+    dataclass or a dict subclass of the user's, is left as it is). The clones matter too: an output changed in place
+    after a function that saved it (``out.mul_(2)`` after a tanh) is then the clone, and the backward works."""
+    leaves, spec, recorded = sink_leaves(output)
     if not recorded:
         return output
     for i, passed in zip(recorded, _Sink.apply(clone, *[leaves[i] for i in recorded])):
@@ -103,8 +102,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
             copied to every rank here.
         device_ids: ``None``: run ``module`` as it is (its parameters' device). One or more devices
             (``["cpu", "cpu"]``, ``[0, 1]``): run replicas of it on them inside this process, with
-            :class:`minidp.DataParallel`; ``module`` must be on ``device_ids[0]`` (with one device it
-            is moved there, as ``DataParallel`` does).
+            :class:`minidp.DataParallel`; ``module`` must be on ``device_ids[0]``: GPU ids for a module
+            on the CPU raise torch DDP's ``ValueError`` (:func:`~minidp.distributed.checks.check_device_ids`).
         output_device: where those replicas' outputs are gathered (default ``device_ids[0]``).
         dim: the batch dimension the replicas split inputs along.
         broadcast_buffers: the older name of ``forward_sync_buffers`` (deprecated by torch 2.13, which warns as
@@ -186,6 +185,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                 f"{type(process_group).__name__}")
         ignored = ignored_names(module)
         check_one_device_type(module, ignored)
+        check_device_ids(module, device_ids, output_device, ignored)
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call torch.distributed.init_process_group() first "

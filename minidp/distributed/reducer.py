@@ -52,6 +52,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
 
 from ..nested import tensors_in
 from .buckets import Bucket, BucketCaps, GradBucket, as_real, initial_plan, rebuilt_plan, views_of
@@ -87,8 +88,28 @@ def to_epoch_seconds(perf_counter_time: float) -> float:
     return _ANCHOR_WALL + (perf_counter_time - _ANCHOR_PERF)
 
 
+def sink_leaves(output: Any) -> tuple[list[Any], Any, list[int]]:
+    """``output``'s leaves and spec in torch's pytree, and the positions of the tensors autograd recorded among them:
+    what torch's ``_DDPSink`` passes. The sink (``ddp._through_sink``) and a static graph's count of the parameters
+    its first backward reaches both take them from here."""
+    leaves, spec = tree_flatten(output)
+    recorded = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]
+    return leaves, spec, recorded
+
+
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+# What a collective's error says when another rank left it: Gloo's "Timed out waiting 6000ms for recv" and "Connection
+# closed by peer" (or reset), NCCL's watchdog timeout and aborted communicator. Only these mean a rank stopped taking
+# part; any other error of a bucket's future (a comm hook's callback raised) is its own.
+PEER_LEFT = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "abort")
+
+
+def _peer_left(error: RuntimeError) -> bool:
+    text = str(error).lower()
+    return any(words in text for words in PEER_LEFT)
 
 
 class Reducer:
@@ -355,7 +376,10 @@ class Reducer:
             # did not use an undefined gradient: the hooks of the parameters it reaches run all the same, and count
             # them (reducer.cpp), so a later backward that uses that output is no change of the graph
             self.find_accumulators()  # now: the first backward of a static graph, whatever the parameters' dtype
-            self._reached = set(range(len(self.params))).difference(self._unreached(outputs))
+            # the sink's outputs only (torch's pytree leaves a dataclass or a dict subclass of the user's as it is):
+            # a parameter behind an unused tensor the sink does not pass runs no hook, and is a static unused one
+            leaves, _, recorded = sink_leaves(output)
+            self._reached = set(range(len(self.params))).difference(self._unreached([leaves[i] for i in recorded]))
         elif self.static_graph:
             self._remaining = list(self._static_counts)
             self._unused = [i for i, count in enumerate(self._static_counts) if count == 0]
@@ -748,7 +772,10 @@ class Reducer:
     def _result_of(self, bucket: Bucket) -> torch.Tensor:
         try:
             value = bucket.future.wait()
-        except RuntimeError as error:  # Gloo's "Timed out waiting ... for recv", NCCL's watchdog, a closed peer
+        except RuntimeError as error:
+            if not _peer_left(error):  # a comm hook's own error (its future's callback raised): as torch raises it
+                error.add_note(f"DistributedDataParallel on rank {self.rank}: raised by bucket {bucket.index}'s future")
+                raise
             raise RuntimeError(
                 f"DistributedDataParallel on rank {self.rank}: the all-reduce of bucket {bucket.index} did not "
                 f"complete: another rank stopped taking part in this backward (it ran out of data, raised, or left "
