@@ -37,7 +37,7 @@ import minidp
 from minidp.tracing.memory import CATEGORIES, measure_step
 from minidp.zoo import SmallCNN
 
-from .helpers import cpu_ids, requires_cuda
+from .helpers import cpu_ids, fresh_python, requires_cuda
 
 D, H, O = 16, 32, 4
 BYTES = 8  # float64
@@ -159,6 +159,26 @@ def test_counting_leaves_the_replicas_backwards_in_their_own_threads(generator, 
     with minidp.trace(ledger=True):
         model(torch.randn(8, D, generator=generator, dtype=torch.float64)).sum().backward()
     assert len(threads) == 2
+
+
+_FIRST_LEDGER_OF_A_PROCESS = """
+import sys, torch, minidp
+from torch import nn
+model = minidp.DataParallel(nn.Linear(8, 4), ["cpu"] * 2)
+with minidp.trace(ledger=True):
+    before = set(sys.modules)
+    model(torch.randn(6, 8)).sum().backward()
+    print(sorted(name for name in set(sys.modules) - before if name.startswith("torch")))
+"""
+
+
+@pytest.mark.fresh_interpreter
+def test_the_first_ledger_of_a_process_imports_nothing_of_torch_inside_the_step():
+    # The first operator under any TorchDispatchMode imports torch._dynamo (torch/_compile.py): about a second, which
+    # inside the step would be timed as its first stage's (a scatter of a second). The ledger imports it as it starts.
+    done = fresh_python("-c", _FIRST_LEDGER_OF_A_PROCESS)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_every_category_of_a_cpu_training_step_is_non_zero_on_the_device(generator):

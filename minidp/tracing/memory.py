@@ -332,6 +332,11 @@ class AllocationLedger:
     # -- the measurement --------------------------------------------------------------------------------
 
     def start(self) -> None:
+        # The first operator run under any TorchDispatchMode in a process imports torch._dynamo (torch/_compile.py,
+        # the wrapper that keeps dynamo off the mode's code): a second or more, which would fall inside the step's
+        # first stage and be timed as its. Imported here, before the trace's events begin.
+        import torch._dynamo  # noqa: F401
+
         self._hooks = [register_optimizer_step_pre_hook(self._optimizer_begins),
                        register_optimizer_step_post_hook(self._optimizer_ends)]
         self._watch_storage_resizes()
