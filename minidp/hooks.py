@@ -15,6 +15,10 @@ Something listens when
 A listener is any object with the five methods of :class:`Listener`. It receives the primitive's own
 arguments as Python binds them (``inspect.Signature.bind``), runs the call itself (so it can time it)
 and returns its result unchanged.
+
+The parallel code (``minidp.distributed``) names what its own buffers hold through :func:`observe_storage`: the
+whole parameters a sharded module gathers are parameters, a DDP bucket's flat buffer holds gradients. A listener
+with an ``on_storage`` method (the memory ledger's) hears it; one without is not called.
 """
 
 from __future__ import annotations
@@ -195,3 +199,14 @@ def _observe_replica(stage: str, replica: int, device: torch.device, module: Any
             return call()
         on_stage = listener.on_replica if stage == "forward" else listener.on_replica_backward
         return on_stage(replica, device, module, call)
+
+
+def observe_storage(category: str, tensors: Sequence[torch.Tensor]) -> None:
+    """Announce that the storages of ``tensors`` hold ``category`` (one of the memory ledger's categories:
+    ``"parameters"`` for the whole parameters ``fully_shard`` gathers, ``"gradients"`` for a DDP bucket's buffer), to a
+    listener that has ``on_storage(category, tensors)``. Nothing listening: one read of the slot."""
+    listener = _listener
+    if listener is not None:
+        on_storage = getattr(listener, "on_storage", None)
+        if on_storage is not None:
+            on_storage(category, tensors)

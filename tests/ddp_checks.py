@@ -244,6 +244,41 @@ def mismatched_model(seed: int) -> str:
     return "no error"
 
 
+class TwoLayers(nn.Module):
+    """``a`` then ``b`` in the forward, two layers of one shape; registered ``a, b`` or, ``swapped``, ``b, a``."""
+
+    def __init__(self, swapped: bool) -> None:
+        super().__init__()
+        first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+        if swapped:
+            self.b, self.a = second, first
+        else:
+            self.a, self.b = first, second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def error_of_ddp(module: nn.Module, **options: Any) -> str:
+    """The error DDP's construction raises on this rank, as its type and message, or "no error"."""
+    try:
+        md.DistributedDataParallel(module, **options)
+    except Exception as error:  # noqa: BLE001 - the type is what is checked
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def parameters_in_another_order(seed: int) -> str:
+    """Rank 1 registers the same-shaped layers in the other order."""
+    return error_of_ddp(TwoLayers(swapped=dist.get_rank() == 1))
+
+
+def argument_on_one_rank(seed: int, name: str, values: Sequence[Any], model: str = "mlp") -> str:
+    """DDP built with ``name=values[rank]`` (a model with buffers for ``model="resnet_bn"``)."""
+    module = ResNetBlockBN() if model == "resnet_bn" else MLP()
+    return error_of_ddp(module, **{name: values[dist.get_rank()]})
+
+
 def unused_without_find_unused(seed: int) -> dict[str, list]:
     """A parameter that gets no gradient while ``find_unused_parameters=False``, in stock and in minidp, at debug
     levels OFF and INFO: per wrapper, ``[level, the call that raised, its message, the logged error]`` each."""

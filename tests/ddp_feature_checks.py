@@ -1706,3 +1706,30 @@ def runs_out_without_join(directory: str) -> None:
     written = dist.FileStore(os.path.join(directory, "written"), 2)
     written.set(f"rank{dist.get_rank()}", "written")
     written.wait(["rank0", "rank1"], timedelta(seconds=60))
+
+
+def observed_memory(seed: int, gradient_as_bucket_view: bool) -> dict:
+    """A float64 MLP 8-16-4 in two buckets (600-byte cap), three steps of SGD with momentum, the second measured by the
+    allocation ledger (:func:`minidp.tracing.memory.measure_step`; its buckets rebuilt in that step's forward):
+    ``memory_ledger`` after the last step, and what each category of the measured step held at most."""
+    from minidp.tracing.memory import measure_step
+
+    torch.manual_seed(seed)
+    module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    model = md.DistributedDataParallel(module, bucket_cap_mb=600 / 2**20, gradient_as_bucket_view=gradient_as_bucket_view)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    held = {}
+    for step in range(3):
+        x = _inputs(seed, step, 6, 8).double()
+
+        def train() -> None:
+            optimizer.zero_grad()
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+
+        if step == 1:
+            _, rows = measure_step(train, module.parameters())
+            held = rows[0].held
+        else:
+            train()
+    return {"ledger": md.memory_ledger(model, optimizer), "held": held, "plan": model.bucket_plan()}

@@ -852,7 +852,9 @@ def collectives_when_unsynced(seed: int, recurse: bool) -> dict:
     return {"counts": counts, "switched_off": switched_off, "class": type(model).__name__,
             "is_net": isinstance(model, Net), "block_class": type(model.blocks[0]).__name__,
             "gradient_bytes": gradient_bytes, "whole_bytes": whole_bytes,
-            "shard_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+            # the shards' .grad are views of the reduce-scatter's output: every rank holds chunk 0's rows of each
+            "shard_bytes": sum(-(-p.size(0) // dist.get_world_size()) * p[0].numel() * p.element_size()
+                               for p in Net().parameters())}
 
 
 def unshard_and_reshard(seed: int) -> dict:
@@ -1431,6 +1433,35 @@ def mismatched_model(seed: int) -> str:
     return "no error"
 
 
+def _error_of_sharding(shard_it: Callable[[nn.Module], Any]) -> str:
+    """The ``ValueError`` ``shard_it(model)`` raises on this rank, for a model of two layers of one shape."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    try:
+        shard_it(model)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def other_layer_per_rank(seed: int) -> str:
+    """Rank 0 shards layer 0 then the root, rank 1 layer 2 then the root."""
+    def shard_it(model: nn.Module) -> None:
+        md.fully_shard(model[0] if dist.get_rank() == 0 else model[2])
+        md.fully_shard(model)
+    return _error_of_sharding(shard_it)
+
+
+def mp_policy_per_rank(seed: int) -> str:
+    """param_dtype bfloat16 on rank 0, none on rank 1."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if dist.get_rank() == 0 else MixedPrecisionPolicy()
+    return _error_of_sharding(lambda model: md.fully_shard(model, mp_policy=policy))
+
+
+def reshard_after_forward_per_rank(seed: int) -> str:
+    return _error_of_sharding(lambda model: md.fully_shard(model[0], reshard_after_forward=dist.get_rank() == 0))
+
+
 def raise_in_step_2(failing_rank: int) -> None:
     """Train; rank ``failing_rank`` raises in step 2 while the others go on into the all-gathers."""
     model = shard(Net(), md.fully_shard, True)
@@ -1463,6 +1494,41 @@ def timeline_and_memory(seed: int, steps: int = 3) -> dict:
         ledgers[name] = md.memory_ledger(model, optimizer)
     return {"timelines": md.gather_timelines(md.sharded_timeline(model)), "ledgers": ledgers,
             "table": md.format_ledgers(ledgers), "gathered_mid_forward": mid_forward}
+
+
+def _two_linears(inner: tuple[int, int], outer: tuple[int, int], reshard_after_forward: bool = True) -> nn.Module:
+    """``Linear(*inner)``, tanh, ``Linear(*outer)`` in float64, each linear a group of its own under a root that has
+    no parameter: sizes small enough to count every byte by hand (tests/test_fully_shard.py)."""
+    model = nn.Sequential(nn.Linear(*inner), nn.Tanh(), nn.Linear(*outer)).double()
+    for part in (model[0], model[2], model):
+        md.fully_shard(part, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def observed_figures(seed: int) -> dict:
+    """What the observation tools say of the small models of :func:`_two_linears`, after a step of SGD each: the
+    memory ledger (two steps, resharding after the forward or not), the allocation ledger of the second step
+    (:func:`minidp.tracing.memory.measure_step`) and its sharded timeline."""
+    from minidp.tracing.memory import measure_step
+
+    results: dict[str, Any] = {}
+    for name, inner, outer, reshard in (("8-5-3", (8, 5), (5, 3), True), ("8-5-3-kept", (8, 5), (5, 3), False),
+                                        ("4-4-4", (4, 4), (4, 4), True)):
+        torch.manual_seed(seed)
+        model = _two_linears(inner, outer, reshard)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(6, inner[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed + dist.get_rank()))
+
+        def step() -> None:
+            optimizer.zero_grad()
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+
+        step()
+        _, rows = measure_step(step, model.parameters())
+        results[name] = {"ledger": md.memory_ledger(model, optimizer), "held": rows[0].held,
+                         "timeline": md.sharded_timeline(model)}
+    return results
 
 
 @record

@@ -229,6 +229,10 @@ SYNC_BATCHNORM = {
 ONE_PROCESS = {"graph_not_static": (checks.graph_not_static_logged_as_stock, {})}
 one = job_fixture("one", _run_checks, 1, ONE_PROCESS, JOB_TIMEOUT)
 two = job_fixture("two", _run_checks, 2, TWO_PROCESSES, JOB_TIMEOUT)
+# What the observation tools report of a model small enough to count by hand: a job of its own, a few seconds long.
+OBSERVED = {f"observed_{name}": (checks.observed_memory, {"gradient_as_bucket_view": view})
+            for name, view in (("copies", False), ("bucket_view", True))}
+observed = job_fixture("observed", _run_checks, 2, OBSERVED, JOB_TIMEOUT)
 three = job_fixture("three", _run_checks, 3, THREE_PROCESSES, JOB_TIMEOUT)
 sync_batchnorm = job_fixture("sync_batchnorm", _run_checks, 2, SYNC_BATCHNORM, JOB_TIMEOUT)
 
@@ -964,3 +968,31 @@ def test_native_mixed_precision_trains_as_stock_bitwise_from_its_second_backward
     for rank in each_rank(two, f"mixed_precision_{case}"):
         assert rank["stock_error"] is None, rank["stock_error"]
         assert rank["stock"] and rank["stock"] == [None] * len(rank["stock"]), rank["stock"]
+
+
+# ---- what the observation tools report: an MLP 8-16-4 in float64 (ddp_feature_checks.observed_memory) ----
+
+MLP_BYTES = (8 * 16 + 16 + 16 * 4 + 4) * 8  # 1696: the parameters, and each other copy of them
+
+
+def test_with_gradient_as_bucket_view_the_memory_ledger_counts_each_gradient_storage_once(observed):
+    # every .grad is a view of its bucket: parameters, gradients (the buckets) and SGD's momentum, no more
+    for result in each_rank(observed, "observed_bucket_view"):
+        assert result["plan"] == [[3, 2, 1], [0]]  # two buckets: each holds gradients, not a copy of them
+        assert result["ledger"] == {"parameters": MLP_BYTES, "gradients": MLP_BYTES, "optimizer_state": MLP_BYTES,
+                                    "gathered": 0, "buckets": 0, "transient_peak": 0, "total_peak": 3 * MLP_BYTES}
+
+
+def test_without_gradient_as_bucket_view_the_memory_ledger_counts_the_buckets_as_one_more_copy(observed):
+    for result in each_rank(observed, "observed_copies"):
+        assert result["ledger"] == {"parameters": MLP_BYTES, "gradients": MLP_BYTES, "optimizer_state": MLP_BYTES,
+                                    "gathered": 0, "buckets": MLP_BYTES, "transient_peak": MLP_BYTES,
+                                    "total_peak": 4 * MLP_BYTES}
+
+
+def test_the_allocation_ledger_counts_ddps_bucket_buffers_as_gradients(observed):
+    # the step's buckets (made in its forward, as the plan is rebuilt) and the parameters' .grad, held at once;
+    # the inputs are the batch alone (6 x 8 float64)
+    for result in each_rank(observed, "observed_copies"):
+        assert result["held"]["gradients"] == 2 * MLP_BYTES
+        assert result["held"]["inputs"] == 6 * 8 * 8

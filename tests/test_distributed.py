@@ -44,6 +44,13 @@ TWO_PROCESSES = {
     "full_batch": (checks.matches_full_batch, {}),
     "replicas_full_batch": (checks.matches_full_batch, {"device_ids": cpu_ids(2)}),
     "mismatched_model": (checks.mismatched_model, {}),
+    "parameters_in_another_order": (checks.parameters_in_another_order, {}),
+    "find_unused_on_one_rank": (checks.argument_on_one_rank, {"name": "find_unused_parameters", "values": (False, True)}),
+    "static_graph_on_one_rank": (checks.argument_on_one_rank, {"name": "static_graph", "values": (False, True)}),
+    "forward_sync_buffers_on_one_rank": (checks.argument_on_one_rank, {"name": "forward_sync_buffers", "values": (True, False), "model": "resnet_bn"}),
+    "forward_sync_buffers_without_buffers": (checks.argument_on_one_rank, {"name": "forward_sync_buffers", "values": (True, False)}),
+    "bucket_cap_mb_list_per_rank": (checks.argument_on_one_rank, {"name": "bucket_cap_mb_list", "values": ([25], [0.1] * 8)}),
+    "gradient_as_bucket_view_on_one_rank": (checks.argument_on_one_rank, {"name": "gradient_as_bucket_view", "values": (False, True)}),
     "unused_without_find_unused": (checks.unused_without_find_unused, {}),
     "timeline": (checks.timeline_of_a_step, {}),
 }
@@ -172,6 +179,51 @@ def test_mismatched_models_raise_a_runtime_error_as_stock(two):
     # distributed.py, _verify_param_shape_across_processes: torch raises RuntimeError, which code written for it catches
     for message in each_rank(two, "mismatched_model"):
         assert message.startswith("RuntimeError: DistributedDataParallel needs the same model on every rank")
+
+
+def test_same_shaped_parameters_registered_in_another_order_raise_on_every_rank_naming_both(two):
+    # torch compares shapes only: it broadcasts rank 0's values by position and trains a silently wrong model
+    for message in each_rank(two, "parameters_in_another_order"):
+        assert message.startswith("RuntimeError: DistributedDataParallel needs the same model on every rank")
+        assert "parameter 0 is 'b.weight' on rank 1 and 'a.weight' on rank 0" in message
+
+
+def _refused_setting(message: str, difference: str) -> None:
+    assert message.startswith("RuntimeError: DistributedDataParallel needs the same settings on every rank, but ")
+    assert difference in message and "Pass the same value on every rank" in message
+
+
+def test_find_unused_parameters_on_one_rank_only_raises_on_every_rank(two):
+    # torch DDP: the ranks' backwards exchange different things, and both time out in Gloo
+    for message in each_rank(two, "find_unused_on_one_rank"):
+        _refused_setting(message, "find_unused_parameters is True on rank 1 and False on rank 0")
+
+
+def test_static_graph_on_one_rank_only_raises_on_every_rank(two):
+    # torch DDP: Gloo aborts the process ("Received data size doesn't match expected size")
+    for message in each_rank(two, "static_graph_on_one_rank"):
+        _refused_setting(message, "static_graph is True on rank 1 and False on rank 0")
+
+
+def test_forward_sync_buffers_on_one_rank_only_raises_on_every_rank(two):
+    # torch DDP: rank 0 broadcasts the buffers in each forward, rank 1 does not, and both time out
+    for message in each_rank(two, "forward_sync_buffers_on_one_rank"):
+        _refused_setting(message, "forward_sync_buffers (or broadcast_buffers, its older name) is False on rank 1 and True on rank 0")
+
+
+def test_forward_sync_buffers_that_differ_on_a_model_without_buffers_is_harmless_and_taken(two):
+    assert each_rank(two, "forward_sync_buffers_without_buffers") == ["no error", "no error"]
+
+
+def test_bucket_caps_that_differ_between_ranks_raise_on_every_rank(two):
+    # torch DDP: the ranks' buckets differ in size, and Gloo aborts the process
+    for message in each_rank(two, "bucket_cap_mb_list_per_rank"):
+        _refused_setting(message, "bucket_cap_mb_list is [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1] on rank 1 and [25] on rank 0")
+
+
+def test_gradient_as_bucket_view_on_one_rank_only_is_harmless_and_taken(two):
+    # where each .grad lives: the exchanges are the same
+    assert each_rank(two, "gradient_as_bucket_view_on_one_rank") == ["no error", "no error"]
 
 
 def test_a_parameter_without_gradient_fails_the_next_forward_with_stocks_words_and_log(two):

@@ -98,6 +98,9 @@ TWO_PROCESSES = {
     "states": (checks.states, {}),
     "shared_between_groups": (checks.shared_between_groups, {}),
     "mismatched_model": (checks.mismatched_model, {}),
+    "other_layer_per_rank": (checks.other_layer_per_rank, {}),
+    "mp_policy_per_rank": (checks.mp_policy_per_rank, {}),
+    "reshard_after_forward_per_rank": (checks.reshard_after_forward_per_rank, {}),
     **{_frozen_name(frozen, policy): (checks.against_fsdp2, {"model": "gained", "frozen": FROZEN[frozen],
                                                              "policy": policy, "optimizer": "adamw"})
        for frozen, policy in FROZEN_CASES},
@@ -213,7 +216,11 @@ FOUR_PROCESSES = {
 }
 
 
+# What the observation tools report of models small enough to count by hand: a job of its own, a few seconds long.
+OBSERVED = {"observed": (checks.observed_figures, {})}
+
 two = job_fixture("two", run_checks, 2, TWO_PROCESSES, JOB_TIMEOUT)
+observed = job_fixture("observed", run_checks, 2, OBSERVED, JOB_TIMEOUT)
 three = job_fixture("three", run_checks, 3, THREE_PROCESSES, JOB_TIMEOUT)
 four = job_fixture("four", run_checks, 4, FOUR_PROCESSES, JOB_TIMEOUT)
 
@@ -949,6 +956,56 @@ def test_each_rank_holds_half_of_ddps_parameters_gradients_and_optimizer_state_b
         assert "optimizer_state" in result["table"]
 
 
+# Linear(8, 5), tanh, Linear(5, 3) in float64 on 2 ranks (fsdp_checks._two_linears), each rank's padded rows (chunk 0's):
+# group "0": weight 3 x 8 + bias 3 = 27 elements, 216 bytes; whole, 2 x 27 = 54 elements, 432 bytes;
+# group "2": weight 2 x 5 + bias 2 = 12 elements, 96 bytes; whole, 24 elements, 192 bytes.
+SHARD_BYTES = (3 * 8 + 3 + 2 * 5 + 2) * 8  # 312
+WHOLE_0_BYTES = 2 * (3 * 8 + 3) * 8  # 432
+
+
+def test_the_ledger_counts_the_shards_gradients_with_the_padding_their_storage_holds(observed):
+    # each .grad is a view of its group's reduce-scatter output, this rank's padded slot: rank 1's real rows are
+    # 192 bytes, its gradients' storage 312, as its parameters'
+    for result in each_rank(observed, "observed"):
+        ledger = result["8-5-3"]["ledger"]
+        assert ledger["gradients"] == ledger["parameters"] == SHARD_BYTES
+
+
+@pytest.mark.parametrize("case", ["8-5-3", "8-5-3-kept"])
+def test_the_ledgers_transient_peak_holds_the_all_gather_buffer_the_parameters_are_copied_out_of(observed, case):
+    # the peak: group "0" whole (432) while its all-gather's buffer (432) is still held, resharded after the
+    # forward or not
+    for result in each_rank(observed, "observed"):
+        ledger = result[case]["ledger"]
+        assert ledger["transient_peak"] == 2 * WHOLE_0_BYTES
+        assert ledger["total_peak"] == 2 * SHARD_BYTES + 2 * WHOLE_0_BYTES  # parameters, gradients, no SGD state
+
+
+def test_the_ledgers_transient_peak_holds_a_prefetched_all_gathers_buffer(observed):
+    # Linear(4, 4), tanh, Linear(4, 4): each group 2 x 4 + 2 = 10 elements a rank (80 bytes), 160 bytes whole. The
+    # peak is group "2"'s reduce-scatter (input 160, output 80) while group "0"'s prefetched all-gather holds its
+    # buffer (160); a copy-out holds 160 + 160
+    for result in each_rank(observed, "observed"):
+        assert result["4-4-4"]["ledger"]["transient_peak"] == 160 + 80 + 160
+
+
+def test_the_allocation_ledger_counts_gathered_parameters_as_parameters(observed):
+    # measure_step: the shards (312) and, at most, group "0" whole (432): the groups are never whole at once
+    for result in each_rank(observed, "observed"):
+        assert result["8-5-3"]["held"]["parameters"] == SHARD_BYTES + WHOLE_0_BYTES
+
+
+@pytest.mark.parametrize("case", ["8-5-3", "8-5-3-kept"])
+def test_the_sharded_timelines_root_backward_spans_every_groups_backward(observed, case):
+    # group "0" (its input needs no gradient) ends with the root at the end of the whole backward
+    for result in each_rank(observed, "observed"):
+        backward = {e["group"]: e for e in result[case]["timeline"] if e["stage"] == "backward"}
+        root = backward.pop("")
+        assert sorted(backward) == ["0", "2"]
+        for group, span in backward.items():
+            assert root["start"] <= span["start"] and span["end"] <= root["end"], group
+
+
 def test_the_ledger_counts_the_storage_the_gathered_parameters_hold_mid_forward(two):
     """Whole parameters exist only while their group is gathered: the ledger's count is their storage, then."""
     for result in each_rank(two, "timeline_and_memory"):
@@ -1062,6 +1119,28 @@ def test_ranks_with_different_models_raise_the_same_error_naming_the_parameter(t
     messages = each_rank(two, "mismatched_model")
     assert messages[0] == messages[1]
     assert "parameter 0 ('linear.weight') has shape (30, 13) on rank 1 and (29, 13) on rank 0" in messages[0]
+
+
+def test_ranks_that_shard_different_submodules_raise_the_same_error_naming_both(two):
+    # FSDP2 takes it: the root's all-gathers pair layer 2 on rank 0 with layer 0 on rank 1, silently wrong losses
+    messages = each_rank(two, "other_layer_per_rank")
+    assert messages[0] == messages[1]
+    assert "parameter 0 is '0.weight' on rank 1 and '2.weight' on rank 0" in messages[0]
+
+
+def test_an_mp_policy_that_differs_between_ranks_raises_the_same_error_naming_the_field(two):
+    # FSDP2: the all-gathers differ in size and Gloo aborts the process
+    messages = each_rank(two, "mp_policy_per_rank")
+    assert messages[0] == messages[1]
+    assert "mp_policy.param_dtype is None on rank 1 and torch.bfloat16 on rank 0" in messages[0]
+    assert "pass the same reshard_after_forward and mp_policy to this fully_shard call on every rank" in messages[0]
+
+
+def test_a_reshard_after_forward_that_differs_between_ranks_raises_the_same_error(two):
+    # FSDP2: one rank all-gathers again in the backward, the other does not, and both hang
+    messages = each_rank(two, "reshard_after_forward_per_rank")
+    assert messages[0] == messages[1]
+    assert "reshard_after_forward is False on rank 1 and True on rank 0" in messages[0]
 
 
 def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error():

@@ -340,6 +340,21 @@ def test_measure_step_counts_a_plain_step_given_as_a_callable(generator):
     assert device.held["activations"] == 8 * H * BYTES + 8 * O * BYTES + 2 * BYTES
 
 
+def test_a_buffer_the_parallel_code_names_through_minidp_hooks_counts_in_that_category():
+    """fully_shard and DDP's reducer name their buffers (gathered parameters, buckets) through minidp.hooks, which
+    imports nothing of the ledger: a buffer held before the step, and met first inside it, would be an input."""
+    bucket = torch.zeros(4, dtype=torch.float64)
+
+    def step() -> None:
+        bucket.add_(1.0)  # first met here, held since before the step
+        minidp.hooks.observe_storage("gradients", [bucket])
+
+    _, ledger = measure_step(step)
+    (device,) = ledger
+    assert device.held["gradients"] == 4 * BYTES
+    assert device.held["inputs"] == 0
+
+
 def test_measure_step_counts_a_data_parallel_step_in_every_replicas_thread(generator):
     # replicas 1.. run their forwards (and backwards) in worker threads, which measure_step did not watch
     ledger, _ = traced_mlp_step(generator, 8, measured=True)

@@ -50,6 +50,9 @@ TWO_PROCESSES = {
     "mismatched_shapes": (checks.mismatched_shapes, {}),
     "mismatched_groups": (checks.mismatched_groups, {}),
     "mixed_dtypes": (checks.mixed_dtypes, {}),
+    "optimizer_class_per_rank": (checks.optimizer_class_per_rank, {}),
+    "lr_per_rank": (checks.lr_per_rank, {}),
+    "group_lr_per_rank": (checks.group_lr_per_rank, {}),
     "failing_step": (checks.failing_step, {"failing_rank": 1}),
     "error_in_the_step_everywhere": (checks.error_in_the_step_everywhere, {}),
     "add_param_group_refused": (checks.add_param_group_refused_on_one_rank, {}),
@@ -236,6 +239,18 @@ def test_parameters_that_differ_between_ranks_are_named_on_every_rank(two):
 def test_parameter_groups_that_differ_between_ranks_are_named_on_every_rank(two):
     for kind, message in each_rank(two, "mismatched_groups"):
         assert kind == "ValueError" and "rank 1 has parameter groups of sizes [3, 3] and rank 0 [6]" in message
+
+
+@pytest.mark.parametrize("job, named", [
+    ("optimizer_class_per_rank", "optimizer_class is 'torch.optim.adam.Adam' on rank 1 and 'torch.optim.sgd.SGD' on rank 0"),
+    ("lr_per_rank", "the optimizer's default lr is 0.5 on rank 1 and 0.1 on rank 0"),
+    ("group_lr_per_rank", "param_groups[1]['lr'] is 0.2 on rank 1 and 0.05 on rank 0"),
+])
+def test_an_optimizer_setting_that_differs_between_ranks_is_named_on_every_rank(two, job, named):
+    # torch's ZRO takes each: every rank updates its share by its own rule, a model no single configuration gives
+    for kind, message in each_rank(two, job):
+        assert kind == "ValueError" and named in message
+        assert "pass the same optimizer_class and the same optimizer arguments on every rank" in message
 
 
 def test_parameters_of_two_dtypes_raise_torchs_error(two):

@@ -348,6 +348,24 @@ def mismatched_groups(seed: int) -> tuple[str, str]:
     return error_of(lambda: md.ZeroRedundancyOptimizer(groups, torch.optim.SGD, lr=0.1))
 
 
+def optimizer_class_per_rank(seed: int) -> tuple[str, str]:
+    """SGD on rank 0, Adam on the others, over the same parameters."""
+    optimizer = torch.optim.SGD if dist.get_rank() == 0 else torch.optim.Adam
+    return error_of(lambda: md.ZeroRedundancyOptimizer(varied().parameters(), optimizer, lr=0.1))
+
+
+def lr_per_rank(seed: int) -> tuple[str, str]:
+    """SGD everywhere, lr 0.1 on rank 0 and 0.5 on the others."""
+    lr = 0.1 if dist.get_rank() == 0 else 0.5
+    return error_of(lambda: md.ZeroRedundancyOptimizer(varied().parameters(), torch.optim.SGD, lr=lr))
+
+
+def group_lr_per_rank(seed: int) -> tuple[str, str]:
+    """The same defaults everywhere; the second group's own lr 0.05 on rank 0 and 0.2 on the others."""
+    groups = _groups(varied(), 0.1 if dist.get_rank() == 0 else 0.4)
+    return error_of(lambda: md.ZeroRedundancyOptimizer(groups, torch.optim.SGD, lr=0.1))
+
+
 def mixed_dtypes(seed: int) -> tuple[str, str]:
     module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).double())
     return error_of(lambda: md.ZeroRedundancyOptimizer(module.parameters(), torch.optim.SGD, lr=0.1))

@@ -3,9 +3,12 @@ one rank raised on all), the parameters to reduce, which of them have sparse gra
 
 torch DDP checks the parameters' count, shapes and strides against rank 0's
 (``_verify_param_shape_across_processes``), and only the rank that differs learns why: the others
-see their next collective fail ("Connection closed by peer"). Here every rank describes its
-parameters (name, shape, stride, dtype, whether it is reduced) and buffers, every rank receives every description
-(``all_gather_object``), and every rank raises the same error, naming the first difference.
+see their next collective fail ("Connection closed by peer"); it compares no names (same-shaped parameters
+registered in another order train silently wrong, rank 0's values broadcast by position) and no settings (a
+``find_unused_parameters`` or ``static_graph`` on one rank only hangs or crashes the backward). Here every rank
+describes its parameters (name, shape, stride, dtype, whether it is reduced) and buffers, and the settings its
+reducer must share with the others, every rank receives every description (``all_gather_object``, one
+collective), and every rank raises the same error, naming the first difference.
 
 An error that only some ranks meet (a bad argument on one rank, an optimizer step that fails on
 one rank) would leave the others waiting in their next collective for a rank that has left it:
@@ -88,6 +91,13 @@ def first_difference(specs: list[list[TensorSpec]]) -> Optional[str]:
                             f"{kind} {position} ('{b.name}') has {field} {getattr(b, field)} on rank {rank} and "
                             f"{getattr(a, field)} on rank 0{elsewhere}"
                         )
+                if a.name != b.name:
+                    return (
+                        f"{kind} {position} is '{b.name}' on rank {rank} and '{a.name}' on rank 0 (the same shape, "
+                        f"so the {kind}s are registered in a different order or under other names, and values matched "
+                        f"by position would land in the wrong {kind}): register them in the same order, under the "
+                        f"same names, on every rank"
+                    )
                 if a.reduced != b.reduced:
                     counts = [sum(s.reduced for s in specs[r] if s.kind == kind) for r in (0, rank)]
                     return (
@@ -103,6 +113,18 @@ def first_difference(specs: list[list[TensorSpec]]) -> Optional[str]:
                     f"rank {longer} has {len(extra)} {kind}s and rank {shorter} {min(len(ours), len(theirs))}: "
                     f"rank {shorter} lacks {kind} {min(len(ours), len(theirs))} ('{first_extra.name}')"
                 )
+    return None
+
+
+def first_setting_difference(settings: list[dict[str, Any]]) -> Optional[str]:
+    """A phrase naming the first setting whose value on a rank differs from rank 0's, or None. ``settings``: every
+    rank's ``{name: value}``, values that pickle and compare by ``==`` (bools, numbers, strings, tuples of them).
+    A setting only some ranks name is not compared (one that matters only where the model has something, buffers
+    say: a model that differs there is the model check's to name)."""
+    for rank in range(1, len(settings)):
+        for name, ours in settings[0].items():
+            if name in settings[rank] and settings[rank][name] != ours:
+                return f"{name} is {settings[rank][name]!r} on rank {rank} and {ours!r} on rank 0"
     return None
 
 
@@ -123,23 +145,41 @@ def check_same_everywhere(
 ) -> None:
     """Gather every rank's ``mine`` (a collective) and raise the same ``error`` on every rank where
     ``difference(everyone)`` names one: "``needs`` on every rank, but <difference>. ``advice``"."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    found = difference(everyone)
+    found = difference(gather_from_every_rank(mine, group))
     if found is not None:
         raise error(f"{needs} on every rank, but {found}. {advice}")
 
 
+def gather_from_every_rank(mine: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's ``mine``, in rank order (``all_gather_object``: a collective)."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
 def check_same_model(
     module: nn.Module, group: dist.ProcessGroup, buffers: bool, ignored: frozenset[str] = frozenset(),
-    reduced: Iterable[torch.Tensor] = (),
+    reduced: Iterable[torch.Tensor] = (), settings: Optional[dict[str, Any]] = None,
 ) -> None:
-    """Raise on every rank of ``group`` unless all ranks' ``module`` match rank 0's (a collective): a
-    ``RuntimeError``, as torch's ``_verify_param_shape_across_processes`` raises (code written for torch catches it)."""
-    check_same_everywhere(
-        describe(module, buffers, ignored, reduced), group, first_difference, "DistributedDataParallel needs the same model",
-        "Build the model the same way on every rank (rank 0's values are then broadcast to all).", RuntimeError,
-    )
+    """Raise on every rank of ``group`` unless all ranks' ``module`` match rank 0's, and their reducers' ``settings``
+    too (one collective): a ``RuntimeError``, as torch's ``_verify_param_shape_across_processes`` raises (code
+    written for torch catches it). torch compares neither names nor settings: a model whose same-shaped parameters
+    are registered in another order trains silently wrong there, and ranks whose reducers differ
+    (``find_unused_parameters``, ``static_graph``, buffer syncing, bucket caps) hang or crash in the backward."""
+    everyone = gather_from_every_rank((describe(module, buffers, ignored, reduced), dict(settings or {})), group)
+    found = first_setting_difference([s for _, s in everyone])
+    if found is not None:
+        raise RuntimeError(
+            f"DistributedDataParallel needs the same settings on every rank, but {found}. Pass the same value on every "
+            f"rank: every rank's reducer must make the same buckets and the same exchanges in each forward and "
+            f"backward, or the ranks wait for each other in vain (torch DDP hangs or crashes there)."
+        )
+    found = first_difference([specs for specs, _ in everyone])
+    if found is not None:
+        raise RuntimeError(
+            f"DistributedDataParallel needs the same model on every rank, but {found}. Build the model the same way "
+            f"on every rank (rank 0's values are then broadcast to all)."
+        )
 
 
 def sparse_gradient_flags(module: nn.Module, params: list[nn.Parameter]) -> list[bool]:

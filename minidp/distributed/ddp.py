@@ -228,7 +228,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
             with collectives_on(module.parameters()):
                 # what torch's reducer gets is checked too: a parameter ignored by a name its reducer does not match
                 check_same_model(module, self.process_group, init_sync_buffers, self.parameters_to_ignore,
-                                 reducer_parameters(module, self.parameters_to_ignore)[0])
+                                 reducer_parameters(module, self.parameters_to_ignore)[0],
+                                 self._reducer_settings(bucket_cap_mb, bucket_cap_mb_list, init_sync_buffers))
             broadcast_from_rank0(synced_tensors(module, self.parameters_to_ignore, init_sync_buffers), self.process_group)
         self._attach_reducer()
         self.require_backward_grad_sync = True  # False inside no_sync()
@@ -236,6 +237,29 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self._buffer_hook: Optional[tuple[object, Callable, _BufferCommHookLocation]] = None
         self._lazy_init_ran = False  # the first forward looks for optimizers in the backward
         self._divide_by_initial_world_size = True  # under Join (see minidp.distributed.join)
+
+    def _reducer_settings(self, bucket_cap_mb: Optional[float], bucket_cap_mb_list: Optional[list[float]],
+                          init_sync_buffers: bool) -> dict[str, Any]:
+        """The arguments every rank's reducer must share, compared across ranks by the construction's model check
+        (the same collective): with different ones the ranks' buckets or exchanges differ, and the backward hangs or
+        crashes. Not ``gradient_as_bucket_view`` (where a ``.grad`` lives: the exchanges are the same). The buffer
+        settings only where there are buffers to sync (without any, the ranks sync nothing either way)."""
+        mixed = self.mixed_precision
+        settings: dict[str, Any] = {
+            "find_unused_parameters": bool(self.find_unused_parameters),
+            "static_graph": bool(self.static_graph),
+            "skip_all_reduce_unused_params": bool(self.skip_all_reduce_unused_params),
+            "bucket_cap_mb": None if bucket_cap_mb_list else bucket_cap_mb,
+            "bucket_cap_mb_list": list(bucket_cap_mb_list) if bucket_cap_mb_list else None,
+            "mixed_precision": None if mixed is None else tuple(
+                f"{field}={getattr(mixed, field)}" for field in ("param_dtype", "reduce_dtype", "buffer_dtype")),
+        }
+        if any(name not in self.parameters_to_ignore for name, _ in self.module.named_buffers()):
+            settings.update({
+                "forward_sync_buffers (or broadcast_buffers, its older name)": bool(self.forward_sync_buffers),
+                "the buffers' broadcast at construction (off only with broadcast_buffers=False)": bool(init_sync_buffers),
+            })
+        return settings
 
     # The bucket sizes in bytes, under torch DDP's names: the cap, the per-bucket caps ([] without
     # bucket_cap_mb_list), and whether the first bucket is smaller (the defaults' 1 MiB first bucket).

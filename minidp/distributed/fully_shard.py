@@ -82,6 +82,7 @@ for one parameter (``ShardPlacementResult``) and the hooks that replace FSDP2's 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import warnings
@@ -97,9 +98,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from ..hooks import observe_storage
 from ..nested import map_tensors, tensors_in
 from .batchnorm import attach_exchange
-from .checks import TensorSpec, check_same_everywhere, collectives_on, first_difference, raise_on_every_rank
+from .checks import (
+    TensorSpec, check_same_everywhere, collectives_on, first_difference, first_setting_difference, raise_on_every_rank,
+)
 from .isinstance_only import give_methods, refuse_inherited
 from .replicate import REPLICATE_STATE
 from .sharded_optimizer_state import SHARDED_BY, group_of_shard, watch_optimizers
@@ -508,8 +512,10 @@ class ShardGroup:
             p.set_on_modules(p.full)
         self.gathered = True
         self._record("copy-out", start)
-        if self.iteration is not None:
-            self.iteration.note_memory()
+        observe_storage("parameters", [p.gathered for p in self.params])
+        if self.iteration is not None:  # the all-gather's buffer (and the slots joined) are still held here
+            self.iteration.note_memory(extra=flat.untyped_storage().nbytes() + sum(
+                slots.untyped_storage().nbytes() for _, slots in joined))
 
     def reshard(self) -> None:
         """The shards back on the module; the gathered storage released."""
@@ -592,9 +598,7 @@ class ShardGroup:
         the next forward's part of the backward gathers them again and reduces the sum."""
         self.post_backward_ran = True
         self.forward_open = False
-        if self._backward_start is not None:
-            self._record("backward", self._backward_start)
-            self._backward_start = None
+        self.close_backward()
         if not self.requires_gradient_sync:
             # FSDP2 (_fsdp_param_group.py, post_backward with reduce_grads False): reshard and return; the
             # whole gradient stays on the whole parameter, ``p.full`` (one nn.Parameter for every gather, its
@@ -758,11 +762,17 @@ class ShardGroup:
         self.iteration.before_backward(self)
         return grad
 
-    def _record(self, stage: str, start: float) -> None:
+    def close_backward(self, end: Optional[float] = None) -> None:
+        """End this group's ``"backward"`` span (at ``end``, else now), if one is open: its module's backward is done."""
+        if self._backward_start is not None:
+            self._record("backward", self._backward_start, end)
+            self._backward_start = None
+
+    def _record(self, stage: str, start: float, end: Optional[float] = None) -> None:
         """One event of this rank's timeline (:func:`sharded_timeline`); ``bucket`` is the group's index."""
         if self.iteration is not None:
             self.iteration.events.append({"rank": dist.get_rank(), "stage": stage, "bucket": self.index,
-                                          "group": self.name, "start": start, "end": time.time()})
+                                          "group": self.name, "start": start, "end": time.time() if end is None else end})
 
     def _record_when_done(self, work: dist.Work, stage: str, start: float) -> None:
         """Record a collective from its launch to when this rank first sees it complete (:meth:`Iteration.poll`)."""
@@ -846,7 +856,7 @@ class Iteration:
         self.backward_started = False
         self.reductions: list[tuple] = []
         self.events: list[dict] = []
-        self.peak_transient = 0  # bytes: gathered parameters and reduce-scatter buffers, at their highest
+        self.peak_transient = 0  # bytes held at once: gathered parameters, all-gather and reduce-scatter buffers
         self.open_collectives: list[tuple[ShardGroup, dist.Work, str, float]] = []
 
     def poll(self, waited: Optional[dist.Work] = None) -> None:
@@ -861,10 +871,13 @@ class Iteration:
         self.open_collectives = still_open
 
     def note_memory(self, extra: int = 0) -> None:
-        """Update :attr:`peak_transient` with what is gathered now, plus ``extra`` bytes in flight."""
+        """Update :attr:`peak_transient` with what is held now: the gathered parameters, the buffers of the
+        reduce-scatters under way and of the all-gathers launched and not yet copied out (a prefetch), plus ``extra``
+        bytes the caller holds (the buffer it is copying out of, or reducing)."""
         gathered = sum(g.gathered_bytes() for g in self.groups)  # a sum per group, not per parameter
         in_flight = sum(r[1].untyped_storage().nbytes() + r[2].untyped_storage().nbytes() for _, *r in self.reductions)
-        self.peak_transient = max(self.peak_transient, gathered + in_flight + extra)
+        pending = sum(g.pending[1].untyped_storage().nbytes() for g in self.groups if g.pending is not None)
+        self.peak_transient = max(self.peak_transient, gathered + in_flight + pending + extra)
 
     def finish_reductions(self) -> None:
         """Wait for the reduce-scatters under way and hand their rows to the shards' ``.grad``."""
@@ -902,6 +915,11 @@ class Iteration:
         if not self.backward_started:
             self.backward_started = True
             Variable._execution_engine.queue_callback(self.end_backward)
+            # The root's backward begins with the first gradient to reach any group: its own hook on the same
+            # output may run after this group's (and its all-gather)
+            root = self.groups[0]
+            if root._backward_start is None:
+                root._backward_start = group._backward_start
         group.post_backward_ran = False
         if group.unshard_in_backward:
             group.unshard()
@@ -928,9 +946,14 @@ class Iteration:
         ``_root_post_backward_final_callback``; on the last backward
         (:class:`SharedContext`) wait for every reduce-scatter and drop unused prefetches; free what is still
         gathered, except where ``reshard_after_backward`` is off."""
-        for group in self.groups:
-            if not group.post_backward_ran:
-                group.reduce_gradients()
+        late = [group for group in self.groups if not group.post_backward_ran]
+        # Autograd is done: every group still open ends its backward now, at one moment, before any of them reduces
+        # (the root's reduce-scatter is no part of a sub-module's backward), so the root's span holds theirs.
+        done = time.time()
+        for group in late:
+            group.close_backward(done)
+        for group in late:
+            group.reduce_gradients()
         last = self.groups[0].context.is_last_backward
         if last:
             self.finish_reductions()
@@ -1330,7 +1353,7 @@ def fully_shard(
     with collectives_on(order):
         _raise_on_every_rank_of(groups, local_error, called)
         for ranks in groups:
-            _check_same_parameters(named, ranks)
+            _check_same_parameters(named, ranks, reshard_after_forward, mp_policy)
     params = []
     for param in order:
         owner, name = owners[param]
@@ -1620,8 +1643,13 @@ def sharded_timeline(module: nn.Module) -> list[dict]:
     """This rank's events of the last forward and backward of ``module`` (the root ``fully_shard`` was
     applied to last), in the format of :meth:`minidp.distributed.DistributedDataParallel.timeline`: ``stage`` is
     ``"all-gather"`` and ``"reduce-scatter"`` (from launch to completion: a bar that overlaps a
-    compute bar was hidden behind it), ``"copy-out"``, ``"forward"`` and ``"backward"`` (of one group;
-    the root's spans its sub-modules'); ``bucket`` the group's index, ``group`` its module's name.
+    compute bar was hidden behind it), ``"copy-out"`` (from the all-gather's wait to the whole parameters set),
+    ``"forward"`` (from the group's pre-forward hook, parameters gathered, to its post-forward hook, before it
+    reshards) and ``"backward"`` (from the first gradient to reach the module's outputs, for the root the first to
+    reach any group's, to the moment its backward is done: the gradients of its inputs computed, or, where no input
+    needs one, autograd's end of the whole backward; before its reduce-scatter). A module's forward and backward hold
+    its sub-modules', so the root's spans its sub-modules' spans; ``bucket`` is the group's index, ``group`` its
+    module's name.
     :func:`minidp.distributed.chrome_trace` merges several ranks' into one trace."""
     group = _group_of(module)
     if group is None or group.iteration is None:
@@ -1756,10 +1784,27 @@ def _raise_on_every_rank_of(groups: list[dist.ProcessGroup], error: Optional[Exc
         raise shared
 
 
-def _check_same_parameters(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup) -> None:
-    """Every rank shards the same parameters (names, shapes, dtypes): one collective, the same error on every rank."""
+def _check_same_parameters(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup,
+                           reshard_after_forward: Optional[bool] = None,
+                           mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> None:
+    """Every rank shards the same parameters (names, shapes, dtypes; a sub-module sharded on one rank and another
+    of the same shapes on the other differ by name at the parent's call) with the same ``reshard_after_forward``
+    and ``mp_policy``: one collective, the same error on every rank. FSDP2 compares none of them: its all-gathers
+    and reduce-scatters then pair different parameters (silently wrong), different sizes (Gloo aborts) or none
+    (it hangs)."""
+    settings = {"reshard_after_forward": reshard_after_forward,
+                **{f"mp_policy.{f.name}": getattr(mp_policy, f.name) for f in dataclasses.fields(mp_policy)}}
+
+    def difference(everyone: list) -> Optional[str]:
+        found = first_difference([specs for specs, _ in everyone])
+        if found is None and (found := first_setting_difference([s for _, s in everyone])) is not None:
+            found += " (pass the same reshard_after_forward and mp_policy to this fully_shard call on every rank)"
+        return found
+
     check_same_everywhere(
-        [TensorSpec("parameter", name, tuple(p.shape), p.stride(), str(p.dtype)) for name, p in named],  # contiguous
-        group, first_difference, "fully_shard needs the same model",
-        "Build the model the same way on every rank and call fully_shard on the same modules in the same order",
+        ([TensorSpec("parameter", name, tuple(p.shape), p.stride(), str(p.dtype)) for name, p in named],  # contiguous
+         settings),
+        group, difference, "fully_shard needs the same model and settings",
+        "Build the model the same way on every rank and call fully_shard on the same modules in the same order, "
+        "with the same arguments",
     )

@@ -4,14 +4,20 @@ Between steps a rank of DistributedDataParallel holds the whole model three or f
 its parameters, their gradients, the optimizer's state (SGD's momentum: one more copy; Adam's two
 moments: two), and DDP's gradient buckets (one more copy of the gradients, unless
 ``gradient_as_bucket_view``). A rank of :func:`~minidp.distributed.fully_shard` holds 1/W of each
-(its padded shard), and for a while in each step the parameters of the groups it has gathered and
-the buffers of the reduce-scatters under way ("transient"); between backwards that do not synchronise
+(its padded shard), and for a while in each step the parameters of the groups it has gathered, the
+buffers of their all-gathers (until copied out; a prefetched one from its launch) and the buffers of the
+reduce-scatters under way ("transient"); between backwards that do not synchronise
 (``set_requires_gradient_sync(False)``), every whole gradient.
+
+Every figure counts storages, each once: what a tensor holds is its whole storage (a shard's ``.grad`` is a view of
+its group's padded reduce-scatter output, so the padding rows are held too), and a storage two figures could claim is
+counted in the first only (with ``gradient_as_bucket_view`` every ``.grad`` is a view of its bucket: gradients, and no
+bucket bytes on top).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -21,31 +27,49 @@ from .fully_shard import sharded_groups
 from .zero import optimizer_state_bytes
 
 
-def _bytes(tensor: Optional[torch.Tensor]) -> int:
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+def _storage_bytes(tensors: Iterable[Optional[torch.Tensor]], counted: set) -> int:
+    """The bytes of the storages of ``tensors`` not in ``counted`` (then added to it): each storage once, whole."""
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        if tensor.is_sparse:  # no storage of its own: its indices' and its values'
+            total += _storage_bytes([tensor._indices(), tensor._values()], counted)
+            continue
+        storage = tensor.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if storage.nbytes() == 0 or key in counted:
+            continue
+        counted.add(key)
+        total += storage.nbytes()
+    return total
 
 
 def memory_ledger(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
     """This rank's bytes: ``parameters``, ``gradients``, ``optimizer_state``, ``gathered`` (now),
-    ``buckets`` (DDP's), ``transient_peak`` (the highest bytes of gathered parameters and
-    reduce-scatter buffers in the last step; DDP's buckets) and ``total_peak`` (the steady ones plus it).
+    ``buckets`` (DDP's, those no ``.grad`` is a view of), ``transient_peak`` (the highest bytes of gathered
+    parameters, all-gather and reduce-scatter buffers held at once in the last step; DDP's buckets) and
+    ``total_peak`` (the steady ones plus it).
 
     ``model``: a module ``fully_shard`` was applied to (its root), a minidp
     :class:`DistributedDataParallel`, or a plain module; ``optimizer``: any, a
-    :class:`~minidp.distributed.ZeroRedundancyOptimizer` too. A shard counts with its padding.
+    :class:`~minidp.distributed.ZeroRedundancyOptimizer` too. Each figure is the storages held (a shard and its
+    gradient count with their padding), each storage counted once (see the module docstring).
     """
     groups = sharded_groups(model)
     padded = {id(p.shard): p.padded for g in groups for p in g.params}
     params = list(model.parameters())
+    counted: set = set()
     ledger = {
-        "parameters": sum(_bytes(padded.get(id(p), p)) for p in params),
+        "parameters": _storage_bytes((padded.get(id(p), p) for p in params), counted),
         # and the whole gradients unsynchronised backwards keep on the whole parameters, off the module once resharded
-        "gradients": sum(_bytes(p.grad) for p in params) + sum(
-            _bytes(p.full.grad) for g in groups if not g.gathered for p in g.params if p.full is not None) + sum(
-            _bytes(p.accumulated) for g in groups for p in g.params),
+        "gradients": _storage_bytes([p.grad for p in params] + [
+            p.full.grad for g in groups if not g.gathered for p in g.params if p.full is not None] + [
+            p.accumulated for g in groups for p in g.params], counted),
         "optimizer_state": 0 if optimizer is None else optimizer_state_bytes(optimizer),
         "gathered": sum(g.gathered_bytes() for g in groups),
-        "buckets": sum(_bytes(b.buffer) for b in model.reducer.buckets) if isinstance(model, DistributedDataParallel) else 0,
+        "buckets": _storage_bytes([b.buffer for b in model.reducer.buckets], counted)
+        if isinstance(model, DistributedDataParallel) else 0,
     }
     iteration = groups[0].iteration if groups else None
     ledger["transient_peak"] = iteration.peak_transient if iteration is not None else ledger["buckets"]

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
+from ..hooks import observe_storage
 from ..nested import tensors_in
 from .buckets import Bucket, BucketCaps, GradBucket, as_real, initial_plan, rebuilt_plan, views_of
 from .comm_hooks import ONLY_ONCE, ONLY_ONCE_BUILTIN, CommHook, future_result
@@ -590,6 +591,9 @@ class Reducer:
         """The bucket's all-reduce, or the communication hook's reduction, left running (``bucket.future``)."""
         event = {"stage": "all-reduce", "bucket": bucket.index, "start": time.perf_counter(), "end": None}
         self._stamps.setdefault("backward_comm_start", event["start"])
+        # The bucket's buffer holds gradients, whenever it was made (a rebuilt plan's, in the forward) or first met
+        # (the memory ledger; nothing listening, one read)
+        observe_storage("gradients", [bucket.buffer])
         if self.comm_hook is None:
             bucket.future = dist.all_reduce(as_real(bucket.buffer), group=self.group, async_op=True).get_future()
         else:

@@ -25,7 +25,8 @@ runs the step's collectives for the ranks still training: its local step on its 
 holds (which it must be given: torch's contract, :class:`~minidp.distributed.join.ZeroJoinHook`), and every
 share's broadcast.
 
-Errors: every rank checks that the others were given the same parameters (shapes, dtypes, groups),
+Errors: every rank checks that the others were given the same parameters (shapes, dtypes, groups) and the same
+optimizer (its class, defaults and group settings: torch's takes different ones, and trains silently with each),
 and an error met on one rank only (a bad argument, a failing local step) is raised on every rank
 (:func:`minidp.distributed.checks.raise_on_every_rank`) instead of leaving the others waiting in a
 broadcast.
@@ -43,7 +44,8 @@ from torch.optim import Optimizer
 
 from ..nested import map_tensors, tensors_in
 from .checks import (
-    TensorSpec, check_same_everywhere, collectives_on, first_difference, raise_on_every_rank, start_failure_vote,
+    TensorSpec, check_same_everywhere, collectives_on, first_difference, first_setting_difference, raise_on_every_rank,
+    start_failure_vote,
 )
 from .join import ZeroJoinHook
 
@@ -249,23 +251,35 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _check_same_parameters(self) -> None:
         """Raise the same error on every rank unless all ranks hold parameters of the same groups, shapes,
-        strides and dtypes (a collective): otherwise the broadcasts would not match."""
+        strides and dtypes, and run the same optimizer class with the same defaults and group settings (a
+        collective): otherwise the broadcasts would not match, or each rank would update its share by another rule
+        and the model trained would be one no single configuration gives (torch's ZRO checks none of these)."""
+        optim = self.optim
         mine = (
             [len(g["params"]) for g in self.param_groups],
             [TensorSpec("parameter", f"param_groups[{g}]['params'][{i}]", tuple(p.shape), p.stride(), str(p.dtype))
              for g, group in enumerate(self.param_groups) for i, p in enumerate(group["params"])],
+            {
+                "optimizer_class": f"{type(optim).__module__}.{type(optim).__qualname__}",
+                **{f"the optimizer's default {k}": _comparable(v) for k, v in optim.defaults.items()},
+                **{f"param_groups[{g}]['{k}']": _comparable(v)
+                   for g, group in enumerate(self.param_groups) for k, v in group.items() if k != "params"},
+            },
         )
 
         def difference(everyone: list) -> Optional[str]:
-            sizes = [s for s, _ in everyone]
+            sizes = [s for s, _, _ in everyone]
             rank = next((r for r in range(len(sizes)) if sizes[r] != sizes[0]), None)
             if rank is not None:
                 return f"rank {rank} has parameter groups of sizes {sizes[rank]} and rank 0 {sizes[0]}"
-            return first_difference([specs for _, specs in everyone])
+            found = first_difference([specs for _, specs, _ in everyone])
+            if found is None and (found := first_setting_difference([s for _, _, s in everyone])) is not None:
+                found += " (pass the same optimizer_class and the same optimizer arguments on every rank)"
+            return found
 
         check_same_everywhere(
-            mine, self.process_group, difference, "ZeroRedundancyOptimizer needs the same parameters",
-            "Build the model and the parameter groups the same way on every rank.",
+            mine, self.process_group, difference, "ZeroRedundancyOptimizer needs the same parameters and settings",
+            "Build the model, the parameter groups and the optimizer the same way on every rank.",
         )
 
     # ---- checkpoints ------------------------------------------------------------------------------
@@ -361,6 +375,21 @@ def _checked_params(params: Iterable[Any]) -> list[Any]:
             f"{kinds[0]} and {kinds[1]}"
         )
     return items
+
+
+def _comparable(value: Any) -> Any:
+    """An optimizer setting as a value to send to the other ranks and compare there: a tensor (a tensor ``lr``) as
+    its values, a number, string, bool or None as it is, a tuple or list item by item, anything else by its type
+    (an object's identity differs between processes)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), value.detach().cpu().tolist())
+    if isinstance(value, float) and value != value:
+        return "nan"  # equal to itself, as NaN is not
+    if value is None or isinstance(value, (bool, int, float, complex, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_comparable(v) for v in value)
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
 def _copy_settings(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:

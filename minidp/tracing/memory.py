@@ -21,10 +21,10 @@ belongs to is decided when the step is over, from what minidp knows (see :data:`
 
 | category | a storage ... |
 |---|---|
-| parameters | of the module's parameters and buffers (``replicate``'s ``network``, an optimizer's parameters), or of the replicas' copies that ``replicate`` returns |
+| parameters | of the module's parameters and buffers (``replicate``'s ``network``, an optimizer's parameters), of the replicas' copies that ``replicate`` returns, or of the whole parameters ``fully_shard`` gathers |
 | inputs | of the chunks ``scatter`` returns (on the batch's own device a chunk is a view and adds nothing), or held before the step began and none of the others (the batch, the targets) |
 | activations | made by a replica's forward and still held when the next backward begins: kept for the backward (or by the caller, as the outputs that ``gather_output=False`` leaves on the replicas) |
-| gradients | of each replica's gradients handed to ``reduce``, of the sums it returns, and of the parameters' ``.grad`` |
+| gradients | of each replica's gradients handed to ``reduce``, of the sums it returns, of the parameters' ``.grad``, and of DDP's gradient buckets |
 | gathered outputs | of what ``gather`` returns: the whole output, or with :func:`minidp.parallel_criterion` only the loss terms |
 | loss | made by the criterion (by the caller's code after the gather, or on the replicas) and held when the next backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
 | optimizer state | of ``optimizer.state`` when an optimizer steps |
@@ -35,8 +35,11 @@ Where a storage was made is known from the thread it was made in: each replica's
 backward is whatever runs inside autograd's graph task (``torch._C._current_graph_task_id``). The next backward is
 the first to begin after a storage was made: a step may hold several forwards and backwards (gradient accumulation),
 each forward's storages kept for the backward that follows it. Code that knows more names it with
-:meth:`AllocationLedger.mark`: a sharded step, measured by :func:`measure_step`, would mark its gathered parameters
-so, and a category not in :data:`CATEGORIES` gets a line of its own after them.
+:meth:`AllocationLedger.mark`, and a category not in :data:`CATEGORIES` gets a line of its own after them. The
+parallel code, which does not import this module, names its own buffers through
+:func:`minidp.hooks.observe_storage` (:meth:`AllocationLedger.on_storage`): ``fully_shard``'s gathered whole
+parameters are parameters (else, met first as a storage resized to 0 before the step, they would be inputs), DDP's
+bucket buffers gradients (else loss, activations or inputs, by the phase that made or first met them).
 
 What this counts and what it does not: the bytes are the sizes the allocator is asked for. On the CPU,
 torch's allocator allocates exactly that (aligned to 64 bytes; the heap's own bookkeeping is not torch's);
@@ -68,6 +71,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import importlib
 import inspect
 import itertools
 import os
@@ -335,7 +339,7 @@ class AllocationLedger:
         # The first operator run under any TorchDispatchMode in a process imports torch._dynamo (torch/_compile.py,
         # the wrapper that keeps dynamo off the mode's code): a second or more, which would fall inside the step's
         # first stage and be timed as its. Imported here, before the trace's events begin.
-        import torch._dynamo  # noqa: F401
+        importlib.import_module("torch._dynamo")
 
         self._hooks = [register_optimizer_step_pre_hook(self._optimizer_begins),
                        register_optimizer_step_post_hook(self._optimizer_ends)]
@@ -568,6 +572,11 @@ class AllocationLedger:
 
     def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
         """Nothing to do: the replicas' outputs were seen as their forwards made them."""
+
+    def on_storage(self, category: str, tensors: Sequence[torch.Tensor]) -> None:
+        """The parallel code names its buffers (:func:`minidp.hooks.observe_storage`): a sharded module's gathered
+        whole parameters are parameters, a DDP bucket's buffer gradients, whichever phase made or first met them."""
+        self.mark(tensors, category)
 
     # -- the rows -------------------------------------------------------------------------------------------
 

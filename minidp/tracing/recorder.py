@@ -291,6 +291,10 @@ class Trace:
             if backward is not None:  # a replica this trace saw made
                 self._watch([t for _, t in describers.tensors_in(output) if t.requires_grad], backward.start)
 
+    def on_storage(self, category: str, tensors: Sequence[Any]) -> None:
+        if self._allocations is not None:
+            self._allocations.on_storage(category, tensors)
+
     def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         backward = self._backward_of.get(id(module))
         this_call = object()  # one backward pass of the replica: a span of its own
