@@ -278,7 +278,10 @@ class DataParallel(nn.DataParallel):
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         """Step 2: one replica per device; cut from autograd under ``torch.no_grad()``."""
         detach = not torch.is_grad_enabled()
-        if self.cache_replicas:
+        # A replica of this wrapper (a DataParallel inside a model another one wraps) shares the original's cache with
+        # the other replicas: its entries would hold the outer replicas' modules, which the outer cache would then
+        # find held and build anew at every step. It replicates anew, as stock does; the outer cache keeps its own.
+        if self.cache_replicas and not getattr(self, "_is_replica", False):
             return self.replica_cache.replicate(module, device_ids, detach, self.reduce_backend)
         return replicate(module, device_ids, detach, reduce_backend=self.reduce_backend)
 

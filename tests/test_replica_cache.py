@@ -392,6 +392,27 @@ def test_a_cache_drops_the_replicas_of_a_module_that_is_gone(generator):
     assert cache.info().entries == 1
 
 
+def test_a_data_parallel_inside_a_wrapped_model_leaves_the_outer_cache_its_replicas(generator):
+    """A DataParallel in a model another one wraps: its replicas share its cache, whose entries held the outer replicas'
+    modules, so the outer cache found them held and built anew at every step. The inner one replicates anew, as stock
+    does at every level; the outer keeps its replicas, and the numbers are those of replicas built anew throughout."""
+    def nested() -> nn.Module:
+        return nn.Sequential(minidp.DataParallel(_mlp(), cpu_ids(2)), nn.Linear(3, 2))
+
+    model = nested()
+    fresh_model = copy.deepcopy(model)
+    cached = minidp.DataParallel(model, cpu_ids(2))
+    fresh = minidp.DataParallel(fresh_model, cpu_ids(2), cache_replicas=False)
+    for _ in range(4):
+        x = torch.randn(8, 5, generator=generator)
+        ours, theirs = cached(x), fresh(x)
+        ours.square().sum().backward()
+        theirs.square().sum().backward()
+        assert torch.equal(ours, theirs)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), fresh_model.parameters()))
+    assert (cached.replica_cache_info().hits, cached.replica_cache_info().misses) == (3, 1)
+
+
 def test_data_parallel_keeps_no_reference_to_a_module_that_references_itself(generator):
     model = _mlp()
     model.myself = [model]  # a cycle through a plain attribute
