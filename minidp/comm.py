@@ -21,7 +21,7 @@ import numbers
 from fractions import Fraction
 from itertools import chain
 from operator import attrgetter
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
@@ -102,6 +102,26 @@ def storage_start(tensor: torch.Tensor) -> tuple[torch.device, int]:
     that memory. Computed from the tensor's own pointer and offset, without making the storage's Python object
     (``untyped_storage()``), which costs more and stays alive as long as the memory does."""
     return tensor.device, tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+
+
+def storage_bytes(tensors: Iterable[Optional[torch.Tensor]], counted: Optional[set] = None) -> int:
+    """The bytes of the storages of ``tensors``, each storage once and whole (a view holds all of its storage), and
+    none already in ``counted`` (those counted here are added to it, so that several figures share no storage). A
+    sparse tensor has no storage of its own: its indices' and its values' are counted."""
+    counted = set() if counted is None else counted
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        if tensor.is_sparse:
+            total += storage_bytes([tensor._indices(), tensor._values()], counted)
+            continue
+        storage = tensor.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if storage.nbytes() and key not in counted:
+            counted.add(key)
+            total += storage.nbytes()
+    return total
 
 
 def broadcast_coalesced(

@@ -204,6 +204,11 @@ class ShardedParameter:
         # backwards in the reduce dtype (FSDP2's unsharded_accumulated_grad), off the whole parameter.
         self.accumulated: Optional[torch.Tensor] = None
 
+    @property
+    def places(self) -> list[tuple[nn.Module, str]]:
+        """Every ``(module, name)`` it is registered under in its group: its own, then the tied ones (``also_in``)."""
+        return [(self.module, self.name), *self.also_in]
+
     def follows_shard(self) -> bool:
         """Whether ``shard`` is still the registered parameter and a view of ``padded``: ``module.to(dtype or
         device)`` after ``fully_shard`` gives the shard new data, which the all-gather (reading ``padded``) would
@@ -211,7 +216,7 @@ class ShardedParameter:
         ``load_state_dict(assign=True)``, registers a new parameter in its place, on each module that holds it (a tied
         weight's two keys assign two parameters, untying it)."""
         shard, padded = self.shard, self.padded
-        return (all(module._parameters.get(name) is shard for module, name in [(self.module, self.name), *self.also_in])
+        return (all(module._parameters.get(name) is shard for module, name in self.places)
                 and shard.dtype == padded.dtype and shard.device == padded.device
                 and shard.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr())
 
@@ -291,7 +296,7 @@ class ShardedParameter:
 
     def set_on_modules(self, tensor: nn.Parameter) -> None:
         """Register ``tensor`` as this parameter on its module(s), past ``nn.Module.__setattr__``'s checks."""
-        for module, name in [(self.module, self.name), *self.also_in]:
+        for module, name in self.places:
             module._parameters[name] = tensor
 
 
@@ -1380,7 +1385,7 @@ def fully_shard(
             root.register_forward_hook(functools.partial(_group_post_forward, shard_group))
     for root in roots:
         root._register_load_state_dict_pre_hook(functools.partial(_refuse_misshapen_before_loading, root))
-    holders = {id(m): m for p in params for m, _ in [(p.module, p.name), *p.also_in]}
+    holders = {id(m): m for p in params for m, _ in p.places}
     for holder in holders.values():
         holder._register_load_state_dict_pre_hook(functools.partial(_keep_own_rows, shard_group, holder))
         holder.register_load_state_dict_post_hook(functools.partial(_take_loaded_shards, shard_group))
@@ -1548,7 +1553,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 def _keys_of(group: ShardGroup, holder: nn.Module, prefix: str) -> list[tuple[str, ShardedParameter]]:
     """The state-dict keys under which ``holder`` (with ``prefix``) holds parameters of ``group``."""
-    return [(prefix + name, p) for p in group.params for module, name in [(p.module, p.name), *p.also_in]
+    return [(prefix + name, p) for p in group.params for module, name in p.places
             if module is holder]
 
 
@@ -1576,7 +1581,7 @@ def _is_own_shard(p: ShardedParameter, value: Any) -> bool:
     it is loading this rank's rows onto themselves; any other tensor of that shape (another model's rows, another
     shard) is still refused."""
     return value is p.shard or (value.shape != p.full_size and any(
-        module._parameters.get(name) is value for module, name in [(p.module, p.name), *p.also_in]))
+        module._parameters.get(name) is value for module, name in p.places))
 
 
 def _refuse_misshapen_before_loading(root: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
@@ -1586,7 +1591,7 @@ def _refuse_misshapen_before_loading(root: nn.Module, state_dict: dict, prefix: 
     paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
     keys = [(prefix + (f"{paths[id(module)]}." if paths[id(module)] else "") + name, p)
             for group in sharded_groups(root) for p in group.params
-            for module, name in [(p.module, p.name), *p.also_in] if id(module) in paths]
+            for module, name in p.places if id(module) in paths]
     _refuse_size_mismatches(root, keys, state_dict)
 
 

@@ -17,32 +17,15 @@ bucket bytes on top).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
+from ..comm import storage_bytes
 from .ddp import DistributedDataParallel
 from .fully_shard import sharded_groups
 from .zero import optimizer_state_bytes
-
-
-def _storage_bytes(tensors: Iterable[Optional[torch.Tensor]], counted: set) -> int:
-    """The bytes of the storages of ``tensors`` not in ``counted`` (then added to it): each storage once, whole."""
-    total = 0
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        if tensor.is_sparse:  # no storage of its own: its indices' and its values'
-            total += _storage_bytes([tensor._indices(), tensor._values()], counted)
-            continue
-        storage = tensor.untyped_storage()
-        key = (storage.device, storage.data_ptr())
-        if storage.nbytes() == 0 or key in counted:
-            continue
-        counted.add(key)
-        total += storage.nbytes()
-    return total
 
 
 def memory_ledger(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
@@ -61,14 +44,14 @@ def memory_ledger(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     params = list(model.parameters())
     counted: set = set()
     ledger = {
-        "parameters": _storage_bytes((padded.get(id(p), p) for p in params), counted),
+        "parameters": storage_bytes((padded.get(id(p), p) for p in params), counted),
         # and the whole gradients unsynchronised backwards keep on the whole parameters, off the module once resharded
-        "gradients": _storage_bytes([p.grad for p in params] + [
+        "gradients": storage_bytes([p.grad for p in params] + [
             p.full.grad for g in groups if not g.gathered for p in g.params if p.full is not None] + [
             p.accumulated for g in groups for p in g.params], counted),
         "optimizer_state": 0 if optimizer is None else optimizer_state_bytes(optimizer),
         "gathered": sum(g.gathered_bytes() for g in groups),
-        "buckets": _storage_bytes([b.buffer for b in model.reducer.buckets], counted)
+        "buckets": storage_bytes([b.buffer for b in model.reducer.buckets], counted)
         if isinstance(model, DistributedDataParallel) else 0,
     }
     iteration = groups[0].iteration if groups else None

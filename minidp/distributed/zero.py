@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.optim import Optimizer
 
+from ..comm import storage_bytes
 from ..nested import map_tensors, tensors_in
 from .checks import (
     TensorSpec, check_same_everywhere, collectives_on, first_difference, first_setting_difference, raise_on_every_rank,
@@ -340,9 +341,7 @@ def optimizer_state_bytes(optimizer: Optimizer) -> int:
     state of its local optimizer: about 1/W of what a plain optimizer over the same parameters holds.
     """
     states = [optimizer.state] + ([optimizer.optim.state] if isinstance(getattr(optimizer, "optim", None), Optimizer) else [])
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for state in states for _, t in tensors_in(list(state.values()))}
-    return sum(storages.values())
+    return storage_bytes(t for state in states for _, t in tensors_in(list(state.values())))
 
 
 def _checked_params(params: Iterable[Any]) -> list[Any]:
