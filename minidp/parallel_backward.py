@@ -94,6 +94,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from .comm import storage_start
 from .cpu_threads import share, teams_fit
 from .nested import holds_opaque, tensors_in
+from .step5_reduce import apply_function
 
 _enabled: Union[bool, str] = "auto"
 _threads = "caller"
@@ -241,7 +242,7 @@ def enter(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if not differentiable:
         return list(tensors)
     aliases = list(tensors)
-    for i, alias in zip(differentiable, ReplicaEntry.apply(*[tensors[i] for i in differentiable])):
+    for i, alias in zip(differentiable, apply_function(ReplicaEntry, *[tensors[i] for i in differentiable])):
         aliases[i] = alias
     return aliases
 
@@ -452,4 +453,4 @@ def join(regions: Sequence[Region], run: Runner) -> Optional[list[torch.Tensor]]
         return None
     if len({storage_start(t) if t.layout == torch.strided else id(t) for t in outputs}) != len(outputs):
         return None
-    return list(ParallelBackward.apply(_Spec(regions, run), *outer))
+    return list(apply_function(ParallelBackward, _Spec(regions, run), *outer))

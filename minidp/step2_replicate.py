@@ -33,7 +33,7 @@ from . import comm
 from .device_ids import DeviceLike, as_devices
 from .hooks import observed
 from .parallel_backward import applies as parallel_backward_applies, enter, remember_entries
-from .step5_reduce import Broadcast
+from .step5_reduce import Broadcast, apply_function
 from .torch_versions import clone_all
 
 
@@ -256,7 +256,7 @@ def _broadcast_parameters(
         return [[] for _ in devices]
     if detach:
         return [[t.detach() for t in copies] for copies in comm.broadcast_coalesced(tensors, devices)]
-    flat = Broadcast.apply(devices, reduce_backend, *tensors)
+    flat = apply_function(Broadcast, devices, reduce_backend, *tensors)
     n = len(tensors)
     copies = [list(flat[i : i + n]) for i in range(0, len(flat), n)]
     if through_entries(devices, detach):  # each CPU replica's graph ends at an entry of its own (minidp.parallel_backward)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -203,3 +204,17 @@ def test_a_parameter_one_replica_leaves_unused_still_sums_zeros_for_it(generator
     expected.first(x[3:]).sum().backward()
     assert max_relative_error(model.second.weight.grad, expected.second.weight.grad) <= RTOL_FLOAT64
     assert max_relative_error(model.first.weight.grad, expected.first.weight.grad) <= RTOL_FLOAT64
+
+
+def test_replicate_under_a_functorch_transform_raises_torchs_error_as_stock(generator):
+    """Stock's Broadcast is an autograd Function without ``setup_context``, which ``Function.apply`` refuses to run
+    under a functorch transform (``torch.func.grad``, ``vmap``), saying so. minidp's Functions skip that wrapper's
+    walk over their arguments where no transform is active (``minidp.step5_reduce.apply_function``), and keep its
+    error where one is: autograd's own ``apply`` would fail an internal assert instead."""
+    model, x = bn_model(), torch.randn(4, 4, generator=generator, dtype=torch.float64)
+    with emulated_stock():
+        with pytest.raises(RuntimeError, match="must override the setup_context") as stock:
+            torch.func.grad(lambda x: nn.parallel.replicate(model, [0, 1])[1](x).sum())(x)
+    with pytest.raises(RuntimeError, match="must override the setup_context") as raised:
+        torch.func.grad(lambda x: minidp.replicate(model, cpu_ids(2))[1](x).sum())(x)
+    assert str(raised.value) == str(stock.value)
