@@ -17,8 +17,9 @@ arguments as Python binds them (``inspect.Signature.bind``), runs the call itsel
 and returns its result unchanged.
 
 The parallel code (``minidp.distributed``) names what its own buffers hold through :func:`observe_storage`: the
-whole parameters a sharded module gathers are parameters, a DDP bucket's flat buffer holds gradients. A listener
-with an ``on_storage`` method (the memory ledger's) hears it; one without is not called.
+whole parameters a sharded module gathers are parameters, a DDP bucket's flat buffer holds gradients; and waits for
+its collectives through :func:`observe_wait`. A listener with an ``on_storage`` (``on_wait``) method, the memory
+ledger's, hears it; one without is not called.
 """
 
 from __future__ import annotations
@@ -199,6 +200,16 @@ def _observe_replica(stage: str, replica: int, device: torch.device, module: Any
             return call()
         on_stage = listener.on_replica if stage == "forward" else listener.on_replica_backward
         return on_stage(replica, device, module, call)
+
+
+def observe_wait(work: Any) -> Any:
+    """``work.wait()``, a collective's end (``torch.distributed``'s ``Work``), for a listener with an ``on_wait(call)``
+    method (the memory ledger's), which runs it: a backend may make the buffers it works in on threads of its own
+    (Gloo's reduce-scatter does) and hand them to an operator only in the wait, where a listener that sees operators
+    meets them for the first time. Nothing listening: one read of the slot."""
+    listener = _listener
+    on_wait = getattr(listener, "on_wait", None) if listener is not None else None
+    return work.wait() if on_wait is None else on_wait(work.wait)
 
 
 def observe_storage(category: str, tensors: Sequence[torch.Tensor]) -> None:

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+import minidp
 import minidp.distributed as md
 from minidp.distributed.fully_shard import ShardedModule, sharded_groups
 
@@ -1508,7 +1509,8 @@ def _two_linears(inner: tuple[int, int], outer: tuple[int, int], reshard_after_f
 def observed_figures(seed: int) -> dict:
     """What the observation tools say of the small models of :func:`_two_linears`, after a step of SGD each: the
     memory ledger (two steps, resharding after the forward or not), the allocation ledger of the second step
-    (:func:`minidp.tracing.memory.measure_step`) and its sharded timeline."""
+    (:func:`minidp.tracing.memory.measure_step`) and of a third under ``minidp.trace(ledger=True)``, and the sharded
+    timeline."""
     from minidp.tracing.memory import measure_step
 
     results: dict[str, Any] = {}
@@ -1526,8 +1528,10 @@ def observed_figures(seed: int) -> dict:
 
         step()
         _, rows = measure_step(step, model.parameters())
+        with minidp.trace(ledger=True) as traced:
+            step()
         results[name] = {"ledger": md.memory_ledger(model, optimizer), "held": rows[0].held,
-                         "timeline": md.sharded_timeline(model)}
+                         "traced held": traced.ledger()[0].held, "timeline": md.sharded_timeline(model)}
     return results
 
 

@@ -995,6 +995,14 @@ def test_the_allocation_ledger_counts_gathered_parameters_as_parameters(observed
         assert result["8-5-3"]["held"]["parameters"] == SHARD_BYTES + WHOLE_0_BYTES
 
 
+@pytest.mark.parametrize("ledger", ["held", "traced held"])
+def test_the_allocation_ledger_counts_the_batch_alone_as_inputs_not_gloos_reduce_scatter_buffer(observed, ledger):
+    # Gloo's reduce-scatter works in a buffer its own thread makes, the size of the group's padded gradient slots
+    # (432 and 192 bytes here), which the calling thread's operators meet only in the wait: not held before the step
+    for result in each_rank(observed, "observed"):
+        assert result["8-5-3"][ledger]["inputs"] == 6 * 8 * 8  # the batch, (6, 8) in float64
+
+
 @pytest.mark.parametrize("case", ["8-5-3", "8-5-3-kept"])
 def test_the_sharded_timelines_root_backward_spans_every_groups_backward(observed, case):
     # group "0" (its input needs no gradient) ends with the root at the end of the whole backward

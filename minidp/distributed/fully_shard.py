@@ -98,7 +98,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from ..hooks import observe_storage
+from ..hooks import observe_storage, observe_wait
 from ..nested import map_tensors, tensors_in
 from .batchnorm import attach_exchange
 from .checks import (
@@ -460,7 +460,7 @@ class ShardGroup:
         self._record_when_done(work, "all-gather", start)
         self.pending = (work, flat)
         if not self.overlap:  # FSDP2 on the CPU: the all-gather is done when the call returns
-            work.wait()
+            observe_wait(work)
             if self.iteration is not None:
                 self.iteration.poll(waited=work)
 
@@ -484,7 +484,7 @@ class ShardGroup:
             return
         self.launch_all_gather()
         work, flat = self.pending
-        work.wait()
+        observe_wait(work)
         self.pending = None
         start = time.time()
         if self.iteration is not None:
@@ -589,7 +589,7 @@ class ShardGroup:
         """A prefetched all-gather that the backward did not use (its group's backward never ran): finish
         it, so that no collective is left behind, and forget its result."""
         if self.pending is not None:
-            self.pending[0].wait()
+            observe_wait(self.pending[0])
             self.pending = None
 
     # ---- reduce-scatter ------------------------------------------------------------------------
@@ -667,7 +667,7 @@ class ShardGroup:
                          after: Optional[float]) -> None:
         # ``flat``, the reduce-scatter's input, stayed referenced (in Iteration.reductions) until this
         # wait: the collective reads it in the background.
-        work.wait()
+        observe_wait(work)
         self.iteration.poll(waited=work)
         if self._replicate_group is not None:  # HSDP: the shards reduced, then summed over their replicas
             if self.partial_reduction is not None:
@@ -974,7 +974,7 @@ class Iteration:
         flight and discard their results (the failed step's gradient reductions are lost), put every group's
         shards back, and forget the step, so that the next forward starts afresh."""
         for _, work, *_ in self.reductions:
-            work.wait()
+            observe_wait(work)
         self.reductions = []
         for group in self.groups:
             group.drop_pending()

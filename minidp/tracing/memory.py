@@ -39,7 +39,9 @@ each forward's storages kept for the backward that follows it. Code that knows m
 parallel code, which does not import this module, names its own buffers through
 :func:`minidp.hooks.observe_storage` (:meth:`AllocationLedger.on_storage`): ``fully_shard``'s gathered whole
 parameters are parameters (else, met first as a storage resized to 0 before the step, they would be inputs), DDP's
-bucket buffers gradients (else loss, activations or inputs, by the phase that made or first met them).
+bucket buffers gradients (else loss, activations or inputs, by the phase that made or first met them); and it waits for
+its collectives through :func:`minidp.hooks.observe_wait` (:meth:`AllocationLedger.on_wait`): a storage first met in
+a wait was made then by the backend's own thread (Gloo's reduce-scatter buffer), not held before the step.
 
 What this counts and what it does not: the bytes are the sizes the allocator is asked for. On the CPU,
 torch's allocator allocates exactly that (aligned to 64 bytes; the heap's own bookkeeping is not torch's);
@@ -468,6 +470,7 @@ class AllocationLedger:
         with self._lock:
             record = self._live.get(key)
             if record is None:
+                made_now = made_now or getattr(self._thread, "waiting", False)
                 phase, replica = self._where() if made_now else ("found", None)
                 device = self._device_names.get(storage.device)
                 if device is None:  # str(device) costs as much as the rest of a lookup: named once per device
@@ -572,6 +575,16 @@ class AllocationLedger:
 
     def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
         """Nothing to do: the replicas' outputs were seen as their forwards made them."""
+
+    def on_wait(self, wait: Callable[[], Any]) -> Any:
+        """Run ``wait()``, a collective's end (:func:`minidp.hooks.observe_wait`). A storage first met inside it was
+        made during the step by the backend's own threads, which no watch sees (Gloo's reduce-scatter works in a
+        buffer of its own, read in the wait), not held before the step: it counts from here, as made now."""
+        self._thread.waiting = True
+        try:
+            return wait()
+        finally:
+            self._thread.waiting = False
 
     def on_storage(self, category: str, tensors: Sequence[torch.Tensor]) -> None:
         """The parallel code names its buffers (:func:`minidp.hooks.observe_storage`): a sharded module's gathered

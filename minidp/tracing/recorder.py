@@ -295,6 +295,9 @@ class Trace:
         if self._allocations is not None:
             self._allocations.on_storage(category, tensors)
 
+    def on_wait(self, wait: Callable[[], Any]) -> Any:
+        return wait() if self._allocations is None else self._allocations.on_wait(wait)
+
     def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         backward = self._backward_of.get(id(module))
         this_call = object()  # one backward pass of the replica: a span of its own
