@@ -46,7 +46,8 @@ before the reduction: the original parameters' gradients are untouched.
 When. parallel_apply cuts the graph only if every replica's graph, walked from its outputs, ends at
 its own entries: nothing else requiring grad is reached (a tensor the replica captured from outside,
 another replica's tensors as :class:`minidp.SyncBatchNorm` exchanges them, a parameter that did not
-come through an entry), no output holds an object the walk cannot look inside (one that gather rebuilds from its
+come through an entry, an input that is a leaf or a view of one: :func:`enter_inputs`), no re-entrant checkpoint is
+met (:func:`_recomputes_reentrantly`), no output holds an object the walk cannot look inside (one that gather rebuilds from its
 items may hold tensors of the graph), and no two outputs share memory (:func:`join`). Otherwise it leaves the outputs as they
 are and autograd runs the replicas' backwards one after the other, as before (the entries are then identity nodes
 on the way). Second-order gradients (``create_graph=True``) run the replicas' backwards one after the other in
@@ -86,6 +87,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch.autograd import forward_ad
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils import checkpoint
@@ -102,9 +104,19 @@ _THREAD_COUNTS = ("caller", "share")
 _grad_fn, _requires_grad = attrgetter("grad_fn"), attrgetter("requires_grad")
 _detach = torch.Tensor.detach
 
-# Re-entrant checkpointing's node hides the parameters the checkpointed function used: its backward
-# recomputes and runs a backward of its own that goes on past the replica's entries, into the reduction.
-_REENTRANT_CHECKPOINT = checkpoint.CheckpointFunction._backward_cls
+
+def _recomputes_reentrantly(node: Any) -> bool:
+    """Whether ``node`` is re-entrant checkpointing's: a node that hides the parameters the checkpointed function used,
+    whose backward recomputes and runs a backward of its own, on past the replica's entries into the reduction, which
+    a worker's backward (a ``torch.autograd.grad``) does not allow (torch's raises "incompatible with .grad()").
+    torch's own ``CheckpointFunction`` and its subclasses, and the copies of it libraries keep under the same name
+    (Megatron-LM's and fairscale's, among others, are each a ``CheckpointFunction``; Megatron's refuses to run unless
+    ``torch.autograd._is_checkpoint_valid()``, which a ``grad`` is not). Only a node written in Python (a
+    ``BackwardCFunction``) has a Function class to ask: the one ``isinstance`` skips the built-in nodes."""
+    if not isinstance(node, BackwardCFunction):
+        return False
+    function = type(node)._forward_cls
+    return issubclass(function, checkpoint.CheckpointFunction) or function.__name__ == "CheckpointFunction"
 
 
 def set_parallel_backward(enabled: Union[bool, str]) -> Union[bool, str]:
@@ -238,7 +250,24 @@ def is_entry(node: Any) -> bool:
 
 def enter(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` as one replica receives them: those that require grad through one :class:`ReplicaEntry`."""
-    differentiable = [i for i, flag in enumerate(map(_requires_grad, tensors)) if flag]
+    return _enter_at(tensors, [i for i, flag in enumerate(map(_requires_grad, tensors)) if flag])
+
+
+def enter_inputs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A replica's arguments as it receives them: as :func:`enter` gives them, but for a leaf that requires grad, or a
+    view of one, which is passed as it is. Autograd refuses an in-place change of such a tensor ("a leaf Variable that
+    requires grad is being used in an in-place operation"); an entry's alias, neither a leaf nor a view, would let a
+    replica's forward change the caller's tensor. Passed as it is, the replica's graph reaches its leaf, and the
+    replicas' backwards stay serial (:func:`region`)."""
+    return _enter_at(tensors, [i for i, t in enumerate(tensors) if t.requires_grad and not _leaf_or_view_of_one(t)])
+
+
+def _leaf_or_view_of_one(tensor: torch.Tensor) -> bool:
+    return tensor.is_leaf or (tensor._is_view() and tensor._base.is_leaf)
+
+
+def _enter_at(tensors: Sequence[torch.Tensor], differentiable: list[int]) -> list[torch.Tensor]:
+    """``tensors``, those at the indices ``differentiable`` through one :class:`ReplicaEntry`."""
     if not differentiable:
         return list(tensors)
     aliases = list(tensors)
@@ -287,7 +316,7 @@ def region(entries: Sequence[Any], output: Any) -> Optional[Region]:
         if id(node) in own or id(node) in seen:
             continue
         seen[id(node)] = node
-        if type(node) is _REENTRANT_CHECKPOINT:
+        if _recomputes_reentrantly(node):
             return None  # its backward runs one of its own, through the parameters into the Broadcast
         nexts = [fn for fn, _ in node.next_functions if fn is not None]
         if not nexts:

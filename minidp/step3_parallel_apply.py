@@ -454,7 +454,7 @@ def _warn_if_drawn(states: dict[torch.device, tuple[int, Any]], stage: str) -> N
 
 def _enter_replica(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, list]:
     """The replica's arguments through an entry of their own, and every entry its tensors come through."""
-    entered = parallel_backward.enter([t for _, t in tensors_in((args, kwargs))])
+    entered = parallel_backward.enter_inputs([t for _, t in tensors_in((args, kwargs))])
     aliases = iter(entered)
     args, kwargs = map_tensors(lambda _: next(aliases), (args, kwargs))
     return args, kwargs, parallel_backward.entries_of(module, entered)

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointFunction as TorchsCheckpointFunction, checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 import minidp
@@ -238,7 +238,8 @@ def test_each_replica_backward_runs_in_its_own_thread(generator):
             x.register_hook(lambda g: threads.__setitem__(index, threading.current_thread().name))
             return x * 2
 
-    minidp.DataParallel(Records(), cpu_ids(3))(torch.randn(6, 2, generator=generator, requires_grad=True)).sum().backward()
+    x = torch.randn(6, 2, generator=generator, requires_grad=True) * 1  # not a leaf: test_an_input_leaf_...
+    minidp.DataParallel(Records(), cpu_ids(3))(x).sum().backward()
     assert threads[0] == threading.current_thread().name
     assert len({threads[0], threads[1], threads[2]}) == 3
 
@@ -423,7 +424,7 @@ def test_hooks_on_replica_modules_inputs_and_parameters_fire_once_each(generator
             return self.inner(x)
 
     hooked = Hooked(model)
-    x = torch.randn(6, 4, generator=generator, requires_grad=True)
+    x = torch.randn(6, 4, generator=generator, requires_grad=True) * 1  # not a leaf: test_an_input_leaf_...
     output = minidp.DataParallel(hooked, cpu_ids(3))(x)
     assert _in_parallel(output)
     output.sum().backward()
@@ -453,6 +454,34 @@ def test_a_grad_that_captures_at_a_shared_node_runs_every_output_s_hooks_hence_a
     (gradient,) = torch.autograd.grad((replica_0 * 2).sum(), [torch.autograd.graph.GradientEdge(replica_0.grad_fn, 0)])
     assert torch.equal(gradient, torch.full((3,), 2.0))
     assert len(seen[0]) == 1 and seen[1] == [None]  # replica 1's hook ran in replica 0's backward
+
+
+class _ReluInPlaceFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.linear(torch.relu_(x))  # what nn.ReLU(inplace=True) as the first layer does
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+@pytest.mark.parametrize("view", [False, True], ids=["leaf", "view of a leaf"])
+def test_an_input_leaf_that_requires_grad_is_refused_an_in_place_change_as_on_one_device(generator, parallel, view):
+    # Autograd refuses an in-place change of a leaf that requires grad, or of a view of one ("a leaf Variable that
+    # requires grad is being used in an in-place operation"), before it changes anything: each replica raises it (named
+    # by its index), whichever way the backwards run, and the caller's tensors keep their values.
+    leaves = [torch.randn(4, 6, generator=generator, requires_grad=True) for _ in range(2)]
+    inputs = [leaf[1:] if view else leaf for leaf in leaves]
+    before = [leaf.detach().clone() for leaf in leaves]
+    previous = minidp.set_parallel_backward(parallel)
+    try:
+        with pytest.raises(RuntimeError, match="Caught RuntimeError in replica 0") as raised:
+            minidp.parallel_apply(minidp.replicate(_ReluInPlaceFirst(), cpu_ids(2)), [(x,) for x in inputs], devices=cpu_ids(2))
+    finally:
+        minidp.set_parallel_backward(previous)
+    assert "leaf Variable that requires grad is being used in an in-place operation" in str(raised.value)
+    assert _equal(leaves, before)
 
 
 def test_a_replica_output_changed_in_place_is_back_propagated_as_on_the_serial_path(generator):
@@ -800,7 +829,7 @@ def test_a_penalty_on_a_gradient_made_with_create_graph_equals_the_serial_path_t
 
     def step(module, parallel):
         inputs = x.clone().requires_grad_()
-        output = minidp.DataParallel(module, cpu_ids(2))(inputs)
+        output = minidp.DataParallel(module, cpu_ids(2))(inputs * 1)  # not the leaf itself: test_an_input_leaf_...
         assert _in_parallel(output) == parallel
         wrt = [inputs] if penalty_on == "inputs" else list(module.parameters())
         graded = output.sum() if loss == "output_and_penalty" else output.square().sum()
@@ -836,12 +865,26 @@ def test_a_forward_mode_tangent_comes_out_as_through_the_serial_path(generator, 
 
 
 class _Checkpointed(nn.Module):
-    def __init__(self, use_reentrant: bool):
+    """A linear layer, then a block recomputed in the backward: by ``torch.utils.checkpoint``, re-entrant or not, or
+    by the re-entrant checkpoint Function ``function`` applied as it is."""
+
+    def __init__(self, use_reentrant: bool = True, function: Optional[type[torch.autograd.Function]] = None):
         super().__init__()
-        self.first, self.second, self.use_reentrant = nn.Linear(4, 8), nn.Linear(8, 2), use_reentrant
+        self.stem, self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 8), nn.Linear(8, 2)
+        self.use_reentrant, self.function = use_reentrant, function
+
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.first(h))
 
     def forward(self, x):
-        return self.second(checkpoint(lambda h: torch.tanh(self.first(h)), x, use_reentrant=self.use_reentrant))
+        h = self.stem(x)
+        if self.function is None:
+            h = checkpoint(self.block, h, use_reentrant=self.use_reentrant)
+        elif issubclass(self.function, TorchsCheckpointFunction):
+            h = self.function.apply(self.block, True, h)  # preserve_rng_state
+        else:
+            h = self.function.apply(self.block, h)
+        return self.second(h)
 
 
 def test_non_reentrant_checkpointing_runs_in_parallel_with_the_serial_gradients(generator):
@@ -853,7 +896,42 @@ def test_non_reentrant_checkpointing_runs_in_parallel_with_the_serial_gradients(
 
 def test_reentrant_checkpointing_keeps_the_serial_backward(generator):
     """Its backward runs a backward of its own past the replica's entries: the replicas stay serial, as before."""
-    model, x = _Checkpointed(use_reentrant=True), torch.randn(8, 4, generator=generator, requires_grad=True)
+    model, x = _Checkpointed(use_reentrant=True), torch.randn(8, 4, generator=generator)
+    serial, _ = _step(model, x, False)
+    parallel, ran_parallel = _step(model, x, True)
+    assert not ran_parallel and _equal(parallel, serial)
+
+
+class _OwnCheckpoint(TorchsCheckpointFunction):
+    """torch's re-entrant checkpoint, subclassed (to log, say)."""
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """A copy of torch's re-entrant checkpoint, as Megatron-LM keeps one under this name, with its check that the
+    backward was started by ``backward()`` (``torch.autograd._is_checkpoint_valid()``)."""
+
+    @staticmethod
+    def forward(ctx, run_function, *args):
+        ctx.run_function = run_function
+        ctx.save_for_backward(*args)
+        with torch.no_grad():
+            return run_function(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("Checkpointing is not compatible with .grad(), please use .backward() if possible")
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            outputs = ctx.run_function(*inputs)
+        torch.autograd.backward(outputs, grads)
+        return (None, *(t.grad for t in inputs))
+
+
+@pytest.mark.parametrize("function", [_OwnCheckpoint, CheckpointFunction], ids=["subclass of torch's", "copy"])
+def test_a_reentrant_checkpoint_not_torchs_own_class_keeps_the_serial_backward(generator, function):
+    # a worker's backward is a torch.autograd.grad, which the copy's check refuses and torch's class refuses itself
+    model, x = _Checkpointed(function=function).double(), torch.randn(8, 4, generator=generator, dtype=torch.float64)
     serial, _ = _step(model, x, False)
     parallel, ran_parallel = _step(model, x, True)
     assert not ran_parallel and _equal(parallel, serial)
@@ -863,7 +941,7 @@ def test_reentrant_checkpointing_on_three_replicas_keeps_the_serial_backward_to_
     """Each replica's re-entrant backward adds its share to the parameters' ``.grad`` by itself; the entries' nodes
     take places in autograd's order, so three of them may run in another order than with the setting off (README)."""
     model = _Checkpointed(use_reentrant=True).double()
-    x = torch.randn(9, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(9, 4, generator=generator, dtype=torch.float64)
     serial, _ = _step(model, x, False, replicas=3)
     parallel, ran_parallel = _step(model, x, True, replicas=3)
     assert not ran_parallel
@@ -1048,8 +1126,9 @@ def test_a_tensor_entering_by_two_routes_gets_the_serial_gradient_up_to_rounding
         previous = minidp.set_parallel_backward(parallel)
         try:
             module, leaf = copy.deepcopy(model), x.clone().requires_grad_()
-            output = minidp.DataParallel(module, cpu_ids(2))(leaf, leaf * 0.5)
-            (output.square().sum() + leaf.square().sum()).backward()
+            entering = leaf * 1  # not the leaf itself, which keeps the serial backward (test_an_input_leaf_...)
+            output = minidp.DataParallel(module, cpu_ids(2))(entering, entering * 0.5)
+            (output.square().sum() + entering.square().sum()).backward()
             assert _in_parallel(output) == parallel
             results[parallel] = [p.grad for p in module.parameters()], leaf.grad
         finally:
