@@ -104,6 +104,25 @@ def as_devices(devices: Sequence[DeviceLike], argument: str = "device_ids") -> l
     return [as_device(d, f"{argument}[{i}]") for i, d in enumerate(devices)]
 
 
+def check_meta_not_mixed(devices: Sequence[torch.device], argument: str = "device_ids") -> None:
+    """Raise ``ValueError`` if ``devices`` puts the meta device beside one that holds data, naming the first meta one.
+
+    Meta tensors have shapes and no values: a step copies the module's tensors out to its replicas and the
+    replicas' outputs and gradients back to the first device, and torch can copy nothing out of a meta tensor
+    (its bare ``NotImplementedError`` would come in the middle of the step, naming neither device).
+    """
+    kinds = [d.type == "meta" for d in devices]
+    if all(kinds) or not any(kinds):
+        return
+    meta = kinds.index(True)
+    other = kinds.index(False)
+    raise ValueError(
+        f"{argument}[{meta}]: the meta device cannot run a replica beside {devices[other]} ({argument}[{other}]): "
+        f"meta tensors hold no data, so nothing can be copied between it and a real device. Give devices that hold "
+        f"data, e.g. ['cpu'] * {len(devices)}, or the meta device for every replica (shapes only)."
+    )
+
+
 def check_device_list(devices: Sequence[DeviceLike], argument: str = "device_ids") -> None:
     """Raise if ``devices`` is one device rather than a list of them (``"cpu"`` would read as 'c', 'p', 'u')."""
     if isinstance(devices, (str, int, torch.device)):

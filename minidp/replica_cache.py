@@ -77,8 +77,8 @@ from .device_ids import DeviceLike, as_devices
 from .hooks import observed
 from .parallel_backward import first_differentiable, made_by
 from .step2_replicate import (
-    Slots, bind, build_skeletons, check_is_module, check_module_device, replica_tensors, replicate, tensor_slots,
-    through_entries,
+    Slots, bind, build_skeletons, check_flag, check_is_module, check_module_device, replica_tensors, replicate,
+    tensor_slots, through_entries,
 )
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
@@ -343,6 +343,15 @@ class ReplicaCache:
     """
 
     def __init__(self, max_entries: int = 4) -> None:
+        # Checked here, not at the call that evicts: 0 or less would drop every entry as it is made (no replica
+        # ever reused, silently), and a string would fail the comparison only once a call built skeletons.
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int):
+            raise TypeError(f"max_entries must be a positive int (skeleton sets kept), got {max_entries!r}")
+        if max_entries < 1:
+            raise ValueError(
+                f"max_entries must be at least 1, got {max_entries}: it is how many skeleton sets the cache keeps; "
+                f"to build replicas anew at every step, pass cache_replicas=False to DataParallel instead"
+            )
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._lock = threading.Lock()
@@ -355,6 +364,7 @@ class ReplicaCache:
     ) -> list[nn.Module]:
         """:func:`minidp.replicate` of ``network`` on ``devices``, from kept skeletons where they still fit."""
         check_is_module(network, "network")
+        check_flag(detach, "detach")
         devices = as_devices(devices, "devices")
         reduce_backend = check_reduce_backend(reduce_backend, "reduce_backend")
         if not devices:

@@ -51,6 +51,14 @@ def check_is_module(network: Any, argument: str = "module") -> None:
         )
 
 
+def check_flag(value: Any, argument: str) -> None:
+    """Raise ``TypeError`` unless ``value`` is ``True`` or ``False``: a string such as ``"False"`` would read as true.
+
+    ``replicate``'s ``detach`` (a call at every step: one type test) and DataParallel's ``gather_output``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument} must be True or False, got {value!r}")
+
+
 def check_not_compiled(network: nn.Module) -> None:
     """Raise ``TypeError`` if ``network`` or a sub-module is compiled (``torch.compile(m)`` or ``m.compile()``).
 
@@ -140,6 +148,7 @@ def replicate(
     :func:`bind` (put them in place).
     """
     check_is_module(network, "network")
+    check_flag(detach, "detach")
     devices = as_devices(devices, "devices")
     reduce_backend = comm.check_reduce_backend(reduce_backend, "reduce_backend")  # not first in the backward
     if not devices:

@@ -23,11 +23,13 @@ import torch
 from torch import nn
 
 from . import comm
-from .device_ids import DeviceLike, as_device, as_devices, check_device_list, parse_device, visible_gpus
+from .device_ids import (
+    DeviceLike, as_device, as_devices, check_device_list, check_meta_not_mixed, parse_device, visible_gpus,
+)
 from .hooks import observe_module, profiled
 from .replica_cache import ReplicaCache, ReplicaCacheInfo
 from .step1_scatter import scatter_kwargs
-from .step2_replicate import check_is_module, check_module_device, check_not_compiled, replicate
+from .step2_replicate import check_flag, check_is_module, check_module_device, check_not_compiled, replicate
 from .step3_parallel_apply import check_not_tracing, parallel_apply
 from .step4_gather import gather
 from .torch_versions import clone_all
@@ -63,7 +65,9 @@ def resolve_device_ids(device_ids: Optional[Sequence[DeviceLike]]) -> list[torch
         return []
     if not device_ids:
         raise ValueError("device_ids is empty: give at least one device, e.g. [0, 1] or ['cpu'] * 2")
-    return as_devices(device_ids, "device_ids")
+    devices = as_devices(device_ids, "device_ids")
+    check_meta_not_mixed(devices, "device_ids")
+    return devices
 
 
 def _warn_if_imbalanced(devices: list[torch.device]) -> None:
@@ -204,8 +208,7 @@ class DataParallel(nn.DataParallel):
         nn.Module.__init__(self)
         check_is_module(module, "module")
         dim = comm.check_dim(dim, "dim")
-        if not isinstance(gather_output, bool):  # "False" would read as true
-            raise TypeError(f"gather_output must be True or False, got {gather_output!r}")
+        check_flag(gather_output, "gather_output")
         if not isinstance(cache_replicas, (bool, ReplicaCache)):
             raise TypeError(f"cache_replicas must be True, False or a ReplicaCache, got {cache_replicas!r}")
         self.module = module

@@ -301,6 +301,20 @@ def test_traces_do_not_nest():
                 pass
 
 
+def test_a_trace_entered_a_second_time_is_refused_as_not_reentrant(generator):
+    """As torch's profiler: a second block would add its steps to the first's record, timed by the second alone."""
+    step = minidp.trace()
+    with step:
+        minidp.DataParallel(nn.Linear(4, 2), cpu_ids(2))(torch.randn(4, 4, generator=generator)).sum().backward()
+    events = step.events
+    with pytest.raises(RuntimeError, match=r"minidp\.trace\(\) is not reentrant.*new minidp\.trace\(\) for each block"):
+        with step:
+            pass
+    assert step.steps == 1 and step.events == events
+    with minidp.trace():  # the refused entry left the process's one trace slot free
+        pass
+
+
 def test_a_trace_opened_in_another_thread_while_one_records_says_a_trace_records_every_thread():
     # Nothing nests here: the open trace is the process's, and records the other thread's steps too.
     errors = []

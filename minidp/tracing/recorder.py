@@ -168,6 +168,7 @@ class Trace:
         self._duration = 0.0
         self._memory: list[MemoryPeak] = []
         self._recording = False  # inside the with block: the readers refuse (_after_the_block)
+        self._entered = False  # a trace is one block: entered again, it would add a second block's events to the first
         self._steps = 0  # steps run at the top level: replicate calls, and modules run alone (_count_step)
         self._in_replica = threading.local()  # .forward: this thread runs a replica's forward (on_replica)
         self._lock = threading.Lock()
@@ -186,6 +187,13 @@ class Trace:
 
     def __enter__(self) -> "Trace":
         with _opening:  # two threads opening traces at once: one gets the slot, the other the error
+            if self._entered:
+                # Its events, steps and backward spans would run on from the first block while the duration and the
+                # memory peaks are the second's alone: a table of both blocks' work in one block's time.
+                raise RuntimeError(
+                    "minidp.trace() is not reentrant: this trace already recorded a with block. Make a new "
+                    "minidp.trace() for each block (with minidp.trace() as step: ...)."
+                )
             if hooks.current_listener() is not None:
                 raise RuntimeError(
                     "minidp.trace(): a trace is already recording in this process (this thread's or another "
@@ -196,7 +204,7 @@ class Trace:
             if self._allocations is not None:
                 self._allocations.start()
             self._origin = time.perf_counter()
-            self._recording = True
+            self._recording = self._entered = True
             hooks.set_listener(self)
         return self
 
