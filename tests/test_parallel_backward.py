@@ -395,13 +395,25 @@ def test_replicate_looks_for_entries_only_where_it_made_them_at_one_tensor_a_gro
         assert parallel_backward._bound_entries[replica] == list(search(every_tensor).values())
 
 
-def test_each_replica_backward_shows_in_torch_profiler(generator):
+def test_the_replicas_backward_shows_in_torch_profiler_as_minidp_backward(generator):
     model = minidp.DataParallel(SmallCNN(), cpu_ids(2))
     with torch.profiler.profile() as profile:  # it records the calling thread: replica 0's backward runs there
         output = model(_images(generator, 8))
         output.sum().backward()
     assert _in_parallel(output)
     assert "minidp::backward" in {item.key for item in profile.key_averages()}
+
+
+def test_every_replicas_backward_shows_in_torch_profiler_recording_all_threads(generator):
+    # README: the default profiler records the calling thread only; profile_all_threads records the workers too
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(experimental_config=config) as profile:
+        output = minidp.DataParallel(model, cpu_ids(4))(torch.randn(8, 4, generator=generator))
+        output.sum().backward()
+    assert _in_parallel(output)
+    counts = {item.key: item.count for item in profile.key_averages()}
+    assert counts["minidp::backward"] == 4 and counts["AddmmBackward0"] == 8  # two linear layers in each replica
 
 
 def test_hooks_on_replica_modules_inputs_and_parameters_fire_once_each(generator):
