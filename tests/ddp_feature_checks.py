@@ -508,6 +508,40 @@ def static_graph_auxiliary_output_as_stock(seed: int, auxiliary_from: Optional[i
     return _steps_until_an_error(_pair(_MainAndAuxiliary, seed, static_graph=True), seed, steps, step_of)
 
 
+def static_graph_accumulating_from_the_first_step(seed: int, steps: int = 3) -> dict:
+    """Gradient accumulation from the first step in a static graph (accelerate's ``accumulate()``, Lightning's
+    ``accumulate_grad_batches``): a backward under ``no_sync``, then a synchronised one, at every step. minidp's
+    against torch DDP without ``static_graph`` (the same graph, reduced bucket by bucket): the first difference per
+    step. And what torch's DDP with ``static_graph=True`` does: its reducer fails an internal assert in the first
+    synchronised backward (``expect_autograd_hooks_``, torch 2.11 and 2.13), having counted no hook under no_sync."""
+    torch.manual_seed(seed + dist.get_rank())
+    theirs_module = _tanh_mlp()
+    ours_module, static_module = copy.deepcopy(theirs_module), copy.deepcopy(theirs_module)
+    theirs = _quiet(lambda: TorchDDP(theirs_module))
+    ours = md.DistributedDataParallel(ours_module, static_graph=True)
+    pairs = [(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)) for ddp in (theirs, ours)]
+
+    def accumulate(ddp: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        optimizer.zero_grad()
+        with ddp.no_sync():
+            ddp(_inputs(seed, 2 * step, 5, 6)).pow(2).mean().backward()
+        ddp(_inputs(seed, 2 * step + 1, 5, 6)).pow(2).mean().backward()
+        optimizer.step()
+
+    differences = []
+    for step in range(steps):
+        for ddp, optimizer in pairs:
+            accumulate(ddp, optimizer, step)
+        differences.append(_difference(ours_module, theirs_module))
+    static = _quiet(lambda: TorchDDP(static_module, static_graph=True))
+    try:
+        accumulate(static, torch.optim.SGD(static.parameters(), lr=0.1), 0)
+        torch_static = "trained"
+    except RuntimeError as error:
+        torch_static = str(error).splitlines()[0]
+    return {"differences": differences, "torch with static_graph": torch_static}
+
+
 def static_graph_unused_head_in_a_container(seed: int, container: str, steps: int = 4) -> list:
     """minidp alone, in a static graph (float64): the forward returns :class:`_ReturnsAContainer`'s heads, the
     loss uses the main one only. Per step, the largest relative difference between a gradient and the mean over the
