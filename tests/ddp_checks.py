@@ -22,11 +22,12 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import minidp.distributed as md
 from minidp.zoo import MLP, ResNetBlockBN
 
-from .helpers import debug_level, max_relative_error, timm_vit, torchvision_resnet18
+from .helpers import debug_level, error_of, max_relative_error, timm_vit, torchvision_resnet18
 
 TorchDDP = nn.parallel.DistributedDataParallel
 
@@ -293,6 +294,49 @@ def unused_without_find_unused(seed: int) -> dict[str, list]:
                     message = str(error)
                 found[name].append([level, call, message, ddp._get_ddp_logging_data().get("error", "")])
     return found
+
+
+def sharded_module(seed: int, where: str) -> dict[str, Any]:
+    """DDP of an MLP that ``fully_shard`` sharded (``where="root"``: the whole of it; ``"child"``: its first layer
+    only), minidp's DDP of minidp's fully_shard and torch's of torch's: each error, and whether minidp's left this
+    rank's shards as they were."""
+    outcome: dict[str, Any] = {}
+    for name, ddp, fully_shard in (("minidp", md.DistributedDataParallel, md.fully_shard),
+                                   ("torch", TorchDDP, torch_fully_shard)):
+        torch.manual_seed(seed)
+        module = MLP()
+        fully_shard(module if where == "root" else module.net[0])
+        before = [p.detach().clone() for p in module.parameters()]
+        outcome[name] = error_of(lambda: ddp(module))
+        outcome[f"{name} untouched"] = all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    return outcome
+
+
+def _too_short_for_bucket_1(state, bucket):  # no annotations: stock checks them
+    """torch's allreduce_hook, whose future holds one element for bucket 1: a wrong result."""
+    future = default_hooks.allreduce_hook(state, bucket)
+    return future.then(lambda f: f.value()[:1].clone()) if bucket.index() == 1 else future
+
+
+def bad_hook_result_on_one_bucket(seed: int) -> dict[str, Any]:
+    """A hook that returns a wrong-sized result for bucket 1 of the rebuilt plan (the second backward), the batch
+    differing between ranks: the error, and the parameters whose .grad differs from this rank's own gradient of that
+    backward (computed on a copy) after it, which were written back."""
+    torch.manual_seed(seed)
+    module = wide_mlp()
+    ddp = md.DistributedDataParallel(module)
+    local = copy.deepcopy(module)  # rank 0's weights, broadcast by the constructor
+    ddp.register_comm_hook(None, _too_short_for_bucket_1)
+    _, _, loss_of = MODELS["wide_mlp"]
+    loss_of(ddp(_batch("wide_mlp", seed, 0, dist.get_rank(), 4))).backward()  # one bucket (the first plan): fine
+    assert len(ddp.bucket_plan()) > 1, "the rebuilt plan must have a bucket 1"
+    module.zero_grad()
+    x = _batch("wide_mlp", seed, 1, dist.get_rank(), 4)
+    error = error_of(lambda: loss_of(ddp(x)).backward())
+    loss_of(local(x)).backward()
+    written = [name for (name, p), q in zip(module.named_parameters(), local.parameters())
+               if p.grad is not None and not torch.equal(p.grad, q.grad)]
+    return {"error": error, "written back": written}
 
 
 def timeline_of_a_step(seed: int) -> list[list[dict]]:

@@ -1184,6 +1184,8 @@ def refusals(seed: int) -> dict[str, Any]:
         "pinned_offload": lambda model: md.fully_shard(model, offload_policy=CPUOffloadPolicy()),
         "non_contiguous": lambda model: md.fully_shard(_transposed_head(model)),
         "mp_policy_none": lambda model: md.fully_shard(model, mp_policy=None),
+        "mp_policy_dtype_a_string": lambda model: md.fully_shard(
+            model, mp_policy=MixedPrecisionPolicy(param_dtype="bfloat16")),
     }
     results = {}
     for name, call in cases.items():

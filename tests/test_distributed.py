@@ -53,6 +53,9 @@ TWO_PROCESSES = {
     "gradient_as_bucket_view_on_one_rank": (checks.argument_on_one_rank, {"name": "gradient_as_bucket_view", "values": (False, True)}),
     "unused_without_find_unused": (checks.unused_without_find_unused, {}),
     "timeline": (checks.timeline_of_a_step, {}),
+    "sharded_root": (checks.sharded_module, {"where": "root"}),
+    "sharded_child": (checks.sharded_module, {"where": "child"}),
+    "bad_hook_result_on_one_bucket": (checks.bad_hook_result_on_one_bucket, {}),
 }
 
 if TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP:
@@ -236,6 +239,36 @@ def test_a_parameter_without_gradient_fails_the_next_forward_with_stocks_words_a
     # branch (rank 0 alone uses it), never, and side (its output is not in the loss); names last-registered first
     assert "Parameter indices which did not receive grad for rank 1: 2 3 4 5 8 9" in message
     assert "rank 1: side.bias, side.weight, never.bias, never.weight, branch.bias, branch.weight" in named
+
+
+def test_a_module_fully_shard_sharded_is_refused_as_torch_refuses_it_before_its_shards_are_overwritten(two):
+    # torch's DDP of a module FSDP2 sharded raises NotImplementedError in its construction's broadcast ("Operator
+    # c10d.broadcast_.default does not have a sharding strategy registered"); minidp's broadcast overwrote rank 1's
+    # shards with rank 0's
+    for result in each_rank(two, "sharded_root"):
+        kind, message = result["minidp"]
+        assert kind == result["torch"][0] == "NotImplementedError"
+        assert "cannot wrap a module already managed by `fully_shard` (the module, a FSDPMLP)" in message
+        assert result["minidp untouched"]
+
+
+def test_a_module_with_a_sub_module_fully_shard_sharded_is_refused_naming_it(two):
+    # torch's DDP fails there too, on mixing its DTensors with the other parameters in its broadcast (RuntimeError:
+    # "aten.cat.default got mixed torch.Tensor and DTensor"); minidp's overwrote rank 1's shards with rank 0's
+    for result in each_rank(two, "sharded_child"):
+        kind, message = result["minidp"]
+        assert kind == "NotImplementedError" and result["torch"][0] == "RuntimeError"
+        assert "cannot wrap a module already managed by `fully_shard` (its sub-module 'net.0', a FSDPLinear)" in message
+        assert result["minidp untouched"]
+
+
+def test_a_hook_result_of_the_wrong_size_for_one_bucket_writes_back_no_bucket(two):
+    # every bucket's result checked first: no .grad is left averaged while the rest stay local (reducer.cpp writes
+    # back bucket by bucket, and fails on that one with "setStorage: ... out of bounds")
+    for result in each_rank(two, "bad_hook_result_on_one_bucket"):
+        kind, message = result["error"]
+        assert kind == "RuntimeError" and "the future it returned for bucket 1 holds a tensor of 1 elements" in message
+        assert result["written back"] == []
 
 
 # ---- timeline ----------------------------------------------------------------------------------

@@ -107,3 +107,39 @@ def test_without_a_process_group_the_error_says_how_to_make_one():
 def test_run_demo_rejects_an_unknown_option_before_starting_processes():
     with pytest.raises(TypeError, match="device"):
         run_demo(2, device="cpu")
+
+
+@pytest.mark.parametrize("argument, value, error", [
+    ("bucket_cap_mb", "25", TypeError), ("bucket_cap_mb", [25], TypeError), ("bucket_cap_mb", float("inf"), ValueError),
+    ("bucket_cap_mb_list", [25, float("inf")], ValueError), ("bucket_cap_mb_list", [25, "1"], TypeError),
+])
+def test_a_bucket_cap_that_is_no_finite_number_is_refused_by_name(argument, value, error):
+    # torch's DDP fails on them with a bare OverflowError ("cannot convert float infinity to integer") or a TypeError
+    # from its arithmetic, naming no argument
+    position = r"\[1\]" if argument == "bucket_cap_mb_list" else ""
+    with pytest.raises(error, match=f"{argument}{position} must be (a number of MiB|finite)"):
+        DistributedDataParallel(nn.Linear(2, 2), **{argument: value})
+
+
+def test_a_bucket_cap_list_given_as_a_string_is_refused_not_read_digit_by_digit():
+    with pytest.raises(TypeError, match="bucket_cap_mb_list must be a list of sizes in MiB.*got '25' of type str"):
+        DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb_list="25")
+
+
+@pytest.mark.parametrize("output_device", [3, "cpu", "gpu"])
+def test_an_output_device_for_a_module_on_the_cpu_raises_stocks_value_error_before_any_process_group_is_needed(
+        output_device):
+    # torch/nn/parallel/distributed.py, DistributedDataParallel.__init__: a CPU module takes no (truthy) output_device;
+    # minidp kept it and trained as if it were not there
+    with pytest.raises(ValueError, match=re.escape(
+        f"DistributedDataParallel device_ids and output_device arguments only work with single-device/multiple-device "
+        f"GPU modules or CPU modules, but got device_ids None, output_device {output_device}, and module parameters "
+        f"{{device(type='cpu')}}. Leave output_device unset")):
+        DistributedDataParallel(nn.Linear(2, 2), output_device=output_device)
+
+
+def test_device_ids_given_as_one_string_are_refused_with_the_list_to_pass():
+    # minidp read "cpu" as the devices 'c', 'p', 'u'; minidp.DataParallel refuses it alike (torch's DDP refuses it for
+    # its length: "device_ids can only be None or contain a single element")
+    with pytest.raises(TypeError, match=r"device_ids: expected a list of devices, e\.g\. \[0, 1\] or \['cpu', 'cpu'\], got 'cpu'"):
+        DistributedDataParallel(nn.Linear(2, 2), device_ids="cpu")

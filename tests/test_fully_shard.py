@@ -606,6 +606,10 @@ def test_cpu_offload_of_a_module_on_the_cpu_trains_as_fsdp2_with_it(two):
     # FSDP2 takes any mp_policy and fails at the first forward ("'NoneType' object has no attribute 'param_dtype'")
     ("mp_policy_none", "TypeError: fully_shard: mp_policy must be a MixedPrecisionPolicy (torch.distributed.fsdp), "
                        "got NoneType"),
+    # FSDP2 takes a dtype given by name and fails at the first forward ("Invalid device string: 'bfloat16'"); minidp
+    # failed inside fully_shard ("'str' object has no attribute 'itemsize'"), the parameters already replaced by shards
+    ("mp_policy_dtype_a_string", "TypeError: fully_shard: mp_policy.param_dtype must be a torch.dtype or None, got "
+                                 "'bfloat16' of type str"),
 ])
 def test_arguments_beyond_what_is_supported_are_refused_before_anything_is_sharded(two, case, error):
     if case == "pinned_offload" and torch.accelerator.is_available():

@@ -59,6 +59,8 @@ TWO_PROCESSES = {
     "alone_under_join": (checks.alone_under_join, {}),
     "step_hooks_under_join": (checks.step_hooks_under_join, {}),
     "alone_under_join_empty_first_group": (checks.alone_under_join, {"empty_first_group": True}),
+    "no_state": (checks.malformed_state_dict, {"malformed": "no state"}),
+    "state_index_past_the_end": (checks.malformed_state_dict, {"malformed": "index past the end"}),
 }
 
 THREE_PROCESSES = {
@@ -193,6 +195,15 @@ def test_a_state_dict_loads_in_its_own_dtype_as_torchs_does_into_parameters_of_a
     for result in each_rank(two, "checkpoint_into_another_dtype"):
         assert result["dtypes"] == [{"torch.float32"}, {"torch.float32"}]
         assert result["differences"] == [None, None]
+
+
+@pytest.mark.parametrize("check, error", [("no_state", "KeyError"), ("state_index_past_the_end", "IndexError")])
+def test_a_malformed_state_dict_is_refused_with_torchs_error_before_anything_is_loaded(two, check, error):
+    # ZRO load_state_dict reads state_dict["state"] and maps each index to its parameter before it loads anything:
+    # KeyError, IndexError, lr and state untouched; minidp loaded the settings and emptied the state first
+    for result in each_rank(two, check):
+        assert result["minidp"][0] == result["torch"][0] == error
+        assert result["minidp untouched"] and result["torch untouched"]
 
 
 # ---- memory -----------------------------------------------------------------------------------------

@@ -247,6 +247,27 @@ def checkpoint(seed: int, to: int, optimizer: str = "adamw") -> dict:
     return result
 
 
+def malformed_state_dict(seed: int, malformed: str) -> dict[str, Any]:
+    """After a step of SGD with momentum, a state dict whose groups set lr=123, malformed (``"no state"``: without
+    "state"; ``"index past the end"``: state for a parameter index the optimizer does not have), loaded into minidp's
+    optimizer and into torch's: per library, the error, and whether lr and this rank's momentum were left as they were."""
+    result: dict[str, Any] = {}
+    for name, zero_class in (("minidp", md.ZeroRedundancyOptimizer), ("torch", TorchZero)):
+        torch.manual_seed(seed)
+        module = varied()
+        zero = zero_class(module.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+        module(_batch(seed, 0, dist.get_rank(), torch.float32)).sum().backward()
+        zero.step()
+        groups = [dict(group, lr=123.0, params=list(range(len(group["params"])))) for group in zero.param_groups]
+        state = {} if malformed == "no state" else {"state": {99: {"momentum_buffer": torch.zeros(1)}}}
+        before = [(p, zero.optim.state[p]["momentum_buffer"].clone()) for p in zero.optim.state]
+        result[name] = error_of(lambda: zero.load_state_dict({**state, "param_groups": groups}))
+        result[f"{name} untouched"] = (
+            [g["lr"] for g in zero.param_groups] == [0.1] and len(zero.optim.state) == len(before)
+            and all(torch.equal(zero.optim.state[p]["momentum_buffer"], buffer) for p, buffer in before))
+    return result
+
+
 def subgroup_without_rank_0(seed: int, steps: int = 3) -> dict:
     """Both optimizers (each under its own library's DDP) on a group of the ranks after 0, where global and group
     ranks differ: each share is broadcast from its owner's global rank, and consolidate_state_dict(to=0) gathers on

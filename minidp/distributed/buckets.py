@@ -36,6 +36,8 @@ the buckets still open at the end follows a C++ hash map. Here they close in the
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -61,18 +63,17 @@ class BucketCaps:
     def from_mb(cls, bucket_cap_mb: Optional[float], bucket_cap_mb_list: Optional[Sequence[float]] = None) -> "BucketCaps":
         """From DDP's arguments (``_BucketCapacityConfig.create``); ``bucket_cap_mb_list`` overrides ``bucket_cap_mb``."""
         if bucket_cap_mb_list:
+            if not isinstance(bucket_cap_mb_list, (list, tuple)):  # a string would be read digit by digit
+                raise TypeError(f"bucket_cap_mb_list must be a list of sizes in MiB, one per bucket (e.g. [1, 25]), "
+                                f"got {bucket_cap_mb_list!r} of type {type(bucket_cap_mb_list).__name__}")
             for position, mb in enumerate(bucket_cap_mb_list):
-                if not mb >= 0:
-                    raise ValueError(f"bucket_cap_mb_list[{position}] must be 0 or more, got {mb}")
+                _check_mb(mb, f"bucket_cap_mb_list[{position}]")
             per_bucket = tuple(int(mb * MIB) for mb in bucket_cap_mb_list)
             cap = int(max(bucket_cap_mb_list) * MIB)
             return cls(first=cap, cap=cap, per_bucket=per_bucket)
         if bucket_cap_mb is None:
             return cls(first=dist._DEFAULT_FIRST_BUCKET_BYTES, cap=DEFAULT_BUCKET_CAP_MB * MIB)
-        # 0 is torch's too: every bucket closes at its first parameter. A negative cap, which torch's C++ plan reads
-        # as a huge unsigned one (one bucket) or refuses, depending on the call, is refused here.
-        if not bucket_cap_mb >= 0:
-            raise ValueError(f"bucket_cap_mb must be 0 or more, got {bucket_cap_mb}")
+        _check_mb(bucket_cap_mb, "bucket_cap_mb")
         cap = int(bucket_cap_mb * MIB)
         return cls(first=cap, cap=cap)
 
@@ -82,6 +83,21 @@ class BucketCaps:
         if self.per_bucket:
             return list(self.per_bucket)
         return [self.first, self.cap] if self.first < self.cap else [self.cap]
+
+
+def _check_mb(mb: object, argument: str) -> None:
+    """Raise unless ``mb`` is a size in MiB a plan can use: a real number (``TypeError``), finite and 0 or more
+    (``ValueError``). 0 is torch's too: every bucket closes at its first parameter. A negative cap, which torch's C++
+    plan reads as a huge unsigned one (one bucket) or refuses, depending on the call, is refused here; so is an
+    infinite one, which torch fails to convert to bytes (``OverflowError``): ``NO_LIMIT`` is not the user's to ask."""
+    if isinstance(mb, bool) or not isinstance(mb, numbers.Real):
+        raise TypeError(f"{argument} must be a number of MiB (an int or a float, e.g. 25), got {mb!r} of type "
+                        f"{type(mb).__name__}")
+    if not mb >= 0:
+        raise ValueError(f"{argument} must be 0 or more, got {mb}")
+    if not math.isfinite(mb):
+        raise ValueError(f"{argument} must be finite, got {mb}: give a size in MiB (a model's size or more makes one "
+                         f"bucket)")
 
 
 def assign_buckets(

@@ -24,8 +24,9 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from ..device_ids import parse_device
+from ..device_ids import check_device_list, parse_device
 
 
 class TensorSpec(NamedTuple):
@@ -205,21 +206,55 @@ def check_one_device_type(module: nn.Module, ignored: frozenset[str] = frozenset
         )
 
 
+def managed_by_fully_shard(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` (minidp's or torch's FSDP2: both classes derive from ``FSDPModule``) sharded ``module``:
+    its parameters are then this rank's shards, not a replica that DDP or ``replicate`` may broadcast and reduce."""
+    return isinstance(module, FSDPModule)
+
+
+def check_not_sharded(module: nn.Module, ignored: frozenset[str] = frozenset()) -> None:
+    """Raise ``NotImplementedError`` (torch DDP's type for an FSDP2 module, raised by its construction's broadcast)
+    where a sub-module ``fully_shard`` sharded holds a parameter DDP would handle: DDP's broadcast would overwrite
+    every rank's shards with rank 0's, and its reducer average shards of different rows."""
+    for name, sub in module.named_modules():
+        if managed_by_fully_shard(sub) and any(n not in ignored for n, _ in sub.named_parameters(prefix=name)):
+            where = f"its sub-module '{name}'" if name else "the module"
+            raise NotImplementedError(
+                f"DistributedDataParallel cannot wrap a module already managed by `fully_shard` ({where}, a "
+                f"{type(sub).__name__}): its parameters are this rank's shards, which DDP's broadcast would overwrite "
+                f"with rank 0's. Let fully_shard reduce the gradients (no DDP), or shard over one mesh dimension and "
+                f"replicate over another with fully_shard(module, mesh=<2-D mesh>) (HSDP)."
+            )
+
+
 def check_device_ids(
     module: nn.Module, device_ids: Any, output_device: Any, ignored: frozenset[str] = frozenset()
 ) -> None:
     """Raise torch DDP's ``ValueError`` where ``device_ids`` name a GPU for a module whose parameters (those not
     ``ignored``) are all on the CPU. torch refuses any ``device_ids`` there; minidp takes CPU ones (``["cpu"] * n``, n
     replicas on the CPU, one of them for ``["cpu"]``), but GPU ids would run as a direct call on the CPU where there is
-    no GPU (:class:`minidp.DataParallel`), training silently on what torch refuses."""
+    no GPU (:class:`minidp.DataParallel`), training silently on what torch refuses. The same for an ``output_device``
+    there: torch refuses it (as it refuses any truthy one); minidp's CPU replicas may gather on the CPU only, and
+    without replicas there is nothing to gather. ``device_ids`` given as one device (``"cpu"``) rather than a list of
+    them is a ``TypeError`` (:func:`minidp.device_ids.check_device_list`): it would be read character by character."""
+    if device_ids is not None:
+        check_device_list(device_ids, "device_ids")
     devices = {p.device for name, p in module.named_parameters() if name not in ignored}
-    if device_ids and {d.type for d in devices} == {"cpu"} and any(map(_names_a_gpu, device_ids)):
-        raise ValueError(
-            f"DistributedDataParallel device_ids and output_device arguments only work with "
-            f"single-device/multiple-device GPU modules or CPU modules, but got device_ids {device_ids}, output_device {output_device}, and module "
-            f"parameters {devices}. Move the module to its GPU first (module.to(device_ids[0])), or pass "
-            f"device_ids=['cpu'] * n for n replicas on the CPU (minidp's own)."
-        )
+    if {d.type for d in devices} != {"cpu"}:
+        return
+    if device_ids and any(map(_names_a_gpu, device_ids)):
+        advice = ("Move the module to its GPU first (module.to(device_ids[0])), or pass device_ids=['cpu'] * n for n "
+                  "replicas on the CPU (minidp's own).")
+    elif output_device and (not device_ids or _names_a_gpu(output_device)):
+        advice = ("Leave output_device unset (None) for a module on the CPU" + (
+            "." if not device_ids else ", or pass output_device='cpu' to gather its CPU replicas' outputs there."))
+    else:
+        return
+    raise ValueError(
+        f"DistributedDataParallel device_ids and output_device arguments only work with "
+        f"single-device/multiple-device GPU modules or CPU modules, but got device_ids {device_ids}, output_device "
+        f"{output_device}, and module parameters {devices}. {advice}"
+    )
 
 
 def _names_a_gpu(device: Any) -> bool:

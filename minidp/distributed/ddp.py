@@ -43,8 +43,8 @@ from .batchnorm import attach_exchange, check_torch_sync_batchnorm
 from .broadcast import broadcast_from, broadcast_from_rank0
 from .buckets import MIB, BucketCaps
 from .checks import (
-    IGNORED_ATTRIBUTE, check_device_ids, check_one_device_type, check_same_model, collectives_on, ignored_names,
-    reducer_candidates, reducer_parameters, sparse_gradient_flags, synced_tensors,
+    IGNORED_ATTRIBUTE, check_device_ids, check_not_sharded, check_one_device_type, check_same_model, collectives_on,
+    ignored_names, reducer_candidates, reducer_parameters, sparse_gradient_flags, synced_tensors,
 )
 from .comm_hooks import CommHook, builtin_hook, check_comm_hook, optimizer_in_backward_hook
 from .isinstance_only import refuse_inherited
@@ -104,7 +104,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
             (``["cpu", "cpu"]``, ``[0, 1]``): run replicas of it on them inside this process, with
             :class:`minidp.DataParallel`; ``module`` must be on ``device_ids[0]``: GPU ids for a module
             on the CPU raise torch DDP's ``ValueError`` (:func:`~minidp.distributed.checks.check_device_ids`).
-        output_device: where those replicas' outputs are gathered (default ``device_ids[0]``).
+        output_device: where those replicas' outputs are gathered (default ``device_ids[0]``). A module on the CPU
+            takes none without replicas, nor a GPU one with them (torch DDP's ``ValueError``).
         dim: the batch dimension the replicas split inputs along.
         broadcast_buffers: the older name of ``forward_sync_buffers`` (deprecated by torch 2.13, which warns as
             minidp does there), except that ``False`` also leaves buffers out of the construction's broadcast.
@@ -165,6 +166,10 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         refuse_unsupported(
             delay_all_reduce_named_params=delay_all_reduce_named_params, param_to_hook_all_reduce=param_to_hook_all_reduce,
         )
+        ignored = ignored_names(module)
+        check_not_sharded(module, ignored)
+        check_one_device_type(module, ignored)
+        check_device_ids(module, device_ids, output_device, ignored)  # before len(device_ids): "cpu" is no list
         # torch._dynamo.config.optimize_ddp="python_reducer", read at construction as torch DDP reads it: the gradients
         # reduced by per-parameter hooks that compiled autograd can trace (_register_accum_grad_hook)
         self._use_python_reducer = python_reducer_mode()
@@ -183,9 +188,6 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                 f"DistributedDataParallel: process_group must be a torch.distributed.ProcessGroup "
                 f"(torch.distributed.new_group(ranks)), or None for the default group, got {process_group!r} of type "
                 f"{type(process_group).__name__}")
-        ignored = ignored_names(module)
-        check_one_device_type(module, ignored)
-        check_device_ids(module, device_ids, output_device, ignored)
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call torch.distributed.init_process_group() first "

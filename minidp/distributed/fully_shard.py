@@ -1491,6 +1491,13 @@ def _check_placement(device: torch.device, mesh: Optional[DeviceMesh], offload_p
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy (torch.distributed.fsdp), got "
                         f"{type(mp_policy).__name__}; leave it unset for none (MixedPrecisionPolicy())")
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        # read where the shards are already made (the gathered buffers' sizes): a string there would fail then, the
+        # module left half sharded. Any torch.dtype passes, as FSDP2 takes it (an integer one fails at the forward).
+        dtype = getattr(mp_policy, field, None)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"fully_shard: mp_policy.{field} must be a torch.dtype or None, got {dtype!r} of type "
+                            f"{type(dtype).__name__}; e.g. MixedPrecisionPolicy({field}=torch.bfloat16)")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy (torch.distributed.fsdp), got "
                         f"{type(offload_policy).__name__}")

@@ -676,9 +676,12 @@ class Reducer:
                 self._mark_ready(index)
             self._expect_hooks = False
             self._require_finalize = False
-            for bucket in self.buckets:
-                if bucket.future is not None:  # None: skipped, its gradients left as they are
-                    self._write_back(bucket, self._result_of(bucket))
+            # Every bucket's result checked before any is written back: a hook's bad result for one bucket must not
+            # leave the earlier buckets' gradients averaged and the rest local (an optimizer step would apply both)
+            results = [(bucket, self._result_of(bucket)) for bucket in self.buckets
+                       if bucket.future is not None]  # None: skipped, its gradients left as they are
+            for bucket, result in results:
+                self._write_back(bucket, result)
             for future in self._post_backward_futures:
                 future.wait()
             self._post_backward_futures = []

@@ -27,10 +27,10 @@ from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from ..step2_replicate import check_is_module
 from .batchnorm import attach_exchange
+from .checks import managed_by_fully_shard
 from .ddp import DistributedDataParallel
 from .isinstance_only import give_methods
 
@@ -64,7 +64,7 @@ class ReplicateState:
         """The module's parameters DDP reduces: in the module's order, without the ignored modules' and those of
         sub-modules ``fully_shard`` shards (either library's: their class derives from FSDPModule)."""
         left_out = {id(p) for m in self.ignored_modules for p in m.parameters()}
-        left_out |= {id(p) for m in self.module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+        left_out |= {id(p) for m in self.module.modules() if managed_by_fully_shard(m) for p in m.parameters()}
         return [p for p in self.module.parameters() if id(p) not in left_out]
 
     @torch._disable_dynamo(recursive=True)
@@ -142,7 +142,7 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
     check_is_module(module, "module")  # torch's fails on a function with AttributeError, deep in its contract
     if "device_id" in kwargs and not isinstance(kwargs["device_id"], (int, torch.device)):
         raise RuntimeError(f"Expected device_id to be int or torch.device, but got {type(kwargs['device_id'])}")
-    if isinstance(module, FSDPModule):
+    if managed_by_fully_shard(module):
         raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
     if REPLICATE_STATE in module.__dict__:  # torch's contract() refuses it with AssertionError: code may catch that
         raise AssertionError(f"replicate was already applied to this {type(module).original_class.__name__}; "

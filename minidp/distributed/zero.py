@@ -317,8 +317,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` on every rank: the settings everywhere, each rank's own share of the state."""
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})  # settings, group sizes
         params = list(self._params())
+        # Checked before anything is loaded, so that a malformed dict leaves the settings and the state as they were,
+        # with the errors torch's ZeroRedundancyOptimizer raises for it, which reads both before it loads anything.
+        if "state" not in state_dict:
+            raise KeyError(f"'state': the state dict to load has no 'state' (it has {list(state_dict)}); pass one "
+                           f"that ZeroRedundancyOptimizer.state_dict() returned, after consolidate_state_dict()")
+        for i in state_dict["state"]:
+            if not (isinstance(i, int) and 0 <= i < len(params)):
+                raise IndexError(f"the state dict to load has state for parameter {i!r}, but this optimizer has "
+                                 f"{len(params)} parameters (0 to {len(params) - 1}); pass the state dict of an "
+                                 f"optimizer over the same parameters")
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})  # settings, group sizes
         local_index = {p: i for i, p in enumerate(chain.from_iterable(self.shares[self.rank]))}
         self.optim.load_state_dict({
             "state": {},
