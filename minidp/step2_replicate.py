@@ -23,6 +23,7 @@ whose updates are dropped. That is stock's behaviour: running statistics come fr
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Optional, Sequence
 
@@ -59,13 +60,15 @@ def check_flag(value: Any, argument: str) -> None:
         raise TypeError(f"{argument} must be True or False, got {value!r}")
 
 
-def check_not_compiled(network: nn.Module) -> None:
-    """Raise ``TypeError`` if ``network`` or a sub-module is compiled (``torch.compile(m)`` or ``m.compile()``).
+def check_no_call_bound_to_the_original(network: nn.Module) -> None:
+    """Raise ``TypeError`` if ``network`` or a sub-module holds a call bound to itself: it is compiled (``torch.compile(m)``
+    or ``m.compile()``), or its ``forward`` was set on the instance, bound to it (``m.forward = types.MethodType(f,
+    m)``, or a ``functools.partial(f, m)``, as patches of a forward are made).
 
-    Both hold a compiled call *bound to the original module*. ``torch.compile(m)`` returns a wrapper
-    (``OptimizedModule``) whose tree replicate cannot copy; ``m.compile()`` keeps the bound call in
-    the module's ``__dict__``, which every replica's shallow copy shares, so every replica would run
-    the original's parameters and buffers instead of its own (on GPUs: tensors on the wrong device).
+    ``torch.compile(m)`` returns a wrapper (``OptimizedModule``) whose tree replicate cannot copy; the others keep the
+    bound call in the module's ``__dict__``, which every replica's shallow copy shares, so every replica would run the
+    original's parameters and buffers instead of its own (on GPUs: tensors on the wrong device; on CPU replicas: the
+    original's buffers updated from every chunk at once, in threads).
     """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing can be compiled
     optimized = eval_frame.OptimizedModule if eval_frame is not None else ()
@@ -75,6 +78,14 @@ def check_not_compiled(network: nn.Module) -> None:
             how = f"{where} is a torch.compile()d module (an OptimizedModule around {type(module._orig_mod).__name__})"
         elif module.__dict__.get("_compiled_call_impl") is not None:
             how = f"{where} ({type(module).__name__}) was compiled in place with Module.compile()"
+        elif _bound_to(module.__dict__.get("forward"), module):
+            raise TypeError(
+                f"{where} ({type(module).__name__}) has a forward set on the instance and bound to it (m.forward = "
+                f"types.MethodType(f, m), or functools.partial(f, m)): every replica would run it on the original "
+                f"module's parameters and buffers, not its own. Set the forward on the class instead (a subclass: "
+                f"class Patched({type(module).__name__}): forward = f, then m.__class__ = Patched), so that each "
+                f"replica binds its own."
+            )
         else:
             continue
         raise TypeError(
@@ -84,15 +95,22 @@ def check_not_compiled(network: nn.Module) -> None:
         )
 
 
+def _bound_to(call: Any, module: nn.Module) -> bool:
+    """Whether ``call`` is a method bound to ``module``, or a ``functools.partial`` that passes it."""
+    if isinstance(call, functools.partial):
+        return any(argument is module for argument in call.args)
+    return getattr(call, "__self__", None) is module
+
+
 def check_module_device(network: nn.Module, source_device: torch.device, replicated: bool = True) -> None:
     """Raise unless every parameter and buffer of ``network`` is on ``source_device``.
 
-    When the module is to be ``replicated`` (the default), also raise if a sub-module is compiled
-    (:func:`check_not_compiled`) or a parameter or buffer is not initialised yet (a lazy module). With
+    When the module is to be ``replicated`` (the default), also raise if a sub-module holds a call bound to itself
+    (compiled: :func:`check_no_call_bound_to_the_original`) or a parameter or buffer is not initialised yet (a lazy module). With
     ``replicated=False`` the module runs itself, on one device, as stock runs it there: both work.
     """
     if replicated:
-        check_not_compiled(network)
+        check_no_call_bound_to_the_original(network)
     for name, tensor in list(network.named_parameters()) + list(network.named_buffers()):
         # (On one device a lazy module's first forward initialises it, as it does without DataParallel.)
         if replicated and isinstance(tensor, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)):

@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from . import cpu_threads, parallel_backward
 from .device_ids import DeviceLike, as_devices, generator_state
@@ -304,6 +305,29 @@ def check_not_tracing(replicas: int) -> None:
         )
 
 
+def check_no_shared_parametrization_cache(modules: Sequence[Any]) -> None:
+    """Refuse parametrized replicas inside ``torch.nn.utils.parametrize.cached()``.
+
+    Its cache is one dict for the process, keyed by the original module a parametrization was registered on
+    (``get_cached_parametrization``): every replica would read the tensor the first one to get there computed, and a
+    parametrization that updates state as it computes (``spectral_norm``'s power iteration) would update it in that
+    replica only, whichever it is from run to run. Read at every call: one flag, and the walk only while it is set.
+    """
+    if not parametrize._cache_enabled or len(modules) < 2:
+        return
+    for i, module in enumerate(modules):
+        named = module.named_modules() if isinstance(module, nn.Module) else ()
+        found = next((name for name, m in named if parametrize.is_parametrized(m)), None)
+        if found is not None:
+            where = f"'{found}'" if found else "the module"
+            raise RuntimeError(
+                f"parallel_apply: {where} of replica {i} is parametrized (torch.nn.utils.parametrize) and runs inside "
+                f"parametrize.cached(), whose cache all replicas share (keyed by the original module): each replica "
+                f"would read the parametrized tensor the first one computed. Run the data-parallel step outside "
+                f"parametrize.cached(); each replica then computes its own."
+            )
+
+
 def parallel_apply(
     modules: Sequence[nn.Module],
     inputs: Sequence[Any],
@@ -342,6 +366,7 @@ def parallel_apply(
                 f"parallel_apply: kwargs_tup[{i}] is of type {type(kwargs).__name__}; give a dict of keyword arguments per module"
             )
     check_not_tracing(n)
+    check_no_shared_parametrization_cache(modules)
     kwargs_tup = kwargs_tup if kwargs_tup is not None else [{}] * n
     if devices is None or any(d is None for d in devices):
         devices = [

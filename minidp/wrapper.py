@@ -29,7 +29,9 @@ from .device_ids import (
 from .hooks import observe_module, profiled
 from .replica_cache import ReplicaCache, ReplicaCacheInfo
 from .step1_scatter import scatter_kwargs
-from .step2_replicate import check_flag, check_is_module, check_module_device, check_not_compiled, replicate
+from .step2_replicate import (
+    check_flag, check_is_module, check_module_device, check_no_call_bound_to_the_original, replicate,
+)
 from .step3_parallel_apply import check_not_tracing, parallel_apply
 from .step4_gather import gather
 from .torch_versions import clone_all
@@ -215,7 +217,7 @@ class DataParallel(nn.DataParallel):
         devices = resolve_device_ids(device_ids)
         self.device_ids = [stock_device_id(d) for d in devices]
         if len(devices) > 1:
-            check_not_compiled(module)  # and again whenever replicas are built from it
+            check_no_call_bound_to_the_original(module)  # and again whenever replicas are built from it
         if chunk_weights is not None:  # checked here, before a batch arrives; count only where replicas run
             chunk_weights = comm.check_chunk_weights(chunk_weights, len(devices) or None)
         self.chunk_weights = chunk_weights

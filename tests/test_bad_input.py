@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import re
+import types
 
 import pytest
 import torch
@@ -523,6 +525,37 @@ def test_a_compiled_submodule_is_refused_before_the_step_changes_anything(model,
     with pytest.raises(TypeError, match=rf"{expected}.*{COMPILED_ADVICE}"):
         dp(torch.randn(6, 4, generator=generator))
     assert_untouched(model, before)
+
+
+@pytest.mark.parametrize("bind", [lambda f, m: types.MethodType(f, m), lambda f, m: functools.partial(f, m)],
+                         ids=["MethodType", "partial"])
+def test_a_forward_bound_on_the_instance_to_the_module_is_refused_before_the_step_changes_anything(model, bind, generator):
+    """A forward patched on the instance, bound to it: every replica's shallow copy shares it, so every replica would
+    run the original's parameters and buffers (B38's reason for compiled calls; on CPU replicas its BatchNorm statistics
+    updated from every chunk at once). Set after DataParallel was built: the forward refuses it, cache on or off."""
+    dp = minidp.DataParallel(model, cpu_ids(2))
+    dp(torch.randn(6, 4, generator=generator)).sum().backward()
+    model[2].forward = bind(type(model[2]).forward, model[2])
+    before = snapshot(model)
+    with pytest.raises(TypeError, match=r"'2' \(Linear\) has a forward set on the instance and bound to it.*on the class"):
+        dp(torch.randn(6, 4, generator=generator))
+    assert_untouched(model, before)
+
+
+def test_parametrized_replicas_inside_parametrize_cached_are_refused_naming_the_module(generator):
+    """torch's parametrization cache is one dict keyed by the original module: inside ``parametrize.cached()`` every
+    replica would read the tensor the first one computed (``spectral_norm`` would advance its power iteration in that
+    replica only). Refused before any replica runs; outside ``cached()`` the step runs."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    parametrizations.spectral_norm(model[2])
+    dp, x = minidp.DataParallel(model, cpu_ids(2)), torch.randn(6, 4, generator=generator)
+    before = snapshot(model)
+    with parametrize.cached(), pytest.raises(RuntimeError, match=r"'2' of replica 0 is parametrized .*outside parametrize\.cached\(\)"):
+        dp(x)
+    assert_untouched(model, before)
+    dp(x).sum().backward()
 
 
 class CompiledForward(nn.Module):
