@@ -47,8 +47,8 @@ When. parallel_apply cuts the graph only if every replica's graph, walked from i
 its own entries: nothing else requiring grad is reached (a tensor the replica captured from outside,
 another replica's tensors as :class:`minidp.SyncBatchNorm` exchanges them, a parameter that did not
 come through an entry, an input that is a leaf or a view of one: :func:`enter_inputs`), no re-entrant checkpoint is
-met (:func:`_recomputes_reentrantly`), no output holds an object the walk cannot look inside (one that gather rebuilds from its
-items may hold tensors of the graph), and no two outputs share memory (:func:`join`). Otherwise it leaves the outputs as they
+met (:func:`_recomputes_reentrantly`), no output holds an object the walk cannot look inside (one that gather
+rebuilds from its items may hold tensors of the graph), and no two outputs share memory (:func:`join`). Otherwise it leaves the outputs as they
 are and autograd runs the replicas' backwards one after the other, as before (the entries are then identity nodes
 on the way). Second-order gradients (``create_graph=True``) run the replicas' backwards one after the other in
 the calling thread, inside the node: the gradients it returns are differentiable, as the serial path's. So does a

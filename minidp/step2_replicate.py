@@ -61,9 +61,9 @@ def check_flag(value: Any, argument: str) -> None:
 
 
 def check_no_call_bound_to_the_original(network: nn.Module) -> None:
-    """Raise ``TypeError`` if ``network`` or a sub-module holds a call bound to itself: it is compiled (``torch.compile(m)``
-    or ``m.compile()``), or its ``forward`` was set on the instance, bound to it (``m.forward = types.MethodType(f,
-    m)``, or a ``functools.partial(f, m)``, as patches of a forward are made).
+    """Raise ``TypeError`` if ``network`` or a sub-module holds a call bound to itself: it is compiled
+    (``torch.compile(m)`` or ``m.compile()``), or its ``forward`` was set on the instance, bound to it (``m.forward =
+    types.MethodType(f, m)``, or a ``functools.partial(f, m)``, as patches of a forward are made).
 
     ``torch.compile(m)`` returns a wrapper (``OptimizedModule``) whose tree replicate cannot copy; the others keep the
     bound call in the module's ``__dict__``, which every replica's shallow copy shares, so every replica would run the
@@ -72,27 +72,25 @@ def check_no_call_bound_to_the_original(network: nn.Module) -> None:
     """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing can be compiled
     optimized = eval_frame.OptimizedModule if eval_frame is not None else ()
+    compile_inside = ("Give DataParallel the original module, and compile inside it: decorate the class's forward with "
+                      "@torch.compile (each replica then runs the compiled code on its own parameters).")
     for name, module in network.named_modules():
         where = f"'{name}'" if name else "the module"
         if isinstance(module, optimized):
             how = f"{where} is a torch.compile()d module (an OptimizedModule around {type(module._orig_mod).__name__})"
+            fix = compile_inside
         elif module.__dict__.get("_compiled_call_impl") is not None:
             how = f"{where} ({type(module).__name__}) was compiled in place with Module.compile()"
+            fix = compile_inside
         elif _bound_to(module.__dict__.get("forward"), module):
-            raise TypeError(
-                f"{where} ({type(module).__name__}) has a forward set on the instance and bound to it (m.forward = "
-                f"types.MethodType(f, m), or functools.partial(f, m)): every replica would run it on the original "
-                f"module's parameters and buffers, not its own. Set the forward on the class instead (a subclass: "
-                f"class Patched({type(module).__name__}): forward = f, then m.__class__ = Patched), so that each "
-                f"replica binds its own."
-            )
+            how = (f"{where} ({type(module).__name__}) has a forward set on the instance and bound to it (m.forward = "
+                   f"types.MethodType(f, m), or functools.partial(f, m))")
+            fix = (f"Set the forward on the class instead (a subclass: class Patched({type(module).__name__}): forward "
+                   f"= f, then m.__class__ = Patched), so that each replica binds its own.")
         else:
             continue
-        raise TypeError(
-            f"{how}: its compiled call is bound to the original module, so replicas cannot run it on their own "
-            f"parameters. Give DataParallel the original module, and compile inside it: decorate the class's "
-            f"forward with @torch.compile (each replica then runs the compiled code on its own parameters)."
-        )
+        raise TypeError(f"{how}: that call is bound to the original module, so every replica would run it on the "
+                        f"original's parameters and buffers, not its own. {fix}")
 
 
 def _bound_to(call: Any, module: nn.Module) -> bool:
@@ -106,8 +104,9 @@ def check_module_device(network: nn.Module, source_device: torch.device, replica
     """Raise unless every parameter and buffer of ``network`` is on ``source_device``.
 
     When the module is to be ``replicated`` (the default), also raise if a sub-module holds a call bound to itself
-    (compiled: :func:`check_no_call_bound_to_the_original`) or a parameter or buffer is not initialised yet (a lazy module). With
-    ``replicated=False`` the module runs itself, on one device, as stock runs it there: both work.
+    (:func:`check_no_call_bound_to_the_original`: compiled, or a patched forward) or a parameter or buffer is not
+    initialised yet (a lazy module). With ``replicated=False`` the module runs itself, on one device, as stock runs it
+    there: both work.
     """
     if replicated:
         check_no_call_bound_to_the_original(network)

@@ -85,7 +85,8 @@ class Broadcast(torch.autograd.Function):
             grads[start + i] if grads[start + i] is not None else torch.zeros_like(ctx.inputs[i], device=device)
             for start, device in zip(range(0, len(grads), n), ctx.devices) for i in needed
         ]
-        sums = apply_function(ReduceAddCoalesced, ctx.source_device, len(needed), ctx.reduce_backend, *per_replica) if needed else ()
+        sums = (apply_function(ReduceAddCoalesced, ctx.source_device, len(needed), ctx.reduce_backend, *per_replica)
+                if needed else ())
         result: list[Optional[torch.Tensor]] = [None] * n
         for i, total in zip(needed, sums):
             result[i] = total
