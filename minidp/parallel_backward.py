@@ -216,6 +216,10 @@ def applies(devices: Sequence[torch.device]) -> bool:
 class ReplicaEntry(torch.autograd.Function):
     """Forward: aliases of ``tensors`` (the same memory). Backward: the identity.
 
+    An alias is a detached tensor, which autograd lets be changed in place; for the tensors at the positions
+    ``guarded`` it is a view, which autograd refuses to see changed in place inside the replica: those whose own
+    change autograd would refuse (:func:`enter_inputs`).
+
     Where a replica's graph ends. The node keeps the tensors it aliases (``outer``), which
     :class:`ParallelBackward` takes as its inputs.
 
@@ -230,16 +234,18 @@ class ReplicaEntry(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, *tensors: torch.Tensor):
+    def forward(ctx, guarded: frozenset[int], *tensors: torch.Tensor):
         ctx.outer = tensors
-        return tuple(map(_detach, tensors))
+        if not guarded:
+            return tuple(map(_detach, tensors))
+        return tuple(t.view_as(t) if i in guarded else t.detach() for i, t in enumerate(tensors))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        return grads
+        return (None, *grads)
 
     @staticmethod
-    def jvp(ctx, *tangents: Optional[torch.Tensor]):
+    def jvp(ctx, _guarded: None, *tangents: Optional[torch.Tensor]):
         # Forward-mode AD (torch.autograd.forward_ad) through an input that also requires grad: the identity too.
         return tangents
 
@@ -254,24 +260,38 @@ def enter(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def enter_inputs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """A replica's arguments as it receives them: as :func:`enter` gives them, but for a leaf that requires grad, or a
-    view of one, which is passed as it is. Autograd refuses an in-place change of such a tensor ("a leaf Variable that
-    requires grad is being used in an in-place operation"); an entry's alias, neither a leaf nor a view, would let a
-    replica's forward change the caller's tensor. Passed as it is, the replica's graph reaches its leaf, and the
-    replicas' backwards stay serial (:func:`region`)."""
-    return _enter_at(tensors, [i for i, t in enumerate(tensors) if t.requires_grad and not _leaf_or_view_of_one(t)])
+    """A replica's arguments as it receives them: as :func:`enter` gives them, but where autograd refuses an in-place
+    change of a tensor, the replica's alias must refuse it too (an alias that takes it would change the caller's
+    tensor, and the step would fail later, or not at all):
+
+    * a leaf that requires grad, or a view of one, is passed as it is, so that autograd raises its own words ("a leaf
+      Variable that requires grad is being used in an in-place operation"); the replica's graph then reaches that
+      leaf, and the replicas' backwards stay serial (:func:`region`);
+    * a view made by a function that returns several (``split``: the first chunk of a batch that requires grad), or
+      under ``no_grad``, comes through the entry as a view of it, whose change autograd refuses inside the replica."""
+    entered = [i for i, t in enumerate(tensors) if t.requires_grad and not _leaf_or_view_of_one(t)]
+    guarded = frozenset(position for position, i in enumerate(entered) if _refuses_in_place_as_a_view(tensors[i]))
+    return _enter_at(tensors, entered, guarded)
 
 
 def _leaf_or_view_of_one(tensor: torch.Tensor) -> bool:
     return tensor.is_leaf or (tensor._is_view() and tensor._base.is_leaf)
 
 
-def _enter_at(tensors: Sequence[torch.Tensor], differentiable: list[int]) -> list[torch.Tensor]:
-    """``tensors``, those at the indices ``differentiable`` through one :class:`ReplicaEntry`."""
-    if not differentiable:
+def _refuses_in_place_as_a_view(tensor: torch.Tensor) -> bool:
+    return tensor._is_view() and torch._C._autograd._get_creation_meta(tensor) != _DEFAULT_VIEW
+
+
+_DEFAULT_VIEW = torch._C._autograd.CreationMeta.DEFAULT  # a view autograd lets change in place (it rebases its base)
+
+
+def _enter_at(tensors: Sequence[torch.Tensor], entered: list[int], guarded: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+    """``tensors``, those at the indices ``entered`` through one :class:`ReplicaEntry` (``guarded``: the positions
+    among them whose alias is a view)."""
+    if not entered:
         return list(tensors)
     aliases = list(tensors)
-    for i, alias in zip(differentiable, apply_function(ReplicaEntry, *[tensors[i] for i in differentiable])):
+    for i, alias in zip(entered, apply_function(ReplicaEntry, guarded, *[tensors[i] for i in entered])):
         aliases[i] = alias
     return aliases
 

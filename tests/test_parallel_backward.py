@@ -496,6 +496,22 @@ def test_an_input_leaf_that_requires_grad_is_refused_an_in_place_change_as_on_on
     assert _equal(leaves, before)
 
 
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+def test_a_chunk_of_a_batch_that_requires_grad_is_refused_an_in_place_change_in_the_replica(generator, parallel):
+    # The first chunk is a view made by split, a function returning several views, whose in-place change autograd
+    # refuses: in replica 0's forward, named, before the batch (a layer's output before the wrapped module) changes.
+    x = torch.randn(8, 6, generator=generator).requires_grad_() * 1
+    before = x.detach().clone()
+    previous = minidp.set_parallel_backward(parallel)
+    try:
+        with pytest.raises(RuntimeError, match="Caught RuntimeError in replica 0") as raised:
+            minidp.DataParallel(_ReluInPlaceFirst(), cpu_ids(2))(x)
+    finally:
+        minidp.set_parallel_backward(previous)
+    assert "is a view" in str(raised.value) and "modified inplace" in str(raised.value)
+    assert torch.equal(x.detach(), before)
+
+
 def test_a_replica_output_changed_in_place_is_back_propagated_as_on_the_serial_path(generator):
     # Autograd takes an in-place change of a tensor that no node saved (a linear layer's output): so does the serial
     # path, and so must the parallel one, whose outputs are aliases of the replicas' (the same version counter).
