@@ -285,7 +285,9 @@ def _refuses_in_place_as_a_view(tensor: torch.Tensor) -> bool:
 _DEFAULT_VIEW = torch._C._autograd.CreationMeta.DEFAULT  # a view autograd lets change in place (it rebases its base)
 
 
-def _enter_at(tensors: Sequence[torch.Tensor], entered: list[int], guarded: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+def _enter_at(
+    tensors: Sequence[torch.Tensor], entered: list[int], guarded: frozenset[int] = frozenset()
+) -> list[torch.Tensor]:
     """``tensors``, those at the indices ``entered`` through one :class:`ReplicaEntry` (``guarded``: the positions
     among them whose alias is a view)."""
     if not entered:
