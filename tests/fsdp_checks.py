@@ -1499,6 +1499,22 @@ def timeline_and_memory(seed: int, steps: int = 3) -> dict:
             "table": md.format_ledgers(ledgers), "gathered_mid_forward": mid_forward}
 
 
+def evaluation_before_training_as_fsdp2(seed: int) -> dict[str, Any]:
+    """Two forwards under ``torch.inference_mode()`` before any training (an evaluation-only job), then a training
+    step, in both libraries: each evaluation's output (to compare bitwise), and the training step's error or loss."""
+    seen: dict[str, Any] = {}
+    for name, fully_shard in (("minidp", md.fully_shard), ("torch", torch_fully_shard)):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4))
+        fully_shard(model[0])
+        fully_shard(model)
+        x = torch.randn(6, 5, generator=torch.Generator().manual_seed(seed + dist.get_rank()))
+        with torch.inference_mode():
+            seen[name] = [model(x).clone(), model(2 * x).clone()]
+        seen[f"{name} training after"] = error_of(lambda: model(x).pow(2).mean().backward())
+    return seen
+
+
 def _two_linears(inner: tuple[int, int], outer: tuple[int, int], reshard_after_forward: bool = True) -> nn.Module:
     """``Linear(*inner)``, tanh, ``Linear(*outer)`` in float64, each linear a group of its own under a root that has
     no parameter: sizes small enough to count every byte by hand (tests/test_fully_shard.py)."""

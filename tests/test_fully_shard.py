@@ -83,6 +83,7 @@ def _frozen_name(frozen: str, policy: Optional[str]) -> str:
 TWO_PROCESSES = {
     **_against_fsdp2_plan(),
     "accumulate": (checks.against_fsdp2, {"micro_batches": 2, "optimizer": "adamw"}),
+    "evaluation_before_training": (checks.evaluation_before_training_as_fsdp2, {}),
     "tied": (checks.against_fsdp2, {"model": "tied", "dtype": torch.float64}),
     "unsynced-reshard": (checks.against_fsdp2, {"micro_batches": 3, "steps": 2, "unsynced": "all"}),
     "unsynced-keep": (checks.against_fsdp2, {"micro_batches": 3, "steps": 2, "unsynced": "all",
@@ -997,6 +998,15 @@ def test_the_allocation_ledger_counts_gathered_parameters_as_parameters(observed
     # measure_step: the shards (312) and, at most, group "0" whole (432): the groups are never whole at once
     for result in each_rank(observed, "observed"):
         assert result["8-5-3"]["held"]["parameters"] == SHARD_BYTES + WHOLE_0_BYTES
+
+
+def test_forwards_under_inference_mode_before_any_training_run_as_fsdp2s(two):
+    # an evaluation-only job: the gathered buffers are made under inference_mode, without the version counter the
+    # refill of a later gather keeps; FSDP2 runs them, and both then refuse to train on those inference tensors (each
+    # in its own words: torch's at its in-place refill, minidp's where autograd would save one)
+    for result in each_rank(two, "evaluation_before_training"):
+        assert all(torch.equal(ours, theirs) for ours, theirs in zip(result["minidp"], result["torch"], strict=True))
+        assert result["minidp training after"][0] == result["torch training after"][0] == "RuntimeError"
 
 
 @pytest.mark.parametrize("ledger", ["held", "traced held"])

@@ -501,8 +501,10 @@ class ShardGroup:
                 slots = torch.empty_like(slots)
                 joined.append((p, slots))
             outs.append(slots.view(self.gather_dtype))  # as bytes where the all-gather carried bytes (FSDP2 alike)
-        # Refilling the storage autograd saved is no in-place change of those values: keep their versions.
-        with torch.autograd._unsafe_preserve_version_counter(tuple(p.gathered for p in self.params)):
+        # Refilling the storage autograd saved is no in-place change of those values: keep their versions. A buffer
+        # first made under torch.inference_mode() (an evaluation before any training, as FSDP2 runs one) has none.
+        versioned = tuple(p.gathered for p in self.params if not p.gathered.is_inference())
+        with torch.autograd._unsafe_preserve_version_counter(versioned):
             torch.split_with_sizes_copy(flat.view(self.world_size, -1), sizes, dim=1, out=outs)
             for p, slots in joined:
                 p.whole_from_slots(slots, out=p.gathered)
