@@ -207,8 +207,7 @@ def observe_wait(work: Any) -> Any:
     method (the memory ledger's), which runs it: a backend may make the buffers it works in on threads of its own
     (Gloo's reduce-scatter does) and hand them to an operator only in the wait, where a listener that sees operators
     meets them for the first time. Nothing listening: one read of the slot."""
-    listener = _listener
-    on_wait = getattr(listener, "on_wait", None) if listener is not None else None
+    on_wait = _optional_method("on_wait")
     return work.wait() if on_wait is None else on_wait(work.wait)
 
 
@@ -216,8 +215,13 @@ def observe_storage(category: str, tensors: Sequence[torch.Tensor]) -> None:
     """Announce that the storages of ``tensors`` hold ``category`` (one of the memory ledger's categories:
     ``"parameters"`` for the whole parameters ``fully_shard`` gathers, ``"gradients"`` for a DDP bucket's buffer), to a
     listener that has ``on_storage(category, tensors)``. Nothing listening: one read of the slot."""
+    on_storage = _optional_method("on_storage")
+    if on_storage is not None:
+        on_storage(category, tensors)
+
+
+def _optional_method(name: str) -> Optional[Callable]:
+    """The installed listener's method ``name``, which a listener need not have (the memory ledger's ``on_storage`` and
+    ``on_wait``); ``None`` when nothing listens or it has none."""
     listener = _listener
-    if listener is not None:
-        on_storage = getattr(listener, "on_storage", None)
-        if on_storage is not None:
-            on_storage(category, tensors)
+    return None if listener is None else getattr(listener, name, None)

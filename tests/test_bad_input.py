@@ -607,6 +607,7 @@ BAD_ARGUMENTS = [
     (lambda m, x: minidp.replicate(m, cpu_ids(2), "False"), TypeError, r"detach must be True or False, got 'False'"),
     (lambda m, x: minidp.ReplicaCache().replicate(m, cpu_ids(2), "False"), TypeError,
      r"detach must be True or False, got 'False'"),
+    (lambda m, x: minidp.trace(ledger="no"), TypeError, r"ledger must be True or False, got 'no'"),
     (lambda m, x: minidp.DataParallel(m, ["cpu", "meta"]), ValueError,
      r"device_ids\[1\]: the meta device cannot run a replica beside cpu \(device_ids\[0\]\): meta tensors hold"),
     (lambda m, x: minidp.data_parallel(m, x, ["cpu", "meta"]), ValueError,

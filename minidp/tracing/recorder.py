@@ -55,6 +55,7 @@ import torch
 
 from .. import hooks
 from ..parallel_backward import is_entry
+from ..step2_replicate import check_flag
 from . import describers, views
 from .memory import AllocationLedger, DeviceMemory, LedgerRow, MemoryPeak, gpus_in_use
 
@@ -164,6 +165,7 @@ class Trace:
     """
 
     def __init__(self, ledger: bool = False) -> None:
+        check_flag(ledger, "ledger")  # "no" would read as true: a ledger counting every operator, unasked
         self._events: list[Event] = []
         self._duration = 0.0
         self._memory: list[MemoryPeak] = []
