@@ -1652,6 +1652,40 @@ def _mean_low_precision_gradients(module: nn.Module, batch_norm: bool, batches: 
     return means
 
 
+def mixed_precision_under_join(seed: int, batches: Sequence[int]) -> dict:
+    """``mixed_precision=_MixedPrecision(bfloat16, bfloat16, bfloat16)`` under ``ddp.join()``, rank r training
+    ``batches[r]`` batches, against the same wrapper trained ``max(batches)`` steps without join, a rank past its
+    batches back-propagating its loss times zero (what a rank that joined adds to the mean over the initial world
+    size: zero gradients): the first difference of the two models' states after the context (where the last rank to
+    join has sent its model to all; the gradients differ: a rank that joined keeps those of its last batch), each one's error if it raised, and the dtypes of the joined model's parameters."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    config = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    torch.manual_seed(seed + dist.get_rank())
+    joined_module = _mixed_precision_model(False)
+    reference_module = copy.deepcopy(joined_module)
+    mine = batches[dist.get_rank()]
+    errors: dict[str, Optional[str]] = {"joined": None, "reference": None}
+
+    def train(ddp: nn.Module, steps: int, zeroed_from: int) -> None:
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for step in range(steps):
+            optimizer.zero_grad()
+            loss = ddp(_inputs(seed, step, 5, 6)).pow(2).mean()
+            (loss * 0 if step >= zeroed_from else loss).backward()
+            optimizer.step()
+
+    for name, module, steps in (("joined", joined_module, mine), ("reference", reference_module, max(batches))):
+        ddp = md.DistributedDataParallel(module, mixed_precision=config)
+        try:
+            with ddp.join() if name == "joined" else contextlib.nullcontext():
+                train(ddp, steps, zeroed_from=mine)
+        except RuntimeError as error:
+            errors[name] = str(error)
+    return {"difference": state_difference(joined_module.state_dict(), reference_module.state_dict()),
+            "errors": errors, "dtypes": sorted({str(p.dtype) for p in joined_module.parameters()})}
+
+
 def mixed_precision_as_stock(seed: int, param_dtype: str, reduce_dtype: Optional[str], buffer_dtype: Optional[str],
                              steps: int = 4, set_to_none: bool = True, accumulate: bool = False,
                              evaluate: bool = False, zero_grad_every: int = 1, frozen: bool = False,

@@ -171,6 +171,8 @@ TWO_PROCESSES = {
     "device_mesh_slice": (ddp_checks.against_torch, {"mesh": "slice"}),
     "device_mesh_slice_tensor_parallel": (checks.tensor_parallel_parameters_on_a_sliced_mesh, {}),
     **{f"mixed_precision_{name}": (checks.mixed_precision_as_stock, options) for name, options in MIXED_PRECISION.items()},
+    **{f"mixed_precision_join_{'_'.join(map(str, batches))}": (checks.mixed_precision_under_join, {"batches": batches})
+       for batches in ((1, 3), (0, 2))},
 }
 
 
@@ -977,6 +979,19 @@ def test_native_mixed_precision_trains_as_stock_bitwise_from_its_second_backward
     for rank in each_rank(two, f"mixed_precision_{case}"):
         assert rank["stock_error"] is None, rank["stock_error"]
         assert rank["stock"] and rank["stock"] == [None] * len(rank["stock"]), rank["stock"]
+
+
+@pytest.mark.parametrize("batches", ["1_3", "0_2"])
+def test_native_mixed_precision_under_join_trains_as_if_the_joined_rank_added_zero_gradients(two, batches):
+    """A rank out of data under ``join()`` runs the communication hook with its buckets zeroed (torch's
+    ``_DDPJoinHook.main_hook``, torch/nn/parallel/distributed.py) outside any backward: the mixed-precision hook's
+    end-of-backward step runs there at once (it failed with autograd's "Final callbacks can only be installed during
+    backward pass", and the other rank then lost its peer). The model on every rank after the context is the one a
+    training without join gives where that rank back-propagates zero gradients, bit for bit, in full precision."""
+    for rank in each_rank(two, f"mixed_precision_join_{batches}"):
+        assert rank["errors"] == {"joined": None, "reference": None}, rank["errors"]
+        assert rank["difference"] is None, rank["difference"]
+        assert rank["dtypes"] == ["torch.float32"]
 
 
 # ---- what the observation tools report: an MLP 8-16-4 in float64 (ddp_feature_checks.observed_memory) ----

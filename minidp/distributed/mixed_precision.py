@@ -135,8 +135,12 @@ class MixedPrecision:
             param.grad.data = param.grad.to(param.dtype)
 
     def queue_restore_after_backward(self) -> None:
-        """Have :meth:`restore_after_backward` run once the running backward ends (once per backward)."""
-        if not self._restore_queued:
+        """Have :meth:`restore_after_backward` run once the running backward ends (once per backward), or now where
+        no backward runs: a rank that ran out of data under ``join()`` runs the hook to shadow its peers' all-reduces
+        (:mod:`minidp.distributed.join`), outside any backward, where autograd refuses a callback."""
+        if torch._C._current_graph_task_id() == -1:
+            self.restore_after_backward()
+        elif not self._restore_queued:
             self._restore_queued = True
             Variable._execution_engine.queue_callback(self.restore_after_backward)
 
