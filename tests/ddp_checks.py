@@ -93,10 +93,16 @@ def _bf16_hook(state, bucket):  # no annotations: stock checks them (a string is
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
+def _bf16_wrapped_allreduce(state, bucket):
+    # The same for the wrapper: torch refuses the hook it returns, named bf16_compress_wrapper_hook, without NCCL.
+    return default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)(state, bucket)
+
+
 HOOKS = {
     "allreduce": (default_hooks.allreduce_hook, default_hooks.allreduce_hook),
     "fp16_compress": (default_hooks.fp16_compress_hook, default_hooks.fp16_compress_hook),
     "bf16_compress": (_bf16_hook, default_hooks.bf16_compress_hook),
+    "bf16_compress_wrapper": (_bf16_wrapped_allreduce, default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)),
 }
 
 

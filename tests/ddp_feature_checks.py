@@ -1126,23 +1126,31 @@ class _WithAnIdleLayer(nn.Module):
 
 
 def logging_data_as_stock(seed: int, steps: int, sample_rate: Optional[int] = None, hook: Optional[str] = None,
-                          under_join: bool = False, idle_layer: bool = False, **options: Any) -> dict:
+                          under_join: bool = False, idle_layer: bool = False, low_precision: Optional[str] = None,
+                          **options: Any) -> dict:
     """``_get_ddp_logging_data()`` of both after ``steps`` training steps (``sample_rate``: set first;
     ``hook``: "python" or "builtin"; ``under_join``: inside ``ddp.join()``; ``idle_layer``: a model with a layer
-    that no forward runs), per wrapper."""
-    theirs, ours, _, _ = _pair(_WithAnIdleLayer if idle_layer else _with_batch_norm, seed, **options)
+    that no forward runs; ``low_precision``: a dtype's name, both built with ``mixed_precision`` in it for the
+    parameters and the buffers, torch's through :func:`torch_mixed_precision_on_the_cpu`), per wrapper."""
+    if low_precision is not None:
+        from torch.nn.parallel.distributed import _MixedPrecision
+
+        dtype = getattr(torch, low_precision)
+        options["mixed_precision"] = _MixedPrecision(param_dtype=dtype, buffer_dtype=dtype)
     data = {}
-    for name, ddp in (("stock", theirs), ("minidp", ours)):
-        if sample_rate is not None:
-            ddp._set_ddp_runtime_logging_sample_rate(sample_rate)
-        if hook == "python":
-            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-        elif hook == "builtin":
-            ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
-        with ddp.join() if under_join else contextlib.nullcontext():
-            for step in range(steps):
-                ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
-        data[name] = ddp._get_ddp_logging_data()
+    with torch_mixed_precision_on_the_cpu() if low_precision else contextlib.nullcontext():
+        theirs, ours, _, _ = _pair(_WithAnIdleLayer if idle_layer else _with_batch_norm, seed, **options)
+        for name, ddp in (("stock", theirs), ("minidp", ours)):
+            if sample_rate is not None:
+                ddp._set_ddp_runtime_logging_sample_rate(sample_rate)
+            if hook == "python":
+                ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            elif hook == "builtin":
+                ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+            with ddp.join() if under_join else contextlib.nullcontext():
+                for step in range(steps):
+                    ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+            data[name] = ddp._get_ddp_logging_data()
     return data
 
 

@@ -138,6 +138,7 @@ TWO_PROCESSES = {
         "steps": 14, "sample_rate": 2, "find_unused_parameters": True, "gradient_as_bucket_view": True}),
     "logging_static_hook": (checks.logging_data_as_stock, {"steps": 3, "static_graph": True, "hook": "python"}),
     "logging_builtin_join": (checks.logging_data_as_stock, {"steps": 2, "hook": "builtin", "under_join": True}),
+    "logging_mixed_precision": (checks.logging_data_as_stock, {"steps": 2, "low_precision": "bfloat16"}),
     # a static graph's first backward, reduced in torch's delay_all_reduce, then the next one
     **{f"logging_static_idle_{steps}": (checks.logging_data_as_stock, {"steps": steps, "static_graph": True, "idle_layer": True})
        for steps in (1, 2)},
@@ -654,7 +655,7 @@ def test_throw_on_early_termination_raises_stocks_errors_on_every_rank(two):
 # ---- runtime statistics: _get_ddp_logging_data (distributed.py:2552), _set_ddp_runtime_logging_sample_rate ----
 
 LOGGING_CASES = ["logging_constructed", "logging_rebuilt", "logging_sampled", "logging_static_hook",
-                 "logging_builtin_join", "logging_static_idle_1", "logging_static_idle_2",
+                 "logging_builtin_join", "logging_mixed_precision", "logging_static_idle_1", "logging_static_idle_2",
                  *(["logging_zero_cap"] if TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP else [])]
 
 

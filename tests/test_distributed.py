@@ -36,6 +36,7 @@ TWO_PROCESSES = {
     "allreduce_hook": (checks.against_torch, {"hook": "allreduce"}),
     "fp16_compress_hook": (checks.against_torch, {"hook": "fp16_compress"}),
     "bf16_compress_hook": (checks.against_torch, {"hook": "bf16_compress"}),
+    "bf16_compress_wrapper": (checks.against_torch, {"hook": "bf16_compress_wrapper"}),
     "bucket_view_set_to_none": (checks.against_torch, {"gradient_as_bucket_view": True}),
     "bucket_view_zeroed": (checks.against_torch, {"gradient_as_bucket_view": True, "set_to_none": False}),
     "hook_buckets_default": (checks.hook_calls, {}),
@@ -117,7 +118,7 @@ def test_batch_norm_with_small_buckets_three_processes(three):
     assert_same_as_stock(three, "batch_norm")
 
 
-@pytest.mark.parametrize("hook", ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"])
+@pytest.mark.parametrize("hook", ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "bf16_compress_wrapper"])
 def test_stock_comm_hooks_give_stock_results(two, hook):
     assert_same_as_stock(two, hook)
 

@@ -371,7 +371,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
             self.module, params, self.process_group, device_ids=self.device_ids, output_device=self.output_device,
             broadcast_buffers=self.broadcast_buffers, bucket_cap_bytes=self._bucket_caps.cap,
             find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=self.gradient_as_bucket_view,
-            bucket_sizes=[b.buffer.numel() * b.buffer.element_size() for b in self.reducer.buckets],
+            # in the parameters' dtype, as torch logs them (mixed precision keeps the buffers in a lower one)
+            bucket_sizes=[b.buffer.numel() * b.params[0].element_size() for b in self.reducer.buckets],
         )
         if self.static_graph:
             self._logging.entries["static_graph"] = 1
@@ -379,6 +380,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         if mixed is not None:
             self.__dict__["_mixed"] = MixedPrecision(mixed, self.module, self.parameters_to_ignore, self.process_group)
             self.register_comm_hook(self._mixed, allreduce_and_upcast)
+            self._logging.entries["comm_hook"] = "_reducer_allreduce_and_upcast_hook"  # torch's name for its hook
         if self._use_python_reducer:
             # The buckets stay for what reads them (bucket_plan, the logging data) and reduce nothing, as torch's C++
             # reducer does in this mode (its forward never prepares it for a backward): the Python hooks reduce.
