@@ -45,10 +45,11 @@ The life of one entry (:class:`EntryState`): ``CLEAN`` (built or reset, holding 
 backward of its ``Broadcast`` node has run (a hook on the node says so; the node of an earlier binding,
 in a graph kept with ``retain_graph`` and run again, does not), then ``RELEASED``, and emptied at once (``CLEAN``)
 unless something outside the cache holds a replica (below), so that no step's tensors stay until the next call;
-:meth:`ReplicaCache.release` releases it by hand. Only a ``CLEAN``, ``BOUND`` (no graph) or
-``RELEASED`` entry is re-bound; while its backward is pending a call builds new skeletons, because
-autograd may still run the old ones: activation checkpointing re-runs a replica's forward during the
-backward. A backward that ran does not always end that: a branch of the graph not back-propagated yet,
+a ``BOUND`` one as soon as its forward returns (:meth:`ReplicaCache.finished`: no backward to wait for), on the
+same condition; :meth:`ReplicaCache.release` releases one by hand (a forward with grad never backpropagated).
+Only a ``CLEAN``, ``BOUND`` (no graph) or ``RELEASED`` entry is re-bound; while its backward is pending a call builds
+new skeletons, because autograd may still run the old ones: activation checkpointing re-runs a replica's forward
+during the backward. A backward that ran does not always end that: a branch of the graph not back-propagated yet,
 or a graph kept with ``retain_graph``, may still recompute a replica, or hand it to a backward hook.
 Whatever can do so holds the replica module, so the skeletons are also re-bound only while no replica
 module has a reference the cache did not count when it bound them (:attr:`_Entry.referenced`), and
@@ -259,6 +260,16 @@ class _Entry:
         """
         return tuple(map(sys.getrefcount, self.flat_replicas)) != self.references
 
+    def held_only_by_the_cache_and(self, roots: list[nn.Module]) -> bool:
+        """Whether nothing but the cache and ``roots``, the list of replica roots :meth:`bind` returned, holds a replica
+        module: :attr:`referenced` while its caller still holds that list (one more reference to each root)."""
+        if len(roots) != len(self.replicas) or not all(map(is_, roots, map(itemgetter(0), self.replicas))):
+            return False
+        expected = list(self.references)
+        for i in range(0, len(expected), len(self.replicas[0])):  # each device's root starts its modules
+            expected[i] += 1
+        return list(map(sys.getrefcount, self.flat_replicas)) == expected
+
     @property
     def reclassed(self) -> bool:
         """Whether a replica's forward replaced its class (``self.__class__ = Other``), which a reset does not undo."""
@@ -272,7 +283,9 @@ class _Entry:
         param_copies, buffer_copies = replica_tensors(self.params, self.buffers, devices, detach, reduce_backend)
         bind(self.replicas, self.param_slots, self.buffer_slots, param_copies, buffer_copies,
              entered=through_entries(devices, detach))
-        self._watch_backward(param_copies[0], buffer_copies[0])
+        # Detached, replica 0 holds the originals and detached aliases, which no node of this binding made (a buffer
+        # that requires grad is the original itself, its grad_fn None or its own): nothing to watch, and BOUND.
+        self._watch_backward(*(() if detach else (param_copies[0], buffer_copies[0])))
         self.references = tuple(map(sys.getrefcount, self.flat_replicas))  # the cache's own, as `referenced` reads them
         return [replica_modules[0] for replica_modules in self.replicas]
 
@@ -426,6 +439,24 @@ class ReplicaCache:
             entries = [entry for key, entry in self._entries.items() if key[1:] == where]
         for entry in entries:
             entry.release()
+
+    def finished(self, roots: list[nn.Module]) -> None:
+        """The forward that ran ``roots`` (the list :meth:`replicate` returned, still held by the caller) is over.
+
+        Replicas bound with no graph (``BOUND``: under ``torch.no_grad()``, or no parameter requiring grad) have no
+        backward to wait for: they are emptied now, as stock's are freed with the step, so that their copies (of the
+        buffers; on GPUs, of the parameters) do not stay until the next call. Outputs that alias a replica's tensor
+        keep it: an emptied replica only drops its dicts' references. Not where anything but the cache and ``roots``
+        holds a replica (an output, a hook's list, a graph that may recompute it): that holder keeps it whole, and the
+        next call builds new replicas, as it would anyway (:attr:`_Entry.referenced`).
+        """
+        with self._lock:
+            entries = list(self._entries.values())
+        for entry in entries:
+            if entry.replicas[0][0] is roots[0]:
+                if entry.state is EntryState.BOUND and entry.held_only_by_the_cache_and(roots):
+                    entry.reset()
+                return
 
     def originals(self, replica: nn.Module) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """The original's parameters and buffers (``network.parameters()``, ``network.buffers()``, in order) if

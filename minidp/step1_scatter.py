@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from . import comm
 from .device_ids import DeviceLike, as_devices
@@ -58,6 +59,9 @@ def plan_splits(
     first_of_size: dict[int, str] = {}  # each size met, with the first tensor of that size
     one_value_a_row: dict[int, bool] = {}  # whether every tensor of that size holds one value per row
     for path, tensor in (found for name, obj in roots for found in tensors_in(obj, name)):
+        if path.endswith(".batch_sizes"):  # maybe a PackedSequence's field: a name is cheaper to test than every type
+            for name, obj in roots:
+                _check_no_packed_sequence(obj, name)
         comm.check_splittable(tensor, dim, path)
         size = _rows(tensor, dim)
         one_value_a_row[size] = one_value_a_row.get(size, True) and tensor.numel() == size
@@ -75,6 +79,27 @@ def plan_splits(
         first_of_size[size] = path
     _check_chunk_counts(splits, first_of_size, one_value_a_row, dim, num_devices, chunk_weights)
     return splits
+
+
+def _check_no_packed_sequence(obj: Any, path: str) -> None:
+    """Raise, naming it, if ``obj`` is or holds a ``PackedSequence``.
+
+    It is a namedtuple, which scatter cuts field by field (stock too, B12): its time-major ``data``, its
+    ``batch_sizes`` (one per time step) and its indices, each by rows, which makes no valid ``PackedSequence`` (uneven
+    lengths fail inside the RNN; equal lengths give every replica some time steps of every sequence, and a wrong result
+    without an error).
+    """
+    if isinstance(obj, PackedSequence):
+        raise TypeError(
+            f"{path} is a PackedSequence, which cannot be cut into chunks: its fields (data, batch_sizes, "
+            f"sorted_indices) would each be cut by rows, which makes no valid PackedSequence (stock does so: uneven "
+            f"lengths fail inside the RNN, equal lengths give a wrong result silently). Pass the padded batch and its "
+            f"lengths (torch.nn.utils.rnn.pad_packed_sequence gives both), and pack them in the module's forward: each "
+            f"replica then packs its own rows (pack_padded_sequence(x, lengths.cpu(), batch_first=True, "
+            f"enforce_sorted=False))"
+        )
+    for suffix, child in children(obj) or ():
+        _check_no_packed_sequence(child, path + suffix)
 
 
 def _check_chunk_counts(

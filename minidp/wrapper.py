@@ -94,33 +94,41 @@ def _warn_if_imbalanced(devices: list[torch.device]) -> None:
 def tensors_replica_0_shares(
     module: nn.Module, replicas: Sequence[nn.Module], devices: Sequence[DeviceLike], cache: Optional[ReplicaCache]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """What :func:`step_guarded` watches: ``module``'s buffers, which ``replicas[0]`` shares, and its parameters where
-    several replicas share them, running on the module's device (``devices[0]``: CPU replicas, a repeated GPU id),
-    else none. From ``cache`` where it bound those replicas (lists it holds, checked against the tree at that call),
-    else by walking the tree (0.16 ms a walk for ResNet-50's 151 modules), the parameters only where they are watched."""
+    """What :func:`step_guarded` watches: the tensors several replicas share, running on the module's device
+    (``devices[0]``: CPU replicas, a repeated GPU id), else none; and ``module``'s buffers, which ``replicas[0]`` shares.
+    The shared ones are the parameters and, in grad mode, the buffers that require grad: those come through the
+    parameters' ``Broadcast`` (so that their gradient flows back), aliases of the originals there; under no_grad every
+    replica but the first gets a copy of them, as of any buffer. From ``cache`` where it bound those replicas (lists it
+    holds, checked against the tree at that call), else by walking the tree (0.16 ms a walk for ResNet-50's 151
+    modules), the parameters only where they are watched."""
     aliased = devices.count(devices[0]) > 1
     known = cache.originals(replicas[0]) if cache is not None else None
     if known is None:
-        return list(module.parameters()) if aliased else [], list(module.buffers())
-    return known[0] if aliased else [], known[1]
+        known = list(module.parameters()) if aliased else [], list(module.buffers())
+    params, buffers = known
+    if not aliased:
+        return [], buffers
+    differentiable = list(filter(_requires_grad, buffers)) if torch.is_grad_enabled() else []
+    return params + differentiable if differentiable else params, buffers
 
 
-_version = attrgetter("_version")
+_version, _requires_grad = attrgetter("_version"), attrgetter("requires_grad")
 
 
 @contextlib.contextmanager
-def step_guarded(module: nn.Module, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> Iterator[None]:
-    """A step that fails changes nothing it can put back, and a step whose replicas changed a parameter in place fails.
+def step_guarded(module: nn.Module, shared: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> Iterator[None]:
+    """A step that fails changes nothing it can put back; a step whose replicas changed a shared tensor in place fails.
 
     Buffers. Replica 0 shares the original's buffers, so its BatchNorm updates land in them during the step
     (stock's behaviour: the running statistics come from chunk 0). If another replica then fails,
     stock keeps replica 0's half of the step. Here the buffers are copied before the replicas run (a
     clone of each, all made by one ``_foreach_clone`` where torch has it), and on an exception every buffer is written
     back from the copy (all of them: BatchNorm's kernel updates its running statistics without moving
-    their version counters). On success nothing more happens, and the buffers are the very tensors
-    stock would leave.
+    their version counters; those that require grad too, which replica 0 holds as the original, or an alias of it).
+    On success nothing more happens, and the buffers are the very tensors stock would leave.
 
-    Parameters (those :func:`tensors_replica_0_shares` gives). Replicas on the module's own device hold aliases of
+    Shared tensors (those :func:`tensors_replica_0_shares` gives: parameters, and buffers that require grad, which
+    come as the parameters do; "parameter" below speaks for both). Replicas on the module's own device hold aliases of
     its parameters (no copy), so where several run there (CPU replicas, a repeated GPU id) a forward that changes one in place
     (``self.weight.mul_(2)`` under ``torch.no_grad()``) changes the original once per replica, where stock refuses the
     change in replica 0 (a view of the original) and drops the other replicas' (copies, docs/stock-behaviour.md B42).
@@ -132,13 +140,14 @@ def step_guarded(module: nn.Module, params: Sequence[torch.Tensor], buffers: Seq
     read: its change lands once, as replica 0's does in stock through ``.data``, and a cuDNN RNN's
     ``flatten_parameters()`` in the forward moves them without changing a value.
     """
-    versions = list(map(_version, params))
-    buffers = [b for b in buffers if not b.requires_grad]  # buffers in autograd reach replica 0 as copies
-    saved = clone_all(buffers) if buffers else []  # the cheapest copy of many small buffers (step2_replicate._copy_buffers)
+    versions = list(map(_version, shared))
+    # The cheapest copy of many small buffers (step2_replicate._copy_buffers), outside autograd (a buffer may require grad).
+    with torch.no_grad():
+        saved = clone_all(buffers) if buffers else []
     try:
         yield
-        if list(map(_version, params)) != versions:
-            _refuse_changed_parameters(module, params, versions)
+        if list(map(_version, shared)) != versions:
+            _refuse_changed_in_place(module, shared, versions)
     except BaseException:
         if buffers:
             with torch.no_grad():
@@ -146,11 +155,15 @@ def step_guarded(module: nn.Module, params: Sequence[torch.Tensor], buffers: Seq
         raise
 
 
-def _refuse_changed_parameters(module: nn.Module, params: Sequence[torch.Tensor], versions: list[int]) -> None:
-    names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
-    moved = [p for p, version in zip(params, versions) if p._version != version]
-    changed = [names[id(p)] for p in moved]
-    frozen = [names[id(p)] for p in moved if not p.requires_grad]
+def _refuse_changed_in_place(module: nn.Module, shared: Sequence[torch.Tensor], versions: list[int]) -> None:
+    """Fail the step, naming the parameters, and the buffers that require grad, that it changed in place."""
+    moved = {id(t) for t, version in zip(shared, versions) if t._version != version}
+    params = [(name, p) for name, p in module.named_parameters(remove_duplicate=False) if id(p) in moved]
+    changed = [name for name, _ in params]
+    frozen = [name for name, p in params if not p.requires_grad]
+    buffers = [name for name, b in module.named_buffers(remove_duplicate=False) if id(b) in moved]
+    if not changed:
+        raise RuntimeError(_CHANGED_BUFFERS.format(buffers))
     raise RuntimeError(
         f"the replicas' forward changed parameter(s) {changed} in place. Replicas on the module's device share its "
         "parameters' memory (no copy), so the change landed in it once per replica there, and it now holds all of them "
@@ -160,7 +173,19 @@ def _refuse_changed_parameters(module: nn.Module, params: Sequence[torch.Tensor]
         + (f" {frozen} require(s) no grad: stock lets replica 0's change land once and the others change copies; "
            "state a forward updates (running statistics) belongs in a buffer (module.register_buffer), which every "
            "replica but the first gets a copy of, as stock gives it" if frozen else "")
+        + (" " + _CHANGED_BUFFERS.format(buffers) if buffers else "")
     )
+
+
+_CHANGED_BUFFERS = (
+    "the replicas' forward changed buffer(s) {} in place, which require(s) grad. Replicas on the module's device share "
+    "such a buffer's memory (it reaches them as the parameters do, no copy, so that its gradient flows back), so the "
+    "change landed in it once per replica there; it is put back as it was before the step (stock lets replica 0's "
+    "change land once, and drops the other replicas'). State a forward updates (running statistics, an average of the "
+    "weights) belongs in a buffer that requires no grad, which every replica but the first gets a copy of, as stock "
+    "gives it: register it detached (self.register_buffer(name, tensor.detach().clone())), or change it outside the "
+    "forward, between steps."
+)
 
 
 def stock_device_id(device: torch.device) -> Union[int, torch.device]:
@@ -272,7 +297,10 @@ class DataParallel(nn.DataParallel):
             # A replica that fails, or outputs that gather refuses, leave no half-updated statistics.
             with step_guarded(self.module, *tensors_replica_0_shares(self.module, replicas, used, cache)):
                 outputs = self.parallel_apply(replicas, inputs, kwargs)
-                return self.gather(outputs, self.output_device) if self.gather_output else outputs
+                output = self.gather(outputs, self.output_device) if self.gather_output else outputs
+            if cache is not None:
+                cache.finished(replicas)  # under no_grad, nothing will run them again: emptied now
+            return output
 
     def scatter(
         self, inputs: tuple, kwargs: Optional[dict[str, Any]], device_ids: Sequence[DeviceLike]
@@ -353,4 +381,7 @@ def data_parallel(
     replicas = replica_cache.replicate(module, used, detach) if replica_cache else replicate(module, used, detach)
     with step_guarded(module, *tensors_replica_0_shares(module, replicas, used, replica_cache)):
         outputs = parallel_apply(replicas, chunk_inputs, chunk_kwargs, used)
-        return gather(outputs, output_device, dim=dim)
+        output = gather(outputs, output_device, dim=dim)
+    if replica_cache is not None:
+        replica_cache.finished(replicas)
+    return output

@@ -298,6 +298,36 @@ def assert_a_failed_step_changes_nothing(wrapper: nn.Module, model: FailsOnShort
     assert_untouched(model, before)
 
 
+class CountsInABufferThatRequiresGrad(nn.Module):
+    """Adds 1 to a buffer that requires grad (a leaf, or a clone of its weight: an average of the weights kept wrongly)
+    after its last use in forward, under no_grad; fails in a replica whose chunk has fewer than 4 rows."""
+
+    def __init__(self, leaf: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3).double()
+        self.register_buffer("count", torch.zeros(3, dtype=torch.float64, requires_grad=True) if leaf
+                             else self.lin.weight.sum(1).clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) + self.count
+        with torch.no_grad():
+            self.count.add_(1)
+        if x.shape[0] < 4:
+            raise ValueError("a planted fault in the replica with the short chunk")
+        return y
+
+
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+def test_a_failed_step_puts_back_a_buffer_that_requires_grad(grad_mode, generator):
+    """As every buffer (the tests above): replica 0 holds it as the original (under no_grad, docs/stock-behaviour.md
+    B21) or an alias of it (in grad mode, where every CPU replica does), so the failed step's changes are undone."""
+    model = CountsInABufferThatRequiresGrad()
+    before = snapshot(model)
+    with torch.set_grad_enabled(grad_mode), pytest.raises(ValueError, match="replica 2"):
+        minidp.DataParallel(model, cpu_ids(3))(torch.randn(11, 4, generator=generator, dtype=torch.float64))
+    assert_untouched(model, before)
+
+
 def test_stock_keeps_half_of_a_failed_step(generator):
     """The behaviour the test above improves on, measured on stock under the emulation of its CUDA calls."""
     from .stock_emulation import emulated_stock
@@ -432,6 +462,36 @@ def test_a_sparse_input_is_an_error_that_says_what_works(model, to_sparse, gener
     with pytest.raises(TypeError, match=r"inputs\[0\] is a torch\.sparse_\w+ tensor, which cannot be cut into chunks.*"
                                         r"inputs\[0\]\.to_dense\(\).*inside a non-tensor object"):
         minidp.DataParallel(model, cpu_ids(2))(x)
+    assert_untouched(model, before)
+
+
+class PackedLSTM(nn.Module):
+    """An LSTM over a PackedSequence, its output padded again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+
+    def forward(self, packed: nn.utils.rnn.PackedSequence) -> torch.Tensor:
+        return nn.utils.rnn.pad_packed_sequence(self.lstm(packed)[0], batch_first=True)[0]
+
+
+@pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
+def test_a_packed_sequence_input_is_an_error_that_says_what_works(keyword, generator):
+    """docs/stock-behaviour.md B12: a PackedSequence is a namedtuple, which stock's scatter cuts field by field, each by
+    rows: with equal lengths, every replica runs some time steps of every sequence, and stock returns a wrong result,
+    shaped (16, 3, 5) for (8, 6, 5), with no error. minidp names the input and says what works instead."""
+    model = PackedLSTM()
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(8, 6, 4, generator=generator), torch.full((8,), 6),
+                                               batch_first=True)
+    with emulated_stock():
+        assert nn.DataParallel(model, [0, 1])(packed).shape == (16, 3, 5)
+    before = snapshot(model)
+    wrapper = minidp.DataParallel(model, cpu_ids(2))
+    path = r"kwargs\['packed'\]" if keyword else r"inputs\[0\]"
+    with pytest.raises(TypeError, match=path + r" is a PackedSequence, which cannot be cut into chunks.*padded batch and "
+                                              r"its lengths.*pack_padded_sequence"):
+        wrapper(packed=packed) if keyword else wrapper(packed)
     assert_untouched(model, before)
 
 
@@ -774,6 +834,31 @@ def test_a_forward_that_changes_a_frozen_parameter_in_place_fails_the_step_point
                                            r"grad: stock lets replica 0's change land once.*register_buffer"):
         minidp.DataParallel(model, cpu_ids(2))(x)
     assert model.count.item() == 2
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "clone-of-a-parameter"])
+@pytest.mark.parametrize("how", ["DataParallel", "data_parallel"])
+def test_a_forward_that_changes_a_buffer_that_requires_grad_in_place_fails_the_step_naming_it(leaf, how, generator):
+    """docs/stock-behaviour.md B19, B42: a buffer that requires grad reaches the replicas through Broadcast, as the
+    parameters do: stock's replica 0 changes the original once (after the buffer's last use), the other replicas
+    copies. minidp's CPU replicas alias it, so the change lands once per replica: the step fails, naming the buffer and
+    how to keep such state, and the buffer is put back."""
+    x = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    torch.manual_seed(0)
+    stock_model = CountsInABufferThatRequiresGrad(leaf)
+    start = stock_model.count.detach().clone()
+    with emulated_stock():
+        nn.DataParallel(stock_model, [0, 1])(x).sum().backward()
+    assert torch.equal(stock_model.count.detach(), start + 1)
+    torch.manual_seed(0)
+    model = CountsInABufferThatRequiresGrad(leaf)
+    before = snapshot(model)
+    call = minidp.DataParallel(model, cpu_ids(2)) if how == "DataParallel" else (
+        lambda inputs: minidp.data_parallel(model, inputs, cpu_ids(2)))
+    with pytest.raises(RuntimeError, match=r"changed buffer\(s\) \['count'\] in place, which require\(s\) grad.*put "
+                                           r"back.*register it detached"):
+        call(x)
+    assert_untouched(model, before)
 
 
 class _ScalesItsWeight(nn.Module):

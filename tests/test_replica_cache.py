@@ -129,6 +129,39 @@ def test_cached_replicas_match_under_no_grad(generator):
     assert pair.info.hits == 1
 
 
+class ShiftedByBuffer(nn.Module):
+    """Adds a buffer that requires grad: a leaf, or (``leaf=False``) a clone of a parameter, made with grad on."""
+
+    def __init__(self, leaf: bool = True) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.register_buffer("shift", torch.randn(3, requires_grad=True) if leaf else self.linear.weight.sum(1).clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.shift
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_buffer_that_requires_grad_runs_under_no_grad_with_cached_replicas(mode, generator):
+    """docs/stock-behaviour.md B10, B19: under no_grad the replicas are built detached, and a buffer that requires grad
+    reaches replica 0 as the original, as any buffer (stock runs it, and so must the cache: nothing to watch)."""
+    pair = Pair(ShiftedByBuffer(), cpu_ids(2))
+    with mode():
+        for _ in range(2):
+            pair.step(torch.randn(6, 4, generator=generator))
+    assert pair.info.hits == 1
+
+
+def test_a_non_leaf_buffer_that_requires_grad_keeps_the_cached_replicas_under_no_grad(generator):
+    """A buffer cloned from a parameter has a node of its own, which no binding made: the replicas of a forward under
+    no_grad have no backward to wait for, and the next call re-binds them (B10), as for any model."""
+    wrapper = minidp.DataParallel(ShiftedByBuffer(leaf=False), cpu_ids(2))
+    with torch.no_grad():
+        for _ in range(3):
+            wrapper(torch.randn(6, 4, generator=generator))
+    assert (wrapper.replica_cache_info().hits, wrapper.replica_cache_info().misses) == (2, 1)
+
+
 # --- structural changes: each one is noticed, rebuilds, and the results still agree -------------------
 
 
@@ -577,6 +610,49 @@ def test_replicas_hold_no_tensor_of_their_step_once_its_backward_has_run(paralle
     assert replica_copy() is None
     wrapper(torch.randn(6, 3, 8, 8, generator=generator)).sum().backward()
     assert wrapper.replica_cache_info().hits == 1
+
+
+class ReturnsItsStatistics(nn.Module):
+    """BatchNorm, returning its running mean beside the output: an output that is a replica's buffer itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.bn(x), self.bn.running_mean
+
+
+def test_replicas_hold_no_tensor_of_a_forward_under_no_grad_once_it_returns(generator):
+    """Stock's replicas are freed with the step (B10: under no_grad, nothing records a graph through them); cached ones
+    are emptied as the forward returns, so replica 1's buffer copy lives only in the output that is it (an emptied
+    replica drops its dicts' references, not the tensors), and the next call re-binds them."""
+    wrapper = minidp.DataParallel(ReturnsItsStatistics(), cpu_ids(2), gather_output=False)
+    x = torch.randn(6, 4, generator=generator)
+    with torch.no_grad():
+        outputs = wrapper(x)
+    (entry,) = wrapper.replica_cache._entries.values()
+    assert all(v is None for replica_modules in entry.replicas for m in replica_modules for v in m._buffers.values())
+    replica_copy = weakref.ref(outputs[1][1])
+    expected = torch.nn.functional.batch_norm(x[3:], torch.zeros(4), torch.ones(4), training=True)
+    assert max_relative_error(outputs[1][0], expected) <= RTOL_FLOAT64
+    assert max_relative_error(outputs[1][1], 0.1 * x[3:].mean(0)) <= RTOL_FLOAT64  # the copy's update, still readable
+    del outputs
+    assert replica_copy() is None
+    with torch.no_grad():
+        wrapper(x)
+    assert wrapper.replica_cache_info().hits == 1
+
+
+def test_replicas_held_after_a_forward_under_no_grad_keep_their_tensors(generator):
+    """What holds a replica (here a hook's list) holds it as stock's: with its tensors; the next call leaves it."""
+    model = ReturnsItsStatistics()
+    seen = []
+    model.bn.register_forward_hook(lambda module, inputs, output: seen.append(module))
+    wrapper = minidp.DataParallel(model, cpu_ids(2))
+    with torch.no_grad():
+        wrapper(torch.randn(6, 4, generator=generator))
+    assert all(isinstance(replica.running_mean, torch.Tensor) for replica in seen)
 
 
 def test_released_replicas_hold_no_buffer_in_their_registries_nor_their_templates(generator):
