@@ -262,6 +262,13 @@ def _all_reduce_the_last(model: nn.Module, micro: int, micro_batches: int) -> No
     model.set_requires_all_reduce(micro == micro_batches - 1)
 
 
+def _fsdp2s_default_comm_buffers(model: nn.Module, micro: int, micro_batches: int) -> None:
+    # FSDP2's defaults, set explicitly (as a framework's config may): one reduce-scatter input buffer, torch's allocator
+    for module in sharded_modules(model):
+        module.set_reduce_scatter_max_input_buffers(1)
+        module.set_allocate_memory_from_process_group_for_comm(False)
+
+
 CONFIGURATIONS: dict[str, Callable[[nn.Module, int, int], None]] = {
     "forward_prefetch": _forward_prefetch,
     "backward_prefetch": _backward_prefetch,
@@ -275,6 +282,7 @@ CONFIGURATIONS: dict[str, Callable[[nn.Module, int, int], None]] = {
     "embedding_not_gathered_in_backward": _keep_the_embedding_in_backward,
     "all_reduce_the_last": _all_reduce_the_last,
     "all_reduce_hook": _halve_in_a_hook,
+    "fsdp2s_default_comm_buffers": _fsdp2s_default_comm_buffers,
 }
 
 
@@ -896,6 +904,100 @@ def as_fsdp_modules(seed: int) -> dict:
         results["refused"] = "nothing raised"
     except NotImplementedError as error:
         results["refused"] = str(error)
+    return results
+
+
+def comm_buffers_beyond_the_defaults(seed: int) -> dict:
+    """``set_reduce_scatter_max_input_buffers`` and ``set_allocate_memory_from_process_group_for_comm`` given values
+    other than FSDP2's defaults, on a module sharded by each library: per library and call, what it raised."""
+    calls = {"max_input_buffers=2": lambda m: m.set_reduce_scatter_max_input_buffers(2),
+             "max_input_buffers=True": lambda m: m.set_reduce_scatter_max_input_buffers(True),
+             "max_input_buffers=0": lambda m: m.set_reduce_scatter_max_input_buffers(0),
+             "allocate=True": lambda m: m.set_allocate_memory_from_process_group_for_comm(True)}
+    results = {}
+    for name, function in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
+        model = shard(Net(), function, True)
+        results[name] = {call: error_of(lambda: set_it(model)) for call, set_it in calls.items()}
+    return results
+
+
+def dtensor_parameters(seed: int) -> dict:
+    """fully_shard on a model whose parameters are already DTensors: a block made tensor-parallel
+    (``parallelize_module(..., ColwiseParallel())`` over the ``tp`` dimension of a (1, 2) mesh, then sharded over its
+    ``dp`` dimension: FSDP2's 2-D recipe), and a head given ``Replicate`` DTensor parameters on a 1-D mesh. Per case
+    and library: the error (type, message), and whether the model was left as it was (its class, the very
+    parameters)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    def tensor_parallel(model: nn.Module) -> dict[str, Any]:
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model.blocks[0], mesh["tp"], {"linear": ColwiseParallel()})
+        return {"mesh": mesh["dp"]}
+
+    def replicated(model: nn.Module) -> dict[str, Any]:
+        mesh = init_device_mesh("cpu", (2,))
+        for name, param in list(model.head.named_parameters()):
+            setattr(model.head, name, nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()])))
+        return {}
+
+    results: dict[str, Any] = {}
+    for case, prepare in (("tensor_parallel", tensor_parallel), ("replicated", replicated)):
+        for name, function in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
+            torch.manual_seed(seed)
+            model = Net()
+            arguments = prepare(model)
+            before = list(model.parameters())
+            error = error_of(lambda: function(model, **arguments))
+            untouched = type(model) is Net and all(a is b for a, b in itertools.zip_longest(before, model.parameters()))
+            results[f"{case}-{name}"] = {"error": error, "untouched": untouched}
+    return results
+
+
+def state_dict_kept_vars(seed: int) -> dict:
+    """``state_dict(keep_vars=True)`` of a :class:`Net` with a frozen norm and a buffer, sharded by each library: per
+    library, each key's (class name, whether an ``nn.Parameter``, ``requires_grad``, placements), whether the buffer's
+    entry is the registered buffer itself, and whether each parameter's entry is the registered parameter itself."""
+    results = {}
+    for name, function in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
+        torch.manual_seed(seed)
+        model = Net()
+        model.norm.requires_grad_(False)
+        model.register_buffer("scale", torch.ones(3))
+        shard(model, function, True)
+        kept = model.state_dict(keep_vars=True)
+        registered = dict(model.named_parameters())
+        results[name] = {
+            "entries": {key: (type(value).__name__, isinstance(value, nn.Parameter), value.requires_grad,
+                              str(getattr(value, "placements", None))) for key, value in kept.items()},
+            "buffer_itself": kept["scale"] is model.scale,
+            "parameters_themselves": all(kept[key] is param for key, param in registered.items()),
+        }
+    return results
+
+
+def sparse_embedding(seed: int) -> dict:
+    """An :class:`Embedded` whose embedding has ``sparse=True``, sharded by the root's call: minidp's error at the call
+    and whether the model was left as it was; FSDP2's outcome at the call and at the first backward; ``frozen``: that
+    embedding frozen, what a forward and backward of the model sharded by each library raise."""
+    def build(requires_grad: bool = True) -> nn.Module:
+        torch.manual_seed(seed)
+        model = Embedded()
+        model.embed = nn.Embedding(17, 13, sparse=True).requires_grad_(requires_grad)
+        return model
+
+    ours = build()
+    before = list(ours.parameters())
+    results: dict[str, Any] = {"minidp": error_of(lambda: md.fully_shard(ours))}
+    results["untouched"] = type(ours) is Embedded and all(
+        a is b for a, b in itertools.zip_longest(before, ours.parameters()))
+    theirs = build()
+    results["fsdp2_call"] = error_of(lambda: torch_fully_shard(theirs))
+    kind, message = error_of(lambda: theirs(torch.randn(4, 13)).sum().backward())
+    results["fsdp2_backward"] = (kind, message.splitlines()[0] if message else message)  # (then the dispatcher's list)
+    results["frozen"] = {
+        name: error_of(lambda: function(build(requires_grad=False))(torch.randn(4, 13)).sum().backward())
+        for name, function in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard))}
     return results
 
 

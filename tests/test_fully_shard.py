@@ -170,6 +170,12 @@ TWO_PROCESSES = {
     "collectives-backward-prefetch": (checks.collectives_with, {"configure": "backward_prefetch"}),
     "collectives-embedding": (checks.collectives_with, {"configure": "embedding_not_gathered_in_backward",
                                                         "model": "embedded"}),
+    "dtensor_parameters": (checks.dtensor_parameters, {}),
+    "state_dict_kept_vars": (checks.state_dict_kept_vars, {}),
+    "sparse_embedding": (checks.sparse_embedding, {}),
+    "fsdp2s_default_comm_buffers": (checks.against_fsdp2, {"configure": "fsdp2s_default_comm_buffers",
+                                                           "optimizer": "adamw"}),
+    "comm_buffers_beyond_the_defaults": (checks.comm_buffers_beyond_the_defaults, {}),
 }
 
 THREE_PROCESSES = {
@@ -308,6 +314,28 @@ def test_fsdp_module_methods_minidp_does_not_run_are_refused_by_name(two):
     for result in each_rank(two, "as_fsdp_modules"):
         assert result["refused"].startswith("set_custom_all_gather is FSDP2's own"), result["refused"]
         assert "Use torch.distributed.fsdp.fully_shard for it" in result["refused"]
+
+
+def test_fsdp2s_default_comm_buffer_settings_are_taken_and_train_as_fsdp2(two):
+    """FSDP2's defaults (``_fsdp_param_group.py``: ``reduce_scatter_max_input_buffers = 1``, ``DefaultAllGather`` and
+    ``DefaultReduceScatter`` unless ``set_allocate_memory_from_process_group(True)``) are what minidp does, so
+    ``set_reduce_scatter_max_input_buffers(1)`` and ``set_allocate_memory_from_process_group_for_comm(False)``, set
+    on every sharded module before every step, change nothing: training stays bitwise FSDP2's with the same calls."""
+    assert_trains_as_fsdp2(two, "fsdp2s_default_comm_buffers")
+
+
+def test_comm_buffer_settings_beyond_fsdp2s_defaults_are_refused_by_name_and_bad_values_as_fsdp2(two):
+    """More reduce-scatter buffers, or the process group's allocator, are FSDP2's own: refused by name. A bool or a
+    count below 1 raise FSDP2's TypeError and ValueError (``_fully_shard.py``,
+    ``FSDPModule.set_reduce_scatter_max_input_buffers``)."""
+    for result in each_rank(two, "comm_buffers_beyond_the_defaults"):
+        for call in ("max_input_buffers=2", "allocate=True"):
+            kind, message = result["minidp"][call]
+            assert kind == "NotImplementedError" and "is FSDP2's own" in message, call
+            assert message.startswith(("set_reduce_scatter_max_input_buffers", "set_allocate_memory_from_process_group_"
+                                       "for_comm")), message
+        for call in ("max_input_buffers=True", "max_input_buffers=0"):
+            assert result["minidp"][call] == result["fsdp2"][call], call
 
 
 def test_unshard_leaves_the_whole_parameters_on_the_module_and_reshard_the_shards_as_fsdp2(two):
@@ -701,6 +729,58 @@ def test_a_sharded_parameter_used_outside_a_forward_is_refused_when_its_gradient
         assert "got mixed torch.Tensor and DTensor" in result["fsdp2"]
         assert result["minidp"].startswith("fully_shard: parameter 'Linear.weight' was used outside a forward of the "
                                            "module that holds it")
+
+
+def test_parameters_that_are_already_dtensors_are_refused_at_the_call_naming_them_before_anything_changes(two):
+    """FSDP2 takes DTensor parameters (``_fsdp_param.py``, ``FSDPParam._init_sharding_spec_tp``: tensor parallelism
+    on another mesh dimension, its 2-D recipe) or refuses them at the call; minidp shards plain tensors only, and
+    used to cut them and fail at the first forward. Now refused at the call, on every rank alike, the model as it
+    was, naming the parameter under the module and the way out."""
+    results = each_rank(two, "dtensor_parameters")
+    for case, name in (("tensor_parallel", "blocks.0.linear.weight"), ("replicated", "head.weight")):
+        errors = [result[f"{case}-minidp"]["error"] for result in results]
+        assert all(kind == "NotImplementedError" for kind, _ in errors), errors
+        # the same error on every rank (a note after it names the rank)
+        assert len({message.splitlines()[0] for _, message in errors}) == 1, errors
+        message = errors[0][1]
+        assert message.startswith(f"fully_shard(Net): parameter '{name}' is already a DTensor"), message
+        assert "use torch's fully_shard (torch.distributed.fsdp.fully_shard)" in message
+        assert all(result[f"{case}-minidp"]["untouched"] for result in results), case
+    assert all(result["tensor_parallel-fsdp2"]["error"] == ("no error", "") for result in results)  # its 2-D recipe
+
+
+def test_state_dict_keep_vars_gives_parameters_as_fsdp2s_dtensor_parameters(two):
+    """FSDP2 registers ``nn.Parameter(DTensor)`` shards (``_fsdp_param.py``, ``FSDPParam._init_sharded_param``) and
+    leaves ``state_dict(keep_vars=True)`` to ``nn.Module._save_to_state_dict``, which gives the registered parameters
+    and buffers themselves. minidp's entries are ``nn.Parameter(DTensor)`` too, with the parameter's
+    ``requires_grad`` (so that filtering the trainable ones works alike), but not the registered objects: minidp
+    registers plain rows (README, "Parameters"). Buffers are the registered ones in both."""
+    for result in each_rank(two, "state_dict_kept_vars"):
+        assert result["minidp"]["entries"] == result["fsdp2"]["entries"]
+        assert result["minidp"]["entries"]["norm.weight"] == ("DTensor", True, False, "(Shard(dim=0),)")
+        assert result["minidp"]["buffer_itself"] and result["fsdp2"]["buffer_itself"]
+        assert result["fsdp2"]["parameters_themselves"] and not result["minidp"]["parameters_themselves"]
+
+
+def test_a_sparse_embedding_is_refused_at_the_call_where_fsdp2_fails_in_the_backward(two):
+    """A sparse gradient cannot be laid out for the reduce-scatter: FSDP2 takes the call and fails at the backward
+    (``_fsdp_collectives.py``, ``foreach_reduce``: ``fsdp::chunk_cat`` has no sparse kernel), naming nothing; minidp
+    refuses at the call, the model as it was, naming the embedding and the ways out."""
+    for result in each_rank(two, "sparse_embedding"):
+        assert result["fsdp2_call"] == ("no error", "")
+        assert result["fsdp2_backward"][0] == "NotImplementedError" and "chunk_cat" in result["fsdp2_backward"][1]
+        kind, message = result["minidp"]
+        assert kind == "NotImplementedError"
+        assert message.startswith("fully_shard(Embedded): 'embed' is an Embedding with sparse=True"), message
+        assert "sparse=False" in message and "ignored_params" in message
+        assert result["untouched"]
+
+
+def test_a_frozen_sparse_embedding_makes_no_gradient_and_is_taken_as_fsdp2_takes_it(two):
+    """A frozen weight has no gradient to reduce-scatter (FSDP2's ``foreach_reduce`` takes those that have one), so
+    ``sparse=True`` changes nothing there: sharded and trained as FSDP2 would."""
+    for result in each_rank(two, "sparse_embedding"):
+        assert result["frozen"] == {"minidp": ("no error", ""), "fsdp2": ("no error", "")}
 
 
 def test_a_parameter_frozen_or_unfrozen_between_steps_trains_as_fsdp2(two):
@@ -1100,6 +1180,19 @@ def test_an_int_reshard_after_forward_is_read_as_fsdp2_reads_it():
         _resharding(2, 4)
     with pytest.raises(ValueError, match="should be a bool or an int"):
         _resharding(2.0, 4)
+
+
+def test_reshard_after_forward_1_with_one_rank_that_shards_is_false_with_a_warning_as_fsdp2():
+    """FSDP2 (``_fsdp_init.py``, ``_get_post_forward_mesh_info``) tests an int for 1 before it tests it for the ranks
+    that shard: where one rank shards (HSDP's (N, 1) mesh), 1 is both, and FSDP2 reads False and warns."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
+
+    one_rank = SimpleNamespace(shard_mesh_size=1)  # all that FSDP2 reads of its mesh info here
+    fsdp2_reshards = _get_post_forward_mesh_info(1, one_rank) is not None  # None: the parameters are kept
+    with pytest.warns(UserWarning, match="reshard_after_forward=1 \\(int\\) means resharding parameters"):
+        assert _resharding(1, 1) is fsdp2_reshards is False
 
 
 def test_a_list_of_modules_that_is_empty_or_names_one_twice_is_refused_before_anything_is_sharded():

@@ -68,7 +68,9 @@ reduce-scatter), ``unshard`` (also asynchronous: a prefetch by hand) and ``resha
 ``set_gradient_divide_factor`` (and its deprecated name), ``set_force_sum_reduction_for_comms``,
 ``set_all_reduce_hook``, ``set_requires_all_reduce`` and ``reset_iter_state``. Each changes
 when a collective runs, or how the gradients are divided, as FSDP2's does (tests/test_fully_shard.py trains
-with each against FSDP2). Mixed precision is FSDP2's ``MixedPrecisionPolicy``, given to ``fully_shard``.
+with each against FSDP2). ``set_reduce_scatter_max_input_buffers(1)`` and
+``set_allocate_memory_from_process_group_for_comm(False)``, FSDP2's defaults, are taken and change nothing.
+Mixed precision is FSDP2's ``MixedPrecisionPolicy``, given to ``fully_shard``.
 
 FSDP2's ``mesh`` is taken: 1-D, the ranks that shard; 2-D, HSDP, where dimension 1 shards and dimension 0
 replicates: each group's shards, once reduce-scattered among the ranks that shard, are all-reduced among the
@@ -1120,6 +1122,22 @@ class ShardedModule(FSDPModule):
         recursive."""
         _own_group(self).force_sum_reduction_for_comms = enable
 
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """FSDP2's default, 1 (one reduce-scatter input buffer in flight), is what minidp does
+        (:meth:`ShardGroup.reduce_gradients`): taken, it changes nothing; more is refused, as FSDP2's own."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):  # FSDP2's checks and words
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        if max_input_buffers != 1:
+            raise NotImplementedError(_fsdp2s_own("set_reduce_scatter_max_input_buffers"))
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """FSDP2's default, ``False`` (staging buffers from torch's allocator), is what minidp does: taken, it changes
+        nothing; ``True`` (the process group's allocator) is refused, as FSDP2's own."""
+        if enable:
+            raise NotImplementedError(_fsdp2s_own("set_allocate_memory_from_process_group_for_comm"))
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``.to()``, ``.double()``, ``.to_empty()`` convert the shards, never the gathered copies (FSDP2's _apply):
         # free those first. The next all-gather reads what the conversion left (ShardedParameter.follows_shard).
@@ -1353,6 +1371,7 @@ def fully_shard(
     named = [(names.get(id(p), owners[p][1]), p) for p in order]
     local_error: Optional[Exception] = None
     try:  # what this rank can check alone: another rank's model may pass, and must not wait for this one in vain
+        _refuse_sparse_gradients(roots, owners, called)
         dims, device = _checked_here(named, called, shard_placement_fn, world_size, mesh, offload_policy, mp_policy)
     except Exception as error:  # noqa: BLE001 - told to the other ranks, then raised here as it is
         local_error = error
@@ -1436,8 +1455,8 @@ def _groups_of(mesh: Optional[DeviceMesh], process_group: Optional[dist.ProcessG
 def _resharding(reshard_after_forward: Union[bool, int, None], world_size: int) -> Optional[bool]:
     """``reshard_after_forward`` as a bool (or None, FSDP2's default), checked as FSDP2 checks it
     (``_fsdp_init.py``, ``_get_post_forward_mesh_info``). FSDP2's int N reshards to groups of N ranks after the
-    forward: N = the ranks that shard is ``True``, N = 1 is ``False`` (FSDP2 warns, as here); an N between them, the
-    smaller group, is not supported."""
+    forward: N = 1 is ``False`` (FSDP2 warns, as here), else N = the ranks that shard is ``True`` (1 is tested first:
+    with one rank that shards, 1 is both); an N between them, the smaller group, is not supported."""
     if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
         return reshard_after_forward
     if not isinstance(reshard_after_forward, int):
@@ -1446,12 +1465,12 @@ def _resharding(reshard_after_forward: Union[bool, int, None], world_size: int) 
     if not 1 <= reshard_after_forward <= world_size or world_size % reshard_after_forward:
         raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {world_size}, "
                          f"not {reshard_after_forward}")
-    if reshard_after_forward == world_size:
-        return True
-    if reshard_after_forward == 1:
+    if reshard_after_forward == 1:  # before the test for every rank, as FSDP2: with one rank that shards, 1 is False
         warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world size 1, instead of "
                       "reshard_after_forward=True (bool)", stacklevel=3)
         return False
+    if reshard_after_forward == world_size:
+        return True
     raise NotImplementedError(
         f"fully_shard: reshard_after_forward={reshard_after_forward}, resharding to groups of {reshard_after_forward} "
         f"of the {world_size} ranks after the forward, is not supported; pass True (reshard over all of them) or "
@@ -1640,7 +1659,11 @@ def _shards_as_dtensors(group: ShardGroup, holder: nn.Module, state_dict: dict, 
     keys = [(key, p) for key, p in _keys_of(group, holder, prefix) if key in state_dict]
     mesh = group.dtensor_mesh() if keys else None  # one mesh for the holder's parameters
     for key, p in keys:
-        state_dict[key] = group.as_dtensor(p, state_dict[key], mesh)
+        rows = state_dict[key]
+        dtensor = group.as_dtensor(p, rows, mesh)
+        # keep_vars=True gave the registered nn.Parameter, where FSDP2 gives its registered nn.Parameter(DTensor):
+        # one too here, on the same rows (not that very object: minidp registers plain rows)
+        state_dict[key] = nn.Parameter(dtensor, rows.requires_grad) if isinstance(rows, nn.Parameter) else dtensor
 
 
 def sharded_groups(module: nn.Module) -> list[ShardGroup]:
@@ -1757,6 +1780,14 @@ def _checked_here(
     which get gradients share one is checked where FSDP2 checks it, at the first forward
     (:func:`_refuse_gradients_of_two_dtypes`): a parameter may still be frozen after this call."""
     for name, param in named:
+        if isinstance(param, DTensor):
+            # Tensor parallelism (parallelize_module), or a DTensor of one's own: cut here as if plain, it failed only
+            # at the first forward, deep inside (a DTensor has no storage to read), the model already cut
+            raise NotImplementedError(
+                f"fully_shard({called}): parameter '{name}' is already a DTensor ({list(param.placements)} on "
+                f"{param.device_mesh}): minidp's fully_shard shards plain tensors only, and does not support DTensor "
+                f"parameters (2-D / tensor-parallel models, parallelize_module); use torch's fully_shard "
+                f"(torch.distributed.fsdp.fully_shard) for them")
         if hasattr(param, SHARDED_BY):  # its module's parent went first, and left a shard here
             raise ValueError(
                 f"fully_shard({called}): parameter '{name}' is already a shard: an earlier fully_shard call on a module "
@@ -1781,6 +1812,24 @@ def _checked_here(
     device = next(iter(devices)) if devices else torch.device("cpu")
     _check_placement(device, mesh, offload_policy, mp_policy)
     return dims, device
+
+
+def _refuse_sparse_gradients(roots: list[nn.Module], managed: dict[nn.Parameter, Any], called: str) -> None:
+    """Refuse an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``sparse=True`` whose weight this call shards (one of
+    ``managed``): its gradient is a sparse tensor, which the reduce-scatter cannot lay out in its flat buffer. minidp
+    failed at the first backward ("reshape is not implemented for sparse tensors"), FSDP2 fails there too, with no word
+    of the embedding (``_fsdp_collectives.py``, ``foreach_reduce``: ``torch.ops.fsdp.chunk_cat`` has no sparse
+    kernel)."""
+    for root in roots:
+        for name, sub in root.named_modules():
+            # a frozen one makes no gradient: it trains, as in FSDP2 (one unfrozen later fails at the backward)
+            sparse = isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad
+            if sparse and sub.weight in managed:
+                raise NotImplementedError(
+                    f"fully_shard({called}): '{name or called}' is an {type(sub).__name__} with sparse=True, whose "
+                    f"weight this call shards: sparse gradients cannot be reduce-scattered (FSDP2 fails at the "
+                    f"backward too). Build it with sparse=False, or leave its weight out of the call "
+                    f"(ignored_params=...), whole and unreduced on each rank")
 
 
 def _raise_on_every_rank_of(groups: list[dist.ProcessGroup], error: Optional[Exception], called: str) -> None:
