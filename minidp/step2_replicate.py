@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 from typing import Any, Optional, Sequence
 
 import torch
@@ -61,14 +62,17 @@ def check_flag(value: Any, argument: str) -> None:
 
 
 def check_no_call_bound_to_the_original(network: nn.Module) -> None:
-    """Raise ``TypeError`` if ``network`` or a sub-module holds a call bound to itself: it is compiled
-    (``torch.compile(m)`` or ``m.compile()``), or its ``forward`` was set on the instance, bound to it (``m.forward =
-    types.MethodType(f, m)``, or a ``functools.partial(f, m)``, as patches of a forward are made).
+    """Raise ``TypeError`` if ``network`` or a sub-module holds a call bound to itself that no replica can bind to its
+    own copy: it is compiled (``torch.compile(m)`` or ``m.compile()``), or its ``forward`` was set on the instance as
+    a function that holds the module itself, or a method bound to it, in its closure (``orig = m.forward; m.forward =
+    lambda x: orig(x)``, or a decorator's wrapper, found through ``__wrapped__``).
 
     ``torch.compile(m)`` returns a wrapper (``OptimizedModule``) whose tree replicate cannot copy; the others keep the
     bound call in the module's ``__dict__``, which every replica's shallow copy shares, so every replica would run the
     original's parameters and buffers instead of its own (on GPUs: tensors on the wrong device; on CPU replicas: the
-    original's buffers updated from every chunk at once, in threads).
+    original's buffers updated from every chunk at once, in threads). A forward set on the instance as a method bound
+    to it (``m.forward = types.MethodType(f, m)``, as accelerate patches a forward for mixed precision) or as a
+    ``functools.partial(f, m)`` is no such call: each replica gets it bound to itself (:func:`build_skeletons`).
     """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing can be compiled
     optimized = eval_frame.OptimizedModule if eval_frame is not None else ()
@@ -82,22 +86,74 @@ def check_no_call_bound_to_the_original(network: nn.Module) -> None:
         elif module.__dict__.get("_compiled_call_impl") is not None:
             how = f"{where} ({type(module).__name__}) was compiled in place with Module.compile()"
             fix = compile_inside
-        elif _bound_to(module.__dict__.get("forward"), module):
-            how = (f"{where} ({type(module).__name__}) has a forward set on the instance and bound to it (m.forward = "
-                   f"types.MethodType(f, m), or functools.partial(f, m))")
-            fix = (f"Set the forward on the class instead (a subclass: class Patched({type(module).__name__}): forward "
-                   f"= f, then m.__class__ = Patched), so that each replica binds its own.")
+        elif _holds_the_module(module.__dict__.get("forward"), module):
+            how = (f"{where} ({type(module).__name__}) has a forward set on the instance that holds the module, or a "
+                   f"method bound to it, in its closure, its globals or what it wraps (orig = m.forward; m.forward = "
+                   f"lambda *a: orig(*a))")
+            fix = (f"Set the forward as a method bound to the module instead (m.forward = types.MethodType(f, m), f "
+                   f"taking self and calling type(self).forward(self, ...)), which each replica binds to itself, or "
+                   f"on the class (a subclass: class Patched({type(module).__name__}): forward = f, then m.__class__ = "
+                   f"Patched).")
         else:
             continue
         raise TypeError(f"{how}: that call is bound to the original module, so every replica would run it on the "
                         f"original's parameters and buffers, not its own. {fix}")
 
 
-def _bound_to(call: Any, module: nn.Module) -> bool:
-    """Whether ``call`` is a method bound to ``module``, or a ``functools.partial`` that passes it."""
-    if isinstance(call, functools.partial):
-        return any(argument is module for argument in call.args)
-    return getattr(call, "__self__", None) is module
+def _rebound(call: Any, original: nn.Module, replica: nn.Module) -> Any:
+    """``call`` with ``replica`` in place of ``original`` where it is a method bound to it, or a ``functools.partial``
+    that passes it; ``None`` for any other call."""
+    if isinstance(call, types.MethodType) and call.__self__ is original:
+        return types.MethodType(call.__func__, replica)
+    if isinstance(call, functools.partial) and any(v is original for v in (*call.args, *call.keywords.values())):
+        swap = functools.partial(_swapped, original, replica)
+        return functools.partial(call.func, *map(swap, call.args), **{k: swap(v) for k, v in call.keywords.items()})
+    return None
+
+
+def _swapped(original: nn.Module, replica: nn.Module, value: Any) -> Any:
+    return replica if value is original else value
+
+
+def _holds_the_module(call: Any, module: nn.Module) -> bool:
+    """Whether ``call`` reaches ``module`` (the module itself, or a method bound to it) through its closure, the globals
+    it reads, or what it wraps (``__wrapped__``, a ``functools.partial``'s function and arguments, a method's
+    function), where no replica can put its own copy. The ``self`` of a method bound to ``module``, and a partial's
+    argument that is ``module``, it can (:func:`_rebound`): those are not looked at."""
+    if isinstance(call, types.MethodType) and call.__self__ is module:
+        pending = [call.__func__]
+    elif isinstance(call, functools.partial):
+        pending = [value for value in (call.func, *call.args, *call.keywords.values()) if value is not module]
+    else:
+        pending = [call]
+    seen: set[int] = set()
+    while pending:
+        value = pending.pop()
+        if value is None or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if _is_or_bound_to(value, module):
+            return True
+        if isinstance(value, types.FunctionType) and any(  # the globals it reads: a patch made at a script's top level
+                _is_or_bound_to(value.__globals__.get(name), module) for name in value.__code__.co_names):
+            return True
+        if isinstance(value, functools.partial):
+            pending += [value.func, *value.args, *value.keywords.values()]
+        pending += [cell.cell_contents for cell in getattr(value, "__closure__", None) or () if _filled(cell)]
+        pending += [getattr(value, "__wrapped__", None), getattr(value, "__func__", None)]
+    return False
+
+
+def _is_or_bound_to(value: Any, module: nn.Module) -> bool:
+    return value is module or getattr(value, "__self__", None) is module
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a cell not yet assigned
+        return False
+    return True
 
 
 def check_module_device(network: nn.Module, source_device: torch.device, replicated: bool = True) -> None:
@@ -204,6 +260,11 @@ def build_skeletons(modules: list[nn.Module], count: int) -> list[list[nn.Module
         for module, replica in zip(modules, replica_modules):
             for key, child in module._modules.items():
                 setattr(replica, key, None if child is None else replica_modules[index[id(child)]])
+            # A forward set on the instance, bound to the module, is bound to the replica (the shallow copy would
+            # share the original's): each replica runs it on its own tensors.
+            rebound = _rebound(module.__dict__.get("forward"), module, replica)
+            if rebound is not None:
+                replica.__dict__["forward"] = rebound
     return replicas
 
 

@@ -11,7 +11,6 @@ import copy
 import functools
 import importlib
 import re
-import types
 
 import pytest
 import torch
@@ -587,17 +586,32 @@ def test_a_compiled_submodule_is_refused_before_the_step_changes_anything(model,
     assert_untouched(model, before)
 
 
-@pytest.mark.parametrize("bind", [lambda f, m: types.MethodType(f, m), lambda f, m: functools.partial(f, m)],
-                         ids=["MethodType", "partial"])
-def test_a_forward_bound_on_the_instance_to_the_module_is_refused_before_the_step_changes_anything(model, bind, generator):
-    """A forward patched on the instance, bound to it: every replica's shallow copy shares it, so every replica would
-    run the original's parameters and buffers (B38's reason for compiled calls; on CPU replicas its BatchNorm statistics
-    updated from every chunk at once). Set after DataParallel was built: the forward refuses it, cache on or off."""
+def _calling_its_bound_forward(module: nn.Module):
+    forward = module.forward  # a method bound to the module, in the closure of what replaces it
+    return lambda *args, **kwargs: forward(*args, **kwargs)
+
+
+def _wrapping_its_bound_forward(module: nn.Module):
+    @functools.wraps(module.forward)  # the bound method, as __wrapped__
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return 2 * type(module).forward(module, x)
+
+    return forward
+
+
+@pytest.mark.parametrize("patch", [_calling_its_bound_forward, _wrapping_its_bound_forward], ids=["closure", "wraps"])
+def test_a_forward_on_the_instance_that_holds_the_module_is_refused_before_the_step_changes_anything(model, patch, generator):
+    """A forward patched on the instance, holding the original module (or a method bound to it) in its closure:
+    every replica's shallow copy shares it, so every replica would run the original's parameters and buffers (B38's
+    reason for compiled calls; on CPU replicas its BatchNorm statistics updated from every chunk at once), and no
+    replica can put itself in its place, as it does for a method bound to the module (tests/test_replicate.py,
+    ``bound_on_the_instance``). Set after DataParallel was built: the forward refuses it, cache on or off."""
     dp = minidp.DataParallel(model, cpu_ids(2))
     dp(torch.randn(6, 4, generator=generator)).sum().backward()
-    model[2].forward = bind(type(model[2]).forward, model[2])
+    model[2].forward = patch(model[2])
     before = snapshot(model)
-    with pytest.raises(TypeError, match=r"'2' \(Linear\) has a forward set on the instance and bound to it.*on the class"):
+    with pytest.raises(TypeError, match=r"'2' \(Linear\) has a forward set on the instance that holds the module.*"
+                                        r"types\.MethodType\(f, m\)"):
         dp(torch.randn(6, 4, generator=generator))
     assert_untouched(model, before)
 

@@ -13,6 +13,7 @@ import copy
 import gc
 import pickle
 import threading
+import types
 import weakref
 from typing import Any, Callable
 
@@ -870,6 +871,21 @@ def test_a_sub_module_whose_class_is_replaced_rebuilds_the_replicas(generator):
         model[0].__class__ = Doubled
         assert torch.allclose(wrapper(x), model(x), rtol=1e-12, atol=0)
     assert "class" in wrapper.replica_cache_info().last_rebuild_reason
+
+
+def test_a_forward_bound_on_the_instance_after_a_step_rebuilds_the_replicas_bound_to_themselves(generator):
+    """``m.forward = types.MethodType(f, m)`` (accelerate's mixed-precision patch) sets an attribute, which the
+    signature sees: the next call builds replicas, each with ``f`` bound to itself (tests/test_replicate.py,
+    ``bound_on_the_instance``), and runs the patch, as stock's fresh copies would (B38)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    wrapper = minidp.DataParallel(model, cpu_ids(2))
+    x = torch.randn(4, 4, generator=generator)
+    with torch.no_grad():
+        wrapper(x)
+        model[0].forward = types.MethodType(lambda self, x: 2 * nn.Linear.forward(self, x), model[0])
+        assert torch.allclose(wrapper(x), model(x), rtol=1e-12, atol=0)
+        assert not torch.allclose(wrapper(x), torch.tanh(nn.Linear.forward(model[0], x)))
+    assert "attribute" in wrapper.replica_cache_info().last_rebuild_reason
 
 
 def test_a_torchscript_module_is_replicated_anew_at_every_call(generator):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import types
 
 import pytest
 import torch
@@ -68,6 +70,38 @@ def test_batchnorm_running_stats_come_from_chunk_zero(generator):
     # Equal up to rounding: a replica's thread may use fewer intra-op threads, which splits the sums differently.
     for name, buffer in alone.named_buffers():
         assert max_relative_error(dict(model.named_buffers())[name].double(), buffer.double()) <= RTOL_FLOAT64, name
+
+
+def _doubled(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return 2 * type(self).forward(self, x)
+
+
+@pytest.mark.parametrize("bind", [types.MethodType, functools.partial], ids=["MethodType", "partial"])
+def test_a_forward_bound_on_the_instance_runs_on_each_replicas_own_tensors(bind, generator):
+    """B38: a replica is a shallow copy, so a forward set on the instance and bound to it (``m.forward =
+    types.MethodType(f, m)``, as accelerate patches one for mixed precision, or ``functools.partial(f, m)``) would be
+    the original's in every replica, run on its tensors (on CPU replicas, its BatchNorm statistics updated by every
+    chunk at once). Each replica's is bound to the replica: every chunk runs the patch on its own replica, as one
+    device runs it chunk by chunk (statistics from chunk 0, B21; gradients the chunks' sum, B31)."""
+    model = bn_model()
+    alone = [copy.deepcopy(model) for _ in range(3)]
+    for module in (model, *alone):
+        module[1].forward = bind(_doubled, module[1])
+    x = torch.randn(9, 4, generator=generator, dtype=torch.float64)
+    chunks = minidp.scatter(x, cpu_ids(3))
+    outputs = minidp.parallel_apply(minidp.replicate(model, cpu_ids(3)), [(c,) for c in chunks])
+    sum(output.pow(2).sum() for output in outputs).backward()
+    for copy_, chunk, output in zip(alone, chunks, outputs):
+        expected = copy_(chunk)
+        expected.pow(2).sum().backward()
+        assert max_relative_error(output, expected) <= RTOL_FLOAT64
+    assert model[1].num_batches_tracked.item() == 1  # replica 0's update alone
+    for name, buffer in alone[0].named_buffers():
+        assert max_relative_error(dict(model.named_buffers())[name].double(), buffer.double()) <= RTOL_FLOAT64, name
+    for name, param in model.named_parameters():
+        expected_grad = sum(dict(copy_.named_parameters())[name].grad for copy_ in alone)
+        # (the first layer's bias: zero up to rounding, which BatchNorm's mean takes out)
+        torch.testing.assert_close(param.grad, expected_grad, rtol=RTOL_FLOAT64, atol=1e-12, msg=name)
 
 
 def test_replica_parameters_are_not_listed_and_not_leaves():

@@ -262,3 +262,27 @@ def test_gpt2s_hidden_states_through_data_parallel_equal_its_own_once_it_capture
     assert len(got) == len(expected) == 3
     assert all(max_relative_error(g, e) <= 1e-5 for g, e in zip(got, expected))
     assert len(model(tokens, output_hidden_states=True).hidden_states) == 3  # the model alone: as before
+
+
+def test_a_model_accelerate_prepared_for_mixed_precision_runs_its_patch_on_each_replica(generator):
+    """``Accelerator(mixed_precision=...).prepare(model)`` patches the model's forward on the instance, bound to it
+    (accelerate's ``prepare_model``: ``model.forward = MethodType(convert_outputs_to_fp32(...), model)``), and
+    ``Trainer`` with several GPUs wraps that model in ``nn.DataParallel``. Stock's replicas share the bound call and
+    run the original (docs/stock-behaviour.md B38: under the emulation its BatchNorm counts both chunks); minidp's run
+    the patch each on its own replica: outputs as the unpatched model's chunk by chunk under the same autocast, the
+    statistics of chunk 0 alone."""
+    accelerate = pytest.importorskip("accelerate")
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+    chunks = [copy.deepcopy(model) for _ in range(2)]
+    stock_model = copy.deepcopy(model)
+    for module in (model, stock_model):
+        accelerate.Accelerator(mixed_precision="bf16", cpu=True).prepare(module)
+    x = torch.randn(8, 4, generator=generator)
+    output = minidp.DataParallel(model, cpu_ids(2))(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = torch.cat([replica(chunk) for replica, chunk in zip(chunks, x.chunk(2))]).float()
+    assert torch.equal(output, expected)
+    assert model[1].num_batches_tracked.item() == 1
+    with emulated_stock():
+        nn.DataParallel(stock_model, [0, 1])(x)
+    assert stock_model[1].num_batches_tracked.item() == 2
