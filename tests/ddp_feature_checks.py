@@ -77,10 +77,11 @@ def _sgd_steps(pairs, seed: int, first_step: int, steps: int) -> list:
     return differences
 
 
-def pickled_then_trained(seed: int, how: str) -> dict:
+def pickled_then_trained(seed: int, how: str, static_graph: bool = False) -> dict:
     """Train two steps, copy both wrappers (``how``: "torch.save" or "deepcopy"), train the copies two more
-    steps: the copies must go on exactly as stock's copy does, with hooks on their own parameters."""
-    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed)
+    steps: the copies must go on exactly as stock's copy does, with hooks on their own parameters. Also, per
+    library, whether its copy's parameters are the same on every rank after that training (``ranks_agree``)."""
+    theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed, **({"static_graph": True} if static_graph else {}))
     pairs = [(d, m, torch.optim.SGD(d.parameters(), lr=0.1, momentum=0.9)) for d, m in ((theirs, theirs_module), (ours, ours_module))]
     before = _sgd_steps(pairs, seed, 0, 2)
 
@@ -96,8 +97,14 @@ def pickled_then_trained(seed: int, how: str) -> dict:
     ours_copy = copies[1]
     pairs = [(c, c.module, torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9)) for c in copies]
     after = _sgd_steps(pairs, seed, 2, 2)
+    agree = {}
+    for name, copy_ in (("stock", copies[0]), ("minidp", copies[1])):
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, [p.detach() for p in copy_.parameters()])
+        agree[name] = all(all(map(torch.equal, every_rank[0], other)) for other in every_rank[1:])
     return {
         "differences": before + after,
+        "ranks_agree": agree,
         "process_group_is_default": ours_copy.process_group is dist.group.WORLD,
         "shares_parameters": any(a is b for a, b in zip(ours_copy.parameters(), ours_module.parameters())),
         "original_untouched": _difference(ours_module, theirs_module),

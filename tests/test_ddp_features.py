@@ -69,6 +69,7 @@ STOCK_MIXED_PRECISION_FALLS_SHORT = {"fp16_grad_as_bucket_view", "bf16_no_sync",
 TWO_PROCESSES = {
     "saved": (checks.pickled_then_trained, {"how": "torch.save"}),
     "deepcopied": (checks.pickled_then_trained, {"how": "deepcopy"}),
+    "deepcopied_static": (checks.pickled_then_trained, {"how": "deepcopy", "static_graph": True}),
     "distributed_checkpoint": (checks.distributed_checkpoint_as_stock, {}),
     "pickling_subgroup": (checks.pickling_with_a_subgroup, {}),
     "create_graph": (checks.create_graph_as_stock, {}),
@@ -250,6 +251,15 @@ def test_a_saved_or_deepcopied_wrapper_trains_on_exactly_as_stock(two, check):
         assert result["differences"] == [None] * 4
         assert result["process_group_is_default"]  # re-attached to the default group
         assert not result["shares_parameters"]  # the copy's reducer hooks its own parameters
+        assert result["original_untouched"] is None
+
+
+def test_a_deepcopied_static_graph_wrapper_keeps_averaging_where_torchs_copy_lets_its_ranks_drift(two):
+    """A copy of a ``static_graph=True`` wrapper (``__setstate__`` builds a new reducer, distributed.py:1485-1521):
+    torch's copy no longer averages the gradients, and its ranks' models drift apart; minidp's copy trains as a copy
+    of a wrapper without ``static_graph`` does, every rank's model the same (README's table of differences)."""
+    for result in each_rank(two, "deepcopied_static"):
+        assert result["ranks_agree"] == {"stock": False, "minidp": True}
         assert result["original_untouched"] is None
 
 
