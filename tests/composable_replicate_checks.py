@@ -44,15 +44,19 @@ class Net(nn.Module):
 
 def train(seed: int, library: str, steps: int = 4, micro_batches: int = 2, ignored: bool = False,
           hook: Optional[Callable] = None, shard: Optional[str] = None, skip_branch: Optional[str] = None,
-          compiled: bool = False, replicated_child: Optional[str] = None, **ddp_kwargs: Any) -> dict:
+          compiled: bool = False, replicated_child: Optional[str] = None, torchs_fully_shard: bool = False,
+          **ddp_kwargs: Any) -> dict:
     """``steps`` optimizer steps of SGD with momentum, each over ``micro_batches`` forwards (all but the last with
     ``set_requires_gradient_sync(False)``), every rank starting from other parameters (rank 0's are broadcast).
     ``ignored``: fc1 left out; ``hook``: a comm hook registered before the first forward; ``shard``: the name of a
     sub-module sharded first with the library's ``fully_shard``; ``skip_branch``: ``"odd"`` steps skip ``branch``, or
     ``"always"`` (a static graph that leaves it unused); ``compiled``: every forward, the first too, through
     ``torch.compile`` (the eager backend). ``replicated_child``: the other composition, that sub-module given to the
-    library's ``replicate`` and the root to its ``fully_shard`` (which leaves the replicated one whole)."""
+    library's ``replicate`` and the root to its ``fully_shard`` (which leaves the replicated one whole);
+    ``torchs_fully_shard``: torch's ``fully_shard`` there, whichever the library."""
     replicate, fully_shard = LIBRARIES[library]
+    if torchs_fully_shard:
+        fully_shard = torch_fully_shard
     rank = dist.get_rank()
     # each rank its own parameters, which the first forward's broadcast evens; alike where fully_shard needs them so
     torch.manual_seed(seed if shard is not None or replicated_child is not None else seed + rank)
@@ -112,6 +116,28 @@ def the_module_stays_itself(seed: int) -> dict:
                             "keys": list(model.state_dict()) == keys,
                             "slice": type(sequential[1:]).__name__, "deepcopy": copied,
                             "state_elsewhere": replicate.state(nn.Linear(2, 2))}
+    return results
+
+
+def state_as_torchs(seed: int) -> dict:
+    """What ``replicate.state(module)`` holds, torch's ``_ReplicateState`` attributes that code reads (``_ddp``, to
+    register a comm hook on it), before and after the first forward, per library; and which composable APIs torch's
+    registry lists on the module (``_get_registry``, which torch's ``fully_shard`` asks)."""
+    from torch.distributed._composable.contract import _get_registry
+
+    results = {}
+    for library, (replicate, _) in LIBRARIES.items():
+        torch.manual_seed(seed)
+        model = replicate(Net())
+        seen = []
+        for _ in range(2):
+            state = replicate.state(model)
+            seen.append({"has_initialized": state.has_initialized, "param_names": list(state._param_names),
+                         "param_list": [tuple(p.shape) for p in state._param_list], "no_sync": state._no_sync})
+            model.set_requires_gradient_sync(False)
+            model(torch.randn(4, 6))
+        results[library] = {"seen": seen, "ddp": isinstance(replicate.state(model)._ddp, nn.parallel.DistributedDataParallel),
+                            "registry": list(_get_registry(model) or ())}
     return results
 
 

@@ -36,6 +36,9 @@ TRAINING = {
     "sharded-block": {"shard": "fc2"},
     # FSDP2 leaves a sub-module torch's replicate manages whole (_get_managed_modules: _is_composable_with_fsdp)
     "replicated-block-in-a-sharded-root": {"replicated_child": "fc2", "micro_batches": 1},
+    # the same with torch's fully_shard on the root: minidp's replicate names itself in torch's registry of composable
+    # APIs, which torch's fully_shard asks (its child was sharded too, and trained otherwise)
+    "replicated-block-in-a-root-torch-shards": {"replicated_child": "fc2", "micro_batches": 1, "torchs_fully_shard": True},
     # the DDP object is built at the first forward, out of dynamo's sight (torch's lazy_init): compiled, minidp's
     # raised there, dynamo tracing the check that every rank holds the same model
     "compiled": {"compiled": True},
@@ -44,6 +47,7 @@ PLAN = {
     **{f"train-{name}": (checks.against_torch, arguments) for name, arguments in TRAINING.items()},
     "itself": (checks.the_module_stays_itself, {}),
     "refusals": (checks.refusals, {}),
+    "state": (checks.state_as_torchs, {}),
     "sync_batchnorm": (checks.sync_batchnorm_over_every_rank, {}),
 }
 
@@ -71,6 +75,16 @@ def test_the_replicated_module_keeps_its_class_and_state_dict_keys_and_refuses_d
         assert result["minidp"]["slice"] == "Sequential" and result["minidp"]["class"] == "DDPNet"
         assert result["minidp"]["deepcopy"].startswith("DDP does not support deepcopy")
         assert result["minidp"]["state_elsewhere"] is None
+
+
+def test_the_replicate_state_holds_torchs_attributes_and_torchs_registry_names_it(two):
+    # replicate.py: _ReplicateState's has_initialized, _param_names, _param_list (filled by the first forward's
+    # lazy_init), _no_sync (set_requires_gradient_sync), _ddp (the DistributedDataParallel: replicate.state(m)._ddp.
+    # register_comm_hook), and contract.py's registry, which lists "replicate"
+    for result in each_rank(two, "state"):
+        assert result["minidp"] == result["torch"]
+        assert result["minidp"]["ddp"] and result["minidp"]["registry"] == ["replicate"]
+        assert result["minidp"]["seen"][1]["has_initialized"] and result["minidp"]["seen"][1]["no_sync"]
 
 
 @pytest.mark.parametrize("case,kind,error", [

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import OrderedDict
 from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 
 from ..step2_replicate import check_is_module
 from .batchnorm import attach_exchange
@@ -47,7 +49,7 @@ class ReplicateState:
         self.ignored_modules = ignored_modules
         self.ddp_kwargs = ddp_kwargs
         self.ddp: Optional[DistributedDataParallel] = None
-        self.no_sync = False
+        self._no_sync = False  # torch's name: set_requires_gradient_sync(False) sets it
         self.comm_hooks: list[tuple[tuple, dict]] = []
         self.recording = False
         self.inside_ddp_forward: Optional[contextlib.AbstractContextManager] = None  # entered for the module's forward
@@ -59,6 +61,30 @@ class ReplicateState:
         if self.ddp is None:
             raise AttributeError("_ddp_weakref: the DDP object is built at the module's first forward")
         return weakref.ref(self.ddp)
+
+    # torch's _ReplicateState's attributes, which code written for it reads (replicate.state(m)._ddp.register_comm_hook)
+    @property
+    def _ddp(self) -> DistributedDataParallel:
+        """The DDP object, by torch's name; as torch's, there from the first forward, which builds it."""
+        if self.ddp is None:
+            raise AttributeError("_ddp: the DDP object is built at the module's first forward")
+        return self.ddp
+
+    @property
+    def has_initialized(self) -> bool:
+        """Whether the first forward built the DDP object."""
+        return self.ddp is not None
+
+    @property
+    def _param_list(self) -> nn.ParameterList:
+        """The parameters DDP reduces (empty before the first forward, as torch's)."""
+        return self.ddp.module if self.ddp is not None else nn.ParameterList()
+
+    @property
+    def _param_names(self) -> list[str]:
+        """Their names under the module (empty before the first forward, as torch's)."""
+        reduced = {id(p) for p in self._param_list}
+        return [name for name, p in self.module.named_parameters() if id(p) in reduced]
 
     def parameters(self) -> list[nn.Parameter]:
         """The module's parameters DDP reduces: in the module's order, without the ignored modules' and those of
@@ -87,7 +113,7 @@ class ReplicateState:
 
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ddp = self.ddp if self.ddp is not None else self.build()
-        ddp.require_backward_grad_sync = not self.no_sync
+        ddp.require_backward_grad_sync = not self._no_sync
         # The module's forward runs inside the wrapper's _inside_ddp_forward, entered here and left in the post-hook:
         # the DDP object is torch DDP's active module, so dynamo's DDPOptimizer splits a compiled forward at the
         # bucket boundaries (torch's replicate sets it in its pre-hook too, and clears it in its post-hook).
@@ -121,7 +147,7 @@ class ReplicatedModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """``False``: the backwards that follow accumulate gradients locally, without the all-reduce (DDP's
         ``no_sync()``); ``True``: the next backward reduces the sum."""
-        state(self).no_sync = not requires_gradient_sync
+        state(self)._no_sync = not requires_gradient_sync
 
     def register_comm_hook(self, *args: Any, **kwargs: Any) -> None:
         """DDP's ``register_comm_hook``, registered on the DDP object when the first forward builds it."""
@@ -149,6 +175,10 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
                              f"apply it once per module (each composable API can only be applied to a module once)")
     replicated = ReplicateState(module, set(ignored_modules or ()), kwargs)
     module.__dict__[REPLICATE_STATE] = replicated
+    # Named in torch's registry of composable APIs, as torch's contract names its replicate: torch's fully_shard on a
+    # module above this one then leaves this one's parameters whole, to its DDP (_is_composable_with_fsdp), and torch's
+    # replicate refuses to be applied on top.
+    module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())["replicate"] = RegistryItem()
     module.register_forward_pre_hook(replicated.before_forward, with_kwargs=True)
     module.register_forward_hook(replicated.after_forward)
     give_methods(module, ReplicatedModule, "DDP")  # torch's replicate names the class DDP<its class> too
