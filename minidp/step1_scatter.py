@@ -59,7 +59,8 @@ def plan_splits(
     first_of_size: dict[int, str] = {}  # each size met, with the first tensor of that size
     one_value_a_row: dict[int, bool] = {}  # whether every tensor of that size holds one value per row
     for path, tensor in (found for name, obj in roots for found in tensors_in(obj, name)):
-        if path.endswith(".batch_sizes"):  # maybe a PackedSequence's field: a name is cheaper to test than every type
+        # maybe a PackedSequence's field (a name is cheaper to test than every type); one device takes it whole
+        if num_devices > 1 and path.endswith(".batch_sizes"):
             for name, obj in roots:
                 _check_no_packed_sequence(obj, name)
         comm.check_splittable(tensor, dim, path)

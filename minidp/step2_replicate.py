@@ -23,9 +23,11 @@ whose updates are dropped. That is stock's behaviour: running statistics come fr
 
 from __future__ import annotations
 
+import dis
 import functools
 import sys
 import types
+from itertools import chain
 from typing import Any, Optional, Sequence
 
 import torch
@@ -62,22 +64,25 @@ def check_flag(value: Any, argument: str) -> None:
 
 
 def check_no_call_bound_to_the_original(network: nn.Module) -> None:
-    """Raise ``TypeError`` if ``network`` or a sub-module holds a call bound to itself that no replica can bind to its
-    own copy: it is compiled (``torch.compile(m)`` or ``m.compile()``), or its ``forward`` was set on the instance as
-    a function that holds the module itself, or a method bound to it, in its closure (``orig = m.forward; m.forward =
-    lambda x: orig(x)``, or a decorator's wrapper, found through ``__wrapped__``).
+    """Raise ``TypeError`` if ``network`` or a sub-module holds a call bound to the original tree that no replica can
+    bind to its own copy: it is compiled (``torch.compile(m)`` or ``m.compile()``), or its ``forward`` was set on the
+    instance as a function that holds a module, parameter or buffer of the tree, or a method bound to one of its
+    modules, in its closure, the globals it reads or what it wraps (``orig = m.forward; m.forward = lambda x:
+    orig(x)``, ``bn = m.bn; m.forward = types.MethodType(lambda self, x: bn(self.lin(x)), m)``).
 
     ``torch.compile(m)`` returns a wrapper (``OptimizedModule``) whose tree replicate cannot copy; the others keep the
     bound call in the module's ``__dict__``, which every replica's shallow copy shares, so every replica would run the
     original's parameters and buffers instead of its own (on GPUs: tensors on the wrong device; on CPU replicas: the
-    original's buffers updated from every chunk at once, in threads). A forward set on the instance as a method bound
-    to it (``m.forward = types.MethodType(f, m)``, as accelerate patches a forward for mixed precision) or as a
-    ``functools.partial(f, m)`` is no such call: each replica gets it bound to itself (:func:`build_skeletons`).
+    original's buffers updated from every chunk at once, in threads). A method bound to a module of the tree
+    (``m.forward = types.MethodType(f, m)``, as accelerate patches a forward for mixed precision; accelerate's hooks keep
+    the old one as ``m._old_forward``) and a ``functools.partial`` passing one are no such call: each replica gets them
+    bound to its own copies (:func:`rebind_calls`).
     """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing can be compiled
     optimized = eval_frame.OptimizedModule if eval_frame is not None else ()
     compile_inside = ("Give DataParallel the original module, and compile inside it: decorate the class's forward with "
                       "@torch.compile (each replica then runs the compiled code on its own parameters).")
+    tree: Optional[set[int]] = None  # ids of the tree's modules, parameters and buffers, gathered where a forward is set
     for name, module in network.named_modules():
         where = f"'{name}'" if name else "the module"
         if isinstance(module, optimized):
@@ -86,44 +91,72 @@ def check_no_call_bound_to_the_original(network: nn.Module) -> None:
         elif module.__dict__.get("_compiled_call_impl") is not None:
             how = f"{where} ({type(module).__name__}) was compiled in place with Module.compile()"
             fix = compile_inside
-        elif _holds_the_module(module.__dict__.get("forward"), module):
-            how = (f"{where} ({type(module).__name__}) has a forward set on the instance that holds the module, or a "
-                   f"method bound to it, in its closure, its globals or what it wraps (orig = m.forward; m.forward = "
-                   f"lambda *a: orig(*a))")
-            fix = (f"Set the forward as a method bound to the module instead (m.forward = types.MethodType(f, m), f "
-                   f"taking self and calling type(self).forward(self, ...)), which each replica binds to itself, or "
-                   f"on the class (a subclass: class Patched({type(module).__name__}): forward = f, then m.__class__ = "
-                   f"Patched).")
+        elif "forward" in module.__dict__ and _holds_the_tree(
+                module.__dict__["forward"], tree := tree or _ids_of_the_tree(network)):
+            how = (f"{where} ({type(module).__name__}) has a forward set on the instance that holds a module, "
+                   f"parameter or buffer of the model, or a method bound to one, in its closure, the globals it reads "
+                   f"or what it wraps (orig = m.forward; m.forward = lambda *a: orig(*a))")
+            fix = (f"Reach them through the module the forward is given instead: set it as a method bound to the "
+                   f"module (m.forward = types.MethodType(f, m), f taking self and reading self.bn, or calling "
+                   f"type(self).forward(self, ...)), which each replica binds to itself, or on the class (a subclass: "
+                   f"class Patched({type(module).__name__}): forward = f, then m.__class__ = Patched).")
         else:
             continue
         raise TypeError(f"{how}: that call is bound to the original module, so every replica would run it on the "
                         f"original's parameters and buffers, not its own. {fix}")
 
 
-def _rebound(call: Any, original: nn.Module, replica: nn.Module) -> Any:
-    """``call`` with ``replica`` in place of ``original`` where it is a method bound to it, or a ``functools.partial``
-    that passes it; ``None`` for any other call."""
-    if isinstance(call, types.MethodType) and call.__self__ is original:
-        return types.MethodType(call.__func__, replica)
-    if isinstance(call, functools.partial) and any(v is original for v in (*call.args, *call.keywords.values())):
-        swap = functools.partial(_swapped, original, replica)
-        return functools.partial(call.func, *map(swap, call.args), **{k: swap(v) for k, v in call.keywords.items()})
-    return None
+def _ids_of_the_tree(network: nn.Module) -> set[int]:
+    return {id(x) for x in chain(network.modules(), network.parameters(), network.buffers())}
 
 
-def _swapped(original: nn.Module, replica: nn.Module, value: Any) -> Any:
-    return replica if value is original else value
+def rebind_calls(originals: list[nn.Module], copies: list[nn.Module]) -> None:
+    """In the ``__dict__`` of each copy whose original has a ``forward`` set on the instance, every method bound to a
+    module of ``originals`` (the tree ``network.modules()``), or ``functools.partial`` passing one, bound to that
+    module's copy instead: the shallow copy shares the original's (the forward, and what it calls, such as the
+    ``_old_forward`` accelerate's hooks keep). Only there: a dict lookup a module, where a look at every attribute of
+    every module cost ResNet-50's replicate 0.2 ms a replica (``python -m timeit -s "from minidp.step2_replicate import
+    rebind_calls; from minidp.zoo import resnet50; m = list(resnet50(base=8).modules()); c = [x.
+    _replicate_for_data_parallel() for x in m]" "rebind_calls(m, c)"``)."""
+    patched = [(original, copy) for original, copy in zip(originals, copies) if "forward" in original.__dict__]
+    if not patched:
+        return
+    counterpart = {id(original): copy for original, copy in zip(originals, copies)}
+    for original, copy in patched:
+        for key, call in original.__dict__.items():
+            if type(call) is types.MethodType or type(call) is functools.partial:  # the rest is no call to re-bind
+                rebound = _rebound(call, counterpart)
+                if rebound is not None:
+                    copy.__dict__[key] = rebound
 
 
-def _holds_the_module(call: Any, module: nn.Module) -> bool:
-    """Whether ``call`` reaches ``module`` (the module itself, or a method bound to it) through its closure, the globals
-    it reads, or what it wraps (``__wrapped__``, a ``functools.partial``'s function and arguments, a method's
-    function), where no replica can put its own copy. The ``self`` of a method bound to ``module``, and a partial's
-    argument that is ``module``, it can (:func:`_rebound`): those are not looked at."""
-    if isinstance(call, types.MethodType) and call.__self__ is module:
+def _rebound(call: Any, counterpart: dict[int, nn.Module]) -> Any:
+    """``call`` with each module of the tree it is bound to, or that a ``functools.partial`` passes, swapped for its
+    ``counterpart``; ``None`` where it has none."""
+    if isinstance(call, types.MethodType):
+        copy = counterpart.get(id(call.__self__))
+        return None if copy is None else types.MethodType(call.__func__, copy)
+    values = (*call.args, *call.keywords.values())
+    if not any(id(v) in counterpart for v in values):
+        return None
+    swap = functools.partial(_swapped, counterpart)
+    return functools.partial(call.func, *map(swap, call.args), **{k: swap(v) for k, v in call.keywords.items()})
+
+
+def _swapped(counterpart: dict[int, nn.Module], value: Any) -> Any:
+    return counterpart.get(id(value), value)
+
+
+def _holds_the_tree(call: Any, tree: set[int]) -> bool:
+    """Whether ``call`` reaches an object of ``tree`` (ids: the model's modules, parameters and buffers), or a method
+    bound to one, through its closure, the globals it reads, or what it wraps (``__wrapped__``, a ``functools.partial``'s
+    function and arguments, a method's function), where no replica can put its own copy. The ``self`` of a method
+    bound to a module of the tree, and a partial's argument that is one, it can (:func:`rebind_calls`): those are not
+    looked at."""
+    if isinstance(call, types.MethodType) and id(call.__self__) in tree:
         pending = [call.__func__]
     elif isinstance(call, functools.partial):
-        pending = [value for value in (call.func, *call.args, *call.keywords.values()) if value is not module]
+        pending = [value for value in (call.func, *call.args, *call.keywords.values()) if id(value) not in tree]
     else:
         pending = [call]
     seen: set[int] = set()
@@ -132,10 +165,10 @@ def _holds_the_module(call: Any, module: nn.Module) -> bool:
         if value is None or id(value) in seen:
             continue
         seen.add(id(value))
-        if _is_or_bound_to(value, module):
+        if _in_the_tree(value, tree):
             return True
         if isinstance(value, types.FunctionType) and any(  # the globals it reads: a patch made at a script's top level
-                _is_or_bound_to(value.__globals__.get(name), module) for name in value.__code__.co_names):
+                _in_the_tree(value.__globals__.get(name), tree) for name in _globals_read(value.__code__)):
             return True
         if isinstance(value, functools.partial):
             pending += [value.func, *value.args, *value.keywords.values()]
@@ -144,8 +177,13 @@ def _holds_the_module(call: Any, module: nn.Module) -> bool:
     return False
 
 
-def _is_or_bound_to(value: Any, module: nn.Module) -> bool:
-    return value is module or getattr(value, "__self__", None) is module
+def _in_the_tree(value: Any, tree: set[int]) -> bool:
+    return value is not None and (id(value) in tree or id(getattr(value, "__self__", None)) in tree)
+
+
+def _globals_read(code: types.CodeType) -> set[str]:
+    """The global names ``code`` loads (``co_names`` also holds the attribute names it reads, ``self.model``)."""
+    return {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
 
 
 def _filled(cell: Any) -> bool:
@@ -260,11 +298,9 @@ def build_skeletons(modules: list[nn.Module], count: int) -> list[list[nn.Module
         for module, replica in zip(modules, replica_modules):
             for key, child in module._modules.items():
                 setattr(replica, key, None if child is None else replica_modules[index[id(child)]])
-            # A forward set on the instance, bound to the module, is bound to the replica (the shallow copy would
-            # share the original's): each replica runs it on its own tensors.
-            rebound = _rebound(module.__dict__.get("forward"), module, replica)
-            if rebound is not None:
-                replica.__dict__["forward"] = rebound
+        # A forward set on the instance, bound to its module (or to another of the tree), is bound to the copies,
+        # and so is what it calls beside it: each replica runs it on its own tensors.
+        rebind_calls(modules, replica_modules)
     return replicas
 
 

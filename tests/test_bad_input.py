@@ -11,6 +11,7 @@ import copy
 import functools
 import importlib
 import re
+import types
 
 import pytest
 import torch
@@ -494,6 +495,17 @@ def test_a_packed_sequence_input_is_an_error_that_says_what_works(keyword, gener
     assert_untouched(model, before)
 
 
+def test_a_packed_sequence_runs_whole_on_one_device_as_stock(generator):
+    """With one device nothing is cut: the module runs the PackedSequence as it is, as stock's one GPU does."""
+    model = PackedLSTM()
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(8, 6, 4, generator=generator), torch.tensor([6, 5, 5, 4, 3, 2, 2, 1]),
+                                               batch_first=True)
+    with emulated_stock():
+        expected = nn.DataParallel(model, [0])(packed)
+    assert torch.equal(minidp.DataParallel(model, cpu_ids(1))(packed), expected)
+    assert torch.equal(minidp.data_parallel(model, (packed,), cpu_ids(1)), expected)
+
+
 class Shared:
     """A non-tensor object: scatter gives every replica the same one, tensors and all (B12)."""
 
@@ -599,19 +611,25 @@ def _wrapping_its_bound_forward(module: nn.Module):
     return forward
 
 
-@pytest.mark.parametrize("patch", [_calling_its_bound_forward, _wrapping_its_bound_forward], ids=["closure", "wraps"])
+def _bound_but_closing_over_another_module(module: nn.Module, other: nn.Module):
+    return types.MethodType(lambda self, x: nn.Linear.forward(self, other(x)), module)  # `other`: the original's
+
+
+@pytest.mark.parametrize("patch", [_calling_its_bound_forward, _wrapping_its_bound_forward,
+                                   _bound_but_closing_over_another_module], ids=["closure", "wraps", "other_module"])
 def test_a_forward_on_the_instance_that_holds_the_module_is_refused_before_the_step_changes_anything(model, patch, generator):
-    """A forward patched on the instance, holding the original module (or a method bound to it) in its closure:
-    every replica's shallow copy shares it, so every replica would run the original's parameters and buffers (B38's
-    reason for compiled calls; on CPU replicas its BatchNorm statistics updated from every chunk at once), and no
-    replica can put itself in its place, as it does for a method bound to the module (tests/test_replicate.py,
-    ``bound_on_the_instance``). Set after DataParallel was built: the forward refuses it, cache on or off."""
+    """A forward patched on the instance, holding the original module, another module of the model (or a method bound
+    to one) in its closure: every replica's shallow copy shares it, so every replica would run the original's
+    parameters and buffers (B38's reason for compiled calls; on CPU replicas a BatchNorm's statistics updated from
+    every chunk at once), and no replica can put its own copy in their place, as it does for the module a method is
+    bound to (tests/test_replicate.py, ``bound_on_the_instance``). Set after DataParallel was built: the forward
+    refuses it, cache on or off."""
     dp = minidp.DataParallel(model, cpu_ids(2))
     dp(torch.randn(6, 4, generator=generator)).sum().backward()
-    model[2].forward = patch(model[2])
+    model[2].forward = patch(model[2], model[1]) if patch is _bound_but_closing_over_another_module else patch(model[2])
     before = snapshot(model)
-    with pytest.raises(TypeError, match=r"'2' \(Linear\) has a forward set on the instance that holds the module.*"
-                                        r"types\.MethodType\(f, m\)"):
+    with pytest.raises(TypeError, match=r"'2' \(Linear\) has a forward set on the instance that holds a module, "
+                                        r"parameter or buffer of the model.*types\.MethodType\(f, m\)"):
         dp(torch.randn(6, 4, generator=generator))
     assert_untouched(model, before)
 

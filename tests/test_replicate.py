@@ -104,6 +104,41 @@ def test_a_forward_bound_on_the_instance_runs_on_each_replicas_own_tensors(bind,
         torch.testing.assert_close(param.grad, expected_grad, rtol=RTOL_FLOAT64, atol=1e-12, msg=name)
 
 
+class _Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = bn_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+def _doubling_its_model(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return 2 * self.model(x)  # `model`: an attribute here, whatever the caller's globals name so
+
+
+@pytest.mark.parametrize("patch", ["child_forward", "attribute_named_as_a_global"])
+def test_a_forward_bound_to_a_module_of_the_tree_runs_its_replica_copy(patch, generator, monkeypatch):
+    """``m.forward = m.model.forward`` (a method bound to a sub-module) is bound to the sub-module's copy in each
+    replica; a method that reads ``self.model`` is taken, where a global of the same name holds the model (a script's
+    ``model = ...``): only the globals a function loads count as what it holds. Each chunk runs on its own replica, as
+    one device runs the chunks one by one (statistics from chunk 0, B21)."""
+    wrapper = _Wrapper()
+    alone = [copy.deepcopy(wrapper) for _ in range(3)]
+    for module in (wrapper, *alone):
+        if patch == "child_forward":
+            module.forward = module.model.forward
+        else:
+            module.forward = types.MethodType(_doubling_its_model, module)
+    monkeypatch.setitem(globals(), "model", wrapper)
+    x = torch.randn(9, 4, generator=generator, dtype=torch.float64)
+    chunks = minidp.scatter(x, cpu_ids(3))
+    outputs = minidp.parallel_apply(minidp.replicate(wrapper, cpu_ids(3)), [(c,) for c in chunks])
+    for copy_, chunk, output in zip(alone, chunks, outputs):
+        assert max_relative_error(output, copy_(chunk)) <= RTOL_FLOAT64
+    assert wrapper.model[1].num_batches_tracked.item() == 1
+
+
 def test_replica_parameters_are_not_listed_and_not_leaves():
     """B20: ``replica.parameters()`` is empty; the copies are non-leaf outputs of Broadcast."""
     model = bn_model()

@@ -286,3 +286,20 @@ def test_a_model_accelerate_prepared_for_mixed_precision_runs_its_patch_on_each_
     with emulated_stock():
         nn.DataParallel(stock_model, [0, 1])(x)
     assert stock_model[1].num_batches_tracked.item() == 2
+
+
+def test_a_module_accelerate_hooks_runs_the_hook_on_each_replica(generator):
+    """accelerate's ``add_hook_to_module`` (the hooks of ``device_map`` loading and offloading) sets ``module.forward =
+    partial(new_forward, module)`` and keeps the module's own as ``module._old_forward``, a method bound to it, which
+    ``new_forward`` calls. Both are bound to each replica: every chunk runs on its own replica (statistics from chunk 0
+    alone), where stock's replicas all run the original's forward (docs/stock-behaviour.md B38)."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2)).double()
+    chunks = [copy.deepcopy(model) for _ in range(2)]
+    hooks.add_hook_to_module(model, hooks.ModelHook())
+    hooks.add_hook_to_module(model[1], hooks.ModelHook())
+    x = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    output = minidp.DataParallel(model, cpu_ids(2))(x)
+    expected = torch.cat([replica(chunk) for replica, chunk in zip(chunks, x.chunk(2))])
+    assert max_relative_error(output, expected) <= RTOL_FLOAT64
+    assert model[1].num_batches_tracked.item() == 1
