@@ -216,6 +216,7 @@ for inputs in ([[torch.ones(3)], []], [[torch.ones(3)], [torch.ones(4)]], [[torc
 """
 
 
+@pytest.mark.fresh_interpreter
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_errors_keep_their_numbers_when_the_compiler_links_the_cpp_runtime_statically(tmp_path):
     """A CUDA image's compiler wrapper (its CXX) linked the C++ runtime into the extension, as
