@@ -28,7 +28,7 @@ import functools
 import sys
 import types
 from itertools import chain
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -111,18 +111,18 @@ def _ids_of_the_tree(network: nn.Module) -> set[int]:
 
 
 def rebind_calls(originals: list[nn.Module], copies: list[nn.Module]) -> None:
-    """In the ``__dict__`` of each copy whose original has a ``forward`` set on the instance, every method bound to a
-    module of ``originals`` (the tree ``network.modules()``), or ``functools.partial`` passing one, bound to that
-    module's copy instead: the shallow copy shares the original's (the forward, and what it calls, such as the
-    ``_old_forward`` accelerate's hooks keep). Only there: a dict lookup a module, where a look at every attribute of
-    every module cost ResNet-50's replicate 0.2 ms a replica (``python -m timeit -s "from minidp.step2_replicate import
-    rebind_calls; from minidp.zoo import resnet50; m = list(resnet50(base=8).modules()); c = [x.
-    _replicate_for_data_parallel() for x in m]" "rebind_calls(m, c)"``)."""
-    patched = [(original, copy) for original, copy in zip(originals, copies) if "forward" in original.__dict__]
-    if not patched:
+    """Where a module of ``originals`` (the tree ``network.modules()``) has a ``forward`` set on the instance: in every
+    copy's ``__dict__``, each method bound to a module of the tree, or ``functools.partial`` passing one, bound to that
+    module's copy instead. The shallow copy shares the original's: the forward, and what it calls, such as the
+    ``_old_forward`` accelerate's hooks keep, or a method of another module kept beside it. Only there: a dict lookup a
+    module, where a look at every attribute of every module costs ResNet-50's replicate 0.2 ms a replica (``python -m
+    timeit -s "from minidp.step2_replicate import rebind_calls; from minidp.zoo import resnet50; m =
+    list(resnet50(base=8).modules()); m[0].forward = m[0].forward; c = [x._replicate_for_data_parallel() for x in m]"
+    "rebind_calls(m, c)"``)."""
+    if not any("forward" in original.__dict__ for original in originals):
         return
     counterpart = {id(original): copy for original, copy in zip(originals, copies)}
-    for original, copy in patched:
+    for original, copy in zip(originals, copies):
         for key, call in original.__dict__.items():
             if type(call) is types.MethodType or type(call) is functools.partial:  # the rest is no call to re-bind
                 rebound = _rebound(call, counterpart)
@@ -150,13 +150,14 @@ def _swapped(counterpart: dict[int, nn.Module], value: Any) -> Any:
 def _holds_the_tree(call: Any, tree: set[int]) -> bool:
     """Whether ``call`` reaches an object of ``tree`` (ids: the model's modules, parameters and buffers), or a method
     bound to one, through its closure, the globals it reads, or what it wraps (``__wrapped__``, a ``functools.partial``'s
-    function and arguments, a method's function), where no replica can put its own copy. The ``self`` of a method
-    bound to a module of the tree, and a partial's argument that is one, it can (:func:`rebind_calls`): those are not
-    looked at."""
-    if isinstance(call, types.MethodType) and id(call.__self__) in tree:
+    function and arguments, a method's function), or one level inside a value found there (a list, tuple, set or
+    dict, an object's attributes: ``mods = [m.lin, m.bn]`` in a closure), where no replica can put its own copy. The
+    ``self`` of a method bound to a module of the tree, and a partial's argument that is one, it can (:func:`rebind_calls`):
+    those are not looked at. Not looked at either: deeper inside such values."""
+    if isinstance(call, types.MethodType) and _a_module_of(call.__self__, tree):
         pending = [call.__func__]
     elif isinstance(call, functools.partial):
-        pending = [value for value in (call.func, *call.args, *call.keywords.values()) if id(value) not in tree]
+        pending = [v for v in (call.func, *call.args, *call.keywords.values()) if not _a_module_of(v, tree)]
     else:
         pending = [call]
     seen: set[int] = set()
@@ -165,7 +166,7 @@ def _holds_the_tree(call: Any, tree: set[int]) -> bool:
         if value is None or id(value) in seen:
             continue
         seen.add(id(value))
-        if _in_the_tree(value, tree):
+        if any(_in_the_tree(inside, tree) for inside in (value, *_one_level_inside(value))):
             return True
         if isinstance(value, types.FunctionType) and any(  # the globals it reads: a patch made at a script's top level
                 _in_the_tree(value.__globals__.get(name), tree) for name in _globals_read(value.__code__)):
@@ -177,13 +178,32 @@ def _holds_the_tree(call: Any, tree: set[int]) -> bool:
     return False
 
 
+def _a_module_of(value: Any, tree: set[int]) -> bool:
+    return isinstance(value, nn.Module) and id(value) in tree
+
+
 def _in_the_tree(value: Any, tree: set[int]) -> bool:
     return value is not None and (id(value) in tree or id(getattr(value, "__self__", None)) in tree)
 
 
-def _globals_read(code: types.CodeType) -> set[str]:
-    """The global names ``code`` loads (``co_names`` also holds the attribute names it reads, ``self.model``)."""
-    return {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+def _one_level_inside(value: Any) -> Iterable[Any]:
+    """The items of a list, tuple, set or dict, or an object's attributes (not a function's, a module's or a tensor's,
+    whose parts the walk above reaches, or cannot hold the model's)."""
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return value
+    if isinstance(value, dict):
+        return value.values()
+    if isinstance(value, (types.FunctionType, nn.Module, torch.Tensor, type, types.ModuleType)):
+        return ()
+    attributes = getattr(value, "__dict__", None)
+    return attributes.values() if isinstance(attributes, dict) else ()
+
+
+@functools.lru_cache(maxsize=1024)
+def _globals_read(code: types.CodeType) -> frozenset[str]:
+    """The global names ``code`` loads (``co_names`` also holds the attribute names it reads, ``self.model``); kept per
+    code object, since reading its instructions costs a patched ResNet-50's check 8 ms a call, against 0.8 ms kept."""
+    return frozenset(i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
 
 
 def _filled(cell: Any) -> bool:

@@ -108,8 +108,12 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return state
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
+        """torch.nn.SyncBatchNorm's checks, in its words: at least 2D, and at least one channel (a 0-channel input
+        would otherwise run as an empty BatchNorm and count a batch)."""
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+        if input.size(1) == 0:
+            raise ValueError("SyncBatchNorm number of input channels should be non-zero")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)

@@ -615,8 +615,20 @@ def _bound_but_closing_over_another_module(module: nn.Module, other: nn.Module):
     return types.MethodType(lambda self, x: nn.Linear.forward(self, other(x)), module)  # `other`: the original's
 
 
+def _closing_over_a_list_of_modules(module: nn.Module, other: nn.Module):
+    modules = [other, module]  # one level inside a value of the closure
+    return types.MethodType(lambda self, x: nn.Linear.forward(modules[1], modules[0](x)), module)
+
+
+def _passing_a_buffer_of_another_module(module: nn.Module, other: nn.Module):
+    # the module is swapped for each replica's copy, the buffer would not be: every replica would update the original's
+    return functools.partial(lambda self, mean, x: nn.Linear.forward(self, x - mean), module, other.running_mean)
+
+
 @pytest.mark.parametrize("patch", [_calling_its_bound_forward, _wrapping_its_bound_forward,
-                                   _bound_but_closing_over_another_module], ids=["closure", "wraps", "other_module"])
+                                   _bound_but_closing_over_another_module, _closing_over_a_list_of_modules,
+                                   _passing_a_buffer_of_another_module],
+                         ids=["closure", "wraps", "other_module", "list_of_modules", "buffer_in_a_partial"])
 def test_a_forward_on_the_instance_that_holds_the_module_is_refused_before_the_step_changes_anything(model, patch, generator):
     """A forward patched on the instance, holding the original module, another module of the model (or a method bound
     to one) in its closure: every replica's shallow copy shares it, so every replica would run the original's
@@ -626,7 +638,8 @@ def test_a_forward_on_the_instance_that_holds_the_module_is_refused_before_the_s
     refuses it, cache on or off."""
     dp = minidp.DataParallel(model, cpu_ids(2))
     dp(torch.randn(6, 4, generator=generator)).sum().backward()
-    model[2].forward = patch(model[2], model[1]) if patch is _bound_but_closing_over_another_module else patch(model[2])
+    model[2].forward = patch(model[2]) if patch in (_calling_its_bound_forward, _wrapping_its_bound_forward) else \
+        patch(model[2], model[1])
     before = snapshot(model)
     with pytest.raises(TypeError, match=r"'2' \(Linear\) has a forward set on the instance that holds a module, "
                                         r"parameter or buffer of the model.*types\.MethodType\(f, m\)"):

@@ -117,17 +117,25 @@ def _doubling_its_model(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return 2 * self.model(x)  # `model`: an attribute here, whatever the caller's globals name so
 
 
-@pytest.mark.parametrize("patch", ["child_forward", "attribute_named_as_a_global"])
+def _calling_a_method_kept_on_its_model(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.model.kept(x)  # a method of the model kept on the model, bound to it: `m.model.kept = m.model.forward`
+
+
+@pytest.mark.parametrize("patch", ["child_forward", "attribute_named_as_a_global", "method_kept_on_a_sub_module"])
 def test_a_forward_bound_to_a_module_of_the_tree_runs_its_replica_copy(patch, generator, monkeypatch):
     """``m.forward = m.model.forward`` (a method bound to a sub-module) is bound to the sub-module's copy in each
-    replica; a method that reads ``self.model`` is taken, where a global of the same name holds the model (a script's
-    ``model = ...``): only the globals a function loads count as what it holds. Each chunk runs on its own replica, as
-    one device runs the chunks one by one (statistics from chunk 0, B21)."""
+    replica, and so is a method bound to a module that another module keeps (``m.model.kept = m.model.forward``, called
+    by a patched forward); a method that reads ``self.model`` is taken, where a global of the same name holds the model
+    (a script's ``model = ...``): only the globals a function loads count as what it holds. Each chunk runs on its own
+    replica, as one device runs the chunks one by one (statistics from chunk 0, B21)."""
     wrapper = _Wrapper()
     alone = [copy.deepcopy(wrapper) for _ in range(3)]
     for module in (wrapper, *alone):
         if patch == "child_forward":
             module.forward = module.model.forward
+        elif patch == "method_kept_on_a_sub_module":
+            module.model.kept = module.model.forward
+            module.forward = types.MethodType(_calling_a_method_kept_on_its_model, module)
         else:
             module.forward = types.MethodType(_doubling_its_model, module)
     monkeypatch.setitem(globals(), "model", wrapper)

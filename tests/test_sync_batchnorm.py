@@ -455,6 +455,19 @@ def test_an_input_with_the_wrong_channel_count_is_refused_before_any_state_chang
         assert torch.equal(value, before[name]), name
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_input_without_channels_is_refused_with_torchs_words_before_any_state_changes(generator, replicas):
+    # torch.nn.SyncBatchNorm.forward: _check_non_zero_input_channels, before anything is counted
+    _, sync = batchnorm_pair(2, generator)
+    before = copy.deepcopy(sync.state_dict())
+    with pytest.raises(ValueError, match="^SyncBatchNorm number of input channels should be non-zero$"):
+        nn.SyncBatchNorm(3)(torch.randn(4, 0))
+    with pytest.raises(ValueError, match="SyncBatchNorm number of input channels should be non-zero"):  # by replica
+        minidp.DataParallel(sync, cpu_ids(replicas))(torch.randn(4, 0, dtype=torch.float64))
+    for name, value in sync.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
 def conv_net(generator: torch.Generator) -> nn.Module:
     """Two conv blocks with BatchNorm2d (one frozen, one cumulative), a head with BatchNorm1d (no bias, where torch
     has the option); float64.
