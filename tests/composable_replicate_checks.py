@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.replicate import replicate as torch_replicate
+from torch.distributed._composable.replicate import DDP as TorchReplicated, replicate as torch_replicate
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -122,7 +122,8 @@ def the_module_stays_itself(seed: int) -> dict:
 def state_as_torchs(seed: int) -> dict:
     """What ``replicate.state(module)`` holds, torch's ``_ReplicateState`` attributes that code reads (``_ddp``, to
     register a comm hook on it), before and after the first forward, per library; and which composable APIs torch's
-    registry lists on the module (``_get_registry``, which torch's ``fully_shard`` asks)."""
+    registry lists on the module (``_get_registry``, which torch's ``fully_shard`` asks), and whether the module is an
+    instance of torch's composable ``DDP`` class."""
     from torch.distributed._composable.contract import _get_registry
 
     results = {}
@@ -137,7 +138,7 @@ def state_as_torchs(seed: int) -> dict:
             model.set_requires_gradient_sync(False)
             model(torch.randn(4, 6))
         results[library] = {"seen": seen, "ddp": isinstance(replicate.state(model)._ddp, nn.parallel.DistributedDataParallel),
-                            "registry": list(_get_registry(model) or ())}
+                            "registry": list(_get_registry(model) or ()), "class": isinstance(model, TorchReplicated)}
     return results
 
 

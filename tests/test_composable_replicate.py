@@ -80,10 +80,10 @@ def test_the_replicated_module_keeps_its_class_and_state_dict_keys_and_refuses_d
 def test_the_replicate_state_holds_torchs_attributes_and_torchs_registry_names_it(two):
     # replicate.py: _ReplicateState's has_initialized, _param_names, _param_list (filled by the first forward's
     # lazy_init), _no_sync (set_requires_gradient_sync), _ddp (the DistributedDataParallel: replicate.state(m)._ddp.
-    # register_comm_hook), and contract.py's registry, which lists "replicate"
+    # register_comm_hook), and contract.py's registry, which lists "replicate"; the class derives from replicate.py's DDP
     for result in each_rank(two, "state"):
         assert result["minidp"] == result["torch"]
-        assert result["minidp"]["ddp"] and result["minidp"]["registry"] == ["replicate"]
+        assert result["minidp"]["ddp"] and result["minidp"]["registry"] == ["replicate"] and result["minidp"]["class"]
         assert result["minidp"]["seen"][1]["has_initialized"] and result["minidp"]["seen"][1]["no_sync"]
 
 

@@ -29,6 +29,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+from torch.distributed._composable.replicate import DDP as TorchReplicated
 
 from ..step2_replicate import check_is_module
 from .batchnorm import attach_exchange
@@ -133,8 +134,9 @@ def state(module: nn.Module) -> Optional[ReplicateState]:
     return module.__dict__.get(REPLICATE_STATE)
 
 
-class ReplicatedModule:
-    """The methods ``replicate`` adds to the module's class (torch's composable ``DDP`` class)."""
+class ReplicatedModule(TorchReplicated):
+    """The methods ``replicate`` adds to the module's class (torch's composable ``DDP`` class, from which it derives
+    for ``isinstance`` alone: each of its methods is defined here)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> nn.Module:
         # A container's slice (``sequential[1:]``) is made by ``type(self)(...)``: of the original class, as torch's
