@@ -12,8 +12,7 @@ which each process fills its own rows (the others are zeros), and one of the cou
 process whether any records the table's backward: all do, whatever their rows, or none). The table's
 all-reduce is differentiable (:class:`_SumOverProcesses`): its backward is the all-reduce of the
 gradients, so the gradient of the loss of every rank reaches every rank's inputs through the shared
-statistics, as in torch's ``SyncBatchNorm`` backward; it runs on a process group of its own
-(:func:`group_for_backwards`), beside the wrapper's bucket all-reduces. Every process must be given the same number of replicas
+statistics, as in torch's ``SyncBatchNorm`` backward. Every process must be given the same number of replicas
 (``device_ids``); a process whose batch has fewer rows than that runs fewer, and fills the rows of the others
 with a count of 0, which weighs nothing in the combination.
 
@@ -22,9 +21,6 @@ construction (``_passing_sync_batchnorm_handle``), and so does minidp's wrapper,
 """
 
 from __future__ import annotations
-
-import threading
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -35,44 +31,20 @@ from ..sync_batchnorm import SyncBatchNorm, _Statistics
 
 class _SumOverProcesses(torch.autograd.Function):
     """The sum of ``x`` over the processes of ``group``, on every process; d sum / d x_r is the identity
-    for every r, so each process's gradient is the sum of every process's gradient of the sum, over
-    ``backward_group`` (the same processes: :func:`group_for_backwards`)."""
+    for every r, so each process's gradient is the sum of every process's gradient of the sum."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, backward_group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.backward_group = backward_group
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
         total = x.clone()
         dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # The sum is its own adjoint. Applied as this Function, not as an in-place all_reduce, the backward is itself
         # differentiable: under create_graph=True (a gradient penalty) second derivatives cross the processes too.
-        return _SumOverProcesses.apply(grad, ctx.backward_group, ctx.backward_group), None, None
-
-
-_backward_groups: "weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
-_backward_groups_lock = threading.Lock()
-
-
-def group_for_backwards(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A process group of ``group``'s processes of its own, for the exchange's backward, made by the first exchange
-    whose backward will run (every process of ``group`` decides it alike, and is there: see :class:`ProcessExchange`).
-
-    Why not ``group``: the wrapper's buckets are all-reduced over it in the same backward, each once its gradients are
-    in, and where processes run different graphs, the two kinds of collective need not come in the same order on
-    every process. A process whose batch has fewer rows than ``device_ids`` runs fewer replicas: with a
-    SyncBatchNorm first, on inputs that require grad, one process reached the statistics' all-reduce while another
-    had started a bucket's, and Gloo aborted the process ("collective mismatch"). On a group of their own, each kind
-    keeps its order, and the buckets' all-reduces, which run in the background, let the other go on."""
-    with _backward_groups_lock:
-        twin = _backward_groups.get(group)
-        if twin is None:
-            # only the processes of `group` make it (the others of the job need not): every one of them is here
-            twin = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
-            _backward_groups[group] = twin
-        return twin
+        return _SumOverProcesses.apply(grad, ctx.group), None
 
 
 class ProcessExchange:
@@ -102,8 +74,7 @@ class ProcessExchange:
         # holds whatever the local data; a process records it only if one at least has gradients to send.
         if counts[-1] > 0 and torch.is_grad_enabled() and not table.requires_grad:
             table.requires_grad_()
-        backward_group = group_for_backwards(self.group) if table.requires_grad else self.group
-        table = _SumOverProcesses.apply(table, self.group, backward_group)
+        table = _SumOverProcesses.apply(table, self.group)
         ready = None
         if table.is_cuda:  # the other replicas read these on their own streams
             ready = torch.cuda.Event()
