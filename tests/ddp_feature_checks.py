@@ -1499,19 +1499,26 @@ def ignored_by_name_as_stock(seed: int, ignored: Sequence[str], steps: int = 3) 
 
 
 def sync_batchnorm_matches_global_batch(seed: int, device_ids: Optional[list] = None, steps: int = 3,
-                                        per_rank: Union[int, Sequence[int]] = 6, subgroup: bool = False) -> float:
+                                        per_rank: Union[int, Sequence[int]] = 6, subgroup: bool = False,
+                                        normalised_inputs: bool = False, group_of_rank_0: bool = False) -> float:
     """minidp.SyncBatchNorm inside minidp's DDP (``device_ids``: replicas in each process) against
     ``nn.BatchNorm1d`` in one process on every rank's samples at once, float64, SGD with momentum: the
     largest relative difference in parameters, this rank's outputs and running statistics. ``per_rank``: each
     rank's rows (one count for all, or one per rank). ``subgroup``: the layer converted with a process group of its
-    own (of every rank), which its exchange must use."""
+    own (of every rank), which its exchange must use. ``normalised_inputs``: the BatchNorm first, on inputs that
+    require grad (their statistics' gradient reaches no parameter), and the inputs' gradients compared too.
+    ``group_of_rank_0``: a process group of rank 0 alone made first, so that the processes know different groups."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(seed)
-    reference = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
+    first = [nn.BatchNorm1d(6), nn.Linear(6, 8)] if normalised_inputs else [nn.Linear(6, 8), nn.BatchNorm1d(8)]
+    reference = nn.Sequential(*first, nn.Tanh(), nn.Linear(8, 3)).double()
+    norm = 0 if normalised_inputs else 1
+    if group_of_rank_0:
+        dist.new_group([0])
     group = dist.new_group(list(range(world))) if subgroup else None
     module = minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference), group)
     ddp = md.DistributedDataParallel(module, device_ids=device_ids)
-    assert module[1].across_processes.group is (ddp.process_group if group is None else group)
+    assert module[norm].across_processes.group is (ddp.process_group if group is None else group)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, reference)]
     worst = 0.0
     for step in range(steps):
@@ -1519,10 +1526,11 @@ def sync_batchnorm_matches_global_batch(seed: int, device_ids: Optional[list] = 
         everyone: list = [None] * world
         dist.all_gather_object(everyone, _inputs(seed, step, rows, 6).double())
         total = sum(len(x) for x in everyone)
-        outputs = []
+        outputs, inputs = [], [everyone[rank].requires_grad_(normalised_inputs), torch.cat(everyone).detach()]
+        inputs[1].requires_grad_(normalised_inputs)
         # the mean over the global batch: DDP averages the ranks' gradients, so each rank's sum weighs world / total
-        for model, optimizer, x, weight in ((ddp, optimizers[0], everyone[rank], world / total),
-                                            (reference, optimizers[1], torch.cat(everyone), 1 / total)):
+        for model, optimizer, x, weight in ((ddp, optimizers[0], inputs[0], world / total),
+                                            (reference, optimizers[1], inputs[1], 1 / total)):
             optimizer.zero_grad()
             outputs.append(model(x))
             (outputs[-1].pow(2).sum() * weight).backward()
@@ -1530,9 +1538,12 @@ def sync_batchnorm_matches_global_batch(seed: int, device_ids: Optional[list] = 
         first = sum(len(x) for x in everyone[:rank])
         pairs = list(zip(module.parameters(), reference.parameters())) + [
             (outputs[0], outputs[1][first:first + rows]),
-            (module[1].running_mean, reference[1].running_mean), (module[1].running_var, reference[1].running_var)]
+            (module[norm].running_mean, reference[norm].running_mean),
+            (module[norm].running_var, reference[norm].running_var)]
+        if normalised_inputs and rows:  # this rank's sum weighs world / total here, 1 / total there
+            pairs.append((inputs[0].grad / world, inputs[1].grad[first:first + rows]))
         worst = max([worst, *(max_relative_error(a, b) for a, b in pairs)])
-        assert int(module[1].num_batches_tracked) == int(reference[1].num_batches_tracked) == step + 1
+        assert int(module[norm].num_batches_tracked) == int(reference[norm].num_batches_tracked) == step + 1
     return worst
 
 

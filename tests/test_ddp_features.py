@@ -223,8 +223,14 @@ if "bucket_cap_mb_list" in TORCH_DDP_ARGUMENTS:
 # minidp.SyncBatchNorm's collectives where they once went wrong: a job of their own, as a rank that skips a collective
 # the others run aborts every check of its job
 SYNC_BATCHNORM = {
+    # First: the group of the exchanges' backward all-reduces is made by the first exchange of the job that records a
+    # backward with several replicas per process, here after a group of rank 0 alone, which rank 1 does not know.
+    "normalised_inputs_fewer_rows_hybrid_other_groups": (checks.sync_batchnorm_matches_global_batch, {
+        "device_ids": cpu_ids(2), "per_rank": [5, 1], "normalised_inputs": True, "group_of_rank_0": True}),
     "rank_without_rows": (checks.sync_batchnorm_matches_global_batch, {"per_rank": [5, 0]}),
     "rank_without_rows_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2), "per_rank": [5, 0]}),
+    "normalised_inputs_fewer_rows_hybrid": (checks.sync_batchnorm_matches_global_batch, {
+        "device_ids": cpu_ids(2), "per_rank": [5, 1], "normalised_inputs": True}),
     "gradient_penalty": (checks.sync_batchnorm_gradient_penalty, {}),
     "layer_process_group": (checks.sync_batchnorm_matches_global_batch, {"subgroup": True}),
     "layer_process_group_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2), "subgroup": True}),
@@ -800,6 +806,25 @@ def test_a_process_with_fewer_rows_than_replicas_still_normalises_by_the_global_
     # Rank 1's one row runs one replica of its two: its exchange fills the other's rows with a count of 0. Sized by
     # the replicas run, the two ranks' tables differed and Gloo aborted the job (minidp/distributed/batchnorm.py).
     for worst in each_rank(two, "sync_bn_hybrid_fewer_rows"):
+        assert worst <= RTOL_FLOAT64
+
+
+def test_inputs_normalised_first_on_a_process_with_fewer_rows_than_replicas_are_batchnorm_on_the_global_batch(
+        sync_batchnorm):
+    """A SyncBatchNorm first, on inputs that require grad: its statistics' backward all-reduce and the wrapper's bucket
+    all-reduces come in no fixed order between a process that runs two replicas and one that runs one (a row), and on
+    one process group Gloo aborted the job ("collective mismatch"); the backward's all-reduces have a group of their
+    own (minidp/distributed/batchnorm.py, ``group_for_backwards``). Outputs, parameters, running statistics and the
+    inputs' gradients, as nn.BatchNorm1d's on the global batch."""
+    for worst in each_rank(sync_batchnorm, "normalised_inputs_fewer_rows_hybrid"):
+        assert worst <= RTOL_FLOAT64
+
+
+def test_the_backward_all_reduces_group_is_made_alike_where_processes_know_different_groups(sync_batchnorm):
+    """The same, where rank 0 made a group of its own before (torch's ``new_group`` leaves rank 1 out of it): the
+    backward's group, made with ``use_local_synchronization=True``, was named from the groups each process knew, so
+    the two processes made two groups and the first step hung; made by every process of the job, it is one."""
+    for worst in each_rank(sync_batchnorm, "normalised_inputs_fewer_rows_hybrid_other_groups"):
         assert worst <= RTOL_FLOAT64
 
 

@@ -12,7 +12,8 @@ which each process fills its own rows (the others are zeros), and one of the cou
 process whether any records the table's backward: all do, whatever their rows, or none). The table's
 all-reduce is differentiable (:class:`_SumOverProcesses`): its backward is the all-reduce of the
 gradients, so the gradient of the loss of every rank reaches every rank's inputs through the shared
-statistics, as in torch's ``SyncBatchNorm`` backward. Every process must be given the same number of replicas
+statistics, as in torch's ``SyncBatchNorm`` backward. With several replicas per process, that backward all-reduce runs
+on a process group of its own (:func:`group_for_backwards`). Every process must be given the same number of replicas
 (``device_ids``); a process whose batch has fewer rows than that runs fewer, and fills the rows of the others
 with a count of 0, which weighs nothing in the combination.
 
@@ -21,6 +22,9 @@ construction (``_passing_sync_batchnorm_handle``), and so does minidp's wrapper,
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -31,20 +35,52 @@ from ..sync_batchnorm import SyncBatchNorm, _Statistics
 
 class _SumOverProcesses(torch.autograd.Function):
     """The sum of ``x`` over the processes of ``group``, on every process; d sum / d x_r is the identity
-    for every r, so each process's gradient is the sum of every process's gradient of the sum."""
+    for every r, so each process's gradient is the sum of every process's gradient of the sum, over
+    ``backward_group`` (the same processes)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, backward_group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.backward_group = backward_group
         total = x.clone()
         dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # The sum is its own adjoint. Applied as this Function, not as an in-place all_reduce, the backward is itself
         # differentiable: under create_graph=True (a gradient penalty) second derivatives cross the processes too.
-        return _SumOverProcesses.apply(grad, ctx.group), None
+        return _SumOverProcesses.apply(grad, ctx.backward_group, ctx.backward_group), None, None
+
+
+_backward_groups: "weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
+_backward_groups_lock = threading.Lock()
+
+
+def group_for_backwards(group: dist.ProcessGroup, replicas: int) -> dist.ProcessGroup:
+    """The process group for the backward all-reduce of an exchange over ``group`` with ``replicas`` per process:
+    ``group`` itself, or, with several replicas per process and ``group`` spanning the whole job, a group of the same
+    processes of its own, made by the first exchange whose backward will run.
+
+    Why another group: the wrapper's buckets are all-reduced over ``group`` in the same backward, each once its
+    gradients are in, and Gloo matches a group's collectives by their order on each process. A process whose batch
+    has fewer rows than ``device_ids`` runs fewer replicas, so its graph differs from the others': with a SyncBatchNorm
+    first, on inputs that require grad, one process reached the statistics' all-reduce while another had started a
+    bucket's, and Gloo aborted the job ("collective mismatch"). On a group of their own each kind keeps its order.
+
+    Why only then: ``dist.new_group`` is a collective of every process of the job, which must make their groups in
+    the same order (a group's name counts the groups made before it). The first exchange that records its backward
+    is such a point: every process of ``group`` runs it (its forward all-reduces), all decide alike whether it records
+    (the counts it all-reduces say), and where ``group`` is the job, there is no other process. (A group made with
+    ``use_local_synchronization=True``, which only ``group``'s processes need make, is named after the groups each
+    process knows, which differ in a job with other subgroups: the first step hung there.) Over a subgroup the
+    backward stays on ``group``, and a process with fewer rows than replicas there can still meet the abort."""
+    if replicas == 1 or dist.get_world_size(group) != dist.get_world_size():
+        return group
+    with _backward_groups_lock:
+        twin = _backward_groups.get(group)
+        if twin is None:
+            twin = _backward_groups[group] = dist.new_group(dist.get_process_group_ranks(group))
+        return twin
 
 
 class ProcessExchange:
@@ -74,7 +110,8 @@ class ProcessExchange:
         # holds whatever the local data; a process records it only if one at least has gradients to send.
         if counts[-1] > 0 and torch.is_grad_enabled() and not table.requires_grad:
             table.requires_grad_()
-        table = _SumOverProcesses.apply(table, self.group)
+        backward_group = group_for_backwards(self.group, replicas) if table.requires_grad else self.group
+        table = _SumOverProcesses.apply(table, self.group, backward_group)
         ready = None
         if table.is_cuda:  # the other replicas read these on their own streams
             ready = torch.cuda.Event()
