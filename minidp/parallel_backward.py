@@ -36,18 +36,23 @@ steps at 2 CPU replicas on 2 cores, 3 to 8% at 4 in five runs (`python benchmark
 Hooks fire once, where the gradient is made: a hook on a replica's parameter or input (the entry's
 outputs) fires in the replica's thread when its gradient is captured (the entry node itself never
 runs); a hook on an original parameter fires when autograd accumulates the sum. ``retain_graph``
-reaches each replica's backward; a second backward without it raises autograd's error, and so does one
-that reaches outputs the first did not (a forward's two heads back-propagated by two ``backward()`` calls: the
-first lets go of every replica's outputs, as autograd frees a node's saved tensors; keep the graph with
-``retain_graph=True``, sum the losses, or ``set_parallel_backward(False)``, where the second is taken). A
-replica whose backward raises is named by its index, once every replica is done, and autograd stops
-before the reduction: the original parameters' gradients are untouched.
+reaches each replica's backward; a second backward without it through a replica raises autograd's error, and so
+does one that reaches outputs of that replica the first did not (a forward's two heads back-propagated by two
+``backward()`` calls: the first lets go of the outputs of every replica it ran, as autograd frees a node's saved
+tensors; keep the graph with ``retain_graph=True``, sum the losses, or ``set_parallel_backward(False)``, where the
+second is taken). A replica whose backward raises is named by its index, once every replica is done, and autograd
+stops before the reduction: the original parameters' gradients are untouched. A backward asked for some tensors only
+(``backward(inputs=...)``, ``torch.autograd.grad``) runs in each replica only the nodes that lead to them, as autograd
+runs them. Hooks and the backward of a replica's own Functions run in its worker, at the same time as the other
+replicas' (as on several GPUs): code there that changes state the replicas share (a counter, a scratch tensor the
+module keeps) needs a lock, or the serial backward. So does code that depends on a thread's floating-point settings
+(``torch.set_flush_denormal``), which the workers do not take from the caller.
 
 When. parallel_apply cuts the graph only if every replica's graph, walked from its outputs, ends at
 its own entries: nothing else requiring grad is reached (a tensor the replica captured from outside,
 another replica's tensors as :class:`minidp.SyncBatchNorm` exchanges them, a parameter that did not
 come through an entry, an input that is a leaf or a view of one: :func:`enter_inputs`), no re-entrant checkpoint is
-met (:func:`_recomputes_reentrantly`), no output holds an object the walk cannot look inside (one that gather
+met, nor a node whose backward runs one of its own (:func:`_recomputes_reentrantly`), no output holds an object the walk cannot look inside (one that gather
 rebuilds from its items may hold tensors of the graph), and no two outputs share memory (:func:`join`). Otherwise it leaves the outputs as they
 are and autograd runs the replicas' backwards one after the other, as before (the entries are then identity nodes
 on the way). Second-order gradients (``create_graph=True``) run the replicas' backwards one after the other in
@@ -57,7 +62,9 @@ counting it, a mode that rounds every result): a mode belongs to the thread that
 every replica's nodes under it, which the workers would not (:func:`modes_the_workers_lack`).
 
 What the cut changes. Each replica's backward is a graph task of its own, so the backward the user started sees
-the replicated region as one node. A gradient with respect to a tensor made inside a replica is out of its reach
+the replicated region as one node. A backward that reaches a replica's graph by another way than its outputs (a
+tensor the forward kept in a list the module holds, such as an auxiliary loss, used in the loss) would run the
+replica's nodes twice: it is refused before any replica runs, saying how to go on (:func:`_check_no_other_way_in`). A gradient with respect to a tensor made inside a replica is out of its reach
 (``torch.autograd.grad(loss, activation)`` raises autograd's "not have been used in the graph";
 ``loss.backward(inputs=[activation])`` leaves its ``.grad`` as it was); a hook on a replica's tensor fires in
 every backward that reaches the replica, whatever that backward's ``inputs``; a
@@ -106,17 +113,32 @@ _detach = torch.Tensor.detach
 
 
 def _recomputes_reentrantly(node: Any) -> bool:
-    """Whether ``node`` is re-entrant checkpointing's: a node that hides the parameters the checkpointed function used,
-    whose backward recomputes and runs a backward of its own, on past the replica's entries into the reduction, which
-    a worker's backward (a ``torch.autograd.grad``) does not allow (torch's raises "incompatible with .grad()").
-    torch's own ``CheckpointFunction`` and its subclasses, and the copies of it libraries keep under the same name
-    (Megatron-LM's and fairscale's, among others, are each a ``CheckpointFunction``; Megatron's refuses to run unless
-    ``torch.autograd._is_checkpoint_valid()``, which a ``grad`` is not). Only a node written in Python (a
-    ``BackwardCFunction``) has a Function class to ask: the one ``isinstance`` skips the built-in nodes."""
+    """Whether ``node`` is re-entrant checkpointing's, or another node that hides the parameters its function used and
+    whose backward recomputes and runs a backward of its own, on past the replica's entries into the reduction.
+
+    Re-entrant checkpointing: a worker's backward (a ``torch.autograd.grad``) does not allow it (torch's raises
+    "incompatible with .grad()"). torch's own ``CheckpointFunction`` and its subclasses, and the copies of it libraries
+    keep under the same name (Megatron-LM's and fairscale's, among others, are each a ``CheckpointFunction``; Megatron's
+    refuses to run unless ``torch.autograd._is_checkpoint_valid()``, which a ``grad`` is not). Others, such as the
+    reversible layers of RevNet and Reformer, whose ``backward`` recomputes the block and calls
+    ``torch.autograd.backward`` on it: that backward accumulates into the original parameters from every worker at
+    once, in an order no run repeats (the serial backward's order is fixed). Those are told by their ``backward``'s
+    code, which names a ``backward`` (``torch.autograd.backward(y, g)``, ``y.backward(g)``), :func:`_calls_a_backward`;
+    one that calls it through a helper of its own is not seen. Only a node written in Python (a ``BackwardCFunction``)
+    has a Function class to ask: the one ``isinstance`` skips the built-in nodes."""
     if not isinstance(node, BackwardCFunction):
         return False
     function = type(node)._forward_cls
-    return issubclass(function, checkpoint.CheckpointFunction) or function.__name__ == "CheckpointFunction"
+    return (issubclass(function, checkpoint.CheckpointFunction) or function.__name__ == "CheckpointFunction"
+            or _calls_a_backward(function))
+
+
+def _calls_a_backward(function: type) -> bool:
+    """Whether the code of ``function.backward`` names a ``backward`` (an attribute or a global): it may run a backward
+    of its own. (A ``super().backward(...)`` is named too: the replicas' backwards then stay serial, which is only
+    slower.)"""
+    code = getattr(function.backward, "__code__", None)
+    return code is not None and "backward" in code.co_names
 
 
 def set_parallel_backward(enabled: Union[bool, str]) -> Union[bool, str]:
@@ -423,23 +445,18 @@ class ParallelBackward(torch.autograd.Function):
     def forward(ctx, spec: _Spec, *outer: torch.Tensor):
         ctx.set_materialize_grads(False)  # an output without a gradient needs no backward of its own
         ctx.run = spec.run
-        ctx.outputs_per_replica = [len(r.outputs) for r in spec.regions]
         # Per replica, the entries' outputs as edges: where its backward ends, and what its gradients are for.
         ctx.edges = [[GradientEdge(n, k) for n in r.entries for k in range(len(n.outer))] for r in spec.regions]
-        # Held, not saved (save_for_backward): each alias returned shares its output's version counter, so an in-place
-        # change of an alias, which autograd takes where no node saved that output (a linear layer's), would fail a
-        # saved tensor's version check. Let go of by a backward without retain_graph, as autograd frees saved tensors.
-        ctx.outputs = [t for r in spec.regions for t in r.outputs]
-        return tuple(t.detach() for t in ctx.outputs)
+        # Per replica, held, not saved (save_for_backward): each alias returned shares its output's version counter, so
+        # an in-place change of an alias, which autograd takes where no node saved that output (a linear layer's), would
+        # fail a saved tensor's version check. A replica's are let go of by a backward through them without
+        # retain_graph, as autograd frees the saved tensors of the nodes it ran.
+        ctx.outputs = [list(r.outputs) for r in spec.regions]
+        ctx.outputs_per_replica = [len(r.outputs) for r in spec.regions]
+        return tuple(t.detach() for r in spec.regions for t in r.outputs)
 
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):
-        outputs = ctx.outputs
-        if outputs is None:  # let go of by an earlier backward: autograd's error, in its words (code matches them)
-            raise RuntimeError(
-                "Trying to backward through the graph a second time: the replicas' outputs were let go of by the first "
-                "backward. Specify retain_graph=True if you need to backward through the graph a second time."
-            )
         keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
         create_graph = torch.is_grad_enabled()  # autograd runs a backward in grad mode only for create_graph=True
         # After a create_graph=True backward, the gradients it made lead back into the replicas' graphs (their
@@ -449,27 +466,103 @@ class ParallelBackward(torch.autograd.Function):
         # freed with the graph.
         ctx.graph_of_gradients_made = getattr(ctx, "graph_of_gradients_made", False) or create_graph
         keep_graph = keep_graph or ctx.graph_of_gradients_made
-        calls, start = [], 0
-        for count, edges in zip(ctx.outputs_per_replica, ctx.edges):
-            pairs = [(o, g) for o, g in zip(outputs[start : start + count], grads[start : start + count]) if g is not None]
+        needed = _needed_inputs(ctx)
+        calls, asked_per_replica, start, first_edge = [], [], 0, 0
+        for replica, (outputs, edges) in enumerate(zip(ctx.outputs, ctx.edges)):
+            count = ctx.outputs_per_replica[replica]
+            pairs = [(k, g) for k, g in enumerate(grads[start : start + count]) if g is not None]
             start += count
-
-            def call(pairs=pairs, edges=edges) -> tuple:
-                roots, root_grads = zip(*pairs)
-                return torch.autograd.grad(
-                    roots, edges, root_grads, retain_graph=keep_graph, create_graph=create_graph, allow_unused=True
-                )
-
+            # Only the entries' outputs whose gradients this backward needs (backward(inputs=...), autograd.grad of
+            # some tensors): autograd runs no node that leads to none of them, so neither does the replica's backward.
+            asked = [e for e, need in zip(edges, needed[first_edge : first_edge + len(edges)]) if need]
+            first_edge += len(edges)
+            asked_per_replica.append(asked)
             # A replica none of whose outputs got a gradient has no backward to run, as autograd would run none of
             # its nodes: no call, so that no listener sees a backward of it.
-            calls.append(call if pairs else None)
+            if not pairs or not asked:
+                calls.append(None)
+                continue
+            if outputs is None:  # let go of by an earlier backward: autograd's error, in its words (code matches them)
+                raise RuntimeError(
+                    "Trying to backward through the graph a second time: the replicas' outputs were let go of by the "
+                    "first backward. Specify retain_graph=True if you need to backward through the graph a second time."
+                )
+            if not ctx.graph_of_gradients_made:  # else its gradients are such a way in, and keep the graph (above)
+                _check_no_other_way_in(edges, replica)
+
+            def call(roots=[outputs[k] for k, _ in pairs], root_grads=[g for _, g in pairs], asked=asked) -> tuple:
+                return torch.autograd.grad(
+                    roots, asked, root_grads, retain_graph=keep_graph, create_graph=create_graph, allow_unused=True
+                )
+
+            calls.append(call)
         # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph;
         # and under a mode of this thread's, which the workers do not have.
         results = ctx.run(calls, create_graph or modes_the_workers_lack())
-        if not keep_graph:  # this node cannot run again: let go of its outputs, and of the replica modules its runner
-            ctx.outputs = ctx.run = None  # holds, as a finished graph holds no module (a cache of replicas reuses them)
-        gradients = (g for result, edges in zip(results, ctx.edges) for g in (result or (None,) * len(edges)))
-        return (None, *gradients)
+        if not keep_graph:  # the replicas that ran cannot run again: let go of their outputs, and, once none is left,
+            for replica, call in enumerate(calls):  # of the replica modules the runner holds, as a finished graph
+                if call is not None:  # holds no module (a cache of replicas reuses them)
+                    ctx.outputs[replica] = None
+            if all(outputs is None for outputs in ctx.outputs):
+                ctx.run = None
+        return (None, *_per_input(ctx.edges, asked_per_replica, results))
+
+
+def _needed_inputs(ctx: Any) -> list[bool]:
+    """Whether the running backward needs the gradient of each of the node ``ctx``'s inputs: autograd's word for the
+    node each input leads to (``torch._C._will_engine_execute_node``), asked once per node (the Broadcast that made every
+    replica's parameters, the scatter's nodes). All are needed by a plain ``backward()``."""
+    verdicts: dict[int, bool] = {}
+    needed = []
+    for node, _ in ctx.next_functions:
+        if node is None:
+            needed.append(False)
+            continue
+        verdict = verdicts.get(id(node))
+        if verdict is None:
+            try:
+                verdict = torch._C._will_engine_execute_node(node)
+            except RuntimeError:  # a leaf's node that autograd.grad captures, which it will not say about: needed
+                verdict = True
+            verdicts[id(node)] = verdict
+        needed.append(verdict)
+    return needed
+
+
+def _check_no_other_way_in(edges: Sequence[GradientEdge], replica: int) -> None:
+    """Refuse a backward that reaches replica ``replica``'s graph by a way other than its outputs: a tensor its forward
+    made and kept where the caller could read it (appended to a list the module holds, as auxiliary losses are), then
+    used in the loss. Autograd would run the replica's nodes on that way too, in this backward, beside the replica's
+    own backward: each would free what the other needs, or, with retain_graph, fire their hooks twice and add the two
+    parts of their gradients in another order. Told by its entries, which the running backward would then run itself
+    (their only way in is the replica's graph). Before any replica runs: nothing is accumulated."""
+    for node in {id(edge.node): edge.node for edge in edges}.values():
+        if torch._C._will_engine_execute_node(node):
+            raise RuntimeError(
+                f"minidp's parallel backward: this backward reaches the graph of replica {replica} by a way other than "
+                f"its outputs: a tensor its forward made was kept (in a list or an attribute of the module, as an "
+                f"auxiliary loss) and used outside it. Return that tensor from forward (the gathered output then "
+                f"carries it), or run the replicas' backwards one after the other: "
+                f"minidp.set_parallel_backward(False)"
+            )
+
+
+def _per_input(edges: Sequence[Sequence[GradientEdge]], asked: Sequence[Sequence[GradientEdge]],
+               results: Sequence[Optional[tuple]]) -> Iterator[Optional[torch.Tensor]]:
+    """The gradient of each of the node's inputs, in order: each replica's ``edges``, the result for those ``asked``
+    (a subsequence of them), ``None`` for the others."""
+    for replica_edges, replica_asked, result in zip(edges, asked, results):
+        if result is None:
+            yield from (None,) * len(replica_edges)
+            continue
+        by_edge = iter(zip(replica_asked, result))
+        pending = next(by_edge, None)
+        for edge in replica_edges:
+            if pending is not None and pending[0] is edge:
+                yield pending[1]
+                pending = next(by_edge, None)
+            else:
+                yield None
 
 
 def modes_the_workers_lack() -> bool:

@@ -30,7 +30,7 @@ import minidp
 from minidp import cpu_threads, parallel_backward
 from minidp.zoo import SmallCNN, VGGSplit
 
-from .helpers import cpu_ids, forked_child, fresh_python, garbage_left_by, max_relative_error
+from .helpers import RTOL_FLOAT64, cpu_ids, forked_child, fresh_python, garbage_left_by, max_relative_error
 
 
 @pytest.fixture(autouse=True)
@@ -1165,3 +1165,152 @@ def test_a_tensor_entering_by_two_routes_gets_the_serial_gradient_up_to_rounding
     # Rounding is relative to the largest gradient, not to each element: an element that nearly cancels (a few
     # in a hundred seeds) differs by 1e-14 of itself and more, while 300 seeds stay under 3e-16 of the largest.
     assert max_relative_error(results[True][1], results[False][1]) < 1e-14
+
+
+class _Reversible(torch.autograd.Function):
+    """A reversible layer's way (RevNet, Reformer): no activation kept; the backward recomputes the block and runs a
+    backward of its own through it, which accumulates into the block's parameters."""
+
+    @staticmethod
+    def forward(ctx, block, x):
+        ctx.block = block
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return x + block(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            y = x + ctx.block(x)
+        torch.autograd.backward(y, grad)
+        return None, x.grad
+
+
+class _ReversibleStack(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(2))
+
+    def forward(self, x):
+        h = self.first(x)
+        for block in self.blocks:
+            h = _Reversible.apply(block, h)
+        return h
+
+
+def test_a_function_whose_backward_runs_a_backward_of_its_own_keeps_the_serial_backward(generator):
+    """Run by every worker at once, those backwards added into the original parameters from several threads, in an
+    order no run repeated (RevNet-style layers at 4 replicas: 18 different results in 20 runs), and fired the original
+    parameters' hooks there; its ``backward`` names one, so the replicas stay serial: the entries kept as identity
+    nodes, the serial path's gradients up to rounding, as for re-entrant checkpointing."""
+    model = _ReversibleStack().double()
+    x = torch.randn(12, 4, generator=generator, dtype=torch.float64)
+    serial, _ = _step(model, x, False, replicas=4)
+    parallel, ran_parallel = _step(model, x, True, replicas=4)
+    assert not ran_parallel
+    for got, expected in zip(parallel, serial, strict=True):
+        assert max_relative_error(got, expected) < 1e-13
+
+
+class _WithAuxiliaryLoss(nn.Module):
+    """Keeps a loss term of each forward in a list every replica shares (replicas are shallow copies), as
+    mixture-of-experts layers keep their load-balancing losses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.auxiliary_losses: list = []
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        self.auxiliary_losses.append(h.pow(2).sum())  # a sum: the replicas' terms add up to the whole batch's
+        return self.head(h)
+
+
+def test_a_loss_kept_by_the_forward_outside_its_outputs_is_refused_before_any_gradient_is_accumulated(generator):
+    """Autograd would run the replica's nodes on that way in too, beside the replica's own backward: the first to
+    finish freed what the other needed ("backward through the graph a second time"), and with retain_graph hooks fired
+    twice and gradients were added in another order. The serial backward takes it: the error says so."""
+    model, x = _WithAuxiliaryLoss(), torch.randn(8, 4, generator=generator)
+    output = minidp.DataParallel(model, cpu_ids(2))(x)
+    assert _in_parallel(output)
+    loss = output.square().mean() + 0.01 * sum(model.auxiliary_losses)
+    with pytest.raises(RuntimeError, match=r"graph of replica 0 by a way other than its outputs.*"
+                                           r"set_parallel_backward\(False\)"):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_loss_kept_by_the_forward_trains_as_on_one_device_with_the_serial_backward(generator):
+    model, x = _WithAuxiliaryLoss().double(), torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    (reference(x).square().mean() + 0.01 * sum(reference.auxiliary_losses)).backward()
+    minidp.set_parallel_backward(False)
+    output = minidp.DataParallel(model, cpu_ids(2))(x)
+    (output.square().mean() + 0.01 * sum(model.auxiliary_losses)).backward()
+    for got, expected in zip(model.parameters(), reference.parameters()):
+        assert max_relative_error(got.grad, expected.grad) < RTOL_FLOAT64
+
+
+class _NoInputGradient(torch.autograd.Function):
+    """An operation without a gradient for its input (a rounding, an augmentation): its backward raises."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("no gradient for the input")
+
+
+@pytest.mark.parametrize("how", ["backward_inputs", "autograd_grad"])
+def test_a_backward_of_some_parameters_runs_no_replica_node_that_leads_elsewhere(generator, how):
+    """A GAN's discriminator step, ``loss.backward(inputs=D's parameters)`` on a batch the generator made: autograd runs
+    no node that leads only to tensors not asked for (torch/autograd/__init__.py, ``inputs``), so the rounding's
+    backward never runs; each replica's backward asks for the same entries' gradients, and gets the serial ones."""
+    generator_model = nn.Linear(3, 4)
+    discriminator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    wrapped = nn.Sequential(_Lambda(_NoInputGradient.apply), discriminator)
+    z = torch.randn(8, 3, generator=generator)
+    grads = {}
+    for parallel in (False, True):
+        minidp.set_parallel_backward(parallel)
+        discriminator.zero_grad(set_to_none=True)
+        output = minidp.DataParallel(wrapped, cpu_ids(2))(generator_model(z))
+        assert _in_parallel(output) == parallel
+        parameters = list(discriminator.parameters())
+        if how == "backward_inputs":
+            output.mean().backward(inputs=parameters)
+            grads[parallel] = [p.grad for p in parameters]
+        else:
+            grads[parallel] = list(torch.autograd.grad(output.mean(), parameters))
+    assert _equal(grads[True], grads[False])
+    assert all(p.grad is None for p in generator_model.parameters())
+
+
+class _Lambda(nn.Module):
+    def __init__(self, function) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x):
+        return self.function(x)
+
+
+def test_each_replicas_output_back_propagated_by_its_own_backward_gives_the_serial_gradients(generator):
+    """``gather_output=False`` and one ``backward()`` per replica's output, without retain_graph: each backward runs
+    one replica's graph, which autograd frees then, and no other's (the first let go of every replica's outputs, and
+    the second raised "backward through the graph a second time")."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x = torch.randn(9, 4, generator=generator, dtype=torch.float64)
+
+    def step(module, parallel):
+        for output in minidp.DataParallel(module, cpu_ids(3), gather_output=False)(x):
+            output.square().sum().backward()
+
+    grads = _gradients_both_ways(model, step)
+    assert _equal(grads[True], grads[False])
