@@ -33,10 +33,12 @@ import itertools
 import os
 import shutil
 import tempfile
+import unittest
 import warnings
 from collections import namedtuple
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional
 
@@ -45,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed.algorithms.model_averaging.averagers as averagers
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import DeviceType
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
@@ -54,7 +57,7 @@ from torch.distributed.utils import _sync_module_states, _verify_param_shape_acr
 from torch.nn.parallel.distributed import _BufferCommHookLocation, _MixedPrecision
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.helpers import debug_level
+from tests.helpers import debug_level, state_difference
 from tests.upstream_ddp_checks import (
     DDP,
     LargeNet,
@@ -509,6 +512,53 @@ def test_skip_all_reduce_unused_parameters() -> None:
     assert reduced == [2, 1], f"num_buckets_reduced without and with the skip: {reduced}, not [2, 1]"
     for i, j in zip(base_model.parameters(), test_model_1.parameters(), strict=True):
         assert_close(i, j)
+
+
+@dataclass
+class _MyClass:
+    obj: torch.Tensor
+
+
+class _HasFinalizedModel(nn.Module):
+    """Upstream's ``MyModel`` of ``test_ddp_has_finalized``, the rank test made an argument: ``wrap`` returns the
+    second layer's output inside a dataclass (upstream's rank 0), else as a plain tensor (upstream's rank 1)."""
+
+    def __init__(self, wrap: bool) -> None:
+        super().__init__()
+        self.wrap = wrap
+        self.fc1 = nn.Linear(1024, 1024)
+        self.fc2 = nn.Linear(1024, 2 * 1024)
+
+    def forward(self, inp: torch.Tensor) -> tuple:
+        if self.wrap:
+            return self.fc1(inp), _MyClass(self.fc2(inp))
+        return self.fc1(inp), self.fc2(inp)
+
+
+def test_ddp_has_finalized() -> None:
+    """With find_unused_parameters and a bucket per parameter: a backward through both outputs finishes the
+    reduction (``_check_reducer_finalized()`` and the next forward pass); a backward through the first output only,
+    the second inside a dataclass, leaves it unfinished, and both raise "Expected to have finished reduction in the
+    prior iteration".
+
+    Upstream runs the first side on rank 1 and the second on rank 0 at once, and skips the test as failing
+    (pytorch/pytorch#102751): on torch's DDP rank 1's reduction of the second layer then waits for rank 0 forever.
+    Here every rank runs both sides, one after the other."""
+    input = torch.rand(10, 1024, requires_grad=True)
+    bucket_cap_mb = 1024 * 4 / 1024 / 1024  # one bucket per parameter
+    ddp = DDP(_HasFinalizedModel(wrap=False), find_unused_parameters=True, bucket_cap_mb=bucket_cap_mb)
+    out1, out2 = ddp(input)
+    (out1.sum() + out2.sum()).backward()
+    ddp._check_reducer_finalized()
+    ddp(input)
+
+    ddp = DDP(_HasFinalizedModel(wrap=True), find_unused_parameters=True, bucket_cap_mb=bucket_cap_mb)
+    out1, _ = ddp(input)
+    out1.sum().backward()
+    with raises(RuntimeError, "Expected to have finished reduction in the prior iteration"):
+        ddp._check_reducer_finalized()
+    with raises(RuntimeError, "Expected to have finished reduction in the prior iteration"):
+        ddp(input)
 
 
 # ---- static graph --------------------------------------------------------------------------------------------------
@@ -1092,6 +1142,123 @@ def test_ddp_hook_parity_powerSGD() -> None:
         _test_ddp_hook_parity(state=powersgd_state, hook=powerSGD.powerSGD_hook, num_iters=20)
 
 
+@contextmanager
+def _deferred(failures: list):
+    """An assertion that fails in the block is kept in ``failures`` instead of raised: the rank goes on to the
+    collectives that follow, which the other rank would otherwise wait in for ever; the case raises at its end."""
+    try:
+        yield
+    except AssertionError as error:
+        failures.append(error)
+
+
+def _test_hook_pickling(hook: Callable, hook_state: Any) -> None:
+    """Upstream's ``_test_hook_pickling``: a model trained under ``hook``, saved with its hook and the hook's state
+    (logging one note on rank 0), loaded back (one note on each rank) into a second wrapper, both trained on: the
+    loaded hook, its state (but the process group, the default group again) and the parameters are the same.
+
+    The checkpoint goes to a directory of this job's own, not a fixed file of the temporary directory shared by every
+    run on the machine; ``torch.load`` passes ``weights_only=False`` (the state is no tensor: torch's default refuses
+    it); the checks run after the last collective (see :func:`_deferred`)."""
+    import numpy as np
+
+    failures: list = []
+    logs = unittest.TestCase()  # its assertLogs, as upstream's TestCase has
+    torch.manual_seed(0)
+    learning_rate = 0.01
+    rank = dist.get_rank()
+    directory = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(directory)
+    chkpt_file = os.path.join(directory[0], "checkpoint.pt")
+
+    input = torch.randn(7, 1)
+    target = torch.randn(7, 5)
+    net = torch.nn.Linear(1, 5)
+    ddp_model = DDP(copy.deepcopy(net))
+    dummy_ddp_model = DDP(copy.deepcopy(net))
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=learning_rate)
+    ddp_model.register_comm_hook(hook_state, hook)
+    ddp_model.train()
+
+    for _ in range(10):
+        optimizer.zero_grad()
+        loss = F.mse_loss(ddp_model(input), target)
+        loss.backward()
+        optimizer.step()
+
+    state = {"state_dict": ddp_model.state_dict(), "comm_hook": hook, "comm_hook_state": hook_state}
+    try:
+        if rank == 0:
+            with _deferred(failures), logs.assertLogs("torch.distributed") as captured:
+                torch.save(state, chkpt_file)
+            with _deferred(failures):
+                # only one entry, the expected one
+                assert [record.getMessage() for record in captured.records] == [
+                    "NOTE: Process group is not serializable and excluded from a saved state."]
+        dist.barrier()
+        with _deferred(failures), logs.assertLogs("torch.distributed") as captured:
+            checkpoint = torch.load(chkpt_file, weights_only=False)
+        with _deferred(failures):
+            assert [record.getMessage() for record in captured.records] == [
+                "NOTE: Process group will be set to a default group (i.e. the world size).\
+                If a different group is desired, please set `self.process_group` after PowerSGD state is loaded."]
+        dist.barrier()  # both ranks have read it
+    finally:
+        if rank == 0:
+            shutil.rmtree(directory[0], ignore_errors=True)
+
+    dummy_ddp_model.load_state_dict(checkpoint["state_dict"])
+    dummy_hook = checkpoint["comm_hook"]
+    dummy_hook_state = checkpoint["comm_hook_state"]
+    dummy_optimizer = torch.optim.SGD(dummy_ddp_model.parameters(), lr=learning_rate)
+
+    with _deferred(failures):
+        # the loaded function is the same
+        assert dummy_hook.__qualname__ == hook.__qualname__
+        # all slots' keys, and but for process_group and rng all slots' values, are restored
+        assert hook_state.__slots__ == dummy_hook_state.__slots__
+        for entry in dummy_hook_state.__slots__:
+            if entry != "process_group" and entry != "rng":
+                difference = state_difference(getattr(dummy_hook_state, entry), getattr(hook_state, entry),
+                                              exact=False, where=entry)
+                assert difference is None, difference
+        # process_group is the default one
+        assert dummy_hook_state.process_group == dist.distributed_c10d._get_default_group()
+        # every entry of the random state (numpy's RandomState.get_state()) is the original's
+        for entry1, entry2 in zip(hook_state.rng.get_state(), dummy_hook_state.rng.get_state(), strict=True):
+            np.testing.assert_array_equal(entry1, entry2)
+
+    dummy_ddp_model.register_comm_hook(dummy_hook_state, dummy_hook)
+    dummy_ddp_model.train()
+
+    for _ in range(10):
+        optimizer.zero_grad()
+        dummy_optimizer.zero_grad()
+        out_origin = ddp_model(input)
+        out_dummy = dummy_ddp_model(input)
+        loss_origin = F.mse_loss(out_origin, target)
+        loss_dummy = F.mse_loss(out_dummy, target)
+        loss_origin.backward()
+        loss_dummy.backward()
+        optimizer.step()
+        dummy_optimizer.step()
+
+    # the models' parameters are the same after training
+    for orig_param, dummy_param in zip(ddp_model.parameters(), dummy_ddp_model.parameters(), strict=True):
+        with _deferred(failures):
+            assert_close(orig_param, dummy_param)
+    if failures:
+        raise failures[0]
+
+
+def test_ddp_hook_pickling_powerSGD() -> None:
+    """PowerSGD's state pickles with the model (upstream skips it everywhere as flaky: see
+    :func:`_test_hook_pickling` for what the port changes)."""
+    hook = powerSGD.powerSGD_hook
+    powersgd_state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=4)
+    _test_hook_pickling(hook, powersgd_state)
+
+
 def test_ddp_hook_parity_post_localSGD() -> None:
     """The post-local-SGD hook: with the world as subgroup it still averages globally; without the
     local allreduce only the warm-up steps are checked; with the per-node subgroup (here the world)
@@ -1519,6 +1686,87 @@ def test_get_data_parallel_params() -> None:
 
 
 # ---- logging, debug mapping --------------------------------------------------------------------------------------
+
+
+def _get_profiling_event(event_name: str, profiler: Any, dedup_gpu_user_annotation: bool = False) -> list:
+    """Upstream's ``get_profiling_event``: the profiled events whose name starts or ends with ``event_name``."""
+    event_list = profiler.events() if isinstance(profiler, torch.profiler.profile) else profiler.function_events
+    return [
+        event for event in event_list
+        if (event.name.endswith(event_name) or event.name.startswith(event_name))
+        and (not dedup_gpu_user_annotation or event.device_type not in [DeviceType.CUDA, DeviceType.XPU])
+    ]
+
+
+def _test_ddp_profiling(profiler_ctx: Any, profiler_ctx2: Any = None) -> Any:
+    """Upstream's ``_test_ddp_profiling``: 6 steps profiled record one ``gloo:all_reduce`` each (async) and a
+    ``gloo:broadcast`` at least (the constructor's); after 3 steps unprofiled of a second wrapper with
+    find_unused_parameters, one step profiled records its all-reduce and one ``search_unused_parameters``.
+
+    The model stays on the CPU. Every check runs after both profiled runs (upstream checks the first before the second
+    wrapper's constructor broadcasts): a check that fails on one rank only then cannot leave the other waiting in it."""
+    batch = 3
+    dim = 10
+    num_iters = 6
+    model = nn.Linear(dim, dim, bias=False)
+    inp = torch.rand(batch, dim)
+    net = DDP(model)
+    if profiler_ctx2 is None:
+        profiler_ctx2 = copy.deepcopy(profiler_ctx)
+
+    with profiler_ctx as prof:
+        for _ in range(num_iters):
+            loss = net(inp).sum()
+            loss.backward()
+
+    # Run DDP with profiling for a few iterations, then enable profiling for a single pass, and ensure it is recorded.
+    # This tests that the thread local state is correctly updated.
+    net = DDP(model, find_unused_parameters=True)
+    for _ in range(3):
+        loss = net(inp).sum()
+        loss.backward()
+    with profiler_ctx2 as prof2:
+        loss = net(inp).sum()
+        loss.backward()
+
+    all_reduce_event_name = f"{dist.get_backend()}:all_reduce"
+    events = _get_profiling_event(all_reduce_event_name, prof, dedup_gpu_user_annotation=True)
+    event_count = sum(e.count for e in events)
+    assert event_count == num_iters, f"{event_count} {all_reduce_event_name} events, not {num_iters}"
+    for event in events:
+        assert event.is_async, event
+        assert event.name == all_reduce_event_name
+    broadcast_event_name = f"{dist.get_backend()}:broadcast"
+    broadcast_events = _get_profiling_event(broadcast_event_name, prof, dedup_gpu_user_annotation=True)
+    event_count = sum(e.count for e in broadcast_events)
+    # Broadcast is called during rebuild_buckets
+    assert event_count >= 1, f"no {broadcast_event_name} event"
+    for event in broadcast_events:
+        assert event.name == broadcast_event_name
+
+    events = _get_profiling_event(all_reduce_event_name, prof2, dedup_gpu_user_annotation=True)
+    assert len(events) >= 1, f"no {all_reduce_event_name} event in the second profile"
+    assert events[0].count >= 1
+    assert events[0].name == all_reduce_event_name
+    for event in events:
+        assert event.is_async, event
+    # Ensure searching unused parameters was profiled
+    events = _get_profiling_event("search_unused_parameters", prof2)
+    assert len(events) == 1, f"search_unused_parameters events: {[e.name for e in events]}"
+    return prof
+
+
+def test_ddp_profiling_autograd_profiler() -> None:
+    """DDP's collectives under ``torch.autograd.profiler.profile()``."""
+    autograd_profiler_ctx = torch.autograd.profiler.profile()
+    _test_ddp_profiling(profiler_ctx=autograd_profiler_ctx)
+
+
+def test_ddp_profiling_torch_profiler() -> None:
+    """DDP's collectives under ``torch.profiler.profile()``, the CPU's activity only (upstream adds CUDA's; its
+    further checks are NCCL's)."""
+    torch_profiler_ctx = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    _test_ddp_profiling(profiler_ctx=torch_profiler_ctx)
 
 
 def test_ddp_python_error_logged() -> None:
@@ -1959,11 +2207,29 @@ def test_compute_bucket_assignment_by_size_sparse_error_without_logger() -> None
     group_gloo = dist.new_group(timeout=timedelta(seconds=60), backend=dist.Backend.GLOO)
     # upstream sets TORCH_NCCL_BLOCKING_WAIT for this group: nothing to do on Gloo
     group_to_use = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=5))
-    # upstream builds a valid model only for the logger of the with_logger case (not ported: see GPU_ONLY)
+    # upstream builds a valid model only for the logger of the with_logger case
     DDP(EmbeddingNetDifferentParams(0), process_group=group_to_use)
     with raises(RuntimeError, "No support for sparse tensors."):
         tensors_sparse = _generate_sparse_tensors_for_bucket_assignment_test()
         dist._compute_bucket_assignment_by_size(tensors_sparse, [400])
+    dist.barrier(group_gloo)
+
+
+def test_compute_bucket_assignment_by_size_sparse_error_with_logger() -> None:
+    """The same refusal, given the wrapper's logger: the error is also in the wrapper's logging data (upstream's
+    ``_test_compute_bucket_assignment_by_size(use_logger=True)``)."""
+    group_gloo = dist.new_group(timeout=timedelta(seconds=60), backend=dist.Backend.GLOO)
+    group_to_use = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=5))
+    # the constructor initializes the logger used below; the rest of the model is never used
+    net = DDP(EmbeddingNetDifferentParams(0), process_group=group_to_use)
+    # read outside the check (upstream reads it inside): a wrapper without torch's logger must fail here, not pass
+    # for the AttributeError
+    logger = net.logger
+    expected_err = "No support for sparse tensors."
+    with raises(RuntimeError, expected_err):
+        tensors_sparse = _generate_sparse_tensors_for_bucket_assignment_test()
+        dist._compute_bucket_assignment_by_size(tensors_sparse, [400], logger=logger)
+    verify_ddp_error_logged(net, expected_err)
     dist.barrier(group_gloo)
 
 
