@@ -1805,7 +1805,8 @@ def runs_out_without_join(directory: str) -> None:
 def observed_memory(seed: int, gradient_as_bucket_view: bool) -> dict:
     """A float64 MLP 8-16-4 in two buckets (600-byte cap), three steps of SGD with momentum, the second measured by the
     allocation ledger (:func:`minidp.tracing.memory.measure_step`; its buckets rebuilt in that step's forward):
-    ``memory_ledger`` after the last step, and what each category of the measured step held at most."""
+    ``memory_ledger`` after the last step, what each category of the measured step held at most, and of a fourth step
+    traced (``minidp.trace(ledger=True)``) without the optimizer's."""
     from minidp.tracing.memory import measure_step
 
     torch.manual_seed(seed)
@@ -1826,4 +1827,10 @@ def observed_memory(seed: int, gradient_as_bucket_view: bool) -> dict:
             held = rows[0].held
         else:
             train()
-    return {"ledger": md.memory_ledger(model, optimizer), "held": held, "plan": model.bucket_plan()}
+    ledger = md.memory_ledger(model, optimizer)
+    # A step traced with no optimizer step inside it: only the wrapper can tell the ledger what its parameters are
+    x = _inputs(seed, 3, 6, 8).double()
+    with minidp.trace(ledger=True) as traced:
+        optimizer.zero_grad()
+        model(x).pow(2).sum().backward()
+    return {"ledger": ledger, "held": held, "plan": model.bucket_plan(), "traced held": traced.ledger()[0].held}

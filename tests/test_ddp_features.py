@@ -1056,3 +1056,15 @@ def test_the_allocation_ledger_counts_ddps_bucket_buffers_as_gradients(observed)
     for result in each_rank(observed, "observed_copies"):
         assert result["held"]["gradients"] == 2 * MLP_BYTES
         assert result["held"]["inputs"] == 6 * 8 * 8
+
+
+@pytest.mark.parametrize("check", ["observed_bucket_view", "observed_copies"])
+def test_the_ledger_names_ddps_parameters_and_gradients_in_a_step_without_an_optimizer(observed, check):
+    """The wrapper names its parameters and their gradients to the ledger (``minidp.hooks.observe_storage``): held
+    before the step, the parameters and the last step's ``.grad`` counted as its inputs, beside the batch, where no
+    optimizer stepped inside the trace to name them; the last step's gradients count until ``zero_grad`` lets go."""
+    for result in each_rank(observed, check):
+        held = result["traced held"]
+        assert held["parameters"] == MLP_BYTES
+        assert held["inputs"] == 6 * 8 * 8
+        assert held["gradients"] >= MLP_BYTES

@@ -406,6 +406,45 @@ def test_a_coalesced_sparse_gradient_is_counted_as_the_storages_of_its_indices_a
     assert device.held["gradients"] == 40 * 8 + 40 * 4 * 4
 
 
+@pytest.mark.parametrize("layout", ["csr", "csc"])
+def test_a_compressed_sparse_tensor_is_counted_as_its_indices_and_values(layout):
+    identity = torch.eye(8, dtype=torch.float64)
+    sparse = identity.to_sparse_csr() if layout == "csr" else identity.to_sparse_csc()
+    compressed, plain = (sparse.crow_indices(), sparse.col_indices()) if layout == "csr" else (
+        sparse.ccol_indices(), sparse.row_indices())
+    _, (device,) = measure_step(sparse.to_dense)
+    # held before the step: the storages of 9 compressed and 8 plain int64 indices and of 8 float64 values (torch 2.13's
+    # plain indices are a view of the 2 x 8 indices its conversion made on its way, through COO: 128 bytes)
+    storages = [t.untyped_storage().nbytes() for t in (compressed, plain, sparse.values())]
+    assert storages[0] >= 9 * 8 and storages[1] >= 8 * 8 and storages[2] >= 8 * 8
+    assert device.held["inputs"] == sum(storages)
+
+
+def test_a_tensor_on_the_meta_device_holds_no_memory():
+    def step() -> None:
+        shape_only = torch.empty(10**6, device="meta")
+        del shape_only
+
+    _, ledger = measure_step(step)
+    assert [r.device for r in ledger] == []
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_last_steps_gradients_count_until_zero_grad_lets_go_of_them(generator, replicas):
+    """``zero_grad()`` (set_to_none) frees the last step's ``.grad`` without any operator: known as the model's from
+    the moment its parameters are (a replicate, or the module running alone), they count as gradients until then."""
+    module = mlp()
+    model = minidp.DataParallel(module, cpu_ids(replicas))
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    model(x).sum().backward()
+    with minidp.trace(ledger=True) as traced:
+        output = model(x)
+        module.zero_grad()
+        del output
+    assert row(traced.ledger()).held["gradients"] == (summed_gradient_bytes(module) if replicas > 1
+                                                      else parameter_bytes(module))
+
+
 def test_a_sparse_tensor_is_freed_with_its_indices_and_values():
     identity = torch.eye(8, dtype=torch.float64)
 

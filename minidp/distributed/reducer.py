@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from ..hooks import observe_storage
+from ..hooks import current_listener, observe_storage
 from ..nested import tensors_in
 from .buckets import Bucket, BucketCaps, GradBucket, as_real, initial_plan, rebuilt_plan, views_of
 from .comm_hooks import ONLY_ONCE, ONLY_ONCE_BUILTIN, CommHook, future_result
@@ -309,7 +309,17 @@ class Reducer:
             ))
         self._check_dtypes()
         self._check_reducer_finalized()
+        self._name_parameters_and_gradients()
         self.rebuild_buckets()
+
+    def _name_parameters_and_gradients(self) -> None:
+        """Tell a listener that counts memory (the ledger) that these are the model's parameters and their ``.grad`` its
+        gradients, before a forward (those of the last step, which a ``zero_grad`` may free during this one) and after
+        a backward (this one's): held before the step, they would count as its inputs, and made by its backward as its
+        temporaries. Nothing listening: one read of the slot."""
+        if current_listener() is not None:
+            observe_storage("parameters", self.params)
+            observe_storage("gradients", [p.grad for p in self.params if p.grad is not None])
 
     def _check_dtypes(self) -> None:
         """Raise if a parameter's dtype changed since it was wrapped (``ddp.double()``, ``ddp.to(torch.bfloat16)``):
@@ -685,6 +695,7 @@ class Reducer:
             for future in self._post_backward_futures:
                 future.wait()
             self._post_backward_futures = []
+            self._name_parameters_and_gradients()
             if self._tracks_use():
                 self._wait_for_use()
                 if counting:  # what every later backward waits for, and leaves alone

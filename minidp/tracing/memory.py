@@ -54,6 +54,17 @@ keeps for each checkpointed segment (``torch.get_rng_state()``, 5,056 bytes on t
 ``torch.set_rng_state``). A tensor that meets its first operator later than it was made counts from then (one that
 numpy made, ``torch.from_numpy``, counts from ``aten.lift_fresh``, the operator that takes it in).
 
+Where it is not exact, known and left as it is: the threads watched are the one that started the measurement and
+the replicas' (forwards, and backwards run in parallel): another thread's own work during the trace goes uncounted or
+uncategorised; an allocation is numbered when its operator returns, so where threads overlap, a free in one during
+another's operator can fall before that operator's output, and the peak read lower than it was; two storages over one
+block of memory (``torch.from_dlpack``, ``torch.from_numpy(t.numpy())``) count twice; a tensor subclass that wraps
+others counts as the storage it shows (its nominal size), not the inner tensors; an MKL-DNN tensor, which has no
+storage, is not counted, nor is a tensor on the ``meta`` device, which holds no memory; and a helper thread's tensor
+first met in the step counts as held from its start. One effect on the step itself: with a sparse gradient, autograd
+keeps the incoming gradient as ``.grad`` only when nothing else holds its indices and values, which the watch's own
+reference to them defeats, so under the ledger it stores a copy (the values equal, the memory twice).
+
 Why not ``torch.profiler.profile(profile_memory=True)`` and its memory profile (``export_memory_timeline``,
 ``torch.profiler._memory_profiler.MemoryProfile``), which attribute every allocation to the same kinds of
 category? In torch 2.13 the profiler records allocations only in the thread that started it: the forwards
@@ -88,7 +99,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import hooks
 from ..nested import tensors_in
-from .describers import _parts, _replica_tensors, _tensors
+from .describers import SPARSE_LAYOUTS, _parts, _replica_tensors, _tensors
 
 CATEGORIES = (
     "parameters", "inputs", "activations", "gradients", "gathered outputs", "loss", "optimizer state", "temporaries",
@@ -413,9 +424,11 @@ class AllocationLedger:
             phases.pop()
 
     def watch_parameters(self, parameters: Iterable[torch.Tensor]) -> None:
-        """``parameters`` are the model's: counted as parameters, and their ``.grad`` as gradients at the end."""
+        """``parameters`` are the model's: counted as parameters, and their ``.grad`` as gradients, those they hold now
+        (the last step's, which count until a ``zero_grad`` lets go of them, an operator or not) and at the end."""
         parameters = list(parameters)
         self.mark(parameters, "parameters")
+        self.mark([p.grad for p in parameters if p.grad is not None], "gradients")
         self._parameters.extend(parameters)
 
     def watch_module(self, module: torch.nn.Module) -> None:
@@ -452,12 +465,14 @@ class AllocationLedger:
         except (NotImplementedError, RuntimeError, TypeError):  # sparse, nested, no storage
             # A sparse tensor's memory is the storages of its indices and values: looked for here, off the path of
             # every dense tensor of every operator (through _parts in see(), it cost each operator 0.5 us more).
-            if tensor.is_sparse:
+            if tensor.layout in SPARSE_LAYOUTS:
                 self.see(_parts((tensor,)), made_now)
             return None
         record = self._live.get(storage._cdata)  # met before: the common case, read without the lock (one dict read)
         if record is not None and record.nbytes == storage.nbytes():
             return record
+        if storage.device.type == "meta":  # a shape without memory
+            return None
         return self._see_storage(storage, made_now)
 
     def _see_storage(self, storage: torch.UntypedStorage, made_now: bool) -> _Storage:
