@@ -228,3 +228,34 @@ def test_on_a_repeated_gpu_id_stock_shares_a_buffer_alone_in_its_dtype_and_minid
     stock = stock_forward_backward(case, [0, 0], emulate=False).buffers["block.0.num_batches_tracked"]
     ours = minidp_forward_backward(case, [0, 0]).buffers["block.0.num_batches_tracked"]
     assert (stock.item(), ours.item()) == (4, 2)  # a forward and its recomputation, by each replica or by the first
+
+
+@pytest.mark.parametrize("calls", [2, 3])
+def test_a_wrapper_run_several_times_in_one_graph_gives_stocks_gradients(generator, calls):
+    """An output fed back in as the next call's input (an unrolled recurrence): each call's reduction adds its sums
+    into the parameters' ``.grad`` through autograd, which adds what meets at one node in the order it runs their
+    producers, set by the sequence numbers of the threads that made them. Stock starts new threads at every call;
+    minidp's persist, so three sums or more can meet in another order: float32 gradients then agree to rounding. Two
+    agree bit for bit (a sum of two is the same either way); so does everything in the serial path's own runs."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 6))
+    x = torch.randn(10, 6, generator=generator)
+
+    def gradients(wrapper: nn.Module) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        h = x
+        for _ in range(calls):
+            h = wrapper(h)
+        h.square().sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    previous = minidp.set_parallel_backward(False)
+    try:
+        ours = gradients(minidp.DataParallel(model, cpu_ids(2)))
+    finally:
+        minidp.set_parallel_backward(previous)
+    with emulated_stock():
+        stock = gradients(nn.DataParallel(model, [0, 1]))
+    if calls == 2:
+        assert all(torch.equal(a, b) for a, b in zip(ours, stock, strict=True))
+    else:
+        torch.testing.assert_close(ours, stock, rtol=1e-6, atol=1e-6)
