@@ -85,6 +85,8 @@ from .step2_replicate import (
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 _dict_of = attrgetter("__dict__")
 _registries_of = itemgetter(*_REGISTRIES)
+# Modules whose replicas the cache cannot keep: a tree holding one is replicated anew at every call (see replicate)
+_REPLICATED_ANEW = (torch.jit.ScriptModule, torch.fx.GraphModule)
 
 
 class _Signature:
@@ -187,6 +189,7 @@ class _Entry:
         self.flat_replicas = list(chain.from_iterable(self.replicas))
         self.replica_types = tuple(map(type, self.flat_replicas))
         self.references: tuple[int, ...] = ()  # counted by bind
+        self.weak_references: tuple[int, ...] = ()  # counted by bind too
         self.state = EntryState.BOUND  # built skeletons are not reset yet: the first bind resets them
         self._pending_nodes = 0  # Broadcast nodes of the current binding whose backward has not run
         self._binding = 0  # how many times the skeletons were bound: which binding a node's hook speaks for
@@ -257,8 +260,11 @@ class _Entry:
         re-bound only while every replica module has the references the cache itself holds, counted when it last
         bound them (the cache's lists, each parent's ``_modules`` and its template's copy of it). Anything else
         holding one (a graph, a traceback, a user's variable) makes the next call build new replicas, as stock does.
+        So does a weak reference made since (a hook's ``WeakSet`` of the modules it met, to do something once per
+        module, as stock's replicas, new at every call, each meet it once).
         """
-        return tuple(map(sys.getrefcount, self.flat_replicas)) != self.references
+        return (tuple(map(sys.getrefcount, self.flat_replicas)) != self.references
+                or tuple(map(weakref.getweakrefcount, self.flat_replicas)) != self.weak_references)
 
     def held_only_by_the_cache_and(self, roots: list[nn.Module]) -> bool:
         """Whether nothing but the cache and ``roots``, the list of replica roots :meth:`bind` returned, holds a replica
@@ -268,7 +274,8 @@ class _Entry:
         expected = list(self.references)
         for i in range(0, len(expected), len(self.replicas[0])):  # each device's root starts its modules
             expected[i] += 1
-        return list(map(sys.getrefcount, self.flat_replicas)) == expected
+        return (list(map(sys.getrefcount, self.flat_replicas)) == expected
+                and tuple(map(weakref.getweakrefcount, self.flat_replicas)) == self.weak_references)
 
     @property
     def reclassed(self) -> bool:
@@ -287,6 +294,7 @@ class _Entry:
         # that requires grad is the original itself, its grad_fn None or its own): nothing to watch, and BOUND.
         self._watch_backward(*(() if detach else (param_copies[0], buffer_copies[0])))
         self.references = tuple(map(sys.getrefcount, self.flat_replicas))  # the cache's own, as `referenced` reads them
+        self.weak_references = tuple(map(weakref.getweakrefcount, self.flat_replicas))
         return [replica_modules[0] for replica_modules in self.replicas]
 
     def release(self) -> None:
@@ -407,13 +415,16 @@ class ReplicaCache:
             reason = entry.change(network)
         if reason is not None:
             check_module_device(network, devices[0])
-            if any(isinstance(module, torch.jit.ScriptModule) for module in network.modules()):
+            if any(isinstance(module, _REPLICATED_ANEW) for module in network.modules()):
                 # A TorchScript module's registries are views of its C++ module, not the dicts a skeleton copies and
-                # the signature reads: such a tree is replicated anew at every call (replicate's own body, observed
-                # once, as this call).
+                # the signature reads; an FX GraphModule's replica is code generated from its graph as it is at the
+                # call (GraphModule.__copy__), so an edit of the graph reaches stock's next replicas, recompiled or not,
+                # and the signature cannot see it (the graph is the same object). Such a tree is replicated anew at
+                # every call (replicate's own body, observed once, as this call).
                 with self._lock:
                     self._misses += 1
-                    self._last_rebuild_reason = "the tree holds a TorchScript module: replicated anew at every call"
+                    self._last_rebuild_reason = ("the tree holds a TorchScript module or an FX GraphModule: replicated "
+                                                 "anew at every call")
                 return replicate.__wrapped__(network, devices, detach, reduce_backend=reduce_backend)
             entry = _Entry(network, devices)
             with self._lock:

@@ -897,3 +897,57 @@ def test_a_torchscript_module_is_replicated_anew_at_every_call(generator):
         pair.step(torch.randn(6, 5, generator=generator))
     assert (pair.info.hits, pair.info.misses) == (0, 2)
     assert "TorchScript" in pair.info.last_rebuild_reason
+
+
+def test_a_hook_that_acts_once_per_module_object_acts_at_every_call_as_on_stocks_new_replicas(generator):
+    """A forward hook that normalises a module's output the first time it meets the module (a ``WeakSet`` of the
+    modules seen: data-dependent initialisation): stock's replicas are new objects at every call, so it acts at every
+    call; the cache's were the same objects, and it acted at the first call only. A weak reference made to a replica
+    since the cache bound it counts as one held elsewhere: the next call builds new replicas."""
+    def run(cache_replicas: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+        met = weakref.WeakSet()
+
+        def once_per_module(module, args, output):
+            if module not in met:
+                met.add(module)
+                return output / output.detach().std()
+            return output
+
+        model[2].register_forward_hook(once_per_module)
+        wrapper = minidp.DataParallel(model, cpu_ids(2), cache_replicas=cache_replicas)
+        outputs = []
+        for x in torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64):
+            output = wrapper(x)
+            output.pow(2).mean().backward()
+            outputs.append(output.detach())
+        return outputs + [p.grad for p in model.parameters()]
+
+    cached, uncached = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(cached, uncached, strict=True))
+
+
+def test_an_fx_graph_edited_between_calls_runs_edited_as_on_stocks_new_replicas(generator):
+    """torch.fx's GraphModule makes its replica from its graph as it is (``GraphModule.__copy__``), so stock's replicas
+    run a graph edited in place from the next call on, ``recompile()`` or not; the cache kept the replicas of the first
+    call, and their code. A tree that holds a GraphModule is replicated anew at every call, as a TorchScript one is."""
+    def run(cache_replicas: bool) -> tuple:
+        torch.manual_seed(0)
+        graph_module = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).double())
+        wrapper = minidp.DataParallel(graph_module, cpu_ids(2), cache_replicas=cache_replicas)
+        first, second = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        wrapper(first).sum().backward()
+        (tanh,) = [node for node in graph_module.graph.nodes if node.op == "call_module" and node.target == "1"]
+        with graph_module.graph.inserting_after(tanh):
+            tripled = graph_module.graph.call_function(torch.mul, (tanh, 3.0))
+        tanh.replace_all_uses_with(tripled)
+        tripled.args = (tanh, 3.0)
+        output = wrapper(second)
+        output.sum().backward()
+        info = wrapper.replica_cache_info() if cache_replicas else None
+        return [output.detach()] + [p.grad for p in graph_module.parameters()], info
+
+    (cached, info), (uncached, _) = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(cached, uncached, strict=True))
+    assert info.hits == 0 and "FX GraphModule" in info.last_rebuild_reason
