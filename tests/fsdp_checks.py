@@ -290,6 +290,10 @@ OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
 }
+# One that makes its state (`sum`) when it is built, not at its first step: checkpointed (optimizer_checkpoint)
+CHECKPOINTED_OPTIMIZERS = {
+    **OPTIMIZERS, "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.05, initial_accumulator_value=0.1),
+}
 
 
 def local(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -445,8 +449,10 @@ def checkpoint_round_trip(seed: int, mesh: Optional[tuple[int, ...]] = None) -> 
             "across_layouts": all(torch.equal(across_layouts[k], whole[k]) for k in whole)}
 
 
-def optimizer_checkpoint(seed: int, mesh: Optional[tuple[int, ...]] = None) -> dict[str, Any]:
-    """The optimizer's state dict of sharded parameters against FSDP2's, both trained alike with AdamW for two
+def optimizer_checkpoint(seed: int, mesh: Optional[tuple[int, ...]] = None,
+                         optimizer_name: str = "adamw") -> dict[str, Any]:
+    """The optimizer's state dict of sharded parameters against FSDP2's, both trained alike with ``optimizer_name`` (a
+    name in :data:`CHECKPOINTED_OPTIMIZERS`) for two
     steps: ``get_optimizer_state_dict`` sharded (``alike``: the first difference) and whole (``whole_equal``);
     checkpoints saved by ``torch.distributed.checkpoint`` from either library (``get_state_dict``) and loaded into a
     fresh model and optimizer of either (``set_state_dict``), which then take a third step beside the saved ones:
@@ -469,7 +475,7 @@ def optimizer_checkpoint(seed: int, mesh: Optional[tuple[int, ...]] = None) -> d
     def fresh(library: str, salt: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed + salt)  # other weights than the saved ones: loading must bring them all
         model = shard(Net(), libraries[library], True, **arguments)
-        return model, OPTIMIZERS["adamw"](model.parameters())
+        return model, CHECKPOINTED_OPTIMIZERS[optimizer_name](model.parameters())
 
     def train(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
         batch = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + rank))
@@ -481,7 +487,7 @@ def optimizer_checkpoint(seed: int, mesh: Optional[tuple[int, ...]] = None) -> d
     theirs = Net()
     ours = shard(copy.deepcopy(theirs), md.fully_shard, True, **arguments)
     shard(theirs, torch_fully_shard, True, **arguments)
-    pairs = [(ours, OPTIMIZERS["adamw"](ours.parameters())), (theirs, OPTIMIZERS["adamw"](theirs.parameters()))]
+    pairs = [(model, CHECKPOINTED_OPTIMIZERS[optimizer_name](model.parameters())) for model in (ours, theirs)]
     for step in range(2):
         for model, optimizer in pairs:
             train(model, optimizer, step)
@@ -1211,6 +1217,28 @@ def clips_as_fsdp2(seed: int, norm_type: float, dtype: torch.dtype = torch.float
     return {"steps": steps_seen}
 
 
+def clipping_whole_beside_sharded(seed: int) -> dict[str, Any]:
+    """``ignored_params`` left whole beside sharded ones, one backward, then each library's clipping of all the
+    parameters: what it raised, and whether minidp's left every gradient as it was."""
+    raised: dict[str, Any] = {}
+    for library, wrap, clip in (("minidp", md.fully_shard, md.clip_grad_norm_),
+                                ("fsdp2", torch_fully_shard, torch.nn.utils.clip_grad_norm_)):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(6, 17), nn.Tanh(), nn.Linear(17, 3))
+        wrap(model, ignored_params={model[2].weight, model[2].bias})
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(seed + dist.get_rank()))
+        (100 * model(x)).pow(2).mean().backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        try:
+            clip(model.parameters(), 0.05)
+            raised[library] = "nothing"
+        except (ValueError, RuntimeError) as error:
+            raised[library] = str(error)
+        if library == "minidp":
+            raised["untouched"] = all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    return raised
+
+
 def used_outside_forward(seed: int) -> dict[str, str]:
     """A sharded weight used outside its module's forward, after the forward resharded it (an L2 penalty added to the
     loss), by FSDP2 and by minidp: what each backward raised."""
@@ -1440,15 +1468,16 @@ def partial_full_state_dict_loaded(seed: int, steps: int = 2) -> dict[str, Any]:
 
 
 def whole_parameter_optimizers(seed: int) -> dict[str, list[str]]:
-    """Two steps of torch's Adafactor and of its AdamW on a :class:`Net` sharded by minidp: the warnings each gave."""
+    """torch's Adafactor and its AdamW built on a :class:`Net` sharded by minidp, and two steps of each: the warnings
+    each gave."""
     results = {}
     for name in ("Adafactor", "AdamW"):
         torch.manual_seed(seed)
         model = shard(Net(), md.fully_shard, True)
-        optimizer = getattr(torch.optim, name)(model.parameters(), lr=0.01)
-        model(torch.randn(4, 13)).sum().backward()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            optimizer = getattr(torch.optim, name)(model.parameters(), lr=0.01)
+            model(torch.randn(4, 13)).sum().backward()
             optimizer.step()
             optimizer.step()
         results[name] = [str(warning.message) for warning in caught]

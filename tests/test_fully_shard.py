@@ -145,6 +145,7 @@ TWO_PROCESSES = {
     "optimizer_in_backward": (checks.optimizer_in_backward, {}),
     "checkpoint": (checks.checkpoint_round_trip, {}),
     "optimizer_checkpoint": (checks.optimizer_checkpoint, {}),
+    "optimizer_checkpoint_adagrad": (checks.optimizer_checkpoint, {"optimizer_name": "adagrad"}),
     "optimizer_state_unlike_the_parameter": (checks.optimizer_state_unlike_the_parameter, {}),
     "whole_optimizer_state_loaded_by_hand": (checks.whole_optimizer_state_loaded_by_hand, {}),
     "param_group_added_after_a_step": (checks.param_group_added_after_a_step, {}),
@@ -155,6 +156,7 @@ TWO_PROCESSES = {
     "clip-minus-inf": (checks.clips_as_fsdp2, {"norm_type": float("-inf")}),
     "clip-0": (checks.clips_as_fsdp2, {"norm_type": 0.0}),
     "clip-two-dtypes": (checks.clips_as_fsdp2, {"norm_type": 2.0, "dtype": torch.float32, "model": "two_dtypes"}),
+    "clip-whole-beside-sharded": (checks.clipping_whole_beside_sharded, {}),
     "frozen_midway": (checks.frozen_and_unfrozen_midway_as_fsdp2, {}),
     "used_outside_forward": (checks.used_outside_forward, {}),
     "child_after_parent": (checks.child_sharded_after_its_parent, {}),
@@ -719,6 +721,15 @@ def test_the_smallest_entry_and_the_count_of_nonzero_entries_clip_as_fsdp2(two, 
             assert step["gradients"] == 0.0 and step["parameters"] == 0.0
 
 
+def test_clipping_parameters_left_whole_beside_shards_is_refused_as_fsdp2_refuses_it(two):
+    # ignored_params keep gradients each rank made alone: counted into the total norm, every rank took another norm and
+    # clipped its rows of the shards by another factor, silently; FSDP2's DTensor norm refuses to mix them
+    for result in each_rank(two, "clip-whole-beside-sharded"):
+        assert "got mixed torch.Tensor and DTensor" in result["fsdp2"]
+        assert "2 of the 4 parameters with gradients were not sharded" in result["minidp"]
+        assert "clip them apart" in result["minidp"] and result["untouched"]
+
+
 def test_clipping_gradients_of_two_dtypes_takes_fsdp2s_norm_bit_for_bit(two):
     # torch's clip_grad_norm_ on FSDP2's DTensors buckets the norms by dtype and stacks them (float32 promoted to
     # float64), and DTensor reduces that stack over the ranks before its norm: a float32 norm reduced in float32, or
@@ -913,6 +924,17 @@ def test_an_optimizer_checkpoint_of_either_library_resumes_training_bitwise_in_e
     for rank, result in enumerate(each_rank(request.getfixturevalue(world), "optimizer_checkpoint")):
         assert result["resumed"] == dict.fromkeys(result["resumed"]) and len(result["resumed"]) == 4, (
             f"rank {rank}: {result['resumed']}")
+
+
+def test_an_optimizer_that_makes_its_state_when_built_resumes_from_a_checkpoint_as_fsdp2s(two):
+    # Adagrad's `sum` exists before its first step, so get_state_dict does not step it: read as the target dcp.load
+    # fills, its state was each rank's plain rows, and the whole tensors saved did not fit them (a size mismatch);
+    # every optimizer gets its state dict hooks as it is built (minidp/distributed/sharded_optimizer_state.py)
+    for rank, result in enumerate(each_rank(two, "optimizer_checkpoint_adagrad")):
+        assert result["alike"] is None and result["whole_equal"], f"rank {rank}: {result['alike']}"
+        assert result["resumed"] == dict.fromkeys(result["resumed"]) and len(result["resumed"]) == 4, (
+            f"rank {rank}: {result['resumed']}")
+        assert result["whole_loaded"] is None and result["loaded_before_a_step"] is None
 
 
 @pytest.mark.parametrize("world", ["two", "three", "four"])

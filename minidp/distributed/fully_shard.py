@@ -1723,7 +1723,10 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
     rank the norm of its own rows, and each rank would clip by another factor. FSDP2's shards are DTensors, whose
     norms torch reduces over the ranks; here the shards' norms, stacked as torch stacks them, are reduced over the
     ranks that shard (p-th powers summed, or the largest for ``inf``; HSDP's replicas hold the same rows), one
-    collective for the parameters sharded over the same ranks; parameters not sharded count once. Norms, clipped
+    collective for the parameters sharded over the same ranks. Parameters ``fully_shard`` left whole beside sharded
+    ones (``ignored_params``, a root not sharded) are refused, as FSDP2 refuses them ("got mixed torch.Tensor and
+    DTensor"): their gradients are not reduced over the ranks, so each rank would take another norm and clip its rows
+    by another factor; clip them apart. Norms, clipped
     gradients and the steps after them equal FSDP2's bit for bit, on 2 and 3 ranks, HSDP's 2 x 2, and with groups of
     two dtypes (tests/test_fully_shard.py, ``-k clipping``); where a rank's shard is empty, ``inf`` counts it as 0
     (FSDP2's own norm fails there). ``-inf`` takes the smallest over the ranks and 0 sums the counts of nonzero
@@ -1750,10 +1753,11 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
              .values() for i in indices]
     norms = torch.stack([each[i].to(with_grad[0].grad.device) for i in order])
     by_ranks: dict[dist.ProcessGroup, list[int]] = {}  # positions in the stack; the same order on every rank
+    groups = [group_of_shard(p) for p in with_grad]
+    _check_all_sharded_or_none(with_grad, groups)
     for position, i in enumerate(order):
-        group = group_of_shard(with_grad[i])
-        if group is not None:  # a parameter not sharded counts once
-            by_ranks.setdefault(group.process_group, []).append(position)
+        if groups[i] is not None:  # none sharded: a plain clip, of this rank's gradients
+            by_ranks.setdefault(groups[i].process_group, []).append(position)
     for ranks, positions in by_ranks.items():
         local = norms[positions]
         if powered:
@@ -1768,6 +1772,21 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Any], max_norm: float, norm_
             f"`error_if_nonfinite=False`")
     torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach)
     return total
+
+
+def _check_all_sharded_or_none(parameters: list[torch.Tensor], groups: list[Optional[Any]]) -> None:
+    """``clip_grad_norm_``'s parameters are all shards or none (``groups``: each one's, or ``None``), checked before
+    anything is reduced or clipped (every rank raises alike: they pass the same parameters)."""
+    whole = [i for i, group in enumerate(groups) if group is None]
+    if whole and len(whole) < len(groups):
+        first = parameters[whole[0]]
+        raise ValueError(
+            f"clip_grad_norm_: {len(whole)} of the {len(parameters)} parameters with gradients were not sharded by "
+            f"fully_shard (the first, at position {whole[0]} among them, of shape {tuple(first.shape)}): ignored_params, "
+            f"or a module left out of fully_shard. Their gradients are not reduced over the ranks, so each rank would "
+            f"take another total norm and clip the shards by another factor (FSDP2 refuses them too: \"got mixed "
+            f"torch.Tensor and DTensor\"). Shard the modules that hold them, or clip them apart: "
+            f"clip_grad_norm_(sharded, max_norm) and torch.nn.utils.clip_grad_norm_(whole, max_norm)")
 
 
 def _checked_here(

@@ -24,7 +24,12 @@ parameters changed in number, and gives the two hooks above to one that holds a 
 DTensor loaded before that first step, into an optimizer that had not stepped yet (a job resumed from a
 checkpoint). ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` and ``set_state_dict`` step an
 optimizer that holds no state yet themselves (with a learning rate of 0) before they read it, so they meet the hooks;
-an optimizer given plain rows by ``load_state_dict`` and saved again before any step gives them as plain rows.
+an optimizer given plain rows by ``load_state_dict`` and saved again before any step gives them as plain rows. An
+optimizer that makes its state when it is built (torch's ``Adagrad``, its ``sum``) is not stepped by them: read
+before its first step (the target ``get_state_dict`` makes to load a checkpoint into, when a job resumes), its state
+would be plain rows, and ``dcp.load`` would refuse the whole tensors saved. So the same function also wraps
+``torch.optim.Optimizer.__init__``, once per process: every optimizer built after ``fully_shard`` gets the hooks as
+it is made, where it holds a shard (:func:`_watched_from_birth`).
 
 The same hook warns, once per optimizer, where the optimizer is one of torch's whose step reduces over a
 parameter's elements (:data:`WHOLE_PARAMETER_OPTIMIZERS`): on plain rows it sees this rank's alone.
@@ -35,6 +40,7 @@ and asks that group for the layout; it imports nothing of ``fully_shard``'s.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from typing import Any, Iterable, Optional
@@ -59,10 +65,25 @@ WHOLE_PARAMETER_OPTIMIZERS = ("Adafactor", "Muon", "LBFGS")
 
 
 def watch_optimizers() -> None:
-    """Install, once per process, the global step pre-hook that gives every optimizer holding a shard its hooks."""
+    """Install, once per process, the global step pre-hook that gives every optimizer holding a shard its hooks, and
+    the same at every optimizer's construction (:func:`_watched_from_birth`)."""
     global _step_hook
     if _step_hook is None:
         _step_hook = register_optimizer_step_pre_hook(_before_step)
+        torch.optim.Optimizer.__init__ = _watched_from_birth(torch.optim.Optimizer.__init__)
+
+
+def _watched_from_birth(init: Any) -> Any:
+    """``Optimizer.__init__``, then what the first step does (:func:`_before_step`). A subclass calls it before it
+    makes any state of its own (Adagrad's ``sum``), and the hooks, registered on the optimizer, serve whatever it makes
+    later; an optimizer that holds no shard is looked at and left alone (one pass over its parameters)."""
+
+    @functools.wraps(init)
+    def init_and_watch(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        init(optimizer, *args, **kwargs)
+        _before_step(optimizer, args, kwargs)
+
+    return init_and_watch
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
