@@ -88,9 +88,10 @@ replicas' backwards then run one after the other, as autograd runs them).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from operator import attrgetter
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 from torch.autograd import forward_ad
@@ -124,8 +125,8 @@ def _recomputes_reentrantly(node: Any) -> bool:
     ``torch.autograd.backward`` on it: that backward accumulates into the original parameters from every worker at
     once, in an order no run repeats (the serial backward's order is fixed). Those are told by their ``backward``'s
     code, which names a ``backward`` (``torch.autograd.backward(y, g)``, ``y.backward(g)``), :func:`_calls_a_backward`;
-    one that calls it through a helper of its own is not seen. Only a node written in Python (a ``BackwardCFunction``)
-    has a Function class to ask: the one ``isinstance`` skips the built-in nodes."""
+    one that calls it through a helper whose name says nothing of it is not seen. Only a node written in Python (a
+    ``BackwardCFunction``) has a Function class to ask: the one ``isinstance`` skips the built-in nodes."""
     if not isinstance(node, BackwardCFunction):
         return False
     function = type(node)._forward_cls
@@ -134,11 +135,13 @@ def _recomputes_reentrantly(node: Any) -> bool:
 
 
 def _calls_a_backward(function: type) -> bool:
-    """Whether the code of ``function.backward`` names a ``backward`` (an attribute or a global): it may run a backward
-    of its own. (A ``super().backward(...)`` is named too: the replicas' backwards then stay serial, which is only
-    slower.)"""
-    code = getattr(function.backward, "__code__", None)
-    return code is not None and "backward" in code.co_names
+    """Whether the code of ``function.backward``, under its decorators (``once_differentiable``, ``custom_bwd``: what
+    ``__wrapped__`` leads to), names something with ``backward`` in it, an attribute or a global: it may run a backward
+    of its own (``torch.autograd.backward``, ``y.backward``; Hugging Face Reformer's ``layer.backward_pass``, which
+    runs one). Named by mistake (``super().backward(...)``, an extension's kernel called ``backward``), the replicas'
+    backwards stay serial, which is only slower."""
+    code = getattr(inspect.unwrap(function.backward), "__code__", None)
+    return code is not None and any("backward" in name for name in code.co_names)
 
 
 def set_parallel_backward(enabled: Union[bool, str]) -> Union[bool, str]:
@@ -426,9 +429,14 @@ def entries_of(module: Any, inputs: Sequence[torch.Tensor]) -> list[Any]:
     return list(found.values())
 
 
-Runner = Callable[[Sequence[Optional[Callable[[], Any]]], bool], list[Any]]
-"""Runs one call per replica, replica i's in its worker thread (or, told ``True``, all in this thread, one after
-the other); the results in order, ``None`` for a replica whose call is ``None``; an error names the replica."""
+class Runner(Protocol):
+    """Runs one call per replica, replica i's in its worker thread (or, told ``True``, all in this thread, one after
+    the other); the results in order, ``None`` for a replica whose call is ``None``; an error names the replica."""
+
+    def __call__(self, calls: Sequence[Optional[Callable[[], Any]]], in_this_thread: bool) -> list[Any]: ...
+
+    def let_go_of_modules(self) -> None:
+        """Hold the replicas' modules no more (it may still be called: a backward announced without them)."""
 
 
 class _Spec:
@@ -499,12 +507,14 @@ class ParallelBackward(torch.autograd.Function):
         # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph;
         # and under a mode of this thread's, which the workers do not have.
         results = ctx.run(calls, create_graph or modes_the_workers_lack())
-        if not keep_graph:  # the replicas that ran cannot run again: let go of their outputs, and, once none is left,
-            for replica, call in enumerate(calls):  # of the replica modules the runner holds, as a finished graph
-                if call is not None:  # holds no module (a cache of replicas reuses them)
+        if not keep_graph:  # the replicas that ran cannot run again: let go of their outputs, and of the replica
+            for replica, call in enumerate(calls):  # modules the runner holds, as a finished graph holds no module (a
+                if call is not None:  # cache of replicas reuses them); of the runner once no replica may run again
                     ctx.outputs[replica] = None
             if all(outputs is None for outputs in ctx.outputs):
                 ctx.run = None
+            else:
+                ctx.run.let_go_of_modules()
         return (None, *_per_input(ctx.edges, asked_per_replica, results))
 
 
@@ -535,7 +545,11 @@ def _check_no_other_way_in(edges: Sequence[GradientEdge], replica: int) -> None:
     used in the loss. Autograd would run the replica's nodes on that way too, in this backward, beside the replica's
     own backward: each would free what the other needs, or, with retain_graph, fire their hooks twice and add the two
     parts of their gradients in another order. Told by its entries, which the running backward would then run itself
-    (their only way in is the replica's graph). Before any replica runs: nothing is accumulated."""
+    (their only way in is the replica's graph). Before any replica runs: nothing is accumulated.
+
+    A term of the replica's parameters alone kept so (a weight decay the forward appends to a list) runs no node of the
+    replica's but its entry, and is refused too: a hook on a replica's parameter (one the forward registers, to clip
+    its gradient) would fire twice, each time with a part of the gradient, which no check here can see."""
     for node in {id(edge.node): edge.node for edge in edges}.values():
         if torch._C._will_engine_execute_node(node):
             raise RuntimeError(

@@ -1189,15 +1189,16 @@ class _Reversible(torch.autograd.Function):
 
 
 class _ReversibleStack(nn.Module):
-    def __init__(self, width: int = 8) -> None:
+    def __init__(self, width: int = 8, function: type = _Reversible) -> None:
         super().__init__()
         self.first = nn.Linear(4, width)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(2))
+        self.function = function
 
     def forward(self, x):
         h = self.first(x)
         for block in self.blocks:
-            h = _Reversible.apply(block, h)
+            h = self.function.apply(block, h)
         return h
 
 
@@ -1213,6 +1214,36 @@ def test_a_function_whose_backward_runs_a_backward_of_its_own_keeps_the_serial_b
     assert not ran_parallel
     for got, expected in zip(parallel, serial, strict=True):
         assert max_relative_error(got, expected) < 1e-13
+
+
+class _ReversibleOnce(_Reversible):
+    """The same, its backward under torch's ``once_differentiable`` decorator."""
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        return _Reversible.backward(ctx, grad)
+
+
+class _ReversibleByAHelper(_Reversible):
+    """The same, the recomputation's backward run by a helper, as Hugging Face Reformer's ``layer.backward_pass``."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _ReversibleByAHelper.backward_pass(ctx, grad)
+
+    @staticmethod
+    def backward_pass(ctx, grad):
+        return _Reversible.backward(ctx, grad)
+
+
+@pytest.mark.parametrize("function", [_ReversibleOnce, _ReversibleByAHelper], ids=["decorated", "by_a_helper"])
+def test_a_function_whose_backward_runs_one_under_a_decorator_or_through_a_named_helper_keeps_the_serial_backward(
+        generator, function):
+    model = _ReversibleStack(function=function).double()
+    x = torch.randn(12, 4, generator=generator, dtype=torch.float64)
+    _, ran_parallel = _step(model, x, True, replicas=4)
+    assert not ran_parallel
 
 
 class _WithAuxiliaryLoss(nn.Module):
@@ -1314,3 +1345,21 @@ def test_each_replicas_output_back_propagated_by_its_own_backward_gives_the_seri
 
     grads = _gradients_both_ways(model, step)
     assert _equal(grads[True], grads[False])
+
+
+def test_replicas_whose_outputs_get_no_gradient_are_left_to_the_replica_cache(generator):
+    """``gather_output=False`` and only replica 0's output back-propagated: replica 1's outputs stay with the graph, for
+    a backward that may come; the node that runs the replicas' backwards holds their modules weakly, so the cache
+    re-binds them at the next call, as with the serial backward, instead of building new ones at every step."""
+    model = nn.Linear(4, 2)
+    wrapper = minidp.DataParallel(model, cpu_ids(2), gather_output=False, cache_replicas=True)
+    for _ in range(4):
+        outputs = wrapper(torch.randn(4, 4, generator=generator))
+        assert _in_parallel_alias(outputs[0])
+        outputs[0].sum().backward()
+    assert wrapper.replica_cache_info().hits == 3
+
+
+def _in_parallel_alias(output: torch.Tensor) -> bool:
+    """Whether ``output``, a replica's output, is an alias made by the ParallelBackward node."""
+    return type(output.grad_fn) is parallel_backward.ParallelBackward._backward_cls
