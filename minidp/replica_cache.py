@@ -190,7 +190,11 @@ class _Entry:
         self.replica_types = tuple(map(type, self.flat_replicas))
         self.references: tuple[int, ...] = ()  # counted by bind
         self.weak_references: tuple[int, ...] = ()  # counted by bind too
-        self.plain_weak_references: list[weakref.ref] = []
+        # A plain weak reference of the cache's own to each replica module, for the skeletons' life: Python makes one
+        # plain reference per object and gives it to every later weakref.ref(module) without a callback, so minidp's
+        # own (the runner of the parallel backward's node: minidp.step3_parallel_apply._ReplicaBackwards) add none to
+        # the count `referenced` reads; a WeakSet's or a WeakKeyDictionary's, made with a callback, each add one.
+        self.plain_weak_references = list(map(weakref.ref, self.flat_replicas))
         self.state = EntryState.BOUND  # built skeletons are not reset yet: the first bind resets them
         self._pending_nodes = 0  # Broadcast nodes of the current binding whose backward has not run
         self._binding = 0  # how many times the skeletons were bound: which binding a node's hook speaks for
@@ -295,11 +299,6 @@ class _Entry:
         # that requires grad is the original itself, its grad_fn None or its own): nothing to watch, and BOUND.
         self._watch_backward(*(() if detach else (param_copies[0], buffer_copies[0])))
         self.references = tuple(map(sys.getrefcount, self.flat_replicas))  # the cache's own, as `referenced` reads them
-        # A plain weak reference of the cache's own to each replica module: Python makes one plain reference per object
-        # and gives it to every later weakref.ref(module) without a callback, so minidp's own (the runner of the
-        # parallel backward's node, :func:`minidp.step3_parallel_apply._held_weakly`) add none to the count; a
-        # WeakSet's or a WeakKeyDictionary's, made with a callback, each add one.
-        self.plain_weak_references = list(map(weakref.ref, self.flat_replicas))
         self.weak_references = tuple(map(weakref.getweakrefcount, self.flat_replicas))
         return [replica_modules[0] for replica_modules in self.replicas]
 
