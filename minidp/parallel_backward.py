@@ -91,7 +91,7 @@ import contextlib
 import inspect
 import weakref
 from operator import attrgetter
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch.autograd import forward_ad
@@ -134,14 +134,20 @@ def _recomputes_reentrantly(node: Any) -> bool:
             or _calls_a_backward(function))
 
 
+# The names under which a Function's backward runs a backward of its own: torch's (``torch.autograd.backward``,
+# ``y.backward``), and the reversible layers' (Hugging Face Reformer's ``layer.backward_pass``, RevTorch's). Not any name
+# with "backward" in it: AOTAutograd's compiled Function (a ``@torch.compile``d forward) names ``_backward_impl``, every
+# ``torch.library.custom_op`` with a registered autograd ``_backward_fn``, and those run none.
+_RUNS_A_BACKWARD = frozenset({"backward", "backward_pass"})
+
+
 def _calls_a_backward(function: type) -> bool:
     """Whether the code of ``function.backward``, under its decorators (``once_differentiable``, ``custom_bwd``: what
-    ``__wrapped__`` leads to), names something with ``backward`` in it, an attribute or a global: it may run a backward
-    of its own (``torch.autograd.backward``, ``y.backward``; Hugging Face Reformer's ``layer.backward_pass``, which
-    runs one). Named by mistake (``super().backward(...)``, an extension's kernel called ``backward``), the replicas'
+    ``__wrapped__`` leads to), names one of :data:`_RUNS_A_BACKWARD`, an attribute or a global: it may run a backward of
+    its own. Named by mistake (``super().backward(...)``, an extension's kernel called ``backward``), the replicas'
     backwards stay serial, which is only slower."""
     code = getattr(inspect.unwrap(function.backward), "__code__", None)
-    return code is not None and any("backward" in name for name in code.co_names)
+    return code is not None and not _RUNS_A_BACKWARD.isdisjoint(code.co_names)
 
 
 def set_parallel_backward(enabled: Union[bool, str]) -> Union[bool, str]:
@@ -429,14 +435,9 @@ def entries_of(module: Any, inputs: Sequence[torch.Tensor]) -> list[Any]:
     return list(found.values())
 
 
-class Runner(Protocol):
-    """Runs one call per replica, replica i's in its worker thread (or, told ``True``, all in this thread, one after
-    the other); the results in order, ``None`` for a replica whose call is ``None``; an error names the replica."""
-
-    def __call__(self, calls: Sequence[Optional[Callable[[], Any]]], in_this_thread: bool) -> list[Any]: ...
-
-    def let_go_of_modules(self) -> None:
-        """Hold the replicas' modules no more (it may still be called: a backward announced without them)."""
+Runner = Callable[[Sequence[Optional[Callable[[], Any]]], bool], list[Any]]
+"""Runs one call per replica, replica i's in its worker thread (or, told ``True``, all in this thread, one after
+the other); the results in order, ``None`` for a replica whose call is ``None``; an error names the replica."""
 
 
 class _Spec:
@@ -507,14 +508,12 @@ class ParallelBackward(torch.autograd.Function):
         # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph;
         # and under a mode of this thread's, which the workers do not have.
         results = ctx.run(calls, create_graph or modes_the_workers_lack())
-        if not keep_graph:  # the replicas that ran cannot run again: let go of their outputs, and of the replica
-            for replica, call in enumerate(calls):  # modules the runner holds, as a finished graph holds no module (a
-                if call is not None:  # cache of replicas reuses them); of the runner once no replica may run again
-                    ctx.outputs[replica] = None
+        if not keep_graph:  # the replicas that ran cannot run again: let go of their outputs, and, once no replica
+            for replica, call in enumerate(calls):  # may run again, of the replica modules the runner holds, as a
+                if call is not None:  # finished graph holds no module (a cache of replicas re-binds them; while a
+                    ctx.outputs[replica] = None  # replica's outputs wait for a backward, it builds new ones)
             if all(outputs is None for outputs in ctx.outputs):
                 ctx.run = None
-            else:
-                ctx.run.let_go_of_modules()
         return (None, *_per_input(ctx.edges, asked_per_replica, results))
 
 

@@ -190,11 +190,6 @@ class _Entry:
         self.replica_types = tuple(map(type, self.flat_replicas))
         self.references: tuple[int, ...] = ()  # counted by bind
         self.weak_references: tuple[int, ...] = ()  # counted by bind too
-        # A plain weak reference of the cache's own to each replica module, for the skeletons' life: Python makes one
-        # plain reference per object and gives it to every later weakref.ref(module) without a callback, so minidp's
-        # own (the runner of the parallel backward's node: minidp.step3_parallel_apply._ReplicaBackwards) add none to
-        # the count `referenced` reads; a WeakSet's or a WeakKeyDictionary's, made with a callback, each add one.
-        self.plain_weak_references = list(map(weakref.ref, self.flat_replicas))
         self.state = EntryState.BOUND  # built skeletons are not reset yet: the first bind resets them
         self._pending_nodes = 0  # Broadcast nodes of the current binding whose backward has not run
         self._binding = 0  # how many times the skeletons were bound: which binding a node's hook speaks for
@@ -412,7 +407,8 @@ class ReplicaCache:
         elif entry.referenced:
             reason = (
                 "the last replicas are held outside the cache (by a graph that may run them again: checkpointing, "
-                "a full backward hook; or by a variable or a traceback): they are left to it"
+                "a full backward hook, a replica's outputs not back-propagated yet; by a variable or a traceback; or "
+                "by a weak reference made since, as a hook's WeakSet): they are left to it"
             )
         elif entry.reclassed:
             reason = "a replica's forward replaced its class"

@@ -36,7 +36,6 @@ import queue
 import threading
 import traceback
 import warnings
-import weakref
 from collections import Counter
 from itertools import chain
 from concurrent.futures import Future
@@ -419,7 +418,7 @@ def parallel_apply(
     _warn_if_drawn(generator_states, "forward")
     aliases = None
     if cut and all(r is not None for r in regions):
-        aliases = parallel_backward.join(regions, _ReplicaBackwards(modules, devices))
+        aliases = parallel_backward.join(regions, functools.partial(_run_backwards, modules, devices))
     observe_replica_outputs(modules, results, one_call_each=aliases is not None)
     if aliases is not None:
         replaced = iter(aliases)
@@ -486,38 +485,14 @@ def _enter_replica(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict,
     return args, kwargs, parallel_backward.entries_of(module, entered)
 
 
-class _ReplicaBackwards:
-    """What runs the replicas' backwards for their :class:`minidp.parallel_backward.ParallelBackward` node
-    (:func:`_run_backwards`), each announced with its replica's module, which it holds until the node lets go of it
-    (:meth:`let_go_of_modules`)."""
-
-    def __init__(self, modules: Sequence[Any], devices: Sequence[torch.device]) -> None:
-        self.modules: list[Callable[[], Any]] = [functools.partial(_itself, m) for m in modules]
-        self.devices = devices
-
-    def __call__(self, calls: Sequence[Optional[Callable[[], Any]]], in_this_thread: bool) -> list[Any]:
-        return _run_backwards(self.modules, self.devices, calls, in_this_thread)
-
-    def let_go_of_modules(self) -> None:
-        """Hold the modules weakly from now on: the node keeps this runner for a replica whose outputs got no gradient
-        yet, as long as the graph lives, and a replica cache re-binds only replicas nothing else holds (a backward of
-        that replica after it is gone is announced without its module)."""
-        modules = [getter() for getter in self.modules]
-        self.modules = [weakref.ref(m) if isinstance(m, nn.Module) else functools.partial(_itself, m) for m in modules]
-
-
-def _itself(value: Any) -> Any:
-    return value
-
-
 def _run_backwards(
-    modules: Sequence[Callable[[], Any]], devices: Sequence[torch.device], calls: Sequence[Optional[Callable[[], Any]]],
+    modules: Sequence[Any], devices: Sequence[torch.device], calls: Sequence[Optional[Callable[[], Any]]],
     in_this_thread: bool,
 ) -> list[Any]:
     """Replica i's backward ``calls[i]()`` in its worker thread, in the caller's state (``None`` where replica i has
     none to run); an error re-raised naming the replica, once every replica is done. ``in_this_thread``: one after the other in this thread
     (the gradients of a ``create_graph=True`` backward must be recorded in its graph). Each call is seen by a
-    listener of :mod:`minidp.hooks` as that replica's backward (``modules[i]()``: its module, ``None`` if gone).
+    listener of :mod:`minidp.hooks` as that replica's backward.
 
     By default each backward runs with the caller's whole intra-op thread count, unlike a forward: the
     count that autograd's serial backward runs every replica's kernels with, so that they split their
@@ -525,7 +500,7 @@ def _run_backwards(
     threads share the cores. With ``set_parallel_backward_threads("share")``, each runs with its forward's share.
     """
     if in_this_thread:
-        return [None if call is None else observe_replica_backward(i, devices[i], modules[i](), call)
+        return [None if call is None else observe_replica_backward(i, devices[i], modules[i], call)
                 for i, call in enumerate(calls)]
     # The caller's whole count, set in every worker, or each its forward's share.
     caller = CallerState(parallel_backward.threads_divided_among(len(calls)))
@@ -534,7 +509,7 @@ def _run_backwards(
         if calls[i] is None:
             return None
         with caller.enter(devices[i], None):
-            return observe_replica_backward(i, devices[i], modules[i](), calls[i])
+            return observe_replica_backward(i, devices[i], modules[i], calls[i])
 
     generator_states = _shared_generator_states(devices)  # as the forward's: draws in threads are in no fixed order
     results = _in_workers([functools.partial(run, i) for i in range(len(calls))], caller)

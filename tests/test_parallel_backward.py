@@ -1347,19 +1347,19 @@ def test_each_replicas_output_back_propagated_by_its_own_backward_gives_the_seri
     assert _equal(grads[True], grads[False])
 
 
-def test_replicas_whose_outputs_get_no_gradient_are_left_to_the_replica_cache(generator):
-    """``gather_output=False`` and only replica 0's output back-propagated: replica 1's outputs stay with the graph, for
-    a backward that may come; the node that runs the replicas' backwards holds their modules weakly, so the cache
-    re-binds them at the next call, as with the serial backward, instead of building new ones at every step."""
-    model = nn.Linear(4, 2)
-    wrapper = minidp.DataParallel(model, cpu_ids(2), gather_output=False, cache_replicas=True)
-    for _ in range(4):
-        outputs = wrapper(torch.randn(4, 4, generator=generator))
-        assert _in_parallel_alias(outputs[0])
-        outputs[0].sum().backward()
-    assert wrapper.replica_cache_info().hits == 3
+def test_a_replicas_outputs_back_propagated_after_the_next_step_give_the_serial_gradients(generator):
+    """``gather_output=False``: replica 0's output back-propagated at once, replica 1's after another forward. Its
+    outputs wait with the node, and so do the replica modules, which a replica cache then leaves to the graph
+    (building new ones for the next call) rather than re-binding them under it."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    x, y = torch.randn(2, 6, 4, generator=generator, dtype=torch.float64)
 
+    def step(module, parallel):
+        wrapper = minidp.DataParallel(module, cpu_ids(2), gather_output=False)
+        first = wrapper(x)
+        first[0].sum().backward()
+        wrapper(y)[0].sum().backward()
+        first[1].sum().backward()
 
-def _in_parallel_alias(output: torch.Tensor) -> bool:
-    """Whether ``output``, a replica's output, is an alias made by the ParallelBackward node."""
-    return type(output.grad_fn) is parallel_backward.ParallelBackward._backward_cls
+    grads = _gradients_both_ways(model, step)
+    assert _equal(grads[True], grads[False])

@@ -899,15 +899,29 @@ def test_a_torchscript_module_is_replicated_anew_at_every_call(generator):
     assert "TorchScript" in pair.info.last_rebuild_reason
 
 
-def test_a_hook_that_acts_once_per_module_object_acts_at_every_call_as_on_stocks_new_replicas(generator):
-    """A forward hook that normalises a module's output the first time it meets the module (a ``WeakSet`` of the
-    modules seen: data-dependent initialisation): stock's replicas are new objects at every call, so it acts at every
+class _PlainReferences:
+    """The modules met, as plain weak references (``weakref.ref`` without a callback), in a dict keyed by them."""
+
+    def __init__(self) -> None:
+        self.met: dict = {}
+
+    def __contains__(self, module: nn.Module) -> bool:
+        return weakref.ref(module) in self.met
+
+    def add(self, module: nn.Module) -> None:
+        self.met[weakref.ref(module)] = True
+
+
+@pytest.mark.parametrize("kept", [weakref.WeakSet, _PlainReferences], ids=["weak_set", "plain_references"])
+def test_a_hook_that_acts_once_per_module_object_acts_at_every_call_as_on_stocks_new_replicas(generator, kept):
+    """A forward hook that normalises a module's output the first time it meets the module (the modules seen, kept
+    weakly: data-dependent initialisation): stock's replicas are new objects at every call, so it acts at every
     call; the cache's were the same objects, and it acted at the first call only. A weak reference made to a replica
     since the cache bound it counts as one held elsewhere: the next call builds new replicas."""
     def run(cache_replicas: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).double()
-        met = weakref.WeakSet()
+        met = kept()
 
         def once_per_module(module, args, output):
             if module not in met:
