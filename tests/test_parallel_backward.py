@@ -1363,3 +1363,24 @@ def test_a_replicas_outputs_back_propagated_after_the_next_step_give_the_serial_
 
     grads = _gradients_both_ways(model, step)
     assert _equal(grads[True], grads[False])
+
+
+class _CompiledForward(nn.Module):
+    """``@torch.compile`` on the class's forward, the way README gives to compile inside DataParallel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    @torch.compile(backend="aot_eager")
+    def forward(self, x):
+        return self.layers(x)
+
+
+def test_a_compiled_forward_runs_the_parallel_backward_with_the_serial_gradients(generator):
+    # AOTAutograd's compiled Function names `_backward_impl` in its backward, which runs no backward of its own: only
+    # the names `backward` and `backward_pass` keep a Function's replicas serial
+    model, x = _CompiledForward(), torch.randn(8, 4, generator=generator)
+    serial, _ = _step(model, x, False)
+    parallel, ran_parallel = _step(model, x, True)
+    assert ran_parallel and _equal(parallel, serial)
