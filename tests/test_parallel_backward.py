@@ -968,10 +968,14 @@ def test_a_reentrant_checkpoint_not_torchs_own_class_keeps_the_serial_backward(g
 def test_reentrant_checkpointing_on_three_replicas_keeps_the_serial_backward_to_rounding(generator):
     """Each replica's re-entrant backward adds its share to the parameters' ``.grad`` by itself; the entries' nodes
     take places in autograd's order, so three of them may run in another order than with the setting off (README)."""
-    model = _Checkpointed(use_reentrant=True).double()
     x = torch.randn(9, 4, generator=generator, dtype=torch.float64)
-    serial, _ = _step(model, x, False, replicas=3)
-    parallel, ran_parallel = _step(model, x, True, replicas=3)
+    _assert_serial_to_rounding(_Checkpointed(use_reentrant=True).double(), x, replicas=3)
+
+
+def _assert_serial_to_rounding(model: nn.Module, x: torch.Tensor, replicas: int) -> None:
+    """``model``'s replicas keep the serial backward with the setting on, and give the serial gradients to rounding."""
+    serial, _ = _step(model, x, False, replicas=replicas)
+    parallel, ran_parallel = _step(model, x, True, replicas=replicas)
     assert not ran_parallel
     for got, expected in zip(parallel, serial, strict=True):
         assert max_relative_error(got, expected) < 1e-13
@@ -1207,13 +1211,8 @@ def test_a_function_whose_backward_runs_a_backward_of_its_own_keeps_the_serial_b
     order no run repeated (RevNet-style layers at 4 replicas: 18 different results in 20 runs), and fired the original
     parameters' hooks there; its ``backward`` names one, so the replicas stay serial: the entries kept as identity
     nodes, the serial path's gradients up to rounding, as for re-entrant checkpointing."""
-    model = _ReversibleStack().double()
     x = torch.randn(12, 4, generator=generator, dtype=torch.float64)
-    serial, _ = _step(model, x, False, replicas=4)
-    parallel, ran_parallel = _step(model, x, True, replicas=4)
-    assert not ran_parallel
-    for got, expected in zip(parallel, serial, strict=True):
-        assert max_relative_error(got, expected) < 1e-13
+    _assert_serial_to_rounding(_ReversibleStack().double(), x, replicas=4)
 
 
 class _ReversibleOnce(_Reversible):
