@@ -52,8 +52,9 @@ When. parallel_apply cuts the graph only if every replica's graph, walked from i
 its own entries: nothing else requiring grad is reached (a tensor the replica captured from outside,
 another replica's tensors as :class:`minidp.SyncBatchNorm` exchanges them, a parameter that did not
 come through an entry, an input that is a leaf or a view of one: :func:`enter_inputs`), no re-entrant checkpoint is
-met, nor a node whose backward runs one of its own (:func:`_recomputes_reentrantly`), no output holds an object the walk cannot look inside (one that gather
-rebuilds from its items may hold tensors of the graph), and no two outputs share memory (:func:`join`). Otherwise it leaves the outputs as they
+met, nor a node whose backward runs one of its own (:func:`_recomputes_reentrantly`), no output holds an object the
+walk cannot look inside (one that gather rebuilds from its items may hold tensors of the graph), and no two outputs
+share memory (:func:`join`). Otherwise it leaves the outputs as they
 are and autograd runs the replicas' backwards one after the other, as before (the entries are then identity nodes
 on the way). Second-order gradients (``create_graph=True``) run the replicas' backwards one after the other in
 the calling thread, inside the node: the gradients it returns are differentiable, as the serial path's. So does a
@@ -64,7 +65,8 @@ every replica's nodes under it, which the workers would not (:func:`modes_the_wo
 What the cut changes. Each replica's backward is a graph task of its own, so the backward the user started sees
 the replicated region as one node. A backward that reaches a replica's graph by another way than its outputs (a
 tensor the forward kept in a list the module holds, such as an auxiliary loss, used in the loss) would run the
-replica's nodes twice: it is refused before any replica runs, saying how to go on (:func:`_check_no_other_way_in`). A gradient with respect to a tensor made inside a replica is out of its reach
+replica's nodes twice: it is refused before any replica runs, saying how to go on (:func:`_check_no_other_way_in`).
+A gradient with respect to a tensor made inside a replica is out of its reach
 (``torch.autograd.grad(loss, activation)`` raises autograd's "not have been used in the graph";
 ``loss.backward(inputs=[activation])`` leaves its ``.grad`` as it was); a hook on a replica's tensor fires in
 every backward that reaches the replica, whatever that backward's ``inputs``; a
@@ -135,9 +137,9 @@ def _recomputes_reentrantly(node: Any) -> bool:
 
 
 # The names under which a Function's backward runs a backward of its own: torch's (``torch.autograd.backward``,
-# ``y.backward``), and the reversible layers' (Hugging Face Reformer's ``layer.backward_pass``, RevTorch's). Not any name
-# with "backward" in it: AOTAutograd's compiled Function (a ``@torch.compile``d forward) names ``_backward_impl``, every
-# ``torch.library.custom_op`` with a registered autograd ``_backward_fn``, and those run none.
+# ``y.backward``), and the reversible layers' (Hugging Face Reformer's ``layer.backward_pass``, RevTorch's). Not any
+# name with "backward" in it: AOTAutograd's compiled Function (a ``@torch.compile``d forward) names ``_backward_impl``,
+# every ``torch.library.custom_op`` with a registered autograd ``_backward_fn``, and those run none.
 _RUNS_A_BACKWARD = frozenset({"backward", "backward_pass"})
 
 
@@ -519,8 +521,8 @@ class ParallelBackward(torch.autograd.Function):
 
 def _needed_inputs(ctx: Any) -> list[bool]:
     """Whether the running backward needs the gradient of each of the node ``ctx``'s inputs: autograd's word for the
-    node each input leads to (``torch._C._will_engine_execute_node``), asked once per node (the Broadcast that made every
-    replica's parameters, the scatter's nodes). All are needed by a plain ``backward()``."""
+    node each input leads to (``torch._C._will_engine_execute_node``), asked once per node (the Broadcast that made
+    every replica's parameters, the scatter's nodes). All are needed by a plain ``backward()``."""
     verdicts: dict[int, bool] = {}
     needed = []
     for node, _ in ctx.next_functions:

@@ -223,7 +223,8 @@ needs_forward_sync_buffers = pytest.mark.skipif(
 # left one rank waiting at a barrier (profiling: 2 runs of 6; pickling: 1 of 3), for a reason not recorded. Upstream
 # checks before later collectives, so a check that fails on one rank alone leaves the other waiting; the port checks
 # after the last collective, but has not been run on torch 2.11 since.
-PROFILED = ("test_ddp_profiling_autograd_profiler", "test_ddp_profiling_torch_profiler", "test_ddp_hook_pickling_powerSGD")
+PROFILED = ("test_ddp_profiling_autograd_profiler", "test_ddp_profiling_torch_profiler",
+            "test_ddp_hook_pickling_powerSGD")
 PROFILES_ARE_CHECKED = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 needs_torch_2_13_to_profile = pytest.mark.skipif(
     not PROFILES_ARE_CHECKED, reason="profiled and hook-pickling DDP cases run on torch 2.13 or later (see PROFILED)")

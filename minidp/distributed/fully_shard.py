@@ -1782,8 +1782,8 @@ def _check_all_sharded_or_none(parameters: list[torch.Tensor], groups: list[Opti
         first = parameters[whole[0]]
         raise ValueError(
             f"clip_grad_norm_: {len(whole)} of the {len(parameters)} parameters with gradients were not sharded by "
-            f"fully_shard (the first, at position {whole[0]} among them, of shape {tuple(first.shape)}): ignored_params, "
-            f"a module left out of fully_shard or given to another wrapper. Where nothing reduced their gradients over "
+            f"fully_shard (the first, at position {whole[0]} among them, of shape {tuple(first.shape)}): "
+            f"ignored_params, a module left out of fully_shard or given to another wrapper. Where nothing reduced their gradients over "
             f"the ranks, each rank would take another total norm and clip the shards by another factor (FSDP2 refuses "
             f"them too: \"got mixed torch.Tensor and DTensor\"). Shard the modules that hold them, or clip them apart: "
             f"clip_grad_norm_(sharded, max_norm) and torch.nn.utils.clip_grad_norm_(whole, max_norm)")
