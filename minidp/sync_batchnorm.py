@@ -47,7 +47,6 @@ only.
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -58,10 +57,13 @@ from .replica_group import Membership
 from .torch_versions import BATCHNORM_TAKES_BIAS
 
 
-# The layers that met other replicas in a forward. Recomputed in the backward (activation checkpointing), such a layer
-# runs outside parallel_apply, alone: it would normalise its chunk by the chunk's statistics, and its gradients would
-# miss the other replicas' (the edges a recomputation makes stay inside the replica). Refused there.
-_met_replicas: "weakref.WeakSet[SyncBatchNorm]" = weakref.WeakSet()
+# Set in a layer's __dict__ when it met other replicas in a forward. Recomputed in the backward (activation
+# checkpointing), such a layer runs outside parallel_apply, alone: it would normalise its chunk by the chunk's
+# statistics, and its gradients would miss the other replicas' (the edges a recomputation makes stay inside the
+# replica). Refused there. A mark on the layer, not a weak set of layers: a weak reference to a replica module tells
+# the replica cache that something outside it keeps the replica (minidp.replica_cache), and a replica's __dict__ is
+# what the cache resets at each call.
+_MET_REPLICAS = "_minidp_met_replicas"
 
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -124,8 +126,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         # may run batches the others do not run (inference on rank 0 alone), and would wait for them forever.
         exchange = self.across_processes if self.training else None
         if alone and batch_statistics and torch._C._current_graph_task_id() == -1:
-            _met_replicas.discard(self)  # a forward of its own: what a backward recomputes now ran alone
-        elif alone and batch_statistics and self in _met_replicas:
+            self.__dict__.pop(_MET_REPLICAS, None)  # a forward of its own: what a backward recomputes now ran alone
+        elif alone and batch_statistics and _MET_REPLICAS in self.__dict__:
             raise RuntimeError(
                 "SyncBatchNorm: a layer that met other replicas in the forward is run again in the backward, alone "
                 "(activation checkpointing recomputes it): it would normalise its chunk by the chunk's own statistics "
@@ -135,7 +137,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if (alone and exchange is None) or not batch_statistics:
             return super().forward(input)
         if not alone:
-            _met_replicas.add(self)
+            self.__dict__[_MET_REPLICAS] = True
         return self._synchronised_forward(input, None if alone else membership, exchange)
 
     def _synchronised_forward(
