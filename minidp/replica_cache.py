@@ -263,8 +263,12 @@ class _Entry:
         So does a weak reference made since (a hook's ``WeakSet`` of the modules it met, to do something once per
         module, as stock's replicas, new at every call, each meet it once).
         """
-        return (tuple(map(sys.getrefcount, self.flat_replicas)) != self.references
-                or tuple(map(weakref.getweakrefcount, self.flat_replicas)) != self.weak_references)
+        return tuple(map(sys.getrefcount, self.flat_replicas)) != self.references or self._weakly_referenced_since
+
+    @property
+    def _weakly_referenced_since(self) -> bool:
+        """Whether a weak reference to a replica module was made since :meth:`bind` counted them."""
+        return tuple(map(weakref.getweakrefcount, self.flat_replicas)) != self.weak_references
 
     def held_only_by_the_cache_and(self, roots: list[nn.Module]) -> bool:
         """Whether nothing but the cache and ``roots``, the list of replica roots :meth:`bind` returned, holds a replica
@@ -274,8 +278,7 @@ class _Entry:
         expected = list(self.references)
         for i in range(0, len(expected), len(self.replicas[0])):  # each device's root starts its modules
             expected[i] += 1
-        return (list(map(sys.getrefcount, self.flat_replicas)) == expected
-                and tuple(map(weakref.getweakrefcount, self.flat_replicas)) == self.weak_references)
+        return list(map(sys.getrefcount, self.flat_replicas)) == expected and not self._weakly_referenced_since
 
     @property
     def reclassed(self) -> bool:
