@@ -375,6 +375,88 @@ def two_losses_back_propagated_in_turn(seed: int, steps: int = 3, **options: Any
     return _steps_until_an_error(_pair(_ActorCritic, seed, **options), seed, steps, step_of)
 
 
+class _FailsInBackward(torch.autograd.Function):
+    """The identity, whose backward raises: a backward that stops half way, as an error in a custom layer stops it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a backward that fails")
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+        hidden = self.first(x)
+        return self.second(_FailsInBackward.apply(hidden) if fail else hidden)
+
+
+def unfinished_reduction_message_as_stock(seed: int, find_unused_parameters: bool) -> dict:
+    """A backward that fails after the second layer's gradients (the loop catches the error) leaves the first layer's
+    unreduced, and the next forward raises: each wrapper's whole message (``None``: none raised)."""
+    theirs, ours, _, _ = _pair(_TwoLayers, seed, find_unused_parameters=find_unused_parameters)
+    messages: dict = {}
+    for name, ddp in (("stock", theirs), ("minidp", ours)):
+        with contextlib.suppress(RuntimeError):
+            ddp(_inputs(seed, 0, 5, 6), fail=True).sum().backward()
+        try:
+            ddp(_inputs(seed, 1, 5, 6))
+            messages[name] = None
+        except RuntimeError as error:
+            messages[name] = str(error)
+    return messages
+
+
+def static_graph_with_find_unused_warnings(seed: int) -> dict:
+    """What each constructor warns of, given ``static_graph=True`` and ``find_unused_parameters=True``."""
+    warned = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        torch.manual_seed(seed)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapper(_tanh_mlp(), static_graph=True, find_unused_parameters=True)
+        warned[name] = sorted(str(w.message) for w in caught if "find_unused_parameters=true" in str(w.message))
+    return warned
+
+
+class _RunningMean(nn.Module):
+    """A linear layer on its inputs less their running mean, a buffer it registers at its first forward (none when
+    wrapped), different on every rank (each rank's own batches); ``counter``: a buffer it has from the start too."""
+
+    def __init__(self, counter: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+        if counter:
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "running_mean"):
+            self.register_buffer("running_mean", torch.zeros(6))
+        with torch.no_grad():
+            self.running_mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+            if hasattr(self, "steps"):
+                self.steps += 1
+        return self.linear(x - self.running_mean)
+
+
+def buffer_registered_after_wrapping_as_stock(seed: int, counter: bool, steps: int = 3) -> dict:
+    """:class:`_RunningMean` trained by each wrapper (:func:`_steps_until_an_error`): torch DDP reads the buffers it syncs
+    when wrapping and at each sync (``_assign_modules_buffers``), and syncs only if the last read found one
+    (``will_sync_module_buffers``): a model with no buffer when wrapped keeps each rank's own, one with a buffer syncs
+    the later one too."""
+
+    def step_of(ddp: nn.Module, step: int) -> None:
+        ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+
+    return _steps_until_an_error(_pair(lambda: _RunningMean(counter), seed), seed, steps, step_of)
+
+
 def backward_of_some_parameters_with_find_unused(seed: int) -> dict:
     """``find_unused_parameters=True``, then ``loss.backward(inputs=<the head's parameters>)`` (a step that trains one part
     of the model, as a GAN's generator step does), then a whole step: per wrapper, what the head's ``.grad`` became (this

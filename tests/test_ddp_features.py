@@ -106,6 +106,11 @@ TWO_PROCESSES = {
        f"{'static' if g else 'dynamic'}": (checks.checkpointing_as_stock, {
            "reentrant": r, "twice": t, "find_unused_parameters": u, "static_graph": g})
        for r in (True, False) for t in (False, True) for u in (False, True) for g in (False, True)},
+    **{f"unfinished_message_{name}": (checks.unfinished_reduction_message_as_stock, {"find_unused_parameters": unused})
+       for name, unused in (("default", False), ("find_unused", True))},
+    "static_graph_with_find_unused_warnings": (checks.static_graph_with_find_unused_warnings, {}),
+    **{f"buffer_registered_after_wrapping_{name}": (checks.buffer_registered_after_wrapping_as_stock, {"counter": c})
+       for name, c in (("alone", False), ("beside_another", True))},
     "static_buckets": (checks.static_graph_buckets, {"late": False}),
     "static_buckets_late": (checks.static_graph_buckets, {"late": True}),
     "static_set_late": (checks.static_graph_set_late, {}),
@@ -326,6 +331,29 @@ def test_a_users_post_accumulate_grad_hook_runs_before_the_reduction_as_in_stock
     for result in each_rank(two, check):
         assert result["differences"] == [None] * 3
         assert result["same_seen"] and result["hook_calls"] == 3 * 6  # every parameter of the MLP, every step
+
+
+@pytest.mark.parametrize("options", ["default", "find_unused"])
+def test_an_unfinished_reduction_is_explained_in_stocks_words_for_the_options_given(two, options):
+    # reducer.cpp, ensure_prior_reduction_finished: with find_unused_parameters the advice is not to turn it on but that
+    # some outputs took no part in the loss; minidp gave the default's advice to every wrapper
+    for result in each_rank(two, f"unfinished_message_{options}"):
+        assert result["minidp"] is not None and result["minidp"] == result["stock"]
+        assert ("Since `find_unused_parameters=True` is enabled" in result["minidp"]) == (options == "find_unused")
+
+
+def test_static_graph_with_find_unused_warns_at_construction_as_stock(two):
+    # distributed.py, __init__ calls _set_static_graph, which warns that find_unused_parameters is not needed
+    for result in each_rank(two, "static_graph_with_find_unused_warnings"):
+        assert len(result["stock"]) == 1 and result["minidp"] == result["stock"]
+
+
+@pytest.mark.parametrize("model", ["alone", "beside_another"])
+def test_a_buffer_registered_after_wrapping_is_synced_as_stock_syncs_it(two, model):
+    # distributed.py, will_sync_module_buffers and _assign_modules_buffers: the buffers are read when wrapping and at each
+    # sync; with none when wrapped, each rank keeps its own for good (minidp broadcast rank 0's once one appeared)
+    for result in each_rank(two, f"buffer_registered_after_wrapping_{model}"):
+        assert result == {"differences": [None] * 3, "errors": {}, "step": None}
 
 
 def test_two_losses_back_propagated_in_turn_are_reduced_together_as_stock(two):

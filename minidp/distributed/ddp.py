@@ -215,6 +215,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.output_device = output_device
         self.mixed_precision = mixed_precision
         self.parameters_to_ignore = ignored
+        self._assign_modules_buffers()
         # What torch's helpers take as the broadcast's bucket size (torch.distributed.utils._sync_module_states);
         # minidp's own broadcasts send one flat tensor per dtype.
         self.broadcast_bucket_size = 250 * 1024 * 1024
@@ -234,6 +235,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                                  self._reducer_settings(bucket_cap_mb, bucket_cap_mb_list, init_sync_buffers))
             broadcast_from_rank0(synced_tensors(module, self.parameters_to_ignore, init_sync_buffers), self.process_group)
         self._attach_reducer()
+        if static_graph and find_unused_parameters:  # torch's constructor warns as its _set_static_graph does
+            _warn_find_unused_is_not_needed(stacklevel=3)
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the last forward was synchronised
         self._buffer_hook: Optional[tuple[object, Callable, _BufferCommHookLocation]] = None
@@ -423,6 +426,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.__dict__.setdefault("skip_all_reduce_unused_params", False)
         self.__dict__.setdefault("mixed_precision", None)
         self.__dict__.setdefault("_use_python_reducer", False)
+        if "modules_buffers" not in self.__dict__:  # pickled before the wrapper kept them
+            self._assign_modules_buffers()
         self._comm_hooks = []  # the reducer is new: no hook registered on it yet
         self.process_group = process_group
         self.__dict__.setdefault("require_forward_param_sync", True)
@@ -523,25 +528,27 @@ class DistributedDataParallel(TorchDistributedDataParallel):
             output = _through_sink(output, self._ddp_sink_clone)
         return output
 
-    def _named_buffers_to_sync(self) -> dict[str, torch.Tensor]:
-        # looked up at each sync: a module may replace its buffers between forwards
-        return {n: b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore}
-
-    def _buffers_to_sync(self) -> list[torch.Tensor]:
-        return list(self._named_buffers_to_sync().values())
+    def _assign_modules_buffers(self) -> None:
+        """The buffers DDP syncs, read from the module again (torch DDP's method: a module may replace its buffers
+        between forwards): ``modules_buffers``, and ``named_module_buffers`` by name. Read at construction and at each
+        sync only, as torch reads them: a model with no buffer when wrapped is never synced, even if its forward
+        registers one later (each rank keeps its own), and one with buffers syncs those it has at each forward."""
+        named = {n: b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore}
+        self.modules_buffers = list(named.values())
+        self.named_module_buffers = named
 
     def _sync_buffers(self, joined: bool) -> None:
         """The buffers made alike on every rank (``_sync_buffers``): by the buffer hook if one is registered,
         else broadcast from rank 0, or under Join from the newest rank still training (rank 0 may have joined
         with stale buffers; ``joined``: this rank has)."""
+        self._assign_modules_buffers()
         if self._buffer_hook is None:
             source = common_rank(self, candidate=not joined) if self._join_config.enable else 0
-            broadcast_from(self._buffers_to_sync(), self.process_group, source)
+            broadcast_from(self.modules_buffers, self.process_group, source)
             return
         state, hook, _ = self._buffer_hook
-        buffers = self._named_buffers_to_sync()
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers.values())):
-            futures = hook(state, buffers)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(self.modules_buffers)):
+            futures = hook(state, self.named_module_buffers)
         if futures is not None:
             self.reducer._install_post_backward_futures(futures)
 
@@ -597,10 +604,10 @@ class DistributedDataParallel(TorchDistributedDataParallel):
     def _default_broadcast_coalesced(
         self, bufs: Optional[Sequence[torch.Tensor]] = None, bucket_size: Optional[int] = None, authoritative_rank: int = 0
     ) -> None:
-        """Broadcast ``bufs`` (default: the buffers DDP syncs) from ``authoritative_rank`` to every rank: what the
+        """Broadcast ``bufs`` (default: ``modules_buffers``, the buffers DDP syncs as it last read them) from ``authoritative_rank`` to every rank: what the
         forward does without a buffer hook, for a hook to call (torch DDP's method; ``bucket_size`` is accepted and
         not needed: one flat tensor per dtype is sent)."""
-        broadcast_from(self._buffers_to_sync() if bufs is None else bufs, self.process_group, authoritative_rank)
+        broadcast_from(self.modules_buffers if bufs is None else bufs, self.process_group, authoritative_rank)
 
     def _buffer_hook_location(self) -> Optional[_BufferCommHookLocation]:
         return None if self._buffer_hook is None else self._buffer_hook[2]
@@ -622,7 +629,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
 
     def will_sync_module_buffers(self) -> bool:
         """Whether this forward starts with a broadcast of the buffers (``will_sync_module_buffers``)."""
-        return self.forward_sync_buffers and self.require_forward_param_sync and bool(self._buffers_to_sync())
+        return self.forward_sync_buffers and self.require_forward_param_sync and len(self.modules_buffers) > 0
 
     # ---- uneven inputs: torch.distributed.algorithms.Join ----------------------------------
 
@@ -699,13 +706,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.static_graph = True
         self._logging.entries["static_graph"] = 1
         if self.find_unused_parameters:
-            warnings.warn(
-                "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` will detect "
-                "unused parameters automatically, so you do not need to set find_unused_parameters=true, just be "
-                "sure these unused parameters will not change during training loop while calling "
-                "`_set_static_graph`.",
-                stacklevel=2,
-            )
+            _warn_find_unused_is_not_needed(stacklevel=3)
 
     # ---- runtime statistics ------------------------------------------------------------------
 
@@ -813,6 +814,17 @@ def process_group_of(process_group: Optional[dist.ProcessGroup], device_mesh: Op
             f"torch.nn.parallel.DistributedDataParallel for this model"
         )
     return device_mesh.get_group(mesh_dim=0)
+
+
+def _warn_find_unused_is_not_needed(stacklevel: int) -> None:
+    """torch DDP's warning for ``static_graph`` with ``find_unused_parameters``: the static graph finds them itself."""
+    warnings.warn(
+        "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` will detect "
+        "unused parameters automatically, so you do not need to set find_unused_parameters=true, just be "
+        "sure these unused parameters will not change during training loop while calling "
+        "`_set_static_graph`.",
+        stacklevel=stacklevel,
+    )
 
 
 def buffer_sync(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool]) -> tuple[bool, bool]:

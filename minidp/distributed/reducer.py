@@ -896,14 +896,19 @@ class Reducer:
                 "static_graph set to True."
             )
         else:
+            text += "This error indicates that your module has parameters that were not used in producing loss. "
+            if self.find_unused_parameters:  # so it found them: some outputs took no part in the loss
+                text += ("Since `find_unused_parameters=True` is enabled, this likely  means that not all `forward` "
+                         "outputs participate in computing loss. You can fix this by ")
+            else:
+                text += ("You can enable unused parameter detection by passing the keyword argument "
+                         "`find_unused_parameters=True` to `torch.nn.parallel.DistributedDataParallel`, and by \n")
             text += (
-                "This error indicates that your module has parameters that were not used in producing loss. You can "
-                "enable unused parameter detection by passing the keyword argument `find_unused_parameters=True` to "
-                "`torch.nn.parallel.DistributedDataParallel`, and by \nmaking sure all `forward` function outputs "
-                "participate in calculating loss. \nIf you already have done the above, then the distributed data "
-                "parallel module wasn't able to locate the output tensors in the return value of your module's "
-                "`forward` function. Please include the loss function and the structure of the return value of "
-                "`forward` of your module when reporting this issue (e.g. list, dict, iterable)."
+                "making sure all `forward` function outputs participate in calculating loss. \nIf you already have "
+                "done the above, then the distributed data parallel module wasn't able to locate the output tensors "
+                "in the return value of your module's `forward` function. Please include the loss function and the "
+                "structure of the return value of `forward` of your module when reporting this issue (e.g. list, "
+                "dict, iterable)."
             )
         quiet = dist.get_debug_level() == dist.DebugLevel.OFF
         if not quiet:
