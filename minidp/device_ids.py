@@ -151,6 +151,16 @@ def generator_state(device: torch.device) -> bytes:
         return state.numpy().tobytes()
 
 
+def set_generator_state(device: torch.device, state: bytes) -> None:
+    """Put the generator of ``device`` back to ``state``, as :func:`generator_state` read it."""
+    with torch._C._DisableTorchDispatch():
+        tensor = torch.frombuffer(bytearray(state), dtype=torch.uint8)
+        if device.type == "cpu":
+            torch.default_generator.set_state(tensor)
+        else:
+            torch.cuda.set_rng_state(tensor, device)
+
+
 def _physical_gpu_ids() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     count = visible_gpus()

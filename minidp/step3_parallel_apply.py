@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import cpu_threads, parallel_backward
-from .device_ids import DeviceLike, as_devices, generator_state
+from .device_ids import DeviceLike, as_devices, generator_state, set_generator_state
 from .hooks import observe_replica, observe_replica_backward, observe_replica_outputs
 from .nested import is_per_replica, map_tensors, tensors_in
 from .replica_group import ReplicaGroup
@@ -456,10 +456,10 @@ _DRAWS = {
     "forward": ("Dropout?", "a layer that recomputes its forward in the backward from the random state it saved "
                 "(torch.utils.checkpoint) gets other numbers than its forward did, so its gradients are wrong. For "
                 "such a model, give each replica a device of its own, or a process of its own (minidp.distributed)."),
-    "backward": ("a custom autograd Function?, or activation checkpointing setting the generator to the state it "
-                 "saved and back", "the gradients, and the numbers drawn after the backward, differ from run to run: "
-                 "minidp.set_parallel_backward(False) runs the replicas' backwards one after the other, as autograd "
-                 "does, in a fixed order."),
+    "backward": ("activation checkpointing, which sets it to the state its forward saw and back?, or a custom autograd "
+                 "Function", "a Function's numbers differ from run to run (the generator is put back to its state "
+                 "before the backward, where checkpointing alone leaves it): minidp.set_parallel_backward(False) runs "
+                 "the replicas' backwards one after the other, as autograd does, in a fixed order."),
 }
 
 
@@ -513,8 +513,15 @@ def _run_backwards(
 
     generator_states = _shared_generator_states(devices)  # as the forward's: draws in threads are in no fixed order
     results = _in_workers([functools.partial(run, i) for i in range(len(calls))], caller)
-    _reraise_first_failure(results, devices, "backward")
     _warn_if_drawn(generator_states, "backward")
+    # Put back. A non-reentrant checkpoint's recomputation sets the generator to the state its forward saw, and then
+    # back to the one it found (torch.random.fork_rng); in workers at once, one restores what another had just set,
+    # and the generator would end at a forward's state, repeating the numbers drawn since. Serially, it ends where
+    # the backward began, unless a Function drew in it.
+    for device, (_, state) in generator_states.items():
+        if generator_state(device) != state:
+            set_generator_state(device, state)
+    _reraise_first_failure(results, devices, "backward")
     return results
 
 

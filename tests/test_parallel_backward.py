@@ -1136,6 +1136,36 @@ def test_replicas_whose_backwards_draw_random_numbers_at_once_are_warned_about(g
     assert len(warned) == parallel and (not warned or "set_parallel_backward(False)" in str(warned[0].message))
 
 
+class _CheckpointedBlocks(nn.Module):
+    """Three blocks under non-reentrant activation checkpointing (torch's default ``preserve_rng_state=True``), no
+    random layer: each block's recomputation sets the generator to the state its forward saw, then back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_checkpointed_replicas_leave_the_generator_where_the_backward_found_it(generator):
+    """torch.utils.checkpoint's recomputation forks the generator (torch.random.fork_rng): serially each one puts back the
+    state it found, and the backward ends where it began. In workers at once, one put back what another had just set,
+    and the generator ended at a forward's state: the next draws repeated those made since (half the runs of 20)."""
+    model = minidp.DataParallel(_CheckpointedBlocks(), cpu_ids(2))
+    for _ in range(12):
+        output = model(torch.randn(64, 64, generator=generator))
+        noise = torch.rand(64, 64)  # a draw between the forward and the backward moves the generator past the forward's
+        before = torch.get_rng_state()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (output * noise).sum().backward()
+        assert _in_parallel(output)
+        assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_replicas_whose_backwards_draw_nothing_get_no_warning(generator):
     output = minidp.DataParallel(nn.Linear(3, 4), cpu_ids(2))(torch.randn(6, 3, generator=generator))
     with warnings.catch_warnings():
