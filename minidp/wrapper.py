@@ -172,7 +172,9 @@ def _refuse_changed_in_place(module: nn.Module, shared: Sequence[torch.Tensor], 
         "parameters' memory (no copy), so the change landed in it once per replica there, and it now holds all of them "
         "(stock refuses the change in replica 0 of a parameter that requires grad, and drops the other replicas'). "
         "Change parameters outside the forward (under torch.no_grad(), between steps), or compute a new tensor from "
-        "the parameter inside it (weight = self.weight * 2)."
+        "the parameter inside it (weight = self.weight * 2). (Seen by the parameters' version counters, read before and "
+        "after the replicas run: an update another thread made meanwhile, such as its optimizer's step while this "
+        "thread ran a forward of the same model, reads the same; give such a thread a copy of the model.)"
         + (f" {frozen} require(s) no grad: stock lets replica 0's change land once and the others change copies; "
            "state a forward updates (running statistics) belongs in a buffer (module.register_buffer), which every "
            "replica but the first gets a copy of, as stock gives it" if frozen else "")

@@ -11,6 +11,7 @@ import copy
 import functools
 import importlib
 import re
+import threading
 import types
 
 import pytest
@@ -935,3 +936,28 @@ def test_a_forward_that_changes_a_parameter_in_place_fails_the_step_naming_it(gr
     with pytest.raises(RuntimeError, match=r"changed parameter\(s\) \['lin\.weight'\] in place.*holds all of them"):
         call(x)
     assert all(torch.equal(b, saved) for b, saved in zip(model.buffers(), buffers))
+
+
+def test_a_parameter_another_thread_updates_during_the_forward_fails_the_step_naming_that_thread_as_a_cause(generator):
+    """minidp/wrapper.py, step_guarded: the check of the replicas' in-place changes reads the parameters' version
+    counters, which do not say which thread moved them. An optimizer's step in another thread while this one runs a
+    forward of the same model reads as the forward's change (stock's replicas are copies, and its step runs): the
+    step fails, and the message says that another thread may have made the change, and what to do."""
+    model = nn.Linear(4, 3).double()
+    updated = []
+
+    def another_threads_step(module: nn.Module, inputs: tuple) -> None:
+        if not updated:  # once, in the first replica's forward, by a thread of its own
+            updated.append(True)
+            worker = threading.Thread(target=_update_without_grad, args=(model.weight,))
+            worker.start()
+            worker.join()
+
+    model.register_forward_pre_hook(another_threads_step)
+    with pytest.raises(RuntimeError, match=r"changed parameter\(s\) \['weight'\].*another thread.*copy of the model"):
+        minidp.DataParallel(model, cpu_ids(2))(torch.randn(6, 4, generator=generator, dtype=torch.float64))
+
+
+def _update_without_grad(parameter: torch.Tensor) -> None:
+    with torch.no_grad():
+        parameter.add_(0.0)
