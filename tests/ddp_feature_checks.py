@@ -660,6 +660,54 @@ def static_graph_unused_head_in_a_container(seed: int, container: str, steps: in
     return found
 
 
+class _Box:
+    """A plain object holding two tensors: neither a dataclass nor a container torch's pytree reads."""
+
+    def __init__(self, first: torch.Tensor, second: torch.Tensor) -> None:
+        self.first, self.second = first, second
+
+
+class _ReturnsABox(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.first, self.second = _tanh_mlp(), nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> _Box:
+        hidden = self.body(x)
+        return _Box(self.first(hidden), self.second(hidden))
+
+
+def static_graph_averaging_against_the_ranks_mean(seed: int, case: str, steps: int = 4) -> dict:
+    """Per wrapper, in a static graph (float64): per step, the largest relative difference between a gradient and the
+    mean over the ranks of an unwrapped copy's gradients on the same batches. ``case``: ``"input_gradient_first"``, a
+    gradient of the output with respect to the inputs before the backward (a saliency map logged, R1's penalty);
+    ``"box_output"``, the forward returns :class:`_Box`, whose two heads the loss both uses."""
+    found = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        torch.manual_seed(seed + dist.get_rank())
+        module = (_ReturnsABox() if case == "box_output" else _tanh_mlp()).double()
+        ddp = _quiet(lambda: wrapper(module, static_graph=True))
+        single = copy.deepcopy(module)  # rank 0's weights, broadcast
+        found[name] = []
+        for step in range(steps):
+            x = _inputs(seed, step, 5, 6).double().requires_grad_()
+            for model in (ddp, single):
+                model.zero_grad()
+                output = model(x)
+                if case == "box_output":
+                    (output.first.pow(2).mean() + output.second.pow(2).mean()).backward()
+                else:
+                    torch.autograd.grad(output.sum(), x, retain_graph=True)
+                    output.pow(2).mean().backward()
+            worst = 0.0
+            for ours, alone in zip(module.parameters(), single.parameters()):
+                mean = alone.grad.clone()
+                dist.all_reduce(mean)
+                worst = max(worst, max_relative_error(ours.grad, mean / dist.get_world_size()))
+            found[name].append(worst)
+    return found
+
+
 def frozen_after_wrapping_as_stock(seed: int, frozen_at: Sequence[int], steps: int = 4, static: Optional[str] = "static_graph",
                                    dtype: str = "float32", **options: Any) -> dict:
     """The first layer's weight frozen (``requires_grad_(False)``) after wrapping, at the steps ``frozen_at`` and

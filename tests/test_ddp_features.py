@@ -111,6 +111,8 @@ TWO_PROCESSES = {
     "static_graph_with_find_unused_warnings": (checks.static_graph_with_find_unused_warnings, {}),
     **{f"buffer_registered_after_wrapping_{name}": (checks.buffer_registered_after_wrapping_as_stock, {"counter": c})
        for name, c in (("alone", False), ("beside_another", True))},
+    **{f"static_averaging_{case}": (checks.static_graph_averaging_against_the_ranks_mean, {"case": case})
+       for case in ("input_gradient_first", "box_output")},
     "static_buckets": (checks.static_graph_buckets, {"late": False}),
     "static_buckets_late": (checks.static_graph_buckets, {"late": True}),
     "static_set_late": (checks.static_graph_set_late, {}),
@@ -356,6 +358,15 @@ def test_a_buffer_registered_after_wrapping_is_synced_as_stock_syncs_it(two, mod
         assert result == {"differences": [None] * 3, "errors": {}, "step": None}
 
 
+@pytest.mark.parametrize("case", ["input_gradient_first", "box_output"])
+def test_a_static_graph_averages_every_step_where_torchs_never_averages(two, case):
+    # README, "What torch DDP still has": a static graph's first iteration counts the reducer's hooks through the backward
+    # of distributed.py's _DDPSink, and queues the delayed all-reduce there. With a gradient of the inputs taken before
+    # that iteration's backward, or outputs in a plain object (no sink sees them), torch's never averages: every rank
+    # keeps its own gradients at every step. minidp averages every step, exactly.
+    for result in each_rank(two, f"static_averaging_{case}"):
+        assert result["minidp"] == [0.0] * 4
+        assert min(result["stock"]) > 1e-3
 def test_two_losses_back_propagated_in_turn_are_reduced_together_as_stock(two):
     # reducer.cpp finishes when its last bucket is ready, in whichever backward pass: the policy's loss, then the
     # value's (heads that share nothing) end one reduction, every gradient the mean, bitwise stock's at every step.
