@@ -176,14 +176,17 @@ def _first_failure(workers: list, results: "mp.Queue", done: dict[int, Any], ran
     that a signal or ``os._exit`` ended (the out-of-memory killer, a crash in native code) sends nothing, and the others
     then fail in a collective that lost it: that rank is the first failure, and named first. A rank that ended after
     sending its message (an error, which came after this one; a result) is not."""
-    ended = {k for k, worker in enumerate(workers) if k != rank and k not in done and worker.exitcode is not None}
-    wait_until = time.monotonic() + 1.0  # an ended rank's message may still be on its way
-    while ended and time.monotonic() < wait_until:
+    # Waited for a second, or until every other rank still out has sent its message: a rank that os._exit ends closes
+    # its sockets before its process is gone, so the rank its death made fail may report before its exit code is known.
+    others = {k for k in range(len(workers)) if k != rank and k not in done}
+    wait_until = time.monotonic() + 1.0
+    while others and time.monotonic() < wait_until:
         try:
             _, other, _ = results.get(timeout=0.05)
         except queue.Empty:
             continue
-        ended.discard(other)
+        others.discard(other)
+    ended = {k for k in others if workers[k].exitcode is not None}
     if not ended:
         return RankFailed(rank, f"rank {rank} raised:\n{payload}")
     first = min(ended)
