@@ -604,9 +604,9 @@ class DistributedDataParallel(TorchDistributedDataParallel):
     def _default_broadcast_coalesced(
         self, bufs: Optional[Sequence[torch.Tensor]] = None, bucket_size: Optional[int] = None, authoritative_rank: int = 0
     ) -> None:
-        """Broadcast ``bufs`` (default: ``modules_buffers``, the buffers DDP syncs as it last read them) from ``authoritative_rank`` to every rank: what the
-        forward does without a buffer hook, for a hook to call (torch DDP's method; ``bucket_size`` is accepted and
-        not needed: one flat tensor per dtype is sent)."""
+        """Broadcast ``bufs`` (default: ``modules_buffers``, the buffers DDP syncs as it last read them) from
+        ``authoritative_rank`` to every rank: what the forward does without a buffer hook, for a hook to call (torch
+        DDP's method; ``bucket_size`` is accepted and not needed: one flat tensor per dtype is sent)."""
         broadcast_from(self.modules_buffers if bufs is None else bufs, self.process_group, authoritative_rank)
 
     def _buffer_hook_location(self) -> Optional[_BufferCommHookLocation]:
