@@ -727,6 +727,70 @@ def forward_method(seed: int) -> dict:
     return {"differences": differences, "unregistered": unregistered, "missing": missing}
 
 
+class Generates(Net):
+    """``generate`` calls ``forward`` (as Hugging Face's does, token after token)."""
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        return self(torch.cat([x[:, :11], self(x)], dim=1))
+
+
+def forward_method_calling_forward(seed: int, before_the_optimizer: bool) -> dict:
+    """``generate``, registered with each library's ``register_fsdp_forward_method``, run under ``no_grad`` between the
+    backward and the optimizer's step (samples logged), with FSDP2's default ``reshard_after_forward``; or once before
+    the optimizer is built (a check that the model generates). Three steps, the first difference from FSDP2 after each,
+    and the shapes ``named_parameters()`` gives after ``generate`` (the root's: its shards, or its whole parameters)."""
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    theirs = Generates()
+    ours = shard(copy.deepcopy(theirs), md.fully_shard, None)
+    shard(theirs, torch_fully_shard, None)
+    register_fsdp_forward_method(theirs, "generate")
+    md.register_fsdp_forward_method(ours, "generate")
+    sample = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + rank))
+    if before_the_optimizer:
+        with torch.no_grad():
+            for sharded in (ours, theirs):
+                sharded.generate(sample)
+    optimizers = (OPTIMIZERS["sgd"](ours.parameters()), OPTIMIZERS["sgd"](theirs.parameters()))
+    differences, shapes = [], []
+    for step in range(3):
+        x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 10 * step + rank))
+        for sharded in (ours, theirs):
+            sharded(x).pow(2).mean().backward()
+            if not before_the_optimizer:
+                with torch.no_grad():
+                    sharded.generate(sample)
+        shapes.append([tuple(local(p).shape) for p in theirs.parameters()] == [tuple(p.shape) for p in ours.parameters()])
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        differences.append(first_difference(ours, theirs, optimizers))
+    return {"differences": differences, "shards_after_generate": shapes}
+
+
+class _ReturnsAView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).view(-1, 2, 4)[:, 0]
+
+
+def view_output_warnings(seed: int) -> dict:
+    """What each library warns of when a sharded module returns a view (which an in-place op would detach from the
+    hook that gathers its parameters for the backward)."""
+    warned = {}
+    for name, function in (("fsdp2", torch_fully_shard), ("minidp", md.fully_shard)):
+        torch.manual_seed(seed)
+        model = function(_ReturnsAView())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(torch.randn(3, 8)).sum().backward()
+        warned[name] = [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
+    return warned
+
+
 # FSDPModule.reset_iter_state and set_reduce_scatter_unused_params are newer than torch 2.11.
 FSDP2_RESETS = hasattr(FSDPModule, "reset_iter_state")
 FSDP2_REDUCES_UNUSED = hasattr(FSDPModule, "set_reduce_scatter_unused_params")

@@ -118,6 +118,9 @@ TWO_PROCESSES = {
        if checks.FSDP2_RESETS else {}),
     "handles": (checks.handles, {}),
     "forward_method": (checks.forward_method, {}),
+    **{f"generate_{when}": (checks.forward_method_calling_forward, {"before_the_optimizer": when == "first"})
+       for when in ("first", "every_step")},
+    "view_output_warnings": (checks.view_output_warnings, {}),
     **({"unused-params": (checks.against_fsdp2, {"model": "branchy", "configure": "reduce_unused",
                                                  "optimizer": "adamw"})} if checks.FSDP2_REDUCES_UNUSED else {}),
     "ignored-head": (checks.against_fsdp2, {"ignored": ("head.weight", "head.bias"), "optimizer": "adamw"}),
@@ -582,6 +585,24 @@ def test_a_registered_forward_method_gathers_the_parameters_and_trains_as_fsdp2(
         assert result["unregistered"] == "RuntimeError"  # the shards: wrong shapes for the method's matrix product
         assert result["differences"] == [None] * 3
         assert result["missing"] == "Net does not have a method generate"
+
+
+@pytest.mark.parametrize("when", ["every_step", "first"])
+def test_a_registered_method_that_calls_forward_frees_the_root_after_it_as_fsdp2(two, when):
+    # FSDP2 (_fsdp_param_group.py, reshard and post_forward): the inner forward's end leaves the forward state, so the
+    # registered method's end frees the root whatever reshard_after_forward says. Kept gathered, the root's next forward
+    # ran the copy gathered before the optimizer's step, and an optimizer built after it got the whole parameters
+    # (a Hugging Face generate for logged samples, or as a check before the optimizer).
+    for result in each_rank(two, f"generate_{when}"):
+        assert result == {"differences": [None] * 3, "shards_after_generate": [True] * 3}
+
+
+def test_a_sharded_module_returning_a_view_is_warned_of_in_fsdp2s_words(two):
+    # FSDP2 in torch 2.13 (_fsdp_state.py, _register_pre_backward_hook): an in-place op on such an output drops the hook
+    # that gathers the parameters for the backward. minidp's hook is alike, and so is its warning (older FSDP2 has none).
+    for result in each_rank(two, "view_output_warnings"):
+        assert len(result["minidp"]) == 1 and "FSDP2-wrapped module (FSDP_ReturnsAView) returned a view" in result["minidp"][0]
+        assert result["fsdp2"] in ([], result["minidp"])
 
 
 # ---- FSDP2's mesh (1-D and HSDP's 2-D), shard_placement_fn and offload policy ---------------------------

@@ -746,15 +746,29 @@ class ShardGroup:
 
     def finish_forward(self, output: Any) -> None:
         """The group's forward pass is over (FSDP2's ``post_forward``): free the parameters (``reshard_after_forward``),
-        note its place in the forward's order, and have ``output``'s gradients gather them for the backward."""
+        note its place in the forward's order, and have ``output``'s gradients gather them for the backward.
+
+        Freed whatever ``reshard_after_forward`` says where a forward inside this one already closed the pass: a
+        method of :func:`register_fsdp_forward_method` that calls the module (a ``generate`` calling ``forward``), or
+        one called inside its forward. FSDP2 keeps the parameters only while the group is in its forward state, which
+        the inner pass's end left (``FSDPParamGroup.reshard``); kept, the outer call's gathered copy would serve the
+        next forward after an optimizer step, and give an optimizer built then the whole parameters."""
         self._record("forward", self._forward_start)
+        inner_pass_closed = not self.forward_open
         self.forward_open = False
-        if self.reshard_after_forward:
+        if self.reshard_after_forward or inner_pass_closed:
             self.reshard()
         self.iteration.left_forward(self)
         if torch.is_grad_enabled():
             for _, tensor in tensors_in(output):
                 if tensor.requires_grad:
+                    if tensor._base is not None:  # FSDP2's warning (_fsdp_state.py, _register_pre_backward_hook)
+                        warnings.warn(
+                            f"FSDP2-wrapped module ({', '.join(type(m).__name__ for m in self.members) or '?'}) "
+                            "returned a view tensor. An in-place op on this view (e.g., `x += y`) will silently drop "
+                            "the pre-backward hook and skip the all-gather, which can cause backward to fail or "
+                            "produce wrong gradients. Use out-of-place ops (`out = out + y`, not `out += y`) or "
+                            "`.clone()` the output before any in-place op.", UserWarning, stacklevel=2)
                     tensor.register_hook(self._before_backward)
 
     def _cast_output(self, output: Any) -> Any:
