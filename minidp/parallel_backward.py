@@ -78,9 +78,9 @@ twice) get each run's gradients summed apart, then added: the serial path's up t
 and the cut hands back every replica's input gradients at once, where the serial backward hands them back as each
 replica's graph (whose nodes' sequence numbers were counted in the worker threads) reaches them. Draws from the
 random number generator in the replicas' backwards happen at once, in threads, in an order no seed repeats
-(parallel_apply warns, as for the forward's), and the generator is then put back to its state before the backward:
-where the serial backward leaves it, unless a Function drew (a non-reentrant checkpoint's recomputation sets it to its
-forward's state and back, which in threads at once would leave it at a forward's state). Hooks on the
+(parallel_apply warns, as for the forward's). A non-reentrant checkpoint's recomputation sets the generator to its
+forward's state and back, which in threads at once can leave it at the forward's state: where the forward drew nothing,
+it is put back to its state before the backward, where the serial backward leaves it. Hooks on the
 tensors themselves see every gradient, in the replica's thread; for code that needs the rest,
 ``set_parallel_backward(False)``.
 

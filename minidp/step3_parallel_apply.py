@@ -415,10 +415,10 @@ def parallel_apply(
     group = None
     _back_on_current_streams(devices, streams, results)
     _reraise_first_failure(results, devices, "forward")
-    _warn_if_drawn(generator_states, "forward")
+    undrawn = _warn_if_drawn(generator_states, "forward")
     aliases = None
     if cut and all(r is not None for r in regions):
-        aliases = parallel_backward.join(regions, functools.partial(_run_backwards, modules, devices))
+        aliases = parallel_backward.join(regions, functools.partial(_run_backwards, modules, devices, undrawn))
     observe_replica_outputs(modules, results, one_call_each=aliases is not None)
     if aliases is not None:
         replaced = iter(aliases)
@@ -456,25 +456,29 @@ _DRAWS = {
     "forward": ("Dropout?", "a layer that recomputes its forward in the backward from the random state it saved "
                 "(torch.utils.checkpoint) gets other numbers than its forward did, so its gradients are wrong. For "
                 "such a model, give each replica a device of its own, or a process of its own (minidp.distributed)."),
-    "backward": ("activation checkpointing, which sets it to the state its forward saw and back?, or a custom autograd "
-                 "Function", "a Function's numbers differ from run to run (the generator is put back to its state "
-                 "before the backward, where checkpointing alone leaves it): minidp.set_parallel_backward(False) runs "
-                 "the replicas' backwards one after the other, as autograd does, in a fixed order."),
+    "backward": ("a custom autograd Function?, or activation checkpointing setting the generator to the state it "
+                 "saved and back", "the gradients, and the numbers drawn after the backward, differ from run to run: "
+                 "minidp.set_parallel_backward(False) runs the replicas' backwards one after the other, as autograd "
+                 "does, in a fixed order."),
 }
 
 
-def _warn_if_drawn(states: dict[torch.device, tuple[int, Any]], stage: str) -> None:
+def _warn_if_drawn(states: dict[torch.device, tuple[int, Any]], stage: str) -> dict[torch.device, Any]:
     """Warn for each device of :func:`_shared_generator_states` whose generator moved since: its replicas drew from it
-    in their ``stage``, all at once (in threads), so in an order no seed repeats."""
+    in their ``stage``, all at once (in threads), so in an order no seed repeats. Returns the states of the others."""
     what, consequence = _DRAWS[stage]
+    unmoved = {}
     for device, (replicas, state) in states.items():
-        if state != generator_state(device):
+        if state == generator_state(device):
+            unmoved[device] = state
+        else:
             warnings.warn(
                 f"parallel_apply: the {replicas} replicas on {device} drew random numbers in their {stage} ({what}) "
                 f"from the one generator of {device}, all at once: which replica gets which numbers changes from run "
                 f"to run, so a seeded run cannot be repeated exactly, and {consequence}",
                 stacklevel=3,
             )
+    return unmoved
 
 
 def _enter_replica(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, list]:
@@ -486,8 +490,8 @@ def _enter_replica(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict,
 
 
 def _run_backwards(
-    modules: Sequence[Any], devices: Sequence[torch.device], calls: Sequence[Optional[Callable[[], Any]]],
-    in_this_thread: bool,
+    modules: Sequence[Any], devices: Sequence[torch.device], undrawn: dict[torch.device, Any],
+    calls: Sequence[Optional[Callable[[], Any]]], in_this_thread: bool,
 ) -> list[Any]:
     """Replica i's backward ``calls[i]()`` in its worker thread, in the caller's state (``None`` where replica i has
     none to run); an error re-raised naming the replica, once every replica is done. ``in_this_thread``: one after the other in this thread
@@ -513,16 +517,25 @@ def _run_backwards(
 
     generator_states = _shared_generator_states(devices)  # as the forward's: draws in threads are in no fixed order
     results = _in_workers([functools.partial(run, i) for i in range(len(calls))], caller)
+    _undo_crossed_recomputations(generator_states, undrawn)
     _warn_if_drawn(generator_states, "backward")
-    # Put back. A non-reentrant checkpoint's recomputation sets the generator to the state its forward saw, and then
-    # back to the one it found (torch.random.fork_rng); in workers at once, one restores what another had just set,
-    # and the generator would end at a forward's state, repeating the numbers drawn since. Serially, it ends where
-    # the backward began, unless a Function drew in it.
-    for device, (_, state) in generator_states.items():
-        if generator_state(device) != state:
-            set_generator_state(device, state)
     _reraise_first_failure(results, devices, "backward")
     return results
+
+
+def _undo_crossed_recomputations(before: dict[torch.device, tuple[int, Any]], undrawn: dict[torch.device, Any]) -> None:
+    """Put back a generator that the replicas' backwards left at the state of their forward, ``undrawn`` (where the
+    forward drew nothing), after it had moved on by the backward's start (``before``).
+
+    A non-reentrant checkpoint's recomputation sets the generator to the state its forward saw, then back to the one
+    it found (``torch.random.fork_rng``). In workers at once, one puts back what another had just set, and the
+    generator ends at the forward's state: the numbers drawn between the forward and the backward would come again.
+    Serially it ends where the backward began; a backward that drew numbers (a Function) leaves it elsewhere, and
+    there it stays."""
+    for device, (_, state) in before.items():
+        forward = undrawn.get(device)
+        if forward is not None and forward != state and generator_state(device) == forward:
+            set_generator_state(device, state)
 
 
 def _in_workers(calls: Sequence[Callable[[], Any]], caller: CallerState) -> list[Any]:

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import os
 import sys
+import time
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -379,6 +380,18 @@ def exit_in_step_2(failing_rank: int, code: int) -> None:
         if step == 2 and dist.get_rank() == failing_rank:
             os._exit(code)
         ddp(torch.randn(4, 16)).sum().backward()
+
+
+def raise_then_the_other_aborts(code: int) -> None:
+    """Rank 0 raises; rank 1, waiting in a collective that rank 0's end breaks, ends without raising (``os._exit``, as
+    a native abort after a broken collective ends it)."""
+    if dist.get_rank() == 0:
+        time.sleep(0.5)  # rank 1 is in its barrier
+        raise ValueError("planted failure on rank 0")
+    try:
+        dist.barrier()
+    except RuntimeError:
+        os._exit(code)
 
 
 def train_as_a_torchrun_script(how_it_ends: str) -> dict[str, Any]:

@@ -457,6 +457,20 @@ def buffer_registered_after_wrapping_as_stock(seed: int, counter: bool, steps: i
     return _steps_until_an_error(_pair(lambda: _RunningMean(counter), seed), seed, steps, step_of)
 
 
+def copied_after_a_buffer_was_registered(seed: int) -> dict:
+    """A wrapper of :class:`_RunningMean` (no buffer when wrapped) deep-copied after its first forward registered one:
+    per wrapper, whether the copy syncs buffers, and its buffer after its first forward (synced from rank 0 first)."""
+    theirs, ours, _, _ = _pair(lambda: _RunningMean(False), seed)
+    found = {}
+    for name, ddp in (("stock", theirs), ("minidp", ours)):
+        ddp(_inputs(seed, 0, 5, 6)).pow(2).mean().backward()
+        copied = _quiet(lambda: copy.deepcopy(ddp))
+        found[name] = {"syncs": copied.will_sync_module_buffers()}
+        copied(_inputs(seed, 1, 5, 6))
+        found[name]["buffer"] = copied.module.running_mean.tolist()
+    return found
+
+
 def backward_of_some_parameters_with_find_unused(seed: int) -> dict:
     """``find_unused_parameters=True``, then ``loss.backward(inputs=<the head's parameters>)`` (a step that trains one part
     of the model, as a GAN's generator step does), then a whole step: per wrapper, what the head's ``.grad`` became (this

@@ -109,6 +109,7 @@ TWO_PROCESSES = {
     **{f"unfinished_message_{name}": (checks.unfinished_reduction_message_as_stock, {"find_unused_parameters": unused})
        for name, unused in (("default", False), ("find_unused", True))},
     "static_graph_with_find_unused_warnings": (checks.static_graph_with_find_unused_warnings, {}),
+    "copied_after_a_buffer_was_registered": (checks.copied_after_a_buffer_was_registered, {}),
     **{f"buffer_registered_after_wrapping_{name}": (checks.buffer_registered_after_wrapping_as_stock, {"counter": c})
        for name, c in (("alone", False), ("beside_another", True))},
     **{f"static_averaging_{case}": (checks.static_graph_averaging_against_the_ranks_mean, {"case": case})
@@ -367,6 +368,13 @@ def test_a_static_graph_averages_every_step_where_torchs_never_averages(two, cas
     for result in each_rank(two, f"static_averaging_{case}"):
         assert result["minidp"] == [0.0] * 4
         assert min(result["stock"]) > 1e-3
+def test_a_copy_reads_the_buffers_to_sync_again_as_stock(two):
+    # distributed.py, __setstate__ builds the reducer's parameters again, which reads the buffers: a buffer registered
+    # since the original was wrapped is synced by the copy's forwards
+    for result in each_rank(two, "copied_after_a_buffer_was_registered"):
+        assert result["minidp"] == result["stock"] and result["stock"]["syncs"]
+
+
 def test_two_losses_back_propagated_in_turn_are_reduced_together_as_stock(two):
     # reducer.cpp finishes when its last bucket is ready, in whichever backward pass: the policy's loss, then the
     # value's (heads that share nothing) end one reduction, every gradient the mean, bitwise stock's at every step.

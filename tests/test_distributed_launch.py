@@ -41,6 +41,14 @@ def test_a_rank_that_dies_without_raising_is_named_before_the_rank_its_death_mad
     assert multiprocessing.active_children() == []
 
 
+def test_a_rank_that_raises_is_named_before_a_rank_its_error_brought_down_silently():
+    # The reverse order: rank 0's error is the cause, rank 1's silent end (after its barrier broke) the consequence.
+    with pytest.raises(RankFailed, match="rank 0 raised:(.|\n)*planted failure on rank 0") as failure:
+        launch(checks.raise_then_the_other_aborts, 2, (6,), timeout=300, job_timeout=90)
+    assert failure.value.rank == 0
+    assert multiprocessing.active_children() == []
+
+
 def test_a_rank_may_start_processes_of_its_own_as_a_dataloader_with_workers_does():
     # torch.multiprocessing.spawn's workers are not daemonic (spawn(daemon=False)), nor are torchrun's: a daemonic one
     # may not have children ("daemonic processes are not allowed to have children")

@@ -1166,6 +1166,18 @@ def test_checkpointed_replicas_leave_the_generator_where_the_backward_found_it(g
         assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_replicas_whose_backwards_draw_leave_the_generator_moved_on_as_the_serial_backward(generator):
+    """The generator is put back only where the backwards left it at their forward's state (above): numbers a Function
+    drew in the backward are drawn, and the next draws are new ones, as after the serial backward."""
+    model = minidp.DataParallel(_NoisyLinear(3, 4), cpu_ids(2))
+    output = model(torch.randn(6, 3, generator=generator))
+    before = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        output.sum().backward()
+    assert _in_parallel(output) and not torch.equal(torch.get_rng_state(), before)
+
+
 def test_replicas_whose_backwards_draw_nothing_get_no_warning(generator):
     output = minidp.DataParallel(nn.Linear(3, 4), cpu_ids(2))(torch.randn(6, 3, generator=generator))
     with warnings.catch_warnings():

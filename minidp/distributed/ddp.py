@@ -426,8 +426,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         self.__dict__.setdefault("skip_all_reduce_unused_params", False)
         self.__dict__.setdefault("mixed_precision", None)
         self.__dict__.setdefault("_use_python_reducer", False)
-        if "modules_buffers" not in self.__dict__:  # pickled before the wrapper kept them
-            self._assign_modules_buffers()
+        self._assign_modules_buffers()  # read again, as torch's __setstate__ does (the copy's forward may add some)
         self._comm_hooks = []  # the reducer is new: no hook registered on it yet
         self.process_group = process_group
         self.__dict__.setdefault("require_forward_param_sync", True)

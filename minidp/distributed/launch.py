@@ -171,22 +171,31 @@ def _collect(workers: list, results: "mp.Queue", deadline: Optional[float]) -> l
     return [done[rank] for rank in range(len(workers))]
 
 
+# Words of an error that a collective raised because its peer was gone: Gloo's, and minidp's reducer's.
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "another rank stopped taking part")
+
+
 def _first_failure(workers: list, results: "mp.Queue", done: dict[int, Any], rank: int, payload: str) -> RankFailed:
     """What to report when rank ``rank`` raised: its error, unless another rank ended without sending anything. A rank
     that a signal or ``os._exit`` ended (the out-of-memory killer, a crash in native code) sends nothing, and the others
     then fail in a collective that lost it: that rank is the first failure, and named first. A rank that ended after
     sending its message (an error, which came after this one; a result) is not."""
-    # Waited for a second, or until every other rank still out has sent its message: a rank that os._exit ends closes
-    # its sockets before its process is gone, so the rank its death made fail may report before its exit code is known.
     others = {k for k in range(len(workers)) if k != rank and k not in done}
-    wait_until = time.monotonic() + 1.0
-    while others and time.monotonic() < wait_until:
+    ended = {k for k in others if workers[k].exitcode is not None}
+    # An error of a collective that lost its peer is the consequence of another rank's end, which may not show yet: a
+    # rank that os._exit ends closes its sockets before its process is gone. Then every rank that ends within the
+    # second counts; else only those ended already (a rank that the error itself brought down ends after it).
+    lost_peer = any(words in payload for words in _LOST_PEER)
+    wait_until = time.monotonic() + 1.0  # an ended rank's message may still be on its way
+    while (ended or lost_peer) and time.monotonic() < wait_until:
         try:
             _, other, _ = results.get(timeout=0.05)
         except queue.Empty:
             continue
         others.discard(other)
-    ended = {k for k in others if workers[k].exitcode is not None}
+        ended.discard(other)
+    if lost_peer:
+        ended = {k for k in others if workers[k].exitcode is not None}
     if not ended:
         return RankFailed(rank, f"rank {rank} raised:\n{payload}")
     first = min(ended)
