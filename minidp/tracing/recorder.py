@@ -272,7 +272,8 @@ class Trace:
             result = function(*arguments.args, **arguments.kwargs)
         else:
             result = self._allocations.on_call(stage, function, arguments)
-        self._close(span, stage, describers.DESCRIBERS[stage](self, named, result))
+        ended = self._end(span)  # before the describer: its bookkeeping is the tracer's time, not the stage's
+        self._close(span, stage, describers.DESCRIBERS[stage](self, named, result), ended)
         if stage == "replicate":
             self._count_step()
         return result
@@ -399,10 +400,15 @@ class Trace:
     def _open(self, timing_device: Optional[torch.device]) -> _Span:
         return _Span(self._now(), timing_device, self._cuda_event(timing_device), threading.current_thread().name)
 
-    def _close(self, span: _Span, stage: str, served: Callable[[], describers.Served]) -> None:
-        """End ``span`` now; when the events are first read, record ``stage`` for every ``(replica, device, bytes,
-        detail)`` that ``served()`` lists."""
-        closed = _Closed(span, self._now(), self._cuda_event(span.timing_device), stage, served)
+    def _end(self, span: _Span) -> tuple[float, Optional["torch.cuda.Event"]]:
+        """Now, on the host and (for a stage timed on a GPU) on ``span``'s device: where ``span`` ends."""
+        return self._now(), self._cuda_event(span.timing_device)
+
+    def _close(self, span: _Span, stage: str, served: Callable[[], describers.Served],
+               ended: Optional[tuple[float, Optional["torch.cuda.Event"]]] = None) -> None:
+        """End ``span`` at ``ended`` (:meth:`_end`; by default now); when the events are first read, record ``stage``
+        for every ``(replica, device, bytes, detail)`` that ``served()`` lists."""
+        closed = _Closed(span, *(ended or self._end(span)), stage, served)
         if self._allocations is not None:
             # Count now, not at the end: served() holds the stage's tensors (a reduction's inputs and sums,
             # the replicas' outputs) and would keep them alive to the end of the step, where the ledger
