@@ -108,7 +108,7 @@ STOCK = "stock DataParallel"
 class Check:
     """One compared quantity: ``minidp`` against ``against``."""
 
-    kind: str  # "output", "gradient", "buffer", "state" or "random"
+    kind: str  # "output", "gradient", "buffer", "parameter" (changed by forward), "state" or "random"
     name: str
     against: str  # for ``report.info``: the chunked reference against this
     abs_error: float
@@ -286,6 +286,12 @@ def verify(
     report.checks.extend(unexplained)
     report.batch_statistics = [_layer_name(runs[FULL_BATCH][0], name) for name in layers]
     report.checks.extend(_compare_state(parallel, runs[FULL_BATCH][0], rtol))
+    others = [path for path, value in leaves(runs[FULL_BATCH][1], "output", by_items=True).items()
+              if not isinstance(value, torch.Tensor) and value is not None]
+    if others:
+        report.notes.append(
+            f"not compared with the full batch: {_listed(others)}, not tensors (gather makes a list of the replicas' "
+            f"values, which the chunked reference's agree with)")
     return report
 
 
@@ -513,6 +519,11 @@ def _attribute(checks: list[Check], layers: dict[str, nn.Module], normalizing: l
         elif causes:
             check.note = f"batch statistics of {_listed(causes)}"
             explained.append(check)
+        elif check.kind == "parameter":
+            check.note = _CHANGED_BY_FORWARD
+            failures.append(check)
+        elif check.note.startswith("shape") and ":" in check.note:  # an explained change of shape: kept
+            failures.append(check)
         else:
             check.note = ("differs from the full batch, and belongs to no batch-statistics layer: forward accumulates it "
                           "over the batch, which data parallelism does from chunk 0 alone" if check.kind == "buffer" else
@@ -556,13 +567,21 @@ def _compare(kind: str, name: str, actual: Any, expected: Any, against: str, rto
         note = "" if same else f"{_describe(actual)} vs {_describe(expected)}"
         return Check(kind, name, against, 0.0 if same else math.inf, 0.0 if same else math.inf, bool(same), note)
     if actual.shape != expected.shape:
+        stacked = actual.dim() == 1 and expected.dim() == 0  # gather stacks the replicas' 0-dim outputs (stock too)
         return Check(kind, name, against, math.inf, math.inf, False,
-                     f"shape {tuple(actual.shape)} vs {tuple(expected.shape)}")
+                     f"shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
+                     + (": gather stacks the replicas' 0-dim outputs, one per replica (as stock does); reduce them, "
+                        "or return one per row" if stacked else ""))
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     if a.numel() == 0:
         return Check(kind, name, against, 0.0, 0.0, True)
-    abs_error = (a - e).abs().max().item()
-    rel_error = abs_error / max(scale if scale is not None else e.abs().max().item(), 1e-300)
+    # Equal entries count as no error, infinities (a masked logit's -inf) and NaNs in the same places too: inf - inf
+    # is NaN. The scale is the largest finite magnitude.
+    same = (a == e) | (a.isnan() & e.isnan())
+    abs_error = torch.where(same, 0.0, a - e).abs().max().item()
+    finite = e[e.isfinite()]
+    magnitude = finite.abs().max().item() if finite.numel() else 0.0
+    rel_error = abs_error / max(scale if scale is not None else magnitude, 1e-300)
     if math.isnan(abs_error):
         return Check(kind, name, against, math.nan, math.nan, False, "NaN")
     return Check(kind, name, against, abs_error, rel_error, rel_error <= rtol or abs_error == 0.0)
@@ -605,7 +624,20 @@ def _compare_runs(parallel: tuple[nn.Module, Any], other: tuple[nn.Module, Any],
     buffers = dict(other_model.named_buffers())
     for name, buf in model.named_buffers():
         checks.append(_compare("buffer", name, buf, buffers[name], against, rtol))
+    # No optimizer steps in any run: a parameter that is not where every run started was changed by forward.
+    params = dict(other_model.named_parameters())
+    for name, param in model.named_parameters():
+        check = _compare("parameter", name, param, params[name], against, rtol)
+        if not check.ok:
+            check.note = _CHANGED_BY_FORWARD
+            checks.append(check)
     return checks
+
+
+_CHANGED_BY_FORWARD = (
+    "changed by forward (verify runs no optimizer step), and not alike: an update of a parameter inside forward (a "
+    "moving-average copy) runs once per replica on the original's memory, or on nothing where it loops over a "
+    "replica's parameters(), which are plain attributes there; update it outside forward, after the optimizer's step")
 
 
 _PLAIN = (bool, int, float, str, bytes, type(None))

@@ -463,3 +463,81 @@ def test_verify_passes_on_torchvision_models(generator, two_intra_op_threads, na
     report = minidp.verify(model, torch.randn(4, 3, 32, 32, generator=generator), cpu_ids(2))
     assert report.ok, str(report)
     assert report.batch_statistics
+
+
+class MasksLogits(nn.Module):
+    """Logits with the masked places at -inf, as attention masks and constrained decoding make them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.arange(6) % 2 == 0
+        return self.head(x).masked_fill(~mask, float("-inf"))
+
+
+def test_verify_passes_outputs_with_infinities_in_the_same_places(generator):
+    # inf - inf is NaN: equal infinities read as a NaN error, and the report failed on equal outputs
+    report = minidp.verify(MasksLogits(), torch.randn(6, 4, generator=generator), cpu_ids(2),
+                           loss=lambda out: out[:, ::2].sum())
+    assert report.ok, str(report)
+
+
+class KeepsAnAverageCopy(nn.Module):
+    """A moving average of its layer's weights updated inside forward, over ``parameters()`` (the MoCo idiom)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.average = nn.Linear(4, 3), nn.Linear(4, 3)
+        self.average.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for average, current in zip(self.average.parameters(), self.layer.parameters()):
+                average.mul_(0.9).add_(current, alpha=0.1)
+        return self.layer(x)
+
+
+def test_verify_fails_on_a_parameter_that_forward_updates_and_names_it(generator):
+    # On one device the average moves once; a replica's parameters() is empty, so under DataParallel it never moved,
+    # and verify, which compared outputs, gradients and buffers only, said OK
+    report = minidp.verify(KeepsAnAverageCopy(), torch.randn(6, 4, generator=generator), cpu_ids(2))
+    assert not report.ok
+    assert {c.name for c in report.failures} == {"average.weight", "average.bias"}
+    assert all(c.kind == "parameter" and "changed by forward" in c.note for c in report.failures)
+
+
+class CountsTokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"logits": self.head(x), "tokens": int(x.shape[0])}
+
+
+def test_verify_says_which_outputs_it_left_out_of_the_full_batch_comparison(generator):
+    # gather makes a list of the replicas' numbers ([3, 3]) where one device returns one (6): not compared, and said so
+    report = minidp.verify(CountsTokens(), torch.randn(6, 4, generator=generator), cpu_ids(2),
+                           loss=lambda out: out["logits"].sum())
+    assert report.ok
+    assert any(note.startswith("not compared with the full batch: output['tokens']") for note in report.notes)
+
+
+class ReturnsItsLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x).square().mean()
+
+
+def test_verify_explains_a_0_dim_output_gathered_into_a_vector(generator):
+    # docs/stock-behaviour.md B30: gather stacks 0-dim outputs into a vector; the report blamed a forward that
+    # depends on the batch
+    report = minidp.verify(ReturnsItsLoss(), torch.randn(6, 4, generator=generator), cpu_ids(2),
+                           loss=lambda out: out.sum())
+    output = next(c for c in report.failures if c.kind == "output")
+    assert "gather stacks the replicas' 0-dim outputs" in output.note
