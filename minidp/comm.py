@@ -184,7 +184,7 @@ def move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=device.type == "cuda")
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     # Summing K half-precision values in half rounds K-1 times; float32 rounds once at the end.
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -192,7 +192,7 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def _reduce_add_torch(inputs: Sequence[Sequence[torch.Tensor]], destination: torch.device) -> list[torch.Tensor]:
     """Sum ``inputs[replica][i]`` over replicas, in replica order, with plain tensor ops."""
     first = inputs[0]
-    sums = [t.to(destination, _accumulation_dtype(t.dtype), copy=True) for t in first]
+    sums = [t.to(destination, accumulation_dtype(t.dtype), copy=True) for t in first]
     for replica in inputs[1:]:
         for total, grad in zip(sums, replica):
             total.add_(move(grad, destination))

@@ -517,3 +517,12 @@ def test_a_stages_time_leaves_out_the_tracers_own_bookkeeping(monkeypatch, stage
         model(torch.randn(6, 4, generator=generator))
     durations = [e.duration for e in step.events if e.stage == stage]
     assert len(durations) == 2 and max(durations) < 0.05
+
+
+def test_reduce_bytes_of_half_precision_gradients_count_the_torch_backends_float32_sums(generator):
+    # minidp/comm.py: the torch backend sums bfloat16 gradients in a float32 copy of replica 0's, then rounds it into
+    # the result, both fresh memory; the event counted the result alone (a third of it)
+    model = minidp.DataParallel(nn.Linear(16, 8, bias=False).to(torch.bfloat16), cpu_ids(2), reduce_backend="torch")
+    with minidp.trace() as step:
+        model(torch.randn(6, 16, generator=generator).to(torch.bfloat16)).float().sum().backward()
+    assert [e.bytes for e in events(step, "reduce")] == [16 * 8 * (2 + 4), 0]

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from ..comm import reduce_backends, storage_start
+from ..comm import accumulation_dtype, reduce_backends, storage_start
 from ..device_ids import as_device, as_devices
 from ..nested import tensors_in
 
@@ -191,6 +191,10 @@ def reduce(tracer: Recorder, arguments: dict, result: Any) -> Callable[[], Serve
     # gradients of a replica on another device, copied to the destination to be added there; a replica on the
     # destination's device is added where it lies.
     sums = sum(t.nbytes for t in _parts(list(result)))
+    # The torch backend sums half-precision gradients in a float32 copy of replica 0's, rounded into the result once:
+    # fresh memory too (the extension sums them in its registers).
+    sums += sum(t.numel() * accumulation_dtype(t.dtype).itemsize for t, name in zip(inputs[0] if inputs else [], chosen)
+                if name == "torch" and t.layout is torch.strided and accumulation_dtype(t.dtype) != t.dtype)
     counted = []
     for replica, replica_grads in enumerate(inputs):
         device = _device_of(replica_grads, destination)
