@@ -49,9 +49,11 @@ class Listener(Protocol):
     def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         """Run ``call()``, the backward of replica ``replica`` (``module``) as one call, and return its result."""
 
-    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
-        """Every replica's forward returned: ``modules[i]`` made ``outputs[i]``. ``one_call_each``: each replica's
-        backward will run as one call (:meth:`on_replica_backward`); else autograd runs them node by node."""
+    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool,
+                           inputs: Sequence[Any]) -> None:
+        """Every replica's forward returned: ``modules[i]`` made ``outputs[i]`` from ``inputs[i]`` (its arguments and
+        keyword arguments). ``one_call_each``: each replica's backward will run as one call
+        (:meth:`on_replica_backward`); else autograd runs them node by node."""
 
 
 _listener: Optional[Listener] = None
@@ -179,8 +181,12 @@ def observe_replica_backward(replica: int, device: torch.device, module: Any, ca
     return _observe_replica("backward", replica, device, module, call)
 
 
-def observe_replica_outputs(modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
-    """Announce what :func:`minidp.parallel_apply` returns, and whether each replica's backward will be one call.
+def observe_replica_outputs(
+    modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool, inputs: Sequence[Any]
+) -> None:
+    """Announce what :func:`minidp.parallel_apply` returns, and whether each replica's backward will be one call; and
+    what each replica was given (``inputs[i]``: its arguments and keyword arguments), whose gradients end the backward
+    of a replica without a parameter that requires grad.
 
     A listener that marks when gradients reach a replica's outputs needs a hook there only where autograd runs the
     replica's backward node by node: a Python hook on the first node of a backward run as one call would make it
@@ -188,7 +194,7 @@ def observe_replica_outputs(modules: Sequence[Any], outputs: Sequence[Any], one_
     """
     listener = _listener
     if listener is not None:
-        listener.on_replica_outputs(modules, outputs, one_call_each)
+        listener.on_replica_outputs(modules, outputs, one_call_each, inputs)
 
 
 def _observe_replica(stage: str, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:

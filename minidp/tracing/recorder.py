@@ -18,7 +18,7 @@ What each event measures (``Event.bytes`` is always "bytes written to fresh memo
 | replicate | replica       | the whole call, on the calling thread  | parameters and buffers copied for replica i (parameters on their own device are aliased: 0; buffers of replicas 1.. are private clones) |
 | forward   | replica       | replica i's call, in its thread        | -                                              |
 | gather    | replica       | the whole call, on the calling thread  | replica i's outputs copied into the gathered output |
-| backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters (autograd hooks), or replica i's backward call where it is one (CPU replicas in parallel) | - |
+| backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters, or of its inputs where no parameter requires grad (autograd hooks), or replica i's backward call where it is one (CPU replicas in parallel) | - |
 | reduce    | replica       | the whole call (run by autograd in the backward of replicate) | the sums (replica 0's event), and replica i's gradients copied to the destination's device to be added there (0 where they lie on it) |
 
 Scatter, replicate, gather and reduce are one call on one thread that serves every replica, so
@@ -30,7 +30,8 @@ spans overlap, interleaving their nodes.
 
 The backward of replica i is stitched from two ends without any shared state between the steps:
 the replicate call names the replica modules it made (their parameters' gradients end the span),
-and parallel_apply names the replica modules that made its outputs (their gradients start the span).
+and parallel_apply names the replica modules that made its outputs (their gradients start the span), and
+what each was given (its inputs' gradients end the span of a replica with no parameter that requires grad).
 Where :mod:`minidp.parallel_backward` runs a replica's backward as one call in its thread, parallel_apply
 says so, no hook goes on the outputs, and that call, announced (``minidp.hooks.observe_replica_backward``),
 is the span from start to return.
@@ -116,6 +117,7 @@ class _Backward:
     start and return."""
 
     replica: int
+    ends_on_parameters: bool  # whether gradients of the replica's parameters end it (else those of its inputs)
     start: list[_Mark] = field(default_factory=list)
     end: list[_Mark] = field(default_factory=list)
 
@@ -294,13 +296,16 @@ class Trace:
         self._count_step()
         return output
 
-    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
+    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool,
+                           inputs: Sequence[Any]) -> None:
         if one_call_each:
             return  # each replica's call marks its backward's start and end (on_replica_backward)
-        for module, output in zip(modules, outputs):  # else the first gradient to reach its outputs starts the span
-            backward = self._backward_of.get(id(module))
+        for module, output, given in zip(modules, outputs, inputs):  # else the first gradient to reach its outputs
+            backward = self._backward_of.get(id(module))  # starts the span
             if backward is not None:  # a replica this trace saw made
-                self._watch([t for _, t in describers.tensors_in(output) if t.requires_grad], backward.start)
+                self._watch(_requiring_grad(output), backward.start)
+                if not backward.ends_on_parameters:  # none requires grad (frozen, or none at all): its inputs' do
+                    self._watch(_requiring_grad(given), backward.end)
 
     def on_storage(self, category: str, tensors: Sequence[Any]) -> None:
         if self._allocations is not None:
@@ -343,7 +348,7 @@ class Trace:
                 if is_entry(param.grad_fn):
                     users.setdefault(id(param.grad_fn), set()).add(index)
         for index, (module, params) in enumerate(zip(replicas, parameters)):
-            backward = _Backward(index)
+            backward = _Backward(index, bool(params))
             with self._lock:
                 self._backwards.append(backward)
                 self._backward_of[id(module)] = backward
@@ -526,6 +531,10 @@ class Trace:
     def plot(self, path: Union[str, Path]) -> Path:
         """Draw the step as a PNG timeline: one lane per device and replica, one colour per stage."""
         return views.plot(self, path)
+
+
+def _requiring_grad(obj: Any) -> list[torch.Tensor]:
+    return [t for _, t in describers.tensors_in(obj) if t.requires_grad]
 
 
 def _still_listening(trace: "weakref.ref[Trace]") -> Optional[Trace]:
