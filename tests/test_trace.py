@@ -543,3 +543,15 @@ def test_replicas_without_a_trainable_parameter_have_their_backward_recorded_too
     finally:
         minidp.set_parallel_backward(previous)
     assert sorted(e.replica for e in step.events if e.stage == "backward") == [0, 1]
+
+
+def test_a_module_on_one_device_has_its_backward_recorded_and_its_parameters_keep_no_hook(generator):
+    # docs/stock-behaviour.md B9: with one device id nothing is replicated and the module itself runs; its backward was
+    # not watched, and the table put it in "(other)". Hooks on its own parameters (leaves) would outlive the trace.
+    module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = minidp.DataParallel(module, ["cpu"])
+    for _ in range(2):
+        with minidp.trace() as step:
+            model(torch.randn(6, 4, generator=generator)).sum().backward()
+        assert [e.replica for e in step.events if e.stage == "backward"] == [0]
+    assert all(not p._backward_hooks for p in module.parameters())

@@ -18,7 +18,7 @@ What each event measures (``Event.bytes`` is always "bytes written to fresh memo
 | replicate | replica       | the whole call, on the calling thread  | parameters and buffers copied for replica i (parameters on their own device are aliased: 0; buffers of replicas 1.. are private clones) |
 | forward   | replica       | replica i's call, in its thread        | -                                              |
 | gather    | replica       | the whole call, on the calling thread  | replica i's outputs copied into the gathered output |
-| backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters, or of its inputs where no parameter requires grad (autograd hooks), or replica i's backward call where it is one (CPU replicas in parallel) | - |
+| backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters, or of its inputs where no parameter requires grad (autograd hooks), or replica i's backward call where it is one (CPU replicas in parallel); a module alone on its one device: its output's first gradient to its parameters' last | - |
 | reduce    | replica       | the whole call (run by autograd in the backward of replicate) | the sums (replica 0's event), and replica i's gradients copied to the destination's device to be added there (0 where they lie on it) |
 
 Scatter, replicate, gather and reduce are one call on one thread that serves every replica, so
@@ -184,6 +184,7 @@ class Trace:
         self._event_gpu: dict[int, int] = {}  # id(event) -> index of the GPU it was recorded on
         self._backwards: list[_Backward] = []
         self._backward_of: dict[int, _Backward] = {}  # id(replica module) -> its latest backward
+        self._leaf_hooks: list[Any] = []  # handles of the hooks on a module's own parameters (on_module)
         self._device_memory = DeviceMemory()
         self._allocations: Optional[AllocationLedger] = AllocationLedger() if ledger else None
 
@@ -214,6 +215,8 @@ class Trace:
 
     def __exit__(self, *exc_info: Any) -> None:
         hooks.set_listener(None)
+        for handle in self._leaf_hooks:
+            handle.remove()
         try:
             if self._allocations is not None:
                 self._allocations.stop()
@@ -294,6 +297,15 @@ class Trace:
             self._allocations.watch_module(module)
         output = self.on_replica(0, device, module, call)
         self._count_step()
+        started = _requiring_grad(output)
+        if started:  # its backward: from the first gradient reaching its output to the last of its parameters'
+            backward = _Backward(0, True)
+            with self._lock:
+                self._backwards.append(backward)
+            self._watch(started, backward.start)
+            # The module's own parameters, leaves, keep their hooks after the trace: they are removed at its end.
+            ending = [p for p in module.parameters() if p.requires_grad] if isinstance(module, torch.nn.Module) else []
+            self._leaf_hooks.extend(self._watch(ending, backward.end))
         return output
 
     def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool,
@@ -447,7 +459,8 @@ class Trace:
     # garbage collector cannot see, and so never breaks: the trace holds the step's tensors until its events are
     # written (the replicas' parameters, their outputs), they hold the autograd nodes that made them, and a node
     # holds its hooks in C++. Every traced step would then stay in memory for good, tensors and all.
-    def _watch(self, tensors: Sequence[torch.Tensor], marks: list[_Mark]) -> None:
+    def _watch(self, tensors: Sequence[torch.Tensor], marks: list[_Mark]) -> list[Any]:
+        """A mark in ``marks`` whenever a gradient of one of ``tensors`` is made; the hooks' handles."""
         trace = weakref.ref(self)
 
         def hook(grad: torch.Tensor) -> None:
@@ -455,8 +468,7 @@ class Trace:
             if listening is not None:
                 marks.append(listening._mark(grad.device))
 
-        for tensor in tensors:
-            tensor.register_hook(hook)
+        return [tensor.register_hook(hook) for tensor in tensors]
 
     def _end_of(self, marks: list[_Mark], outputs: Sequence[int]) -> Callable[[tuple], None]:
         """A pre-hook for a node whose ``outputs`` are a replica's parameters: marks when their gradients are all in."""
