@@ -360,6 +360,14 @@ def test_reading_a_trace_inside_its_with_block_raises_and_says_to_read_it_after(
     reader(step, tmp_path)  # and answers once the block has ended
 
 
+@pytest.mark.parametrize("reader", READERS.values(), ids=READERS.keys())
+def test_reading_a_trace_that_never_recorded_raises_and_says_how_to_record(reader, tmp_path):
+    # minidp.trace() not entered: the table said "0 traced steps", to_chrome and plot wrote empty files
+    with pytest.raises(RuntimeError, match=r"never recorded.*with minidp.trace\(\) as step"):
+        reader(minidp.trace(ledger=True), tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
 def test_stages_show_in_torch_profiler_without_the_tracer(generator):
     model = minidp.DataParallel(ZOO["mlp"].build(), cpu_ids(2))
     with torch.profiler.profile() as profile:

@@ -126,7 +126,8 @@ _opening = threading.Lock()  # held while a trace checks the listener slot and t
 
 
 def _after_the_block(reader: Callable) -> Callable:
-    """Decorator: ``reader`` raises while its trace is recording, instead of answering from half a record.
+    """Decorator: ``reader`` raises while its trace is recording, instead of answering from half a record (and before
+    it recorded anything, instead of answering from none).
 
     Inside the ``with`` block the step's duration is not known yet (0), the backward's events are written at its
     end, and the memory peaks are read there: a table would show a step of 0 ms, a negative "(other)" and no
@@ -135,6 +136,11 @@ def _after_the_block(reader: Callable) -> Callable:
 
     @functools.wraps(reader)
     def guarded(self: "Trace", *args: Any, **kwargs: Any) -> Any:
+        if not self._entered:  # an empty record would read as a step that moved nothing
+            raise RuntimeError(
+                f"Trace.{reader.__name__} was read from a trace that never recorded: record the steps in its with block "
+                f"(with minidp.trace() as step: ...), then read step.{reader.__name__}"
+            )
         if self._recording:
             raise RuntimeError(
                 f"Trace.{reader.__name__} was read while the trace is still recording, inside its "
