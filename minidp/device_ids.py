@@ -161,6 +161,12 @@ def set_generator_state(device: torch.device, state: bytes) -> None:
             torch.cuda.set_rng_state(tensor, device)
 
 
+def device_order(device: str) -> tuple[str, int]:
+    """A device's name as a sort key: its type, then its index as a number (``cuda:2`` before ``cuda:10``)."""
+    kind, _, index = device.partition(":")
+    return kind, int(index) if index.isdigit() else -1
+
+
 def _physical_gpu_ids() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     count = visible_gpus()

@@ -563,3 +563,17 @@ def test_a_module_on_one_device_has_its_backward_recorded_and_its_parameters_kee
             model(torch.randn(6, 4, generator=generator)).sum().backward()
         assert [e.replica for e in step.events if e.stage == "backward"] == [0]
     assert all(not p._backward_hooks for p in module.parameters())
+
+
+def test_tracks_and_rows_follow_the_devices_index_as_a_number():
+    # sorted as strings, cuda:10 came before cuda:2 (a machine with more than ten GPUs)
+    from minidp.tracing import views
+    from minidp.tracing.recorder import Event
+
+    class Recorded:
+        events = [Event(stage, replica, device, 0.0, 1.0) for replica, device in enumerate(["cuda:10", "cuda:2", "cpu"])
+                  for stage in ("forward", "backward")]
+        duration = 1.0
+
+    assert views.lanes(Recorded()) == [("cpu", 2), ("cuda:2", 1), ("cuda:10", 0)]
+    assert [row["device"] for row in views.summary(Recorded())][:3] == ["cpu", "cuda:2", "cuda:10"]

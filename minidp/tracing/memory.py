@@ -98,6 +98,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import hooks
+from ..device_ids import device_order
 from ..nested import tensors_in
 from .describers import SPARSE_LAYOUTS, _parts, _replica_tensors, _tensors
 
@@ -630,7 +631,7 @@ class AllocationLedger:
         named = [(record, self.category(record),
                   record.named_replica if record.category is not None else record.replica) for record in storages]
         rows = []
-        for device in sorted({record.device for record in storages}):
+        for device in sorted({record.device for record in storages}, key=device_order):
             on_device = [(r, c, k) for r, c, k in named if r.device == device]
             rows.append(_row(device, None, [(r, c) for r, c, _ in on_device], allocator_peaks.get(device)))
             for replica in sorted({k for _, _, k in on_device if k is not None}):

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Union
 
+from ..device_ids import device_order
 from ..hooks import STAGES
 from .memory import LedgerRow, MemoryPeak
 
@@ -26,16 +27,21 @@ STAGE_COLOURS = {
 }
 
 
+def _lane_order(lane: tuple[str, Optional[int]]) -> tuple[tuple[str, int], int]:
+    """A ``(device, replica)`` track as a sort key: device order, then the replica (none first: the device's own)."""
+    return device_order(lane[0]), -1 if lane[1] is None else lane[1]
+
+
 def lanes(step: Recorded) -> list[tuple[str, Optional[int]]]:
     """``(device, replica)`` of every track, in device then replica order."""
-    return sorted({(e.device, e.replica) for e in step.events}, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+    return sorted({(e.device, e.replica) for e in step.events}, key=_lane_order)
 
 
 def summary(step: Recorded) -> list[dict[str, Any]]:
     """One row per stage and device: wall time, busy thread time, share of the step, bytes."""
     rows = []
     for name in STAGES:
-        for device in sorted({e.device for e in step.events if e.stage == name}):
+        for device in sorted({e.device for e in step.events if e.stage == name}, key=device_order):
             events = [e for e in step.events if e.stage == name and e.device == device]
             wall = union_length([(e.start, e.end) for e in events])
             busy = sum(
@@ -108,7 +114,7 @@ def ledgers_side_by_side(ledgers: dict[str, list[LedgerRow]]) -> str:
     the most each category held, a column per run."""
     titles = list(ledgers)
     keyed = {title: {(row.device, row.replica): row for row in rows} for title, rows in ledgers.items()}
-    keys = sorted({key for rows in keyed.values() for key in rows}, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+    keys = sorted({key for rows in keyed.values() for key in rows}, key=_lane_order)
     width = max(18, *map(len, titles))
     lines = [f"{'':<20} " + " ".join(f"{title:>{width}}" for title in titles)]
     for key in keys:
@@ -133,7 +139,7 @@ def ledgers_side_by_side(ledgers: dict[str, list[LedgerRow]]) -> str:
 
 def chrome_trace(step: Recorded) -> dict[str, Any]:
     """The Chrome trace format: one process per device, one track per replica."""
-    devices = sorted({e.device for e in step.events})
+    devices = sorted({e.device for e in step.events}, key=device_order)
     pid = {device: number + 1 for number, device in enumerate(devices)}
     events: list[dict[str, Any]] = []
     for device in devices:
