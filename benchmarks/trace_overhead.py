@@ -197,7 +197,7 @@ class PassingListener:
     def on_replica_backward(self, replica: int, device: torch.device, module: object, call: Callable[[], object]) -> object:
         return call()
 
-    def on_replica_outputs(self, modules: object, outputs: object, one_call_each: bool, inputs: object) -> None:
+    def on_replica_outputs(self, modules: object, outputs: object, one_call_each: bool) -> None:
         pass
 
 

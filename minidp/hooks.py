@@ -12,7 +12,7 @@ Something listens when
 * ``torch.profiler`` is recording: every stage then shows in its trace as ``minidp::<stage>``, and,
   once CUDA is in use, as an NVTX range of the same name for Nsight Systems.
 
-A listener is any object with the five methods of :class:`Listener`. It receives the primitive's own
+A listener is any object with the methods of :class:`Listener`. It receives the primitive's own
 arguments as Python binds them (``inspect.Signature.bind``), runs the call itself (so it can time it)
 and returns its result unchanged.
 
@@ -49,11 +49,9 @@ class Listener(Protocol):
     def on_replica_backward(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         """Run ``call()``, the backward of replica ``replica`` (``module``) as one call, and return its result."""
 
-    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool,
-                           inputs: Sequence[Any]) -> None:
-        """Every replica's forward returned: ``modules[i]`` made ``outputs[i]`` from ``inputs[i]`` (its arguments and
-        keyword arguments). ``one_call_each``: each replica's backward will run as one call
-        (:meth:`on_replica_backward`); else autograd runs them node by node."""
+    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
+        """Every replica's forward returned: ``modules[i]`` made ``outputs[i]``. ``one_call_each``: each replica's
+        backward will run as one call (:meth:`on_replica_backward`); else autograd runs them node by node."""
 
 
 _listener: Optional[Listener] = None
@@ -184,9 +182,10 @@ def observe_replica_backward(replica: int, device: torch.device, module: Any, ca
 def observe_replica_outputs(
     modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool, inputs: Sequence[Any]
 ) -> None:
-    """Announce what :func:`minidp.parallel_apply` returns, and whether each replica's backward will be one call; and
-    what each replica was given (``inputs[i]``: its arguments and keyword arguments), whose gradients end the backward
-    of a replica without a parameter that requires grad.
+    """Announce what :func:`minidp.parallel_apply` returns, and whether each replica's backward will be one call; and,
+    to a listener with an ``on_replica_inputs(modules, inputs)`` method (one without is not called), what each replica
+    was given (``inputs[i]``: its arguments and keyword arguments), whose gradients end the backward of a replica
+    without a parameter that requires grad.
 
     A listener that marks when gradients reach a replica's outputs needs a hook there only where autograd runs the
     replica's backward node by node: a Python hook on the first node of a backward run as one call would make it
@@ -194,7 +193,9 @@ def observe_replica_outputs(
     """
     listener = _listener
     if listener is not None:
-        listener.on_replica_outputs(modules, outputs, one_call_each, inputs)
+        if not one_call_each and hasattr(listener, "on_replica_inputs"):
+            listener.on_replica_inputs(modules, inputs)
+        listener.on_replica_outputs(modules, outputs, one_call_each)
 
 
 def _observe_replica(stage: str, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:

@@ -291,7 +291,7 @@ def verify(
     if others:
         report.notes.append(
             f"not compared with the full batch: {_listed(others)}, not tensors (gather makes a list of the replicas' "
-            f"values, which the chunked reference's agree with)")
+            f"values)")
     return report
 
 
@@ -567,7 +567,7 @@ def _compare(kind: str, name: str, actual: Any, expected: Any, against: str, rto
         note = "" if same else f"{_describe(actual)} vs {_describe(expected)}"
         return Check(kind, name, against, 0.0 if same else math.inf, 0.0 if same else math.inf, bool(same), note)
     if actual.shape != expected.shape:
-        stacked = actual.dim() == 1 and expected.dim() == 0  # gather stacks the replicas' 0-dim outputs (stock too)
+        stacked = kind == "output" and actual.dim() == 1 and expected.dim() == 0  # gather stacks 0-dim outputs
         return Check(kind, name, against, math.inf, math.inf, False,
                      f"shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
                      + (": gather stacks the replicas' 0-dim outputs, one per replica (as stock does); reduce them, "
@@ -575,16 +575,18 @@ def _compare(kind: str, name: str, actual: Any, expected: Any, against: str, rto
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     if a.numel() == 0:
         return Check(kind, name, against, 0.0, 0.0, True)
-    # Equal entries count as no error, infinities (a masked logit's -inf) and NaNs in the same places too: inf - inf
-    # is NaN. The scale is the largest finite magnitude.
-    same = (a == e) | (a.isnan() & e.isnan())
-    abs_error = torch.where(same, 0.0, a - e).abs().max().item()
-    finite = e[e.isfinite()]
-    magnitude = finite.abs().max().item() if finite.numel() else 0.0
-    rel_error = abs_error / max(scale if scale is not None else magnitude, 1e-300)
+    # Equal entries count as no error, infinities in the same places too (a masked logit's -inf): inf - inf is NaN.
+    # A NaN is equal to nothing, and fails. The scale is the largest finite magnitude.
+    abs_error = torch.where(a == e, 0.0, a - e).abs().max().item()
+    rel_error = abs_error / max(scale if scale is not None else _largest_finite(e), 1e-300)
     if math.isnan(abs_error):
         return Check(kind, name, against, math.nan, math.nan, False, "NaN")
     return Check(kind, name, against, abs_error, rel_error, rel_error <= rtol or abs_error == 0.0)
+
+
+def _largest_finite(tensor: torch.Tensor) -> float:
+    finite = tensor[tensor.isfinite()]
+    return finite.abs().max().item() if finite.numel() else 0.0
 
 
 def _describe(value: Any) -> str:
@@ -599,7 +601,7 @@ def _layer_scales(grads: dict[str, Optional[torch.Tensor]]) -> dict[str, float]:
     scales: dict[str, float] = {}
     for name, grad in grads.items():
         layer = name.rpartition(".")[0]
-        magnitude = grad.detach().abs().max().item() if isinstance(grad, torch.Tensor) and grad.numel() else 0.0
+        magnitude = _largest_finite(grad.detach().double()) if isinstance(grad, torch.Tensor) else 0.0
         scales[layer] = max(scales.get(layer, 0.0), magnitude)
     return scales
 

@@ -357,7 +357,7 @@ class _HearsOutputs:
     def on_replica_backward(self, replica, device, module, call):
         return call()
 
-    def on_replica_outputs(self, modules, outputs, one_call_each, inputs):
+    def on_replica_outputs(self, modules, outputs, one_call_each):
         self.announced.append((len(outputs), one_call_each))
 
 

@@ -577,3 +577,58 @@ def test_tracks_and_rows_follow_the_devices_index_as_a_number():
 
     assert views.lanes(Recorded()) == [("cpu", 2), ("cuda:2", 1), ("cuda:10", 0)]
     assert [row["device"] for row in views.summary(Recorded())][:3] == ["cpu", "cuda:2", "cuda:10"]
+
+
+def test_several_steps_of_a_module_on_one_device_in_one_trace_each_have_their_own_backward(generator):
+    # Each step's forward put another hook on every parameter, kept to the trace's end: every later backward fired all
+    # of them, the first steps' spans stretched to the last (207, 155, 103, 52 ms for 0.2 ms backwards), and a loop of
+    # 200 steps in one trace ran 20 times slower
+    module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = minidp.DataParallel(module, ["cpu"])
+    with minidp.trace() as step:
+        for _ in range(4):
+            model(torch.randn(6, 4, generator=generator)).sum().backward()
+            time.sleep(0.02)
+    backwards = [e for e in step.events if e.stage == "backward"]
+    assert len(backwards) == 4
+    assert all(e.duration < 0.02 and e.detail == "4 gradients at its end" for e in backwards)
+    assert all(not p._backward_hooks for p in module.parameters())
+
+
+def test_leaf_inputs_of_frozen_replicas_keep_no_hook_after_the_trace(generator):
+    # A hook on a tensor the caller keeps (a leaf given to parallel_apply) would outlive the step, one more per trace
+    replicas = minidp.replicate(nn.Linear(4, 3).requires_grad_(False), cpu_ids(2))
+    leaves = [torch.randn(3, 4, generator=generator, requires_grad=True) for _ in range(2)]
+    for _ in range(3):
+        with minidp.trace():
+            outputs = minidp.parallel_apply(replicas, [(x,) for x in leaves])
+            sum(o.sum() for o in outputs).backward()
+    assert all(not x._backward_hooks for x in leaves)
+
+
+def test_a_listener_without_the_inputs_method_still_hears_every_replicas_outputs(generator):
+    # minidp/hooks.py: on_replica_inputs is optional, as on_storage and on_wait are
+    heard = []
+
+    class Listener:
+        def on_call(self, stage, function, arguments):
+            return function(*arguments.args, **arguments.kwargs)
+
+        def on_replica(self, replica, device, module, call):
+            return call()
+
+        def on_module(self, device, module, call):
+            return call()
+
+        def on_replica_backward(self, replica, device, module, call):
+            return call()
+
+        def on_replica_outputs(self, modules, outputs, one_call_each):
+            heard.append(len(outputs))
+
+    previous = minidp.hooks.set_listener(Listener())
+    try:
+        minidp.DataParallel(nn.Linear(4, 3), cpu_ids(2))(torch.randn(6, 4, generator=generator)).sum().backward()
+    finally:
+        minidp.hooks.set_listener(previous)
+    assert heard == [2]

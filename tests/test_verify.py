@@ -541,3 +541,22 @@ def test_verify_explains_a_0_dim_output_gathered_into_a_vector(generator):
                            loss=lambda out: out.sum())
     output = next(c for c in report.failures if c.kind == "output")
     assert "gather stacks the replicas' 0-dim outputs" in output.note
+
+
+class ScalesTheFiniteGradient(minidp.DataParallel):
+    """A broken reduction: every finite entry of the first layer's weight gradient 1% too large."""
+
+    def forward(self, *inputs, **kwargs):
+        output = super().forward(*inputs, **kwargs)
+        weight = self.module.weight
+        weight.register_hook(lambda g: torch.where(g.isfinite(), g * 1.01, g))
+        return output
+
+
+def test_verify_fails_a_wrong_gradient_beside_an_infinity_in_the_same_place(generator):
+    # The layer's scale is its largest finite gradient: an infinity made it infinite, and every error relative to it 0
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    x[:, 0] = 1e300  # one column of the weight's gradient overflows to inf in every run
+    report = minidp.verify(nn.Linear(4, 3), x, cpu_ids(2), wrapper=ScalesTheFiniteGradient,
+                           loss=lambda out: (out * 1e10).sum())
+    assert not report.ok and any(c.name == "weight" and c.kind == "gradient" for c in report.failures)

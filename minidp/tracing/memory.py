@@ -589,8 +589,7 @@ class AllocationLedger:
         with self.watching(), self.phase("backward", replica):
             return call()
 
-    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool,
-                           inputs: Sequence[Any]) -> None:
+    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
         """Nothing to do: the replicas' outputs were seen as their forwards made them."""
 
     def on_wait(self, wait: Callable[[], Any]) -> Any:

@@ -305,25 +305,34 @@ class Trace:
         self._count_step()
         started = _requiring_grad(output)
         if started:  # its backward: from the first gradient reaching its output to the last of its parameters'
-            backward = _Backward(0, True)
-            with self._lock:
-                self._backwards.append(backward)
+            backward = self._backward_of.get(id(module))
+            if backward is None:  # its first step in this trace: one hook on each parameter, for every step's pass
+                backward = _Backward(0, True)
+                with self._lock:
+                    self._backwards.append(backward)
+                    self._backward_of[id(module)] = backward
+                # The module's own parameters, leaves, would keep their hooks after the trace: removed at its end.
+                ending = [p for p in module.parameters() if p.requires_grad] if isinstance(module, torch.nn.Module) else []
+                self._leaf_hooks.extend(self._watch(ending, backward.end))
             self._watch(started, backward.start)
-            # The module's own parameters, leaves, keep their hooks after the trace: they are removed at its end.
-            ending = [p for p in module.parameters() if p.requires_grad] if isinstance(module, torch.nn.Module) else []
-            self._leaf_hooks.extend(self._watch(ending, backward.end))
         return output
 
-    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool,
-                           inputs: Sequence[Any]) -> None:
+    def on_replica_outputs(self, modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool) -> None:
         if one_call_each:
             return  # each replica's call marks its backward's start and end (on_replica_backward)
-        for module, output, given in zip(modules, outputs, inputs):  # else the first gradient to reach its outputs
-            backward = self._backward_of.get(id(module))  # starts the span
+        for module, output in zip(modules, outputs):  # else the first gradient to reach its outputs starts the span
+            backward = self._backward_of.get(id(module))
             if backward is not None:  # a replica this trace saw made
                 self._watch(_requiring_grad(output), backward.start)
-                if not backward.ends_on_parameters:  # none requires grad (frozen, or none at all): its inputs' do
-                    self._watch(_requiring_grad(given), backward.end)
+
+    def on_replica_inputs(self, modules: Sequence[Any], inputs: Sequence[Any]) -> None:
+        """The backward of a replica none of whose parameters requires grad (frozen, or none at all) ends when its
+        inputs' gradients are made: those that a node made (a chunk of the batch). Not a leaf's: a hook on a tensor
+        the caller keeps would outlive the step."""
+        for module, given in zip(modules, inputs):
+            backward = self._backward_of.get(id(module))
+            if backward is not None and not backward.ends_on_parameters:
+                self._watch([t for t in _requiring_grad(given) if t.grad_fn is not None], backward.end)
 
     def on_storage(self, category: str, tensors: Sequence[Any]) -> None:
         if self._allocations is not None:
