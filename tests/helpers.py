@@ -108,6 +108,29 @@ def garbage_left_by(call) -> int:
         gc.enable()
 
 
+class HearsOutputs:
+    """A listener of minidp.hooks (the methods of ``minidp.hooks.Listener``, no optional one) that runs every call and
+    keeps what parallel_apply announces of its outputs: per call, how many, and whether each backward is one call."""
+
+    def __init__(self) -> None:
+        self.announced: list[tuple[int, bool]] = []
+
+    def on_call(self, stage, function, arguments):
+        return function(*arguments.args, **arguments.kwargs)
+
+    def on_replica(self, replica, device, module, call):
+        return call()
+
+    def on_module(self, device, module, call):
+        return call()
+
+    def on_replica_backward(self, replica, device, module, call):
+        return call()
+
+    def on_replica_outputs(self, modules, outputs, one_call_each):
+        self.announced.append((len(outputs), one_call_each))
+
+
 class CountsCalls(nn.Module):
     """Counts its forward calls in a plain attribute: the kind of state data parallelism loses, since
     under DataParallel each replica counts on its own copy and the original's count stays put."""

@@ -30,7 +30,9 @@ import minidp
 from minidp import cpu_threads, parallel_backward
 from minidp.zoo import SmallCNN, VGGSplit
 
-from .helpers import RTOL_FLOAT64, cpu_ids, forked_child, fresh_python, garbage_left_by, max_relative_error
+from .helpers import (
+    RTOL_FLOAT64, HearsOutputs, cpu_ids, forked_child, fresh_python, garbage_left_by, max_relative_error,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -339,32 +341,10 @@ def test_a_replica_backward_that_captured_a_tensor_from_outside_is_traced_to_its
     assert all(e.detail == "2 gradients at its end" and e.end <= reduce_start for e in backwards.values())
 
 
-class _HearsOutputs:
-    """A listener of minidp.hooks that keeps what parallel_apply announces of its outputs, and runs every call."""
-
-    def __init__(self) -> None:
-        self.announced: list[tuple[int, bool]] = []
-
-    def on_call(self, stage, function, arguments):
-        return function(*arguments.args, **arguments.kwargs)
-
-    def on_replica(self, replica, device, module, call):
-        return call()
-
-    def on_module(self, device, module, call):
-        return call()
-
-    def on_replica_backward(self, replica, device, module, call):
-        return call()
-
-    def on_replica_outputs(self, modules, outputs, one_call_each):
-        self.announced.append((len(outputs), one_call_each))
-
-
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
 def test_parallel_apply_says_whether_each_replica_backward_will_be_one_call(generator, parallel):
     # Where it will, a listener needs no hook on the outputs: the call marks the backward's start and end.
-    listener = _HearsOutputs()
+    listener = HearsOutputs()
     previous_setting, previous_listener = minidp.set_parallel_backward(parallel), minidp.hooks.set_listener(listener)
     try:
         output = minidp.DataParallel(SmallCNN(), cpu_ids(3))(_images(generator, 12))

@@ -21,7 +21,7 @@ from minidp.tracing import STAGE_COLOURS, STAGES, describers, write_trace_artifa
 from minidp.tracing.memory import PeakResidentMemory
 from minidp.zoo import ZOO, ResNetBlockBN
 
-from .helpers import LayerCache, cpu_ids, fresh_python
+from .helpers import HearsOutputs, LayerCache, cpu_ids, fresh_python
 
 REPLICAS = 3
 
@@ -608,27 +608,10 @@ def test_leaf_inputs_of_frozen_replicas_keep_no_hook_after_the_trace(generator):
 
 def test_a_listener_without_the_inputs_method_still_hears_every_replicas_outputs(generator):
     # minidp/hooks.py: on_replica_inputs is optional, as on_storage and on_wait are
-    heard = []
-
-    class Listener:
-        def on_call(self, stage, function, arguments):
-            return function(*arguments.args, **arguments.kwargs)
-
-        def on_replica(self, replica, device, module, call):
-            return call()
-
-        def on_module(self, device, module, call):
-            return call()
-
-        def on_replica_backward(self, replica, device, module, call):
-            return call()
-
-        def on_replica_outputs(self, modules, outputs, one_call_each):
-            heard.append(len(outputs))
-
-    previous = minidp.hooks.set_listener(Listener())
+    listener = HearsOutputs()
+    previous = minidp.hooks.set_listener(listener)
     try:
         minidp.DataParallel(nn.Linear(4, 3), cpu_ids(2))(torch.randn(6, 4, generator=generator)).sum().backward()
     finally:
         minidp.hooks.set_listener(previous)
-    assert heard == [2]
+    assert [count for count, _ in listener.announced] == [2]
