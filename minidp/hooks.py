@@ -19,7 +19,8 @@ and returns its result unchanged.
 The parallel code (``minidp.distributed``) names what its own buffers hold through :func:`observe_storage`: the
 whole parameters a sharded module gathers are parameters, a DDP bucket's flat buffer holds gradients; and waits for
 its collectives through :func:`observe_wait`. A listener with an ``on_storage`` (``on_wait``) method, the memory
-ledger's, hears it; one without is not called.
+ledger's, hears it; one without is not called. So with ``on_replica_inputs``: what :func:`minidp.parallel_apply` gave
+each replica (:func:`observe_replica_outputs`), which the recorder's backward spans need.
 """
 
 from __future__ import annotations
