@@ -181,12 +181,12 @@ def observe_replica_backward(replica: int, device: torch.device, module: Any, ca
 
 
 def observe_replica_outputs(
-    modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool, inputs: Sequence[Any]
+    modules: Sequence[Any], outputs: Sequence[Any], one_call_each: bool, inputs: Sequence[Any], kwargs: Sequence[Any]
 ) -> None:
     """Announce what :func:`minidp.parallel_apply` returns, and whether each replica's backward will be one call; and,
     to a listener with an ``on_replica_inputs(modules, inputs)`` method (one without is not called), what each replica
-    was given (``inputs[i]``: its arguments and keyword arguments), whose gradients end the backward of a replica
-    without a parameter that requires grad.
+    was given (its ``(inputs[i], kwargs[i])``), whose gradients end the backward of a replica without a parameter that
+    requires grad.
 
     A listener that marks when gradients reach a replica's outputs needs a hook there only where autograd runs the
     replica's backward node by node: a Python hook on the first node of a backward run as one call would make it
@@ -195,7 +195,7 @@ def observe_replica_outputs(
     listener = _listener
     if listener is not None:
         if not one_call_each and hasattr(listener, "on_replica_inputs"):
-            listener.on_replica_inputs(modules, inputs)
+            listener.on_replica_inputs(modules, list(zip(inputs, kwargs)))
         listener.on_replica_outputs(modules, outputs, one_call_each)
 
 

@@ -419,7 +419,7 @@ def parallel_apply(
     aliases = None
     if cut and all(r is not None for r in regions):
         aliases = parallel_backward.join(regions, functools.partial(_run_backwards, modules, devices, undrawn))
-    observe_replica_outputs(modules, results, aliases is not None, list(zip(inputs, kwargs_tup)))
+    observe_replica_outputs(modules, results, aliases is not None, inputs, kwargs_tup)
     if aliases is not None:
         replaced = iter(aliases)
         results = [map_tensors(lambda t: next(replaced) if t.requires_grad else t, r) for r in results]
