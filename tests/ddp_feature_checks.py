@@ -1587,6 +1587,32 @@ def dtype_changed_after_wrapping(seed: int, **options: Any) -> dict:
     return seen
 
 
+def channels_last_after_wrapping(seed: int, **options: Any) -> dict:
+    """Two float64 convolutions wrapped, then converted to ``channels_last`` through the module (after the buckets
+    were laid out for row-major gradients), and one backward: per wrapper, the largest relative error of a gradient
+    against the mean of every rank's gradient on one process, and the warnings it gave."""
+    def build() -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).double()
+
+    batches = [torch.randn(4, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + rank))
+               for rank in range(dist.get_world_size())]
+    reference = build().to(memory_format=torch.channels_last)
+    (sum(reference(x).pow(2).mean() for x in batches) / len(batches)).backward()
+    seen: dict[str, Any] = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        module = build()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = wrapper(module, **options)
+            module.to(memory_format=torch.channels_last)
+            ddp(batches[dist.get_rank()]).pow(2).mean().backward()
+        seen[name] = {"error": max(max_relative_error(p.grad, q.grad)
+                                   for p, q in zip(module.parameters(), reference.parameters())),
+                      "warnings": [str(w.message) for w in caught]}
+    return seen
+
+
 # ---- parameters ignored by name -------------------------------------------------------------------------
 
 

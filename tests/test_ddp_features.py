@@ -165,6 +165,8 @@ TWO_PROCESSES = {
     **{f"dtype_changed_{name}": (checks.dtype_changed_after_wrapping, options)
        for name, options in (("default", {}), ("find_unused", {"find_unused_parameters": True}),
                              ("bucket_view", {"gradient_as_bucket_view": True}), ("static", {"static_graph": True}))},
+    **{f"channels_last_after_wrapping_{name}": (checks.channels_last_after_wrapping, {"gradient_as_bucket_view": view})
+       for name, view in (("copies", False), ("bucket_view", True))},
     "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
     "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
     "sync_bn_hybrid_fewer_rows": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2), "per_rank": [5, 1]}),
@@ -827,6 +829,26 @@ def test_a_parameters_dtype_changed_after_wrapping_is_an_error_at_the_next_forwa
             assert seen[change]["minidp"].startswith(f"forward: RuntimeError: DistributedDataParallel: {named}, but was "
                                                      f"torch.float32 when it was wrapped")
             assert "Convert the module before wrapping it in DistributedDataParallel" in seen[change]["minidp"]
+
+
+# ---- a module made channels_last after wrapping (torch: the bucket was laid out for the gradients' old strides; its
+# reducer warns "Grad strides do not match bucket view strides", reducer.cpp) ----
+
+
+def test_a_module_made_channels_last_after_wrapping_gets_the_mean_gradient_where_torchs_copies_are_wrong(two):
+    # torch's reducer laid its bucket views out in the strides the parameters had when wrapped; without
+    # gradient_as_bucket_view the gradients it writes back are wrong, after a warning that says "This is not an error"
+    # (README's table of differences); minidp's reduction reads and writes every gradient in its own strides
+    for seen in each_rank(two, "channels_last_after_wrapping_copies"):
+        assert seen["minidp"] == {"error": pytest.approx(0.0, abs=RTOL_FLOAT64), "warnings": []}
+        assert seen["stock"]["error"] > 1e-3
+        assert any("Grad strides do not match bucket view strides" in w for w in seen["stock"]["warnings"])
+
+
+def test_a_module_made_channels_last_after_wrapping_with_bucket_views_gets_the_mean_gradient_as_torchs(two):
+    for seen in each_rank(two, "channels_last_after_wrapping_bucket_view"):
+        assert seen["minidp"]["error"] <= RTOL_FLOAT64
+        assert seen["stock"]["error"] <= RTOL_FLOAT64
 
 
 # ---- batch normalisation: minidp.SyncBatchNorm across processes; torch's refused on the CPU (distributed.py:2453) ----
