@@ -58,6 +58,13 @@ class _ReplicaThreads:
     A thread is handed out only while idle and comes back when its replica is done, so replicas of
     one call never queue behind each other (a replica may wait on another, e.g. a nested
     ``data_parallel``), and a step reuses the threads of the previous one instead of starting new ones.
+
+    The idle workers are handed out in the order they were started, replica 1 the first: the same replica runs on
+    the same worker at every step, whichever finished first the step before. Autograd needs that to add up a
+    tensor's gradients in the same order every run: the CPU engine runs the ready nodes newest first, by a
+    sequence number that each thread counts for the nodes it creates, so the order of three or more replicas'
+    terms (a tensor every replica reaches, ``minidp.SyncBatchNorm``'s statistics, a re-entrant checkpoint)
+    follows the counters of the threads that made them (stock starts fresh threads, counters at 0, at every call).
     """
 
     def __init__(self) -> None:
@@ -79,7 +86,7 @@ class _ReplicaThreads:
         atexit.register(self._stop_threads)
 
     def _forget_threads(self) -> None:
-        self._idle: list[queue.SimpleQueue] = []
+        self._idle: list[int] = []  # indices into _workers
         self._workers: list[tuple[threading.Thread, queue.SimpleQueue]] = []
         self._lock = threading.Lock()
         self._letting_go = 0  # workers that reported a result and have not yet let go of its task
@@ -104,7 +111,8 @@ class _ReplicaThreads:
         left running (one still inside a kernel when the interpreter exits aborts the process).
         """
         with self._lock:  # reserve all threads first: none can come back mid-call and take a second fn
-            inboxes = [self._idle.pop() if self._idle else self._start_thread() for _ in fns[1:]]
+            self._idle.sort(reverse=True)  # the first started last, popped first
+            inboxes = [self._workers[self._idle.pop()][1] if self._idle else self._start_thread() for _ in fns[1:]]
         futures = [Future() for _ in inboxes]
         for inbox, fn, future in zip(inboxes, fns[1:], futures):
             inbox.put((fn, future))
@@ -133,22 +141,22 @@ class _ReplicaThreads:
 
     def _start_thread(self) -> queue.SimpleQueue:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
-        # Named as a worker, not a replica: a call hands out whichever workers are idle, so worker N may serve any
-        # replica (the trace's events name the replica they ran for, and the thread).
+        # Named as a worker, not a replica: a call hands out the idle workers, first started first, so worker N serves
+        # replica N unless a nested call holds it (the trace's events name the replica they ran for, and the thread).
         name = f"minidp-worker-{len(self._workers) + 1}"
-        thread = threading.Thread(target=self._serve, args=(inbox,), name=name, daemon=True)
+        thread = threading.Thread(target=self._serve, args=(inbox, len(self._workers)), name=name, daemon=True)
         thread.start()
         self._workers.append((thread, inbox))
         return inbox
 
-    def _serve(self, inbox: queue.SimpleQueue) -> None:
+    def _serve(self, inbox: queue.SimpleQueue, index: int) -> None:
         while (task := inbox.get()) is not None:
             fn, future = task
             result = fn()  # fn reports its own errors in its result
             # Idle again before the result wakes the caller, whose next call (or nested call) may
             # need a thread at once: it finds this one instead of starting another.
             with self._lock:
-                self._idle.append(inbox)
+                self._idle.append(index)
                 self._letting_go += 1
             future.set_result(result)
             # Waiting for the next task must not keep this one's replica, outputs and graph alive.

@@ -9,6 +9,8 @@ a clean start) runs in a fresh interpreter, with a timeout that turns a hang int
 from __future__ import annotations
 
 import gc
+import random
+import threading
 import time
 import weakref
 
@@ -177,3 +179,74 @@ print("the main thread ended", flush=True)
     done = fresh_python("-c", script, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["the main thread ended", "the worker finished"]
+
+
+class SlowedAtRandom(nn.Module):
+    """Notes the thread it runs in, after a random pause: replicas finish in a different order at every call."""
+
+    def __init__(self, pauses: "random.Random", seen: list) -> None:
+        super().__init__()
+        self.pauses, self.seen = pauses, seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.pauses.uniform(0, 0.005))
+        self.seen.append(threading.current_thread().name)
+        return x
+
+
+def test_each_replica_runs_on_the_same_worker_at_every_step_whichever_finished_first(generator):
+    # Stock starts a fresh thread per replica at every call (docs/stock-behaviour.md, B25); minidp keeps its
+    # workers and hands them out in the order they were started, so what a thread carries from step to step (its
+    # autograd sequence numbers, below) goes with the same replica
+    pauses = random.Random(int(torch.randint(1 << 30, (), generator=generator)))
+    seen: list[list[str]] = [[] for _ in range(4)]
+    replicas = [SlowedAtRandom(pauses, names) for names in seen]
+    for _ in range(12):
+        minidp.parallel_apply(replicas, [(torch.ones(1),)] * 4, devices=["cpu"] * 4)
+    assert seen[0] == [threading.current_thread().name] * 12
+    assert [len(set(names)) for names in seen[1:]] == [1, 1, 1]
+    assert len({names[0] for names in seen[1:]}) == 3
+
+
+SUMMED_OVER_REPLICAS = """
+import hashlib, random, sys, time, torch, minidp
+from torch import nn
+minidp.set_parallel_backward(sys.argv[1] == "parallel")
+pauses = random.Random()  # seeded by the OS: the replicas finish in another order in every process
+torch.manual_seed(0)
+shared = torch.randn(16, 16, requires_grad=True)  # a tensor every replica's forward reaches whole
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(16, 16)
+    def forward(self, x):
+        time.sleep(pauses.uniform(0, 0.003))
+        h = x @ shared
+        for _ in range(3):
+            h = torch.tanh(self.layer(h))
+        return h
+
+model = minidp.DataParallel(Model(), device_ids=["cpu"] * 4)
+# another model on 3 replicas, every third step: 2 of the 4 workers make more nodes than the others
+other = minidp.DataParallel(nn.Sequential(nn.Linear(16, 16), nn.Tanh()), device_ids=["cpu"] * 3)
+x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+digest = hashlib.sha1()
+for step in range(20):
+    if step % 3 == 0:
+        other(torch.randn(6, 16)).sum().backward()
+    shared.grad = None
+    model(x).pow(2).sum().backward()
+    digest.update(shared.grad.numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+@pytest.mark.fresh_interpreter
+@pytest.mark.parametrize("backward", ["serial", "parallel"])
+def test_a_gradient_autograd_sums_over_four_replicas_repeats_bit_for_bit_from_run_to_run(backward):
+    # Autograd adds a tensor's terms in the order it runs their nodes, newest first by per-thread sequence
+    # numbers: with three or more terms the order shows in the last bits, so it must not follow which worker
+    # thread a replica happened to get. Stock: one fresh thread per replica, every run alike (B25).
+    digests = {fresh_python("-c", SUMMED_OVER_REPLICAS, backward, timeout=120).stdout for _ in range(3)}
+    assert len(digests) == 1 and all(len(d.strip()) == 40 for d in digests), digests
