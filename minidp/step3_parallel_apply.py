@@ -49,7 +49,7 @@ from . import cpu_threads, parallel_backward
 from .device_ids import DeviceLike, as_devices, generator_state, set_generator_state
 from .hooks import observe_replica, observe_replica_backward, observe_replica_outputs
 from .nested import is_per_replica, map_tensors, tensors_in
-from .replica_group import ReplicaGroup
+from .replica_group import ReplicaGroup, ReplicaGroupError
 
 
 class _ReplicaThreads:
@@ -566,14 +566,18 @@ def _in_workers(calls: Sequence[Callable[[], Any]], caller: CallerState) -> list
 
 
 def _reraise_first_failure(results: list[Any], devices: Sequence[torch.device], stage: str) -> None:
-    """Re-raise the error of the first replica whose ``stage`` failed, naming it and its device; ``results`` emptied then.
+    """Re-raise the error of the first replica whose ``stage`` failed of its own (not at a meeting another replica's
+    failure ended), naming it and its device; ``results`` emptied then.
 
     Emptied because the caller's frame holds the list, and the error raised holds that frame through its traceback
     (a failed replica 0 ran in it): a loop, which only the garbage collector would free, with every replica and
     graph the errors' frames hold. So the replicas go at once, as after a step that failed without minidp.
     """
-    index = next((i for i, result in enumerate(results) if isinstance(result, _ReplicaFailure)), None)
-    if index is not None:
+    failed = [i for i, result in enumerate(results) if isinstance(result, _ReplicaFailure)]
+    if failed:
+        # A replica whose meeting could not complete (ReplicaGroupError: SyncBatchNorm's statistics) because another
+        # replica raised first is not the cause: that replica's error is raised, of its own type, as without a meeting.
+        index = next((i for i in failed if not isinstance(results[i].error, ReplicaGroupError)), failed[0])
         failure = results[index]
         results.clear()
         failure.reraise(index, devices[index], stage)

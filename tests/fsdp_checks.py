@@ -5,6 +5,7 @@ on the same data; each returns plain facts that tests/test_fully_shard.py assert
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import inspect
@@ -791,6 +792,69 @@ def view_output_warnings(seed: int) -> dict:
     return warned
 
 
+class _SeesItsInputs(nn.Module):
+    """Notes what its forward is given (each value's type and, for tensors, dtype; inside a container, its items'),
+    and returns the container it got with every floating-point tensor through its linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: list[Any] = []
+
+    def forward(self, batch: Any) -> Any:
+        self.seen.append(_described(batch))
+        if isinstance(batch, nn.utils.rnn.PackedSequence):
+            return batch._replace(data=self.linear(batch.data.to(self.linear.weight.dtype)))
+        if isinstance(batch, (set, frozenset)):
+            return {self.linear(t.to(self.linear.weight.dtype)) for t in batch}
+        return type(batch)({key: self.linear(t.to(self.linear.weight.dtype)) for key, t in batch.items()})
+
+
+def _described(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype)
+    if isinstance(value, (set, frozenset)):
+        items = sorted(_described(t) for t in value)
+    elif hasattr(value, "items"):
+        items = [(key, _described(t)) for key, t in value.items()]
+    else:
+        items = [_described(t) for t in value]
+    return type(value).__name__, items
+
+
+def _containers(seed: int) -> dict[str, Any]:
+    """One batch in each container whose walk differs between libraries (FSDP2 walks with ``_apply_to_tensors``)."""
+    rows = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+    return {
+        "dict": {"x": rows},
+        "defaultdict": collections.defaultdict(list, {"x": rows}),
+        "OrderedDict": collections.OrderedDict(x=rows),
+        "UserDict": collections.UserDict(x=rows),
+        "set": {rows},
+        "PackedSequence": nn.utils.rnn.pack_sequence([rows, rows[:2]]),
+    }
+
+
+def casts_containers_as_fsdp2(seed: int) -> dict[str, dict[str, Any]]:
+    """A module sharded with ``param_dtype=bfloat16`` and ``output_dtype=float64``, given one batch in each container
+    of :func:`_containers`: per container and library, what its forward saw and what the caller got back (types and
+    dtypes), or the error."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float64)
+    seen: dict[str, dict[str, Any]] = {}
+    for container, batch in _containers(seed).items():
+        seen[container] = {}
+        for name, function in (("fsdp2", torch_fully_shard), ("minidp", md.fully_shard)):
+            torch.manual_seed(seed)
+            model = function(_SeesItsInputs(), mp_policy=policy)
+            try:
+                with torch.no_grad():
+                    output = model(batch)
+                seen[container][name] = {"forward saw": model.seen, "returned": _described(output)}
+            except Exception as error:  # noqa: BLE001 - both libraries' errors are compared
+                seen[container][name] = f"{type(error).__name__}: {error}"
+    return seen
+
+
 # FSDPModule.reset_iter_state and set_reduce_scatter_unused_params are newer than torch 2.11.
 FSDP2_RESETS = hasattr(FSDPModule, "reset_iter_state")
 FSDP2_REDUCES_UNUSED = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
@@ -1467,6 +1531,30 @@ def loaded_with_wrong_shapes(seed: int) -> dict[str, dict[str, Any]]:
             results[f"{library} {case}"] = {"error": error,
                                             "first_changed": not torch.equal(local(model[0].weight), before)}
     return results
+
+
+def checkpoint_wrapped_state_dicts(seed: int) -> dict[str, Any]:
+    """A :class:`Net` whose blocks torch's ``apply_activation_checkpointing`` wrapped (their state dicts leave out the
+    wrapper's ``_checkpoint_wrapped_module.``), then sharded, by each library: whether ``minidp.distributed
+    .full_state_dict`` equals FSDP2's whole tensors (``get_model_state_dict(..., full_state_dict=True)``), key for key,
+    and what a state dict with one misshapen weight does to minidp's: the error, and whether anything was loaded."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    models = {}
+    for library, shard_with in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
+        torch.manual_seed(seed)
+        model = Net()
+        apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
+        models[library] = shard(model, shard_with, True)
+    ours = md.full_state_dict(models["minidp"])
+    theirs = get_model_state_dict(models["fsdp2"], options=StateDictOptions(full_state_dict=True))
+    misshapen = {key: value[:-1] if key == "blocks.1.linear.weight" else value for key, value in ours.items()}
+    before = [local(p).clone() for p in models["minidp"].parameters()]
+    error = error_of(lambda: models["minidp"].load_state_dict(misshapen))
+    return {"full_equal": list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours),
+            "misshapen_error": error,
+            "loaded_anything": any(not torch.equal(local(p), b) for p, b in zip(models["minidp"].parameters(), before))}
 
 
 def _fine_tuned(seed: int) -> nn.Module:

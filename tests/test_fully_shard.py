@@ -121,6 +121,7 @@ TWO_PROCESSES = {
     **{f"generate_{when}": (checks.forward_method_calling_forward, {"before_the_optimizer": when == "first"})
        for when in ("first", "every_step")},
     "view_output_warnings": (checks.view_output_warnings, {}),
+    "casts_containers": (checks.casts_containers_as_fsdp2, {}),
     **({"unused-params": (checks.against_fsdp2, {"model": "branchy", "configure": "reduce_unused",
                                                  "optimizer": "adamw"})} if checks.FSDP2_REDUCES_UNUSED else {}),
     "ignored-head": (checks.against_fsdp2, {"ignored": ("head.weight", "head.bias"), "optimizer": "adamw"}),
@@ -141,6 +142,7 @@ TWO_PROCESSES = {
     "offload": (checks.against_fsdp2, {"offload": True, "optimizer": "adamw"}),
     "refusals": (checks.refusals, {}),
     "loaded_with_wrong_shapes": (checks.loaded_with_wrong_shapes, {}),
+    "checkpoint_wrapped_state_dicts": (checks.checkpoint_wrapped_state_dicts, {}),
     "partial_full_state_dict_loaded": (checks.partial_full_state_dict_loaded, {}),
     "whole_parameter_optimizers": (checks.whole_parameter_optimizers, {}),
     "on_the_meta_device": (checks.on_the_meta_device, {}),
@@ -429,6 +431,17 @@ def test_training_with_a_mixed_precision_policy_equals_fsdp2_with_it(two, policy
     # "-unsynced": 3 backwards a step, the first two without the reduce-scatter: with a reduce dtype other than
     # the compute dtype, the whole gradients are summed in the reduce dtype, as FSDP2 sums them
     assert_same_as_fsdp2(two, f"policy-{policy}{sync}")
+
+
+def test_a_policys_casts_reach_into_the_containers_fsdp2s_reach_into_and_no_others(two):
+    # FSDP2 casts inputs and outputs with torch's _apply_to_tensors: into dicts (a dict subclass comes back a plain
+    # dict), OrderedDicts, sets, not into a UserDict (Hugging Face's BatchFeature) nor a PackedSequence; a UserDict
+    # cast where FSDP2 leaves it trained on other numbers
+    for seen in each_rank(two, "casts_containers"):
+        for container, outcome in seen.items():
+            assert outcome["minidp"] == outcome["fsdp2"], container
+        assert seen["UserDict"]["minidp"]["forward saw"] == [("UserDict", [("x", "torch.float32")])]
+        assert seen["defaultdict"]["minidp"]["returned"] == ("dict", [("x", "torch.float64")])
 
 
 @pytest.mark.parametrize("name", ["bf16-reduce-fp32-unsynced", "reduce-bf16"])
@@ -1015,6 +1028,21 @@ def test_a_state_dict_of_another_size_is_refused_in_fsdp2s_words_before_anything
                                  + "\n\t(nothing was loaded into the sharded parameters)")
         assert not ours["first_changed"]
         assert theirs["first_changed"] == (case == "dtensor")
+
+
+def test_the_full_state_dict_of_blocks_wrapped_for_activation_checkpointing_equals_fsdp2s_whole_tensors(two):
+    # the wrapper's state dict leaves out its "_checkpoint_wrapped_module." (checkpoint_wrapper.py,
+    # _post_state_dict_hook): the keys are found as torch's checkpoint code finds them (_get_fqns); found by the
+    # modules' paths, the wrapped blocks' shards came back as each rank's rows, with no error
+    assert all(result["full_equal"] for result in each_rank(two, "checkpoint_wrapped_state_dicts"))
+
+
+def test_a_misshapen_state_dict_for_blocks_wrapped_for_activation_checkpointing_loads_nothing(two):
+    for result in each_rank(two, "checkpoint_wrapped_state_dicts"):
+        kind, message = result["misshapen_error"]
+        assert kind == "RuntimeError" and "size mismatch for blocks.1.linear.weight" in message
+        assert message.endswith("(nothing was loaded into the sharded parameters)")
+        assert not result["loaded_anything"]
 
 
 def test_a_full_state_dict_without_the_frozen_parameters_loads_with_strict_false_and_trains_as_fsdp2(two):

@@ -115,3 +115,26 @@ def test_a_replica_that_neither_arrives_nor_ends_releases_the_waiter_after_the_t
     assert not late.is_alive()
     assert "replica 0 waited 0.2 s at 'k' (call 1 in this forward) for replica 1" in str(errors[0])
     assert "replica 0 stopped waiting at 'k' (call 1 in this forward) before replica 1 came" in str(errors[1])
+
+
+class RaisesBeforeMeeting(nn.Module):
+    """Replica ``failing`` raises a ValueError where the others meet at "k" (a bad sample before SyncBatchNorm)."""
+
+    def __init__(self, failing: int) -> None:
+        super().__init__()
+        self.failing = failing
+
+    def forward(self, x: torch.Tensor) -> Any:
+        index, _, group = current()
+        if index == self.failing:
+            raise ValueError("bad sample")
+        return group.meet(index, "k", index)
+
+
+def test_the_error_raised_is_the_failing_replicas_own_not_the_meeting_it_ended_in_the_others():
+    # Stock re-raises the first replica's error of its own type (parallel_apply.py, ExceptionWrapper.reraise), which
+    # with BatchNorm is the bad sample's; the replicas waiting for replica 2 at SyncBatchNorm's meeting are released
+    # with a ReplicaGroupError, which would hide it (and `except ValueError`) if replica 0's came first
+    with pytest.raises(ValueError, match="Caught ValueError in replica 2 on device cpu") as caught:
+        finishes_within(BOUND_S, lambda: minidp.parallel_apply([RaisesBeforeMeeting(2)] * 3, [torch.zeros(1)] * 3))
+    assert "bad sample" in str(caught.value)

@@ -98,6 +98,8 @@ from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.checkpoint.state_dict import _get_fqns
+from torch.distributed.utils import _apply_to_tensors
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..hooks import observe_storage, observe_wait
@@ -804,9 +806,11 @@ class ShardGroup:
 
 
 def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    """``obj`` (tensors nested in tuples, lists, dicts, ...) with its floating-point tensors in ``dtype``, the others
-    as they are (FSDP2's _cast_fp_tensor, applied to every tensor)."""
-    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj)
+    """``obj`` with its floating-point tensors in ``dtype``, the others as they are (FSDP2's _cast_fp_tensor), found
+    by the walk FSDP2 casts with, torch's ``_apply_to_tensors``: into dataclasses, dicts (a dict subclass comes back a
+    plain dict, an ``OrderedDict`` keeps its class), namedtuples, lists, tuples and sets; not into other mappings (a
+    ``UserDict``) nor a ``PackedSequence``, which come back as they are."""
+    return _apply_to_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj)
 
 
 def _refuse_parameters_on_meta(root: nn.Module) -> None:
@@ -1630,11 +1634,20 @@ def _refuse_misshapen_before_loading(root: nn.Module, state_dict: dict, prefix: 
     """Before ``root.load_state_dict`` (a module fully_shard was called on) loads anything: every sharded parameter of
     its sub-tree is checked (:func:`_refuse_size_mismatches`), so that a refused state dict leaves every module as it
     was; torch's own ``load_state_dict`` reports a size mismatch after loading the rest."""
-    paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
-    keys = [(prefix + (f"{paths[id(module)]}." if paths[id(module)] else "") + name, p)
-            for group in sharded_groups(root) for p in group.params
-            for module, name in p.places if id(module) in paths]
+    keys = [(prefix + key, p) for key, p, _ in _state_dict_keys(root)]
     _refuse_size_mismatches(root, keys, state_dict)
+
+
+def _state_dict_keys(root: nn.Module) -> list[tuple[str, ShardedParameter, ShardGroup]]:
+    """Every place of a sharded parameter in ``root``'s sub-tree, under the key ``root.state_dict()`` gives it, with
+    its group: its path, less what module wrappers leave out of their state dicts (an activation checkpoint's
+    ``_checkpoint_wrapped_module.``), as torch's checkpoint code reads a path (``_get_fqns``, a DDP wrapper's
+    ``module.`` and a compiled module's ``_orig_mod.`` kept, as ``state_dict()`` keeps them)."""
+    paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    places = [(f"{paths[id(module)]}.{name}".lstrip("."), p, group) for group in sharded_groups(root)
+              for p in group.params for module, name in p.places if id(module) in paths]
+    return [(next(iter(_get_fqns(root, path, skip_ddp_prefix=False, skip_compiler_prefix=False))), p, group)
+            for path, p, group in places]
 
 
 def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
@@ -1713,17 +1726,13 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     call it on every rank). ``module.load_state_dict`` takes it back, each rank keeping its rows. Each
     parameter's padded rows are gathered with one ``all_gather_single`` over its group, the layout its all-gathers
     use, and the padding left out."""
-    groups = sharded_groups(module)
     full = module.state_dict()  # each group resharded, following the parameters registered now (after to_empty())
-    for name, holder in module.named_modules(remove_duplicate=False):
-        for group in groups:
-            for key, p in _keys_of(group, holder, name + "." if name else ""):
-                if isinstance(full.get(key), DTensor):
-                    gathered = torch.empty(p.shard_numel * group.world_size, dtype=p.padded.dtype,
-                                           device=p.padded.device)
-                    _all_gather(gathered, p.padded, group=group.process_group)
-                    # rank r's padded rows sit in slot r; the real rows are the first full_size[0] of them all
-                    full[key] = p.whole_from_slots(gathered)[: p.full_size[0]].clone()
+    for key, p, group in _state_dict_keys(module):
+        if isinstance(full.get(key), DTensor):
+            gathered = torch.empty(p.shard_numel * group.world_size, dtype=p.padded.dtype, device=p.padded.device)
+            _all_gather(gathered, p.padded, group=group.process_group)
+            # rank r's padded rows sit in slot r; the real rows are the first full_size[0] of them all
+            full[key] = p.whole_from_slots(gathered)[: p.full_size[0]].clone()
     return full
 
 

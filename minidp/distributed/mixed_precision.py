@@ -36,8 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-
-from ..nested import map_tensors
+from torch.distributed.utils import _cast_forward_inputs
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -118,13 +117,9 @@ class MixedPrecision:
             param.data = param._fp_param
 
     def cast_inputs(self, inputs: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        """Step 2: the floating-point tensors of the forward's arguments in ``param_dtype`` (``_cast_forward_inputs``)."""
-        dtype = self.config.param_dtype
-
-        def cast(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
-
-        return map_tensors(cast, inputs), map_tensors(cast, kwargs)
+        """Step 2: the floating-point tensors of the forward's arguments in ``param_dtype``: torch's own
+        ``_cast_forward_inputs``, whose walk (``_apply_to_tensors``) decides which containers are looked into."""
+        return _cast_forward_inputs(self.config.param_dtype, *inputs, **kwargs)
 
     def to_full_precision(self, param: torch.Tensor) -> None:
         """Step 4, for one reduced parameter: its full-precision data back, its low-precision copy freed, its
