@@ -483,7 +483,9 @@ def _warn_if_drawn(states: dict[torch.device, tuple[int, Any]], stage: str) -> d
             warnings.warn(
                 f"parallel_apply: the {replicas} replicas on {device} drew random numbers in their {stage} ({what}) "
                 f"from the one generator of {device}, all at once: which replica gets which numbers changes from run "
-                f"to run, so a seeded run cannot be repeated exactly, and {consequence}",
+                f"to run, so a seeded run cannot be repeated exactly, and {consequence} (Read as a draw: the "
+                f"generator moved while they ran. If they draw nothing, another thread of this process drew from it "
+                f"meanwhile, as a data pipeline's may, and none of this applies.)",
                 stacklevel=3,
             )
     return unmoved

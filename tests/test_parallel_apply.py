@@ -220,6 +220,23 @@ def test_replicas_that_draw_from_the_generator_they_share_are_warned_about():
         minidp.parallel_apply([drops, drops], [torch.randn(2, 4), torch.randn(2, 4)], devices=cpu_ids(2))
 
 
+def test_the_warning_says_another_threads_draw_meanwhile_reads_as_the_replicas():
+    """The generator is the process's (B40): a data pipeline's thread drawing while replicas that draw nothing run
+    moves it too, and the warning cannot tell; it says so, and that nothing is wrong then."""
+    running, drawn = threading.Event(), threading.Event()
+
+    def waits_for_another_draw(x: torch.Tensor) -> torch.Tensor:
+        running.set()
+        drawn.wait(10)
+        return x
+
+    pipeline = threading.Thread(target=lambda: (running.wait(10), torch.rand(3), drawn.set()))
+    with pytest.warns(UserWarning, match="another thread of this process drew from it meanwhile"):
+        pipeline.start()
+        minidp.parallel_apply([waits_for_another_draw] * 2, [torch.randn(2, 4)] * 2, devices=cpu_ids(2))
+    pipeline.join()
+
+
 @pytest.mark.parametrize("replicas, training", [(2, False), (1, True)], ids=["nothing drawn", "one replica"])
 def test_replicas_that_share_no_draws_from_a_generator_get_no_warning(replicas, training):
     drops = dropout_model().train(training)
