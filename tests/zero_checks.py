@@ -362,6 +362,11 @@ def mismatched_shapes(seed: int) -> tuple[str, str]:
     return error_of(lambda: md.ZeroRedundancyOptimizer(module.parameters(), torch.optim.SGD, lr=0.1))
 
 
+def params_as_a_set(seed: int) -> tuple[str, str]:
+    """A model's parameters given as a set (its order follows the tensors' addresses, another in every process)."""
+    return error_of(lambda: md.ZeroRedundancyOptimizer(set(varied().parameters()), torch.optim.SGD, lr=0.1))
+
+
 def mismatched_groups(seed: int) -> tuple[str, str]:
     """The same parameters, in one group on rank 0 and in two on the others."""
     module = varied()

@@ -359,6 +359,14 @@ def _checked_params(params: Iterable[Any]) -> list[Any]:
     (``_verify_and_init_params``, ``_verify_same_dense_param_type``)."""
     if isinstance(params, torch.Tensor):
         raise TypeError(f"`params` argument should be an iterable of Tensors, but got {torch.typename(params)}")
+    if isinstance(params, (set, frozenset)):
+        # torch's ZRO takes one, in the order of the tensors' addresses: another on every rank, so the ranks would
+        # partition the parameters differently and broadcast each share into other parameters of the same shape
+        raise TypeError(
+            "ZeroRedundancyOptimizer: `params` is a set, whose order (the tensors' addresses) differs from rank to "
+            "rank: the ranks would split and broadcast the parameters in different orders. Give them as a list, in "
+            "the same order on every rank, e.g. list(model.parameters())"
+        )
     try:
         items = list(params)
     except TypeError as error:
