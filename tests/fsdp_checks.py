@@ -1444,6 +1444,7 @@ def refusals(seed: int) -> dict[str, Any]:
         "mp_policy_none": lambda model: md.fully_shard(model, mp_policy=None),
         "mp_policy_dtype_a_string": lambda model: md.fully_shard(
             model, mp_policy=MixedPrecisionPolicy(param_dtype="bfloat16")),
+        "dp_mesh_dims": lambda model: md.fully_shard(model, dp_mesh_dims=("dp",)),
     }
     results = {}
     for name, call in cases.items():

@@ -16,6 +16,7 @@ division before and one after in float64).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import multiprocessing
 from typing import Optional
@@ -664,6 +665,13 @@ def test_cpu_offload_of_a_module_on_the_cpu_trains_as_fsdp2_with_it(two):
     assert_trains_as_fsdp2(two, "offload")
 
 
+def test_fully_shard_takes_every_keyword_fsdp2s_takes_with_its_default():
+    # code written for FSDP2 passes its keywords (torch 2.13's fully_shard: dp_mesh_dims=None among them)
+    ours, theirs = (inspect.signature(f).parameters for f in (fully_shard, torch.distributed.fsdp.fully_shard))
+    assert set(theirs) <= set(ours)
+    assert all(ours[name].default == theirs[name].default for name in theirs if name != "module"), theirs
+
+
 @pytest.mark.parametrize("case,error", [
     # FSDP2's words in each message, and its type, where code written for FSDP2 matches them (upstream's own tests do)
     ("uneven_columns", "NotImplementedError: fully_shard: parameter 'blocks.0.linear.weight' (29, 13) cannot be cut "
@@ -684,6 +692,8 @@ def test_cpu_offload_of_a_module_on_the_cpu_trains_as_fsdp2_with_it(two):
     # failed inside fully_shard ("'str' object has no attribute 'itemsize'"), the parameters already replaced by shards
     ("mp_policy_dtype_a_string", "TypeError: fully_shard: mp_policy.param_dtype must be a torch.dtype or None, got "
                                  "'bfloat16' of type str"),
+    # FSDP2 (torch 2.13) shards parameters that are DTensors of an SPMD mesh already along the dimensions named
+    ("dp_mesh_dims", "NotImplementedError: fully_shard(dp_mesh_dims=...): minidp shards plain parameters"),
 ])
 def test_arguments_beyond_what_is_supported_are_refused_before_anything_is_sharded(two, case, error):
     if case == "pinned_offload" and torch.accelerator.is_available():

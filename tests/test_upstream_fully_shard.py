@@ -323,10 +323,10 @@ NOT_PORTED = {
                      "test_validation_mesh_mismatch", "test_validation_spmd_mesh_non_dtensor_params",
                      "test_validation_reshard_after_forward_int_spmd"],
                     "fully_shard's dp_mesh_dims (parameters already DTensors on an SPMD mesh, with tensor or expert "
-                    "parallelism on 4 ranks in part), which minidp's fully_shard does not take; upstream runs the "
+                    "parallelism on 4 ranks in part), which minidp's fully_shard refuses; upstream runs the "
                     "file on accelerators only"),
     "test_validation_at_least_one_required": "checks torch's own DataParallelMeshDims() constructor, with no "
-                                             "fully_shard call (minidp takes no dp_mesh_dims)",
+                                             "fully_shard call (minidp refuses any dp_mesh_dims but None)",
 }
 
 

@@ -1317,6 +1317,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
+    dp_mesh_dims: Optional[Any] = None,
     process_group: Optional[dist.ProcessGroup] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over the ranks of ``mesh``, FSDP2's way; returns ``module``.
@@ -1353,6 +1354,8 @@ def fully_shard(
             it there); to offload a GPU module's shards, use FSDP2.
         ignored_params: parameters this call leaves alone (FSDP2's argument): not sharded, their gradients
             not reduced, each rank keeping its own.
+        dp_mesh_dims: FSDP2's (torch 2.13): ``None`` only. Which dimensions of an SPMD mesh shard parameters that are
+            DTensors already (beside tensor or expert parallelism); minidp shards plain parameters, and refuses it.
         process_group: a 1-D alternative to ``mesh``: the ranks to shard over (minidp's; give one or the other).
 
     After this call, ``module``'s parameters are this rank's shards (rows of dim 0, or slices along the
@@ -1361,6 +1364,11 @@ def fully_shard(
     :class:`ShardedModule` and of its own class, with FSDP2's ``set_requires_gradient_sync``,
     ``unshard`` and ``reshard``, and the setters of ``FSDPModule`` (:class:`ShardedModule`).
     """
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=...): minidp shards plain parameters over a 1-D mesh (or HSDP's 2-D one), not "
+            "parameters that are DTensors of an SPMD mesh already; leave dp_mesh_dims out, or use "
+            "torch.distributed.fsdp.fully_shard for a model parallelised with tensor or expert parallelism")
     roots = list(module) if isinstance(module, (list, tuple)) else [module]
     if not roots:
         raise ValueError("fully_shard got an empty list of modules; give a module, or a list of at least one")
