@@ -81,6 +81,22 @@ def test_a_module_on_two_device_types_is_refused_with_stocks_words_before_any_pr
         DistributedDataParallel(model)
 
 
+def test_a_module_on_the_meta_device_is_refused_saying_to_materialise_it_first():
+    # torch's construction fails on one by chance ("Tensor.item() cannot be called on meta tensors"); wrapped, its
+    # to_empty() registered parameters no hook watched, and each rank trained on its own gradients, silently
+    with pytest.raises(RuntimeError, match="parameter 'weight' is on the meta device") as caught:
+        DistributedDataParallel(nn.Linear(4, 1, device="meta"))
+    assert "Materialise the module first (module.to_empty(device=...)" in str(caught.value)
+
+
+def test_a_lazy_module_is_refused_with_stocks_words_and_its_parameters_name():
+    # torch/nn/parallel/distributed.py, DistributedDataParallel.__init__: _has_uninitialized_params
+    with pytest.raises(RuntimeError) as caught:
+        DistributedDataParallel(nn.LazyLinear(3))
+    assert str(caught.value).startswith("Modules with uninitialized parameters can't be used with "
+                                        "`DistributedDataParallel`. 'weight' is not initialized yet")
+
+
 @pytest.mark.parametrize("device_ids", [[0], [1], [torch.device("cuda", 0)], ["cpu", 0]])
 def test_gpu_device_ids_for_a_module_on_the_cpu_raise_stocks_value_error_before_any_process_group_is_needed(device_ids):
     # torch/nn/parallel/distributed.py, DistributedDataParallel.__init__: a CPU module takes no device_ids; without a

@@ -206,6 +206,26 @@ def check_one_device_type(module: nn.Module, ignored: frozenset[str] = frozenset
         )
 
 
+
+def check_materialised(module: nn.Module, ignored: frozenset[str] = frozenset()) -> None:
+    """Raise a ``RuntimeError`` where a parameter DDP handles holds no data yet: a lazy module's (torch's words), or a
+    module on the ``meta`` device. DDP broadcasts rank 0's values and hooks the parameters as they are when it is
+    built; a meta module's ``to_empty()`` would register new parameters that no hook of the reducer watches, and every
+    rank would train on its own gradients, silently (torch's construction fails on a meta module by chance:
+    "Tensor.item() cannot be called on meta tensors")."""
+    for name, p in module.named_parameters():
+        if name in ignored:
+            continue
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                f"Modules with uninitialized parameters can't be used with `DistributedDataParallel`. '{name}' is not "
+                f"initialized yet (a lazy module): run one forward pass before wrapping it")
+        if p.is_meta:
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter '{name}' is on the meta device (a shape, no data). Materialise the "
+                f"module first (module.to_empty(device=...), then initialise it or load a state dict), then wrap it")
+
+
 def managed_by_fully_shard(module: nn.Module) -> bool:
     """Whether ``fully_shard`` (minidp's or torch's FSDP2: both classes derive from ``FSDPModule``) sharded ``module``:
     its parameters are then this rank's shards, not a replica that DDP or ``replicate`` may broadcast and reduce."""
@@ -293,9 +313,6 @@ def reducer_parameters(
         raise RuntimeError(
             "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient."
         )
-    for name, p in named:
-        if isinstance(p, nn.parameter.UninitializedParameter):
-            raise RuntimeError(f"'{name}' is not initialized yet (a lazy module): run one forward pass before wrapping it")
     return [p for _, p in named], [n for n, _ in named]
 
 

@@ -43,8 +43,8 @@ from .batchnorm import attach_exchange, check_torch_sync_batchnorm
 from .broadcast import broadcast_from, broadcast_from_rank0
 from .buckets import MIB, BucketCaps
 from .checks import (
-    IGNORED_ATTRIBUTE, check_device_ids, check_not_sharded, check_one_device_type, check_same_model, collectives_on,
-    ignored_names, reducer_candidates, reducer_parameters, sparse_gradient_flags, synced_tensors,
+    IGNORED_ATTRIBUTE, check_device_ids, check_materialised, check_not_sharded, check_one_device_type, check_same_model,
+    collectives_on, ignored_names, reducer_candidates, reducer_parameters, sparse_gradient_flags, synced_tensors,
 )
 from .comm_hooks import CommHook, builtin_hook, check_comm_hook, optimizer_in_backward_hook
 from .isinstance_only import refuse_inherited
@@ -169,6 +169,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         ignored = ignored_names(module)
         check_not_sharded(module, ignored)
         check_one_device_type(module, ignored)
+        check_materialised(module, ignored)
         check_device_ids(module, device_ids, output_device, ignored)  # before len(device_ids): "cpu" is no list
         # torch._dynamo.config.optimize_ddp="python_reducer", read at construction as torch DDP reads it: the gradients
         # reduced by per-parameter hooks that compiled autograd can trace (_register_accum_grad_hook)
