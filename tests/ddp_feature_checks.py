@@ -111,6 +111,14 @@ def pickled_then_trained(seed: int, how: str, static_graph: bool = False) -> dic
     }
 
 
+def pickled_then_trained_with_python_reducer(seed: int, how: str) -> dict:
+    """:func:`pickled_then_trained`, both wrappers built (and copied) under ``torch._dynamo.config.optimize_ddp =
+    "python_reducer"``: torch's reduces through per-parameter hooks its ``__init__`` registers, which its
+    ``__setstate__`` does not register again."""
+    with _optimize_ddp("python_reducer"):
+        return pickled_then_trained(seed, how)
+
+
 def _evaluated_batch_norm() -> nn.Module:
     return _with_batch_norm().eval()
 

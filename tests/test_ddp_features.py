@@ -70,6 +70,7 @@ TWO_PROCESSES = {
     "saved": (checks.pickled_then_trained, {"how": "torch.save"}),
     "deepcopied": (checks.pickled_then_trained, {"how": "deepcopy"}),
     "deepcopied_static": (checks.pickled_then_trained, {"how": "deepcopy", "static_graph": True}),
+    "deepcopied_python_reducer": (checks.pickled_then_trained_with_python_reducer, {"how": "deepcopy"}),
     "distributed_checkpoint": (checks.distributed_checkpoint_as_stock, {}),
     "pickling_subgroup": (checks.pickling_with_a_subgroup, {}),
     "create_graph": (checks.create_graph_as_stock, {}),
@@ -275,6 +276,16 @@ def test_a_deepcopied_static_graph_wrapper_keeps_averaging_where_torchs_copy_let
     torch's copy no longer averages the gradients, and its ranks' models drift apart; minidp's copy trains as a copy
     of a wrapper without ``static_graph`` does, every rank's model the same (README's table of differences)."""
     for result in each_rank(two, "deepcopied_static"):
+        assert result["ranks_agree"] == {"stock": False, "minidp": True}
+        assert result["original_untouched"] is None
+
+
+def test_a_deepcopied_wrapper_built_for_the_python_reducer_keeps_averaging_where_torchs_copy_reduces_nothing(two):
+    """Built under ``torch._dynamo.config.optimize_ddp = "python_reducer"``, torch's wrapper reduces in per-parameter
+    hooks that only its ``__init__`` registers (``_register_accum_grad_hook``), not ``__setstate__``: its copy leaves
+    each rank its own gradients, and the ranks' models drift apart; minidp's copy averages (README's table)."""
+    for result in each_rank(two, "deepcopied_python_reducer"):
+        assert result["differences"][:2] == [None, None]  # before the copy: bitwise torch's
         assert result["ranks_agree"] == {"stock": False, "minidp": True}
         assert result["original_untouched"] is None
 
