@@ -1183,7 +1183,7 @@ def uneven_inputs_as_stock(seed: int, model: str = "tanh_mlp", through: str = "j
     ``Join([ddp], **join_options)``), stock then minidp, a static graph if ``static`` says how (``"static_graph"``:
     the argument, ``"set_static_graph"``: ``_set_static_graph()`` after construction), ``bucket_cap_mb`` as given to
     both wrappers (default theirs): the first difference between
-    the two models after the context, and each one's error if it raised."""
+    the two models after the context, each one's error if it raised, and the warnings each gave."""
     build = {"tanh_mlp": _tanh_mlp, "batch_norm": lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)),
              "partly_used": _PartlyUsedBy0}[model]
     options = {"find_unused_parameters": True} if model == "partly_used" else {}
@@ -1195,7 +1195,7 @@ def uneven_inputs_as_stock(seed: int, model: str = "tanh_mlp", through: str = "j
         for ddp in (theirs, ours):
             ddp._set_static_graph()
     steps = 2 + 2 * dist.get_rank() if batches is None else batches[dist.get_rank()]
-    errors = {}
+    errors, warned = {}, {}
     for name, ddp in (("stock", theirs), ("minidp", ours)):
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         if through == "join":
@@ -1205,7 +1205,8 @@ def uneven_inputs_as_stock(seed: int, model: str = "tanh_mlp", through: str = "j
             context = Join([ddp], join_options.get("enable", True), join_options.get("throw_on_early_termination", False),
                            **kwargs)
         try:
-            with context:
+            with warnings.catch_warnings(record=True) as caught, context:
+                warnings.simplefilter("always")
                 for step in range(steps):
                     optimizer.zero_grad()
                     out = ddp(_inputs(seed, step, 5, 6))
@@ -1213,7 +1214,8 @@ def uneven_inputs_as_stock(seed: int, model: str = "tanh_mlp", through: str = "j
                     optimizer.step()
         except RuntimeError as error:
             errors[name] = str(error)
-    return {"difference": _difference(ours_module, theirs_module), "errors": errors}
+        warned[name] = [str(w.message) for w in caught]
+    return {"difference": _difference(ours_module, theirs_module), "errors": errors, "warnings": warned}
 
 
 def joined_before_a_static_graphs_first_backward(seed: int, steps: int = 3) -> dict:

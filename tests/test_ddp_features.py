@@ -684,6 +684,14 @@ def test_uneven_inputs_under_join_end_with_stocks_model_on_every_rank(two, check
         assert result["difference"] is None
 
 
+@pytest.mark.parametrize("check", ["join", "join_effective_world_size", "join_generic"])
+def test_uneven_inputs_under_join_warn_of_nothing_stock_does_not(two, check):
+    # divide_by_initial_world_size=False reads the count of ranks still training from Join's all-reduce, which only
+    # its work holds; read through Work.result(), that gave torch's deprecation warning, which torch's C++ never does
+    for result in each_rank(two, check):
+        assert result["warnings"]["minidp"] == result["warnings"]["stock"]
+
+
 def test_a_rank_that_joins_before_installing_the_rebuilt_plan_shadows_its_buckets_as_stock(two):
     # _DDPJoinHook.main_hook starts with reducer._rebuild_buckets(): the plan rebuilt after rank 0's only backward
     # (a bucket per parameter) is the one the ranks still training all-reduce by, and the one rank 0 must shadow

@@ -164,7 +164,6 @@ class Reducer:
         # what gradients are divided by: the world size, or under Join with divide_by_initial_world_size=False
         # the number of ranks still training, the sum of an all-reduce launched before the forward
         self._divisor = self.world_size
-        self._divisor_work: Optional[dist.Work] = None
 
         self._install_plan(initial_plan(self.params, caps, find_unused_parameters and not static_graph, self.sparse))
         # DDP rebuilds once, and never when it looks for unused parameters, unless the graph is static
@@ -356,9 +355,13 @@ class Reducer:
     def set_forward_pass_work(self, work: Optional[dist.Work], divide_by_initial_world_size: bool) -> None:
         """Before each forward (``_set_forward_pass_work_handle``): under ``Join``, ``work`` is the all-reduce
         counting the ranks still training; with ``divide_by_initial_world_size=False`` this backward's
-        gradients are divided by that count, read when the first gradient arrives."""
+        gradients are divided by that count, read here (torch's reducer reads it at the first gradient)."""
         self._divisor = self.world_size
-        self._divisor_work = work if work is not None and not divide_by_initial_world_size else None
+        if work is not None and not divide_by_initial_world_size:
+            # Join's count is held by its all-reduce alone (Join.notify_join_context): read through the work's
+            # future, whose value is the all-reduced tensors (Work.result(), which torch's C++ reducer reads, warns
+            # from Python that it is deprecated)
+            self._divisor = int(work.get_future().wait()[0].item())
 
     def prepare_for_backward(self, output: Any) -> None:
         """Called after a synchronised forward: the next backward reduces. ``output``: the forward's output,
@@ -505,18 +508,9 @@ class Reducer:
             self._events.append({"stage": "bucket ready", "bucket": bucket.index, "start": now, "end": now})
             self._launch_ready_buckets()
 
-    def _read_divisor(self) -> None:
-        """Under Join with ``divide_by_initial_world_size=False``: the number of ranks still training, counted
-        by the all-reduce launched before the forward, read once its first gradient needs it."""
-        if self._divisor_work is not None:
-            self._divisor_work.wait()
-            self._divisor = int(self._divisor_work.result()[0].item())
-            self._divisor_work = None
-
     def _copy_into_bucket(self, bucket: Bucket, position: int) -> None:
         """``mark_variable_ready_dense``: the gradient into its view, divided by the world size unless a
         hook will do it; no gradient: zeros."""
-        self._read_divisor()
         if bucket.sparse:
             self._take_sparse_gradient(bucket)
             return
@@ -546,7 +540,6 @@ class Reducer:
         zeros), then the whole bucket divided by the world size (one ``div_``) unless a hook will do it, as
         torch's batched path does. A division, not the multiply of the gradient-by-gradient path: where
         1/world_size is inexact (3 ranks) the two give different bits, each torch's own."""
-        self._read_divisor()
         views, grads, copied = [], [], []
         for param, view in zip(bucket.params, bucket.views):
             grad = param.grad
