@@ -159,9 +159,14 @@ def set_parallel_backward(enabled: Union[bool, str]) -> Union[bool, str]:
     (``True``) or never (``False``: one after the other, as autograd runs them); returns the previous setting.
 
     Every setting gives the same gradients, bit for bit (with the default thread count,
-    :func:`set_parallel_backward_threads`): they only decide which threads run the replicas' graphs. (Not the
-    second-order ones: a backward through gradients made with ``create_graph=True`` meets this module's nodes in
-    their graph, and can sum some gradients in another order than the serial path: they agree up to rounding.)
+    :func:`set_parallel_backward_threads`), where the replicas' terms meet in ``replicate``'s reduction, in replica
+    order: the settings only decide which threads run the replicas' graphs. What autograd itself adds up over three
+    replicas or more (the gradient of a tensor every replica reaches, ``minidp.SyncBatchNorm``'s statistics, re-entrant
+    checkpoints adding into ``.grad``) it adds in the order of its nodes' sequence numbers, which the entries this
+    module gives each replica move: equal up to rounding between the settings, and each the same from run to run.
+    (Nor the second-order ones: a backward through gradients made with ``create_graph=True`` meets this module's
+    nodes in their graph, and can sum some gradients in another order than the serial path: they agree up to
+    rounding.)
     """
     global _enabled
     # A bool, not 1 or 0 (which equal True and False); "auto" by value: a string read from a config or a pickle

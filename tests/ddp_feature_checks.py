@@ -111,6 +111,23 @@ def pickled_then_trained(seed: int, how: str, static_graph: bool = False) -> dic
     }
 
 
+def told_none_unused(seed: int) -> dict[str, list[str]]:
+    """minidp's wrapper with ``find_unused_parameters=True``, three steps, on a model whose forward uses every
+    parameter, and on one that leaves a layer out: the warnings each gave (torch's reducer writes its notice to the
+    process's stderr from C++, where a test cannot read it as a warning)."""
+    seen = {}
+    for name, build in (("all_used", _tanh_mlp), ("one_unused", _PartlyUsedBy0)):
+        torch.manual_seed(seed)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = md.DistributedDataParallel(build(), find_unused_parameters=True)
+            for step in range(3):
+                out = ddp(_inputs(seed, step, 5, 6))
+                (out[0] if isinstance(out, tuple) else out).pow(2).mean().backward()
+        seen[name] = [str(w.message) for w in caught]
+    return seen
+
+
 def pickled_then_trained_with_python_reducer(seed: int, how: str) -> dict:
     """:func:`pickled_then_trained`, both wrappers built (and copied) under ``torch._dynamo.config.optimize_ddp =
     "python_reducer"``: torch's reduces through per-parameter hooks its ``__init__`` registers, which its
@@ -1856,6 +1873,36 @@ def _mean_low_precision_gradients(module: nn.Module, batch_norm: bool, batches: 
         dist.all_reduce(grad)
         means.append(grad.div_(dist.get_world_size()).float())
     return means
+
+
+class _TakesADtype(nn.Module):
+    """A forward with a keyword argument named ``dtype`` (the dtype of its output), noting its input's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        self.seen = str(x.dtype)
+        return self.linear(x).to(dtype)
+
+
+def mixed_precision_keyword_named_dtype(seed: int) -> dict:
+    """``mixed_precision=_MixedPrecision(param_dtype=bfloat16)``, a forward given ``dtype=torch.float32``: what the
+    module's forward saw and what it returned, or the error. minidp alone: torch's DDP passes the forward's keyword
+    arguments on to ``_cast_forward_inputs(dtype, *args, **kwargs)``, and raises ("got multiple values for argument
+    'dtype'")."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    torch.manual_seed(seed)
+    module = _TakesADtype()
+    ddp = md.DistributedDataParallel(module, mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+    try:
+        output = ddp(_inputs(seed, 0, 4, 6), dtype=torch.float32)
+    except Exception as error:  # noqa: BLE001 - reported, the test names it
+        return {"error": f"{type(error).__name__}: {error}"}
+    output.sum().backward()
+    return {"error": None, "seen": module.seen, "output": str(output.dtype)}
 
 
 def mixed_precision_under_join(seed: int, batches: Sequence[int]) -> dict:

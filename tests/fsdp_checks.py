@@ -1534,25 +1534,55 @@ def loaded_with_wrong_shapes(seed: int) -> dict[str, dict[str, Any]]:
     return results
 
 
-def checkpoint_wrapped_state_dicts(seed: int) -> dict[str, Any]:
-    """A :class:`Net` whose blocks torch's ``apply_activation_checkpointing`` wrapped (their state dicts leave out the
-    wrapper's ``_checkpoint_wrapped_module.``), then sharded, by each library: whether ``minidp.distributed
-    .full_state_dict`` equals FSDP2's whole tensors (``get_model_state_dict(..., full_state_dict=True)``), key for key,
-    and what a state dict with one misshapen weight does to minidp's: the error, and whether anything was loaded."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+class _SharedBlock(nn.Module):
+    """One block at three paths (ALBERT's layers): ``state_dict()`` holds it under each, ``layers.0.*`` to
+    ``layers.2.*``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(13, 13)] * 3)
+        self.head = nn.Linear(13, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _laid_out(layout: str, shard_with: Callable[..., Any], seed: int) -> nn.Module:
+    """A model sharded by ``shard_with`` (sub-modules first) in one of the layouts whose state-dict keys are not the
+    modules' paths: ``"blocks_wrapped"``, a :class:`Net` whose blocks torch's ``apply_activation_checkpointing``
+    wrapped (their keys leave out the wrapper's ``_checkpoint_wrapped_module.``); ``"root_wrapped"``, a :class:`Net`
+    in torch's ``checkpoint_wrapper``, sharded whole; ``"shared_block"``, :class:`_SharedBlock`."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing, checkpoint_wrapper,
+    )
+
+    torch.manual_seed(seed)
+    if layout == "shared_block":
+        model = _SharedBlock()
+        shard_with(model.layers[0])
+        return shard_with(model)
+    model = Net()
+    if layout == "root_wrapped":
+        return shard_with(checkpoint_wrapper(model))
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
+    return shard(model, shard_with, True)
+
+
+def state_dicts_of_layouts(seed: int, layout: str, misshapen: str) -> dict[str, Any]:
+    """The model of :func:`_laid_out` ``layout``, by each library: whether ``minidp.distributed.full_state_dict``
+    equals FSDP2's whole tensors (``get_model_state_dict(..., full_state_dict=True)``), key for key, and what a state
+    dict whose ``misshapen`` weight lost a row does to minidp's: the error, and whether anything was loaded."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    models = {}
-    for library, shard_with in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard)):
-        torch.manual_seed(seed)
-        model = Net()
-        apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
-        models[library] = shard(model, shard_with, True)
+    models = {library: _laid_out(layout, shard_with, seed)
+              for library, shard_with in (("minidp", md.fully_shard), ("fsdp2", torch_fully_shard))}
     ours = md.full_state_dict(models["minidp"])
     theirs = get_model_state_dict(models["fsdp2"], options=StateDictOptions(full_state_dict=True))
-    misshapen = {key: value[:-1] if key == "blocks.1.linear.weight" else value for key, value in ours.items()}
+    changed = {key: value[:-1] if key == misshapen else value + 1 for key, value in ours.items()}
     before = [local(p).clone() for p in models["minidp"].parameters()]
-    error = error_of(lambda: models["minidp"].load_state_dict(misshapen))
+    error = error_of(lambda: models["minidp"].load_state_dict(changed))
     return {"full_equal": list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours),
             "misshapen_error": error,
             "loaded_anything": any(not torch.equal(local(p), b) for p, b in zip(models["minidp"].parameters(), before))}

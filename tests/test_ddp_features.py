@@ -18,7 +18,7 @@ from .helpers import (
     RTOL_FLOAT64, TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP, assert_no_differences, cpu_ids, each_rank, job_fixture, run_job,
 )
 from minidp.distributed import RankFailed, launch
-from minidp.distributed.reducer import COMPILED_AUTOGRAD_REFUSED, CREATE_GRAPH_WARNING
+from minidp.distributed.reducer import COMPILED_AUTOGRAD_REFUSED, CREATE_GRAPH_WARNING, FOUND_NO_UNUSED_PARAMETERS
 
 
 @pytest.fixture(autouse=True)
@@ -71,6 +71,7 @@ TWO_PROCESSES = {
     "deepcopied": (checks.pickled_then_trained, {"how": "deepcopy"}),
     "deepcopied_static": (checks.pickled_then_trained, {"how": "deepcopy", "static_graph": True}),
     "deepcopied_python_reducer": (checks.pickled_then_trained_with_python_reducer, {"how": "deepcopy"}),
+    "told_none_unused": (checks.told_none_unused, {}),
     "distributed_checkpoint": (checks.distributed_checkpoint_as_stock, {}),
     "pickling_subgroup": (checks.pickling_with_a_subgroup, {}),
     "create_graph": (checks.create_graph_as_stock, {}),
@@ -184,6 +185,7 @@ TWO_PROCESSES = {
     "device_mesh_slice": (ddp_checks.against_torch, {"mesh": "slice"}),
     "device_mesh_slice_tensor_parallel": (checks.tensor_parallel_parameters_on_a_sliced_mesh, {}),
     **{f"mixed_precision_{name}": (checks.mixed_precision_as_stock, options) for name, options in MIXED_PRECISION.items()},
+    "mixed_precision_keyword_named_dtype": (checks.mixed_precision_keyword_named_dtype, {}),
     **{f"mixed_precision_join_{'_'.join(map(str, batches))}": (checks.mixed_precision_under_join, {"batches": batches})
        for batches in ((1, 3), (0, 2))},
 }
@@ -288,6 +290,16 @@ def test_a_deepcopied_wrapper_built_for_the_python_reducer_keeps_averaging_where
         assert result["differences"][:2] == [None, None]  # before the copy: bitwise torch's
         assert result["ranks_agree"] == {"stock": False, "minidp": True}
         assert result["original_untouched"] is None
+
+
+def test_a_search_for_unused_parameters_that_finds_none_says_so_once_in_torchs_words(two):
+    # torch's reducer: TORCH_WARN_ONCE in search_unused_parameters (reducer.cpp), per rank, where that rank's forward
+    # used every parameter: the walk of the graph costs at every forward and buys nothing there
+    (rank_0, rank_1) = each_rank(two, "told_none_unused")
+    for seen in (rank_0, rank_1):
+        assert seen["all_used"] == [FOUND_NO_UNUSED_PARAMETERS]
+    assert rank_0["one_unused"] == [FOUND_NO_UNUSED_PARAMETERS]  # rank 0 uses the layer rank 1 leaves out
+    assert rank_1["one_unused"] == []
 
 
 def test_pickling_with_a_non_default_group_raises_stocks_error(two):
@@ -1103,6 +1115,13 @@ def test_native_mixed_precision_trains_as_stock_bitwise_from_its_second_backward
     for rank in each_rank(two, f"mixed_precision_{case}"):
         assert rank["stock_error"] is None, rank["stock_error"]
         assert rank["stock"] and rank["stock"] == [None] * len(rank["stock"]), rank["stock"]
+
+
+def test_native_mixed_precision_casts_the_inputs_and_passes_a_keyword_named_dtype_as_it_is(two):
+    # torch's DDP hands the forward's keyword arguments to _cast_forward_inputs(dtype, *args, **kwargs)
+    # (torch/distributed/utils.py), where one named dtype collides with its own: "got multiple values for argument"
+    for rank in each_rank(two, "mixed_precision_keyword_named_dtype"):
+        assert rank == {"error": None, "seen": "torch.bfloat16", "output": "torch.float32"}
 
 
 @pytest.mark.parametrize("batches", ["1_3", "0_2"])

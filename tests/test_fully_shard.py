@@ -143,7 +143,9 @@ TWO_PROCESSES = {
     "offload": (checks.against_fsdp2, {"offload": True, "optimizer": "adamw"}),
     "refusals": (checks.refusals, {}),
     "loaded_with_wrong_shapes": (checks.loaded_with_wrong_shapes, {}),
-    "checkpoint_wrapped_state_dicts": (checks.checkpoint_wrapped_state_dicts, {}),
+    **{f"state_dicts_{layout}": (checks.state_dicts_of_layouts, {"layout": layout, "misshapen": misshapen})
+       for layout, misshapen in (("blocks_wrapped", "blocks.1.linear.weight"), ("root_wrapped", "head.weight"),
+                                 ("shared_block", "layers.1.linear.weight"))},
     "partial_full_state_dict_loaded": (checks.partial_full_state_dict_loaded, {}),
     "whole_parameter_optimizers": (checks.whole_parameter_optimizers, {}),
     "on_the_meta_device": (checks.on_the_meta_device, {}),
@@ -1040,17 +1042,26 @@ def test_a_state_dict_of_another_size_is_refused_in_fsdp2s_words_before_anything
         assert theirs["first_changed"] == (case == "dtensor")
 
 
-def test_the_full_state_dict_of_blocks_wrapped_for_activation_checkpointing_equals_fsdp2s_whole_tensors(two):
-    # the wrapper's state dict leaves out its "_checkpoint_wrapped_module." (checkpoint_wrapper.py,
-    # _post_state_dict_hook): the keys are found as torch's checkpoint code finds them (_get_fqns); found by the
-    # modules' paths, the wrapped blocks' shards came back as each rank's rows, with no error
-    assert all(result["full_equal"] for result in each_rank(two, "checkpoint_wrapped_state_dicts"))
+# Layouts whose state-dict keys are not the modules' paths: an activation checkpoint's wrapper leaves its
+# "_checkpoint_wrapped_module." out (checkpoint_wrapper.py, _post_state_dict_hook), and puts it back before a load
+# reaches it (_pre_load_state_dict_hook); a module at several paths has a key at each.
+LAYOUTS = ["blocks_wrapped", "root_wrapped", "shared_block"]
 
 
-def test_a_misshapen_state_dict_for_blocks_wrapped_for_activation_checkpointing_loads_nothing(two):
-    for result in each_rank(two, "checkpoint_wrapped_state_dicts"):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_full_state_dict_of_every_layout_equals_fsdp2s_whole_tensors(two, layout):
+    # found by the modules' paths, the wrapped blocks' keys, and all but the last path of a shared block, came back
+    # as each rank's rows, with no error
+    assert all(result["full_equal"] for result in each_rank(two, f"state_dicts_{layout}"))
+
+
+@pytest.mark.parametrize("layout,misshapen", [("blocks_wrapped", "blocks.1.linear.weight"),
+                                              ("root_wrapped", "_checkpoint_wrapped_module.head.weight"),
+                                              ("shared_block", "layers.1.linear.weight")])
+def test_a_misshapen_state_dict_of_every_layout_loads_nothing(two, layout, misshapen):
+    for result in each_rank(two, f"state_dicts_{layout}"):
         kind, message = result["misshapen_error"]
-        assert kind == "RuntimeError" and "size mismatch for blocks.1.linear.weight" in message
+        assert kind == "RuntimeError" and f"size mismatch for {misshapen}" in message, message
         assert message.endswith("(nothing was loaded into the sharded parameters)")
         assert not result["loaded_anything"]
 

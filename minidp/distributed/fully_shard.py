@@ -98,8 +98,7 @@ from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.checkpoint.state_dict import _get_fqns
-from torch.distributed.utils import _apply_to_tensors
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_WRAPPED_MODULE, ActivationWrapper
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..hooks import observe_storage, observe_wait
@@ -109,6 +108,7 @@ from .checks import (
     TensorSpec, check_same_everywhere, collectives_on, first_difference, first_setting_difference, raise_on_every_rank,
 )
 from .isinstance_only import give_methods, refuse_inherited
+from .mixed_precision import cast_floating
 from .replicate import REPLICATE_STATE
 from .sharded_optimizer_state import SHARDED_BY, group_of_shard, watch_optimizers
 
@@ -733,7 +733,7 @@ class ShardGroup:
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Floating-point inputs to the policy's ``param_dtype`` where it asks for it (FSDP2's _cast_forward_inputs)."""
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            return _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+            return cast_floating((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
 
     @_not_traced
@@ -778,7 +778,7 @@ class ShardGroup:
         went on the outputs as the module made them."""
         if self.mp_policy.output_dtype is None:
             return output
-        return _cast_floating(output, self.mp_policy.output_dtype)
+        return cast_floating(output, self.mp_policy.output_dtype)
 
     @_not_traced
     def _before_backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -803,14 +803,6 @@ class ShardGroup:
         """Record a collective from its launch to when this rank first sees it complete (:meth:`Iteration.poll`)."""
         if self.iteration is not None:
             self.iteration.open_collectives.append((self, work, stage, start))
-
-
-def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    """``obj`` with its floating-point tensors in ``dtype``, the others as they are (FSDP2's _cast_fp_tensor), found
-    by the walk FSDP2 casts with, torch's ``_apply_to_tensors``: into dataclasses, dicts (a dict subclass comes back a
-    plain dict, an ``OrderedDict`` keeps its class), namedtuples, lists, tuples and sets; not into other mappings (a
-    ``UserDict``) nor a ``PackedSequence``, which come back as they are."""
-    return _apply_to_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj)
 
 
 def _refuse_parameters_on_meta(root: nn.Module) -> None:
@@ -1642,20 +1634,33 @@ def _refuse_misshapen_before_loading(root: nn.Module, state_dict: dict, prefix: 
     """Before ``root.load_state_dict`` (a module fully_shard was called on) loads anything: every sharded parameter of
     its sub-tree is checked (:func:`_refuse_size_mismatches`), so that a refused state dict leaves every module as it
     was; torch's own ``load_state_dict`` reports a size mismatch after loading the rest."""
-    keys = [(prefix + key, p) for key, p, _ in _state_dict_keys(root)]
+    # Keyed both ways: an activation checkpoint's wrapper at the root puts its prefix back into the keys before this
+    # hook runs (its own pre-hook came first), one deeper only when the load reaches it
+    keys = [(prefix + key, p) for path, key, p, _ in _state_dict_keys(root) for key in dict.fromkeys((path, key))]
     _refuse_size_mismatches(root, keys, state_dict)
 
 
-def _state_dict_keys(root: nn.Module) -> list[tuple[str, ShardedParameter, ShardGroup]]:
-    """Every place of a sharded parameter in ``root``'s sub-tree, under the key ``root.state_dict()`` gives it, with
-    its group: its path, less what module wrappers leave out of their state dicts (an activation checkpoint's
-    ``_checkpoint_wrapped_module.``), as torch's checkpoint code reads a path (``_get_fqns``, a DDP wrapper's
-    ``module.`` and a compiled module's ``_orig_mod.`` kept, as ``state_dict()`` keeps them)."""
-    paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
-    places = [(f"{paths[id(module)]}.{name}".lstrip("."), p, group) for group in sharded_groups(root)
-              for p in group.params for module, name in p.places if id(module) in paths]
-    return [(next(iter(_get_fqns(root, path, skip_ddp_prefix=False, skip_compiler_prefix=False))), p, group)
-            for path, p, group in places]
+def _state_dict_keys(root: nn.Module) -> list[tuple[str, str, ShardedParameter, ShardGroup]]:
+    """Every place of a sharded parameter in ``root``'s sub-tree, at every path a module shared by several has:
+    ``(its path, the key root.state_dict() gives it, the parameter, its group)``. The key is the path less what an
+    activation checkpoint's wrapper (torch's ``ActivationWrapper``: ``checkpoint_wrapper``, ``offload_wrapper``)
+    leaves out of its state dict, its ``_checkpoint_wrapped_module.`` (its ``_post_state_dict_hook``)."""
+    places = []
+    for holder_path, holder in root.named_modules(remove_duplicate=False):
+        for group in sharded_groups(root):
+            for path, p in _keys_of(group, holder, f"{holder_path}." if holder_path else ""):
+                places.append((path, _without_checkpoint_wrappers(root, path), p, group))
+    return places
+
+
+def _without_checkpoint_wrappers(root: nn.Module, path: str) -> str:
+    """``path`` (from ``root``) without the ``_checkpoint_wrapped_module`` segments right under an ``ActivationWrapper``."""
+    kept, module = [], root
+    for segment in path.split("."):
+        if not (isinstance(module, ActivationWrapper) and segment == _CHECKPOINT_WRAPPED_MODULE):
+            kept.append(segment)
+        module = getattr(module, segment, None)
+    return ".".join(kept)
 
 
 def _keep_own_rows(group: ShardGroup, holder: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
@@ -1735,7 +1740,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     parameter's padded rows are gathered with one ``all_gather_single`` over its group, the layout its all-gathers
     use, and the padding left out."""
     full = module.state_dict()  # each group resharded, following the parameters registered now (after to_empty())
-    for key, p, group in _state_dict_keys(module):
+    for _, key, p, group in _state_dict_keys(module):
         if isinstance(full.get(key), DTensor):
             gathered = torch.empty(p.shard_numel * group.world_size, dtype=p.padded.dtype, device=p.padded.device)
             _all_gather(gathered, p.padded, group=group.process_group)

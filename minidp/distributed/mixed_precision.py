@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.utils import _cast_forward_inputs
+from torch.distributed.utils import _apply_to_tensors
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -117,9 +117,10 @@ class MixedPrecision:
             param.data = param._fp_param
 
     def cast_inputs(self, inputs: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        """Step 2: the floating-point tensors of the forward's arguments in ``param_dtype``: torch's own
-        ``_cast_forward_inputs``, whose walk (``_apply_to_tensors``) decides which containers are looked into."""
-        return _cast_forward_inputs(self.config.param_dtype, *inputs, **kwargs)
+        """Step 2: the floating-point tensors of the forward's arguments in ``param_dtype`` (:func:`cast_floating`,
+        the walk of torch's ``_cast_forward_inputs``; not that function itself, whose first parameter is named
+        ``dtype``: a forward's keyword argument of that name collides with it there, and torch's DDP raises)."""
+        return cast_floating(inputs, self.config.param_dtype), cast_floating(kwargs, self.config.param_dtype)
 
     def to_full_precision(self, param: torch.Tensor) -> None:
         """Step 4, for one reduced parameter: its full-precision data back, its low-precision copy freed, its
@@ -166,3 +167,11 @@ def allreduce_and_upcast(mixed, bucket):
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(buffer)
     return future
+
+
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with its floating-point tensors in ``dtype``, the others as they are, found by the walk torch's DDP and
+    FSDP2 cast with, ``_apply_to_tensors``: into dataclasses, dicts (a dict subclass comes back a plain dict, an
+    ``OrderedDict`` keeps its class), namedtuples, lists, tuples and sets; not into other mappings (a ``UserDict``) nor
+    a ``PackedSequence``, which come back as they are."""
+    return _apply_to_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj)

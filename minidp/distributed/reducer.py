@@ -113,6 +113,17 @@ def _peer_left(error: RuntimeError) -> bool:
     return any(words in text for words in PEER_LEFT)
 
 
+
+# torch's reducer (reducer.cpp, search_unused_parameters), once per process there, once per wrapper here: the search
+# for unused parameters that found none, which costs a walk of the graph at every forward
+FOUND_NO_UNUSED_PARAMETERS = (
+    "find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters in the "
+    "forward pass. This flag results in an extra traversal of the autograd graph every iteration,  which can "
+    "adversely affect performance. If your model indeed never has any unused parameters in the forward pass, "
+    "consider turning this flag off. Note that this warning may be a false positive if your model has flow control "
+    "causing later iterations to have unused parameters."
+)
+
 class Reducer:
     """Averages the gradients of ``params`` over the ranks of ``group`` during the backward.
 
@@ -212,6 +223,7 @@ class Reducer:
         self.log_graph_not_static: Callable[[int], None] = lambda iteration: None  # and the graph seen not static
         self._graph_static = True  # the same unused parameters found at every search so far
         self._last_search: Optional[list[int]] = None
+        self._told_none_unused = False  # FOUND_NO_UNUSED_PARAMETERS said once, as torch's TORCH_WARN_ONCE
         self._post_backward_futures: list[torch.futures.Future] = []  # a buffer hook's, waited for at the end
         self._events: list[dict] = []  # this backward's, filled as it runs
         self._reduce_events: dict[int, dict] = {}  # bucket index -> its all-reduce event
@@ -401,6 +413,9 @@ class Reducer:
         elif self.find_unused_parameters:
             with torch.autograd.profiler.record_function("torch.distributed.ddp.reducer::search_unused_parameters"):
                 self._unused = self._unreached(outputs)
+            if not self._unused and not self._told_none_unused:
+                self._told_none_unused = True
+                warnings.warn(FOUND_NO_UNUSED_PARAMETERS, UserWarning, stacklevel=4)
             if self._graph_static and self._last_search is not None and self._unused != self._last_search:
                 self._graph_static = False
                 self.log_graph_not_static(self.iteration)
