@@ -6,6 +6,7 @@ on the same data; each returns plain facts that tests/test_fully_shard.py assert
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import gc
 import inspect
@@ -901,6 +902,44 @@ def recovers_from_a_failure(seed: int, where: str) -> dict:
                 opt.step()
             differences.append(first_difference(ours, theirs, optimizers))
     return {"differences": differences, "raised": raised}
+
+
+def grouped_forward_failure(seed: int) -> dict:
+    """:class:`Net` with ``norm`` and ``head`` sharded together (``fully_shard([norm, head])``), by each library;
+    step 1's forward raises in ``head``, and training goes on without ``reset_iter_state``: per library, the shapes of
+    this rank's ``norm.weight`` and ``head.weight`` right after the failure (gathered or this rank's rows), and the
+    first difference between the two after every later step."""
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    theirs = Net()
+    ours = copy.deepcopy(theirs)
+    shard(theirs, torch_fully_shard, True, grouped=("norm", "head"))
+    shard(ours, md.fully_shard, True, grouped=("norm", "head"))
+    optimizers = (OPTIMIZERS["adamw"](ours.parameters()), OPTIMIZERS["adamw"](theirs.parameters()))
+    failing = {"now": False}
+
+    def planted(*_: Any) -> None:
+        if failing["now"]:
+            raise RuntimeError("planted")
+
+    for sharded in (ours, theirs):
+        sharded.head.register_forward_pre_hook(planted)
+    after_failure, differences = {}, []
+    for step in range(4):
+        x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + step + 10 * rank))
+        if step == 1:
+            failing["now"] = True
+            for name, sharded in (("minidp", ours), ("fsdp2", theirs)):
+                with contextlib.suppress(RuntimeError):
+                    sharded(x)
+                after_failure[name] = [tuple(local(sharded.norm.weight).shape), tuple(local(sharded.head.weight).shape)]
+            failing["now"] = False
+        for opt, sharded in zip(optimizers, (ours, theirs)):
+            opt.zero_grad()
+            sharded(x).pow(2).mean().backward()
+            opt.step()
+        differences.append(first_difference(ours, theirs, optimizers))
+    return {"after_failure": after_failure, "differences": differences}
 
 
 def handles(seed: int) -> dict:

@@ -123,6 +123,7 @@ TWO_PROCESSES = {
        for when in ("first", "every_step")},
     "view_output_warnings": (checks.view_output_warnings, {}),
     "casts_containers": (checks.casts_containers_as_fsdp2, {}),
+    "grouped_forward_failure": (checks.grouped_forward_failure, {}),
     **({"unused-params": (checks.against_fsdp2, {"model": "branchy", "configure": "reduce_unused",
                                                  "optimizer": "adamw"})} if checks.FSDP2_REDUCES_UNUSED else {}),
     "ignored-head": (checks.against_fsdp2, {"ignored": ("head.weight", "head.bias"), "optimizer": "adamw"}),
@@ -434,6 +435,15 @@ def test_training_with_a_mixed_precision_policy_equals_fsdp2_with_it(two, policy
     # "-unsynced": 3 backwards a step, the first two without the reduce-scatter: with a reduce dtype other than
     # the compute dtype, the whole gradients are summed in the reduce dtype, as FSDP2 sums them
     assert_same_as_fsdp2(two, f"policy-{policy}{sync}")
+
+
+def test_a_group_whose_member_raised_in_its_forward_is_freed_at_once_and_trains_on_as_fsdp2(two):
+    # FSDP2 registers a group's post-forward hooks with always_call=True (_fsdp_state.py,
+    # _register_group_forward_hooks): the pass closes, and the gathered parameters are freed, even when a member's
+    # forward raised; minidp's kept them registered whole until the next forward
+    for result in each_rank(two, "grouped_forward_failure"):
+        assert result["after_failure"]["minidp"] == result["after_failure"]["fsdp2"]
+        assert result["differences"] == [None] * 4
 
 
 def test_a_policys_casts_reach_into_the_containers_fsdp2s_reach_into_and_no_others(two):

@@ -1421,7 +1421,9 @@ def fully_shard(
         else:
             root.register_forward_pre_hook(functools.partial(_group_pre_forward, shard_group), prepend=True,
                                            with_kwargs=True)
-            root.register_forward_hook(functools.partial(_group_post_forward, shard_group))
+            # always_call, as FSDP2's group hooks: a member whose forward raised still closes the pass, and frees
+            # the gathered parameters (a single module's group waits for reset_iter_state or the next forward there)
+            root.register_forward_hook(functools.partial(_group_post_forward, shard_group), always_call=True)
     for root in roots:
         root._register_load_state_dict_pre_hook(functools.partial(_refuse_misshapen_before_loading, root))
     holders = {id(m): m for p in params for m, _ in p.places}
