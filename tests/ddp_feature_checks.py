@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import io
+import logging
 import os
 import time
 import warnings
@@ -111,20 +112,41 @@ def pickled_then_trained(seed: int, how: str, static_graph: bool = False) -> dic
     }
 
 
-def told_none_unused(seed: int) -> dict[str, list[str]]:
+class _Kept(logging.Handler):
+    """A logging handler that keeps the messages it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def told_none_unused(seed: int) -> dict[str, Any]:
     """minidp's wrapper with ``find_unused_parameters=True``, three steps, on a model whose forward uses every
-    parameter, and on one that leaves a layer out: the warnings each gave (torch's reducer writes its notice to the
-    process's stderr from C++, where a test cannot read it as a warning)."""
-    seen = {}
+    parameter, and on one that leaves a layer out: what each logged (torch's reducer prints its notice from C++ to
+    the process's stderr, not as a warning), and whether any warning was raised under ``simplefilter("error")``, as
+    a program that turns warnings into errors runs."""
+    from minidp.distributed.reducer import LOG
+
+    seen: dict[str, Any] = {}
     for name, build in (("all_used", _tanh_mlp), ("one_unused", _PartlyUsedBy0)):
         torch.manual_seed(seed)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ddp = md.DistributedDataParallel(build(), find_unused_parameters=True)
-            for step in range(3):
-                out = ddp(_inputs(seed, step, 5, 6))
-                (out[0] if isinstance(out, tuple) else out).pow(2).mean().backward()
-        seen[name] = [str(w.message) for w in caught]
+        kept = _Kept()
+        LOG.addHandler(kept)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                ddp = md.DistributedDataParallel(build(), find_unused_parameters=True)
+                for step in range(3):
+                    out = ddp(_inputs(seed, step, 5, 6))
+                    (out[0] if isinstance(out, tuple) else out).pow(2).mean().backward()
+            seen[name] = kept.messages
+        except Warning as warned:
+            seen[name] = f"raised {type(warned).__name__}: {warned}"
+        finally:
+            LOG.removeHandler(kept)
     return seen
 
 

@@ -1592,7 +1592,8 @@ def _laid_out(layout: str, shard_with: Callable[..., Any], seed: int) -> nn.Modu
     """A model sharded by ``shard_with`` (sub-modules first) in one of the layouts whose state-dict keys are not the
     modules' paths: ``"blocks_wrapped"``, a :class:`Net` whose blocks torch's ``apply_activation_checkpointing``
     wrapped (their keys leave out the wrapper's ``_checkpoint_wrapped_module.``); ``"root_wrapped"``, a :class:`Net`
-    in torch's ``checkpoint_wrapper``, sharded whole; ``"shared_block"``, :class:`_SharedBlock`."""
+    in torch's ``checkpoint_wrapper``, sharded whole; ``"nested_wrapped"``, the wrapped blocks of the first (each
+    sharded) inside the wrapper of the second; ``"shared_block"``, :class:`_SharedBlock`."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing, checkpoint_wrapper,
     )
@@ -1606,6 +1607,10 @@ def _laid_out(layout: str, shard_with: Callable[..., Any], seed: int) -> nn.Modu
     if layout == "root_wrapped":
         return shard_with(checkpoint_wrapper(model))
     apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
+    if layout == "nested_wrapped":
+        for block in model.blocks:
+            shard_with(block)
+        return shard_with(checkpoint_wrapper(model))
     return shard(model, shard_with, True)
 
 

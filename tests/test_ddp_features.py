@@ -294,7 +294,9 @@ def test_a_deepcopied_wrapper_built_for_the_python_reducer_keeps_averaging_where
 
 def test_a_search_for_unused_parameters_that_finds_none_says_so_once_in_torchs_words(two):
     # torch's reducer: TORCH_WARN_ONCE in search_unused_parameters (reducer.cpp), per rank, where that rank's forward
-    # used every parameter: the walk of the graph costs at every forward and buys nothing there
+    # used every parameter: the walk of the graph costs at every forward and buys nothing there. Printed by its C++,
+    # so a program that turns warnings into errors trains on: minidp logs it (each case ran under
+    # warnings.simplefilter("error"))
     (rank_0, rank_1) = each_rank(two, "told_none_unused")
     for seen in (rank_0, rank_1):
         assert seen["all_used"] == [FOUND_NO_UNUSED_PARAMETERS]

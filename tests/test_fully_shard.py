@@ -146,6 +146,7 @@ TWO_PROCESSES = {
     "loaded_with_wrong_shapes": (checks.loaded_with_wrong_shapes, {}),
     **{f"state_dicts_{layout}": (checks.state_dicts_of_layouts, {"layout": layout, "misshapen": misshapen})
        for layout, misshapen in (("blocks_wrapped", "blocks.1.linear.weight"), ("root_wrapped", "head.weight"),
+                                 ("nested_wrapped", "blocks.1.linear.weight"),
                                  ("shared_block", "layers.1.linear.weight"))},
     "partial_full_state_dict_loaded": (checks.partial_full_state_dict_loaded, {}),
     "whole_parameter_optimizers": (checks.whole_parameter_optimizers, {}),
@@ -1055,7 +1056,7 @@ def test_a_state_dict_of_another_size_is_refused_in_fsdp2s_words_before_anything
 # Layouts whose state-dict keys are not the modules' paths: an activation checkpoint's wrapper leaves its
 # "_checkpoint_wrapped_module." out (checkpoint_wrapper.py, _post_state_dict_hook), and puts it back before a load
 # reaches it (_pre_load_state_dict_hook); a module at several paths has a key at each.
-LAYOUTS = ["blocks_wrapped", "root_wrapped", "shared_block"]
+LAYOUTS = ["blocks_wrapped", "root_wrapped", "nested_wrapped", "shared_block"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -1067,6 +1068,7 @@ def test_the_full_state_dict_of_every_layout_equals_fsdp2s_whole_tensors(two, la
 
 @pytest.mark.parametrize("layout,misshapen", [("blocks_wrapped", "blocks.1.linear.weight"),
                                               ("root_wrapped", "_checkpoint_wrapped_module.head.weight"),
+                                              ("nested_wrapped", "_checkpoint_wrapped_module.blocks.1.linear.weight"),
                                               ("shared_block", "layers.1.linear.weight")])
 def test_a_misshapen_state_dict_of_every_layout_loads_nothing(two, layout, misshapen):
     for result in each_rank(two, f"state_dicts_{layout}"):

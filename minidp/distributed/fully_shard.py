@@ -84,6 +84,7 @@ for one parameter (``ShardPlacementResult``) and the hooks that replace FSDP2's 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -1636,30 +1637,39 @@ def _refuse_misshapen_before_loading(root: nn.Module, state_dict: dict, prefix: 
     """Before ``root.load_state_dict`` (a module fully_shard was called on) loads anything: every sharded parameter of
     its sub-tree is checked (:func:`_refuse_size_mismatches`), so that a refused state dict leaves every module as it
     was; torch's own ``load_state_dict`` reports a size mismatch after loading the rest."""
-    # Keyed both ways: an activation checkpoint's wrapper at the root puts its prefix back into the keys before this
-    # hook runs (its own pre-hook came first), one deeper only when the load reaches it
-    keys = [(prefix + key, p) for path, key, p, _ in _state_dict_keys(root) for key in dict.fromkeys((path, key))]
+    # The keys as they are when this hook runs: an activation checkpoint's wrapper that is the root itself has put its
+    # segment back already (its pre-hook came first), one deeper does so only when the load reaches it
+    keys = [(prefix + key, p) for key, p, _ in _state_dict_keys(root, as_loaded_at_the_root=True)]
     _refuse_size_mismatches(root, keys, state_dict)
 
 
-def _state_dict_keys(root: nn.Module) -> list[tuple[str, str, ShardedParameter, ShardGroup]]:
+def _state_dict_keys(root: nn.Module, as_loaded_at_the_root: bool = False
+                     ) -> list[tuple[str, ShardedParameter, ShardGroup]]:
     """Every place of a sharded parameter in ``root``'s sub-tree, at every path a module shared by several has:
-    ``(its path, the key root.state_dict() gives it, the parameter, its group)``. The key is the path less what an
-    activation checkpoint's wrapper (torch's ``ActivationWrapper``: ``checkpoint_wrapper``, ``offload_wrapper``)
-    leaves out of its state dict, its ``_checkpoint_wrapped_module.`` (its ``_post_state_dict_hook``)."""
-    places = []
+    ``(the key root.state_dict() gives it, the parameter, its group)``. The key is the path less what an activation
+    checkpoint's wrapper (torch's ``ActivationWrapper``: ``checkpoint_wrapper``, ``offload_wrapper``) leaves out of
+    its state dict, the ``_checkpoint_wrapped_module`` segment right under it (its ``_post_state_dict_hook``);
+    ``as_loaded_at_the_root``: kept under the root, whose own pre-hook puts it back at the start of a load."""
+    places_in: dict[int, list[tuple[str, ShardedParameter, ShardGroup]]] = collections.defaultdict(list)
+    for group in sharded_groups(root):
+        for p in group.params:
+            for module, name in p.places:
+                places_in[id(module)].append((name, p, group))
+    keys = []
     for holder_path, holder in root.named_modules(remove_duplicate=False):
-        for group in sharded_groups(root):
-            for path, p in _keys_of(group, holder, f"{holder_path}." if holder_path else ""):
-                places.append((path, _without_checkpoint_wrappers(root, path), p, group))
-    return places
+        for name, p, group in places_in.get(id(holder), ()):
+            path = f"{holder_path}.{name}" if holder_path else name
+            keys.append((_without_checkpoint_wrappers(root, path, as_loaded_at_the_root), p, group))
+    return keys
 
 
-def _without_checkpoint_wrappers(root: nn.Module, path: str) -> str:
-    """``path`` (from ``root``) without the ``_checkpoint_wrapped_module`` segments right under an ``ActivationWrapper``."""
+def _without_checkpoint_wrappers(root: nn.Module, path: str, keep_the_roots: bool) -> str:
+    """``path`` (from ``root``) without the ``_checkpoint_wrapped_module`` segments right under an
+    ``ActivationWrapper`` (but the one under ``root``, with ``keep_the_roots``)."""
     kept, module = [], root
     for segment in path.split("."):
-        if not (isinstance(module, ActivationWrapper) and segment == _CHECKPOINT_WRAPPED_MODULE):
+        under_a_wrapper = isinstance(module, ActivationWrapper) and segment == _CHECKPOINT_WRAPPED_MODULE
+        if not under_a_wrapper or (keep_the_roots and module is root):
             kept.append(segment)
         module = getattr(module, segment, None)
     return ".".join(kept)
@@ -1742,7 +1752,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     parameter's padded rows are gathered with one ``all_gather_single`` over its group, the layout its all-gathers
     use, and the padding left out."""
     full = module.state_dict()  # each group resharded, following the parameters registered now (after to_empty())
-    for _, key, p, group in _state_dict_keys(module):
+    for key, p, group in _state_dict_keys(module):
         if isinstance(full.get(key), DTensor):
             gathered = torch.empty(p.shard_numel * group.world_size, dtype=p.padded.dtype, device=p.padded.device)
             _all_gather(gathered, p.padded, group=group.process_group)

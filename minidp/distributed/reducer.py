@@ -42,6 +42,7 @@ write-back at the end.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import threading
 import time
@@ -115,7 +116,10 @@ def _peer_left(error: RuntimeError) -> bool:
 
 
 # torch's reducer (reducer.cpp, search_unused_parameters), once per process there, once per wrapper here: the search
-# for unused parameters that found none, which costs a walk of the graph at every forward
+# for unused parameters that found none, which costs a walk of the graph at every forward. Logged (to stderr, where
+# no handler is configured), not warned: torch's C++ prints it, and a program that turns warnings into errors
+# (`-W error`, pytest's filterwarnings = error) trains on there
+LOG = logging.getLogger(__name__)
 FOUND_NO_UNUSED_PARAMETERS = (
     "find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters in the "
     "forward pass. This flag results in an extra traversal of the autograd graph every iteration,  which can "
@@ -415,7 +419,7 @@ class Reducer:
                 self._unused = self._unreached(outputs)
             if not self._unused and not self._told_none_unused:
                 self._told_none_unused = True
-                warnings.warn(FOUND_NO_UNUSED_PARAMETERS, UserWarning, stacklevel=4)
+                LOG.warning(FOUND_NO_UNUSED_PARAMETERS)
             if self._graph_static and self._last_search is not None and self._unused != self._last_search:
                 self._graph_static = False
                 self.log_graph_not_static(self.iteration)
