@@ -861,17 +861,23 @@ FSDP2_RESETS = hasattr(FSDPModule, "reset_iter_state")
 FSDP2_REDUCES_UNUSED = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
 
 
+def _sharded_pair(theirs: nn.Module, optimizer: str, **sharding: Any) -> tuple[nn.Module, nn.Module, tuple]:
+    """``theirs`` sharded by FSDP2 beside a copy sharded by minidp, each by :func:`shard` (``reshard_after_forward``
+    True, ``sharding`` its other arguments): ``(ours, theirs, (our optimizer, theirs))``, :data:`OPTIMIZERS`
+    ``optimizer`` over each model's parameters."""
+    ours = copy.deepcopy(theirs)
+    shard(theirs, torch_fully_shard, True, **sharding)
+    shard(ours, md.fully_shard, True, **sharding)
+    return ours, theirs, (OPTIMIZERS[optimizer](ours.parameters()), OPTIMIZERS[optimizer](theirs.parameters()))
+
+
 def recovers_from_a_failure(seed: int, where: str) -> dict:
     """Train minidp and FSDP2 side by side; in step 1 both raise midway (``where``: in block 1's forward, or in its
     backward, after the root and block 2 have reduced theirs), each is reset with ``reset_iter_state`` on its root,
     and training goes on: the first difference after every later step."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
-    theirs = Net()
-    ours = copy.deepcopy(theirs)
-    shard(theirs, torch_fully_shard, True)
-    shard(ours, md.fully_shard, True)
-    optimizers = (OPTIMIZERS["adamw"](ours.parameters()), OPTIMIZERS["adamw"](theirs.parameters()))
+    ours, theirs, optimizers = _sharded_pair(Net(), "adamw")
     failing = {"step": 1}
 
     def planted(*_: Any) -> None:
@@ -911,11 +917,7 @@ def grouped_forward_failure(seed: int) -> dict:
     first difference between the two after every later step."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
-    theirs = Net()
-    ours = copy.deepcopy(theirs)
-    shard(theirs, torch_fully_shard, True, grouped=("norm", "head"))
-    shard(ours, md.fully_shard, True, grouped=("norm", "head"))
-    optimizers = (OPTIMIZERS["adamw"](ours.parameters()), OPTIMIZERS["adamw"](theirs.parameters()))
+    ours, theirs, optimizers = _sharded_pair(Net(), "adamw", grouped=("norm", "head"))
     failing = {"now": False}
 
     def planted(*_: Any) -> None:
@@ -1334,12 +1336,9 @@ def frozen_and_unfrozen_midway_as_fsdp2(seed: int, steps: int = 4) -> list[Optio
     """Train FSDP2 and minidp side by side; after the first step freeze a sharded block's weight, and unfreeze one
     frozen from the start (fine-tuning that thaws layers as it goes): per step, the first difference from FSDP2."""
     torch.manual_seed(seed)
-    theirs = Net()
-    theirs.blocks[2].linear.weight.requires_grad_(False)
-    ours = copy.deepcopy(theirs)
-    shard(theirs, torch_fully_shard, True)
-    shard(ours, md.fully_shard, True)
-    optimizers = (OPTIMIZERS["sgd"](ours.parameters()), OPTIMIZERS["sgd"](theirs.parameters()))
+    net = Net()
+    net.blocks[2].linear.weight.requires_grad_(False)
+    ours, theirs, optimizers = _sharded_pair(net, "sgd")
     differences = []
     for step in range(steps):
         if step == 1:
@@ -1361,12 +1360,8 @@ def clips_as_fsdp2(seed: int, norm_type: float, dtype: torch.dtype = torch.float
     name in :data:`MODELS`, cast to ``dtype`` unless it is ``two_dtypes``, which keeps its own."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
-    theirs = MODELS[model]() if model == "two_dtypes" else MODELS[model]().to(dtype)
-    ours = copy.deepcopy(theirs)
-    arguments = sharding_arguments(mesh)
-    shard(theirs, torch_fully_shard, True, **arguments)
-    shard(ours, md.fully_shard, True, **arguments)
-    optimizers = (OPTIMIZERS["adamw"](ours.parameters()), OPTIMIZERS["adamw"](theirs.parameters()))
+    ours, theirs, optimizers = _sharded_pair(MODELS[model]() if model == "two_dtypes" else MODELS[model]().to(dtype),
+                                             "adamw", **sharding_arguments(mesh))
     steps_seen = []
     for step in range(steps):
         x = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + rank), dtype=dtype)
