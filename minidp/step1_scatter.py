@@ -27,6 +27,7 @@ would leave to the garbage collector (stock breaks its by hand, docs/stock-behav
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence
 
 import torch
@@ -101,6 +102,31 @@ def _check_no_packed_sequence(obj: Any, path: str) -> None:
         )
     for suffix, child in children(obj) or ():
         _check_no_packed_sequence(child, path + suffix)
+
+
+def _check_no_key_value_cache(obj: Any, path: str, replicas: int) -> None:
+    """Raise, naming it, if ``obj`` is or holds a Hugging Face key/value cache (``transformers``' ``Cache``: a
+    ``DynamicCache`` given as ``past_key_values``).
+
+    scatter gives such an object whole to every replica (stock too, B12), and each replica's attention layers append
+    their rows to it: all replicas into the one cache at once, so the cache ends up with every replica's keys, in the
+    order the threads ran (a shape error, or, where the chunks have as many rows as the cache, attention over another
+    replica's rows and logits silently wrong). Splitting it instead would leave the caller's cache as it was, and
+    Hugging Face's own generation loops read the one they passed in, updated in place. Only looked for once
+    ``transformers`` is imported: nothing else makes such a cache.
+    """
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None or not hasattr(cache_utils, "Cache"):
+        return
+    if isinstance(obj, cache_utils.Cache):
+        raise ValueError(
+            f"{path} is a Hugging Face {type(obj).__name__}, which every one of the {replicas} replicas would get whole "
+            f"and write its rows into at once (stock DataParallel does so: a shape error, or logits silently wrong). "
+            f"Run the model with a cache on one device (model.module(...), or model.module.generate(...)); with "
+            f"use_cache=True and no cache given, each replica makes its own, and they come back gathered into one"
+        )
+    for suffix, child in children(obj) or ():
+        _check_no_key_value_cache(child, path + suffix, replicas)
 
 
 def _check_chunk_counts(
@@ -214,6 +240,9 @@ def _scatter(
     # A tensor of one value per device beside a short batch: the batch's count. No tensor at all: every device, each
     # with containers of its own, as stock rebuilds them (B7, B12), so that no replica's change reaches another's.
     count = min(map(len, splits.values()), default=len(devices))
+    if count > 1:
+        for name, obj in roots:
+            _check_no_key_value_cache(obj, name, count)
     pieces = _scatter_map(inputs, devices[:count], splits, dim)
     return tuple(pieces) if isinstance(inputs, torch.Tensor) else pieces
 

@@ -219,6 +219,20 @@ def test_non_tensors_reach_every_replica_by_reference(generator):
     assert all(p[1] is opaque and p[2] is tags and p[3] == "text" for p in pieces)
 
 
+def test_a_hugging_face_cache_for_several_replicas_is_refused_naming_it_before_any_replica_runs(generator):
+    """B12: a ``DynamicCache`` given as ``past_key_values`` is an object scatter gives whole to every replica, and
+    stock's docstring warns that a replica writing to such an object corrupts it: every replica's attention appends
+    its rows to the one cache. minidp refuses it by name and says how to run a cache; the cache stays empty."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=16)
+    model = minidp.DataParallel(transformers.GPT2LMHeadModel(config).double().eval(), cpu_ids(2))
+    cache = transformers.DynamicCache()
+    with pytest.raises(ValueError, match=r"kwargs\['past_key_values'\] is a Hugging Face DynamicCache, which every one "
+                                         r"of the 2 replicas would get whole.*model\.module\(\.\.\.\)"):
+        model(input_ids=torch.randint(20, (4, 3), generator=generator), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 0
+
+
 def test_inputs_without_tensors_go_to_every_device():
     """B7/B12: non-tensor inputs are repeated once per device (all devices are used)."""
     assert minidp.scatter(("a", 1), cpu_ids(3)) == [("a", 1)] * 3
