@@ -57,7 +57,9 @@ walk cannot look inside (one that gather rebuilds from its items may hold tensor
 share memory (:func:`join`). Otherwise it leaves the outputs as they
 are and autograd runs the replicas' backwards one after the other, as before (the entries are then identity nodes
 on the way). Second-order gradients (``create_graph=True``) run the replicas' backwards one after the other in
-the calling thread, inside the node: the gradients it returns are differentiable, as the serial path's. So does a
+the calling thread, inside the node: the gradients it returns are differentiable, as the serial path's, and their
+graph reaches the replicas' nodes through a node of its own (:class:`MadeGradients`), so that a later backward never
+runs them in the user's graph task beside the cut's. So does a
 backward under a ``TorchDispatchMode`` or a ``TorchFunctionMode`` (``torch.utils.flop_counter.FlopCounterMode``
 counting it, a mode that rounds every result): a mode belongs to the thread that entered it, and autograd runs
 every replica's nodes under it, which the workers would not (:func:`modes_the_workers_lack`).
@@ -485,7 +487,7 @@ class ParallelBackward(torch.autograd.Function):
         ctx.graph_of_gradients_made = getattr(ctx, "graph_of_gradients_made", False) or create_graph
         keep_graph = keep_graph or ctx.graph_of_gradients_made
         needed = _needed_inputs(ctx)
-        calls, asked_per_replica, start, first_edge = [], [], 0, 0
+        calls, asked_per_replica, root_grads_per_replica, start, first_edge = [], [], [], 0, 0
         for replica, (outputs, edges) in enumerate(zip(ctx.outputs, ctx.edges)):
             count = ctx.outputs_per_replica[replica]
             pairs = [(k, g) for k, g in enumerate(grads[start : start + count]) if g is not None]
@@ -495,6 +497,7 @@ class ParallelBackward(torch.autograd.Function):
             asked = [e for e, need in zip(edges, needed[first_edge : first_edge + len(edges)]) if need]
             first_edge += len(edges)
             asked_per_replica.append(asked)
+            root_grads_per_replica.append([g for _, g in pairs])
             # A replica none of whose outputs got a gradient has no backward to run, as autograd would run none of
             # its nodes: no call, so that no listener sees a backward of it.
             if not pairs or not asked:
@@ -508,7 +511,7 @@ class ParallelBackward(torch.autograd.Function):
             if not ctx.graph_of_gradients_made:  # else its gradients are such a way in, and keep the graph (above)
                 _check_no_other_way_in(edges, replica)
 
-            def call(roots=[outputs[k] for k, _ in pairs], root_grads=[g for _, g in pairs], asked=asked) -> tuple:
+            def call(roots=[outputs[k] for k, _ in pairs], root_grads=root_grads_per_replica[-1], asked=asked) -> tuple:
                 return torch.autograd.grad(
                     roots, asked, root_grads, retain_graph=keep_graph, create_graph=create_graph, allow_unused=True
                 )
@@ -516,7 +519,17 @@ class ParallelBackward(torch.autograd.Function):
             calls.append(call)
         # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph;
         # and under a mode of this thread's, which the workers do not have.
+        if ctx.run is None:  # every replica's outputs let go of by earlier backwards, and only None gradients now
+            raise RuntimeError(
+                "Trying to backward through the graph a second time: the replicas' outputs were let go of by the "
+                "first backward. Specify retain_graph=True if you need to backward through the graph a second time."
+            )
         results = ctx.run(calls, create_graph or modes_the_workers_lack())
+        if create_graph:
+            results = [
+                None if result is None else _behind_a_node_of_their_own(result, edges, root_grads)
+                for result, edges, root_grads in zip(results, ctx.edges, root_grads_per_replica)
+            ]
         if not keep_graph:  # the replicas that ran cannot run again: let go of their outputs, and, once no replica
             for replica, call in enumerate(calls):  # may run again, of the replica modules the runner holds, as a
                 if call is not None:  # finished graph holds no module (a cache of replicas re-binds them; while a
@@ -524,6 +537,54 @@ class ParallelBackward(torch.autograd.Function):
             if all(outputs is None for outputs in ctx.outputs):
                 ctx.run = None
         return (None, *_per_input(ctx.edges, asked_per_replica, results))
+
+
+class MadeGradients(torch.autograd.Function):
+    """Forward: aliases of the gradients a ``create_graph=True`` backward made in one replica. Backward: the backward
+    of those gradients' graph, as a backward of its own that keeps the graph.
+
+    Their graph (the double backward) reads what the replica's forward saved, so it leads into the replica's nodes. A
+    later backward of a loss that uses them (a gradient penalty) and the replica's outputs would reach those nodes by
+    two ways: through that graph, in the user's own backward, which frees each node it runs (no ``retain_graph``), and
+    through :class:`ParallelBackward`, in a backward of its own. Whichever came second would find the node freed, by
+    an order the threads' sequence numbers decide (a worker that counted more nodes than the caller, a wrapper called
+    from another thread, two wrappers in a row). Behind this node, only minidp's own backwards run the replica's
+    nodes, and both keep the graph (:class:`ParallelBackward` does, once a ``create_graph`` backward went through it).
+    Its inputs are where that graph leaves the replica: the tensors its entries alias, and the gradients of its
+    outputs the double backward read (which carry a graph of their own).
+    """
+
+    @staticmethod
+    def forward(ctx, spec: tuple, *stops: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.made, ctx.ends = spec  # held, not saved: the made gradients are this node's way into their graph
+        return tuple(t.detach() for t in ctx.made)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        pairs = [(made, grad) for made, grad in zip(ctx.made, grads) if grad is not None]
+        if not pairs:
+            return (None,) * (1 + len(ctx.ends))
+        found = torch.autograd.grad(
+            [made for made, _ in pairs], ctx.ends, [grad for _, grad in pairs],
+            retain_graph=True, create_graph=torch.is_grad_enabled(), allow_unused=True,
+        )
+        return (None, *found)
+
+
+def _behind_a_node_of_their_own(result: tuple, edges: Sequence[GradientEdge], root_grads: Sequence[torch.Tensor]) -> tuple:
+    """One replica's gradients from a ``create_graph=True`` backward, those with a graph behind a
+    :class:`MadeGradients` node. Its inputs: the tensors that every one of the replica's entries aliases (``edges``;
+    not only those the backward asked for: the double backward reads the replica's parameters where a gradient with
+    respect to its inputs was made, and so leads to their entries too), then the ``root_grads`` with a graph (the
+    edges of the one, the tensors themselves of the other, ask autograd for the same)."""
+    made = [t for t in result if t is not None and t.requires_grad]
+    if not made:
+        return result
+    differentiable_roots = [g for g in root_grads if g.requires_grad]
+    stops = [edge.node.outer[edge.output_nr] for edge in edges] + differentiable_roots
+    aliases = iter(apply_function(MadeGradients, (made, [*edges, *differentiable_roots]), *stops))
+    return tuple(next(aliases) if t is not None and t.requires_grad else t for t in result)
 
 
 def _needed_inputs(ctx: Any) -> list[bool]:

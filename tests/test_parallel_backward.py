@@ -849,6 +849,83 @@ def test_a_penalty_on_a_gradient_made_with_create_graph_equals_the_serial_path_t
         assert max_relative_error(parallel, serial) < 1e-13
 
 
+def _penalty_step(call, parameters) -> None:
+    """A loss plus a penalty on its parameters' gradient made with ``create_graph=True``, back-propagated at once
+    without ``retain_graph``: the usual gradient-penalty step."""
+    loss = call().square().sum()
+    grads = torch.autograd.grad(loss, parameters, create_graph=True)
+    (loss + sum(g.square().sum() for g in grads)).backward()
+
+
+def test_a_penalty_step_in_a_thread_of_its_own_equals_the_serial_path_to_rounding(generator):
+    """A penalty step run from a new thread, after steps in this one: the workers counted more autograd nodes than
+    the new thread, so the replicas' nodes come before the node that cuts them in the order autograd runs a graph,
+    and the penalty's way into them (the double backward reads what they saved) reached them first, freed them, and
+    the cut's backward found them freed. The serial backward takes it; so does the cut, whose second-order
+    gradients reach the replicas' nodes only through a backward of minidp's own (``MadeGradients``)."""
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double(), torch.randn(6, 4, generator=generator, dtype=torch.float64)
+
+    def step(module, parallel):
+        wrapped = minidp.DataParallel(module, cpu_ids(2))
+        for _ in range(3):  # steps in this thread: the workers count the replicas' nodes
+            wrapped(x).sum().backward()
+        module.zero_grad()
+        failures = []
+
+        def penalty_step_here():
+            try:
+                _penalty_step(lambda: wrapped(x), list(module.parameters()))
+            except RuntimeError as error:
+                failures.append(error)
+
+        worker = threading.Thread(target=penalty_step_here)
+        worker.start()
+        worker.join()
+        assert not failures, failures
+
+    grads = _gradients_both_ways(model, step)
+    for parallel, serial in zip(grads[True], grads[False]):
+        assert max_relative_error(parallel, serial) < 1e-13
+
+
+def test_a_penalty_through_two_wrappers_in_a_row_equals_the_serial_path_to_rounding(generator):
+    """``head(encoder(x))``, each a DataParallel, and a penalty on every parameter's gradient: the penalty's graph
+    reaches the encoder's replicas' nodes while the cut of the head's region still waits for its turn."""
+    encoder, head = nn.Sequential(nn.Linear(4, 8), nn.Tanh()).double(), nn.Linear(8, 3).double()
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+
+    def step(model, parallel):
+        wrapped_encoder, wrapped_head = (minidp.DataParallel(m, cpu_ids(2)) for m in model)
+        _penalty_step(lambda: wrapped_head(wrapped_encoder(x)), list(model.parameters()))
+
+    grads = _gradients_both_ways(nn.ModuleList([encoder, head]), step)
+    for parallel, serial in zip(grads[True], grads[False]):
+        assert max_relative_error(parallel, serial) < 1e-13
+
+
+def test_a_second_backward_that_brings_the_replicas_no_gradient_raises_autograd_s_error(generator):
+    """A second backward, without ``retain_graph``, that reaches the replicated region with ``None`` gradients only
+    (a Function whose backward gives the output none): autograd's "backward through the graph a second time", as
+    the serial backward raises it."""
+
+    class GradientForTheOtherOnly(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, output, other):
+            return output.sum() + other.sum()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, grad.expand(3)
+
+    for parallel in (False, True):
+        with parallel_backward.parallel_backward_settings(parallel):
+            output = minidp.DataParallel(nn.Linear(4, 3).double(), cpu_ids(2))(torch.randn(6, 4, generator=generator, dtype=torch.float64))
+            assert _in_parallel(output) == parallel
+            output.square().sum().backward()
+            with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+                GradientForTheOtherOnly.apply(output, torch.zeros(3, dtype=torch.float64, requires_grad=True)).backward()
+
+
 @pytest.mark.parametrize("input_requires_grad", [False, True], ids=["tangent_only", "tangent_and_grad"])
 def test_a_forward_mode_tangent_comes_out_as_through_the_serial_path(generator, input_requires_grad):
     """``torch.autograd.forward_ad``: a dual input's tangent reaches the output, equal to the serial path's, and the
