@@ -127,8 +127,11 @@ def told_none_unused(seed: int) -> dict[str, Any]:
     """minidp's wrapper with ``find_unused_parameters=True``, three steps, on a model whose forward uses every
     parameter, and on one that leaves a layer out: what each logged (torch's reducer prints its notice from C++ to
     the process's stderr, not as a warning), and whether any warning was raised under ``simplefilter("error")``, as
-    a program that turns warnings into errors runs."""
-    from minidp.distributed.reducer import LOG
+    a program that turns warnings into errors runs. From the notice untold, as in a fresh process (another check of
+    the job may have told it)."""
+    from minidp.distributed.reducer import LOG, told_none_unused
+
+    told_none_unused.clear()
 
     seen: dict[str, Any] = {}
     for name, build in (("all_used", _tanh_mlp), ("one_unused", _PartlyUsedBy0)):
@@ -420,6 +423,24 @@ def two_losses_back_propagated_in_turn(seed: int, steps: int = 3, **options: Any
         values.pow(2).mean().backward()
 
     return _steps_until_an_error(_pair(_ActorCritic, seed, **options), seed, steps, step_of)
+
+
+def two_losses_with_a_rebuild_between(seed: int) -> dict:
+    """One forward of :class:`_ActorCritic`, the policy's loss back-propagated, then ``reducer._rebuild_buckets()``, as
+    Lightning's manual optimization calls it before each ``manual_backward``, then the value's loss: each wrapper's
+    error at the rebuild (type and first sentence, ``None``: none), and where the gradients then differ."""
+    theirs, ours, theirs_module, ours_module = _pair(_ActorCritic, seed)
+    errors: dict = {}
+    for name, ddp in (("stock", theirs), ("minidp", ours)):
+        log_probabilities, values = ddp(_inputs(seed, 0, 5, 6))
+        (-log_probabilities[:, 0].mean()).backward()
+        try:
+            ddp.reducer._rebuild_buckets()
+            errors[name] = None
+        except RuntimeError as error:
+            errors[name] = (type(error).__name__, str(error).split(".")[0])
+        values.pow(2).mean().backward()
+    return {"errors": errors, "gradients": _difference(ours_module, theirs_module)}
 
 
 class _FailsInBackward(torch.autograd.Function):

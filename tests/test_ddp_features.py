@@ -15,7 +15,8 @@ import torch
 
 from . import ddp_checks, ddp_feature_checks as checks
 from .helpers import (
-    RTOL_FLOAT64, TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP, assert_no_differences, cpu_ids, each_rank, job_fixture, run_job,
+    RTOL_FLOAT64, TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP, assert_no_differences, cpu_ids, each_rank, fresh_python, job_fixture,
+    run_job,
 )
 from minidp.distributed import RankFailed, launch
 from minidp.distributed.reducer import COMPILED_AUTOGRAD_REFUSED, CREATE_GRAPH_WARNING, FOUND_NO_UNUSED_PARAMETERS
@@ -91,6 +92,7 @@ TWO_PROCESSES = {
     **{f"two_losses_in_turn_{name}": (checks.two_losses_back_propagated_in_turn, options)
        for name, options in (("default", {}), ("find_unused", {"find_unused_parameters": True}),
                              ("static", {"static_graph": True}))},
+    "two_losses_with_a_rebuild_between": (checks.two_losses_with_a_rebuild_between, {}),
     "output_in_place_find_unused": (checks.output_changed_in_place_as_stock, {"find_unused_parameters": True}),
     "output_in_place_static": (checks.output_changed_in_place_as_stock, {"static_graph": True}),
     "output_in_place_not_cloned": (checks.output_changed_in_place_as_stock, {
@@ -292,16 +294,59 @@ def test_a_deepcopied_wrapper_built_for_the_python_reducer_keeps_averaging_where
         assert result["original_untouched"] is None
 
 
-def test_a_search_for_unused_parameters_that_finds_none_says_so_once_in_torchs_words(two):
-    # torch's reducer: TORCH_WARN_ONCE in search_unused_parameters (reducer.cpp), per rank, where that rank's forward
+def test_a_search_for_unused_parameters_that_finds_none_says_so_once_a_process_in_torchs_words(two):
+    # torch's reducer: TORCH_WARN_ONCE in search_unused_parameters (reducer.cpp), once per process, where a forward
     # used every parameter: the walk of the graph costs at every forward and buys nothing there. Printed by its C++,
     # so a program that turns warnings into errors trains on: minidp logs it (each case ran under
-    # warnings.simplefilter("error"))
-    (rank_0, rank_1) = each_rank(two, "told_none_unused")
-    for seen in (rank_0, rank_1):
-        assert seen["all_used"] == [FOUND_NO_UNUSED_PARAMETERS]
-    assert rank_0["one_unused"] == [FOUND_NO_UNUSED_PARAMETERS]  # rank 0 uses the layer rank 1 leaves out
-    assert rank_1["one_unused"] == []
+    # warnings.simplefilter("error")). A second wrapper in the process (a GAN's two models, a Trainer resumed) says
+    # nothing more
+    for seen in each_rank(two, "told_none_unused"):
+        assert seen == {"all_used": [FOUND_NO_UNUSED_PARAMETERS], "one_unused": []}
+
+
+_FORWARD_IN_A_DISTRIBUTED_AUTOGRAD_CONTEXT = """
+import socket
+import torch, torch.distributed as dist, torch.distributed.autograd as dist_autograd, torch.distributed.rpc as rpc
+from torch import nn
+import minidp.distributed as md
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}")
+rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=options)
+try:
+    ddp = md.DistributedDataParallel(nn.Linear(2, 1))
+    ddp(torch.ones(1, 2)).sum().backward()
+    print("outside a context: trained")
+    try:
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, [ddp(torch.ones(1, 2)).sum()])
+        print("inside a context: no error")
+    except RuntimeError as error:
+        print("inside a context:", error)
+finally:
+    rpc.shutdown()
+    dist.destroy_process_group()
+"""
+
+
+def test_a_forward_inside_a_distributed_autograd_context_is_refused_saying_what_works():
+    # torch's reducer reads and writes the gradients of a dist_autograd context (upstream's
+    # ddp_under_dist_autograd_test.py, DdpComparisonTest); minidp's reduces .grad, which distributed autograd never
+    # writes: its ranks stepped on their own gradients, silently. Refused at the forward, in a context only
+    done = fresh_python("-c", _FORWARD_IN_A_DISTRIBUTED_AUTOGRAD_CONTEXT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "outside a context: trained",
+        "inside a context: minidp's DistributedDataParallel cannot reduce gradients that torch.distributed.autograd "
+        "computes: this forward runs inside a dist_autograd.context(), whose backward keeps the gradients in the "
+        "context, not in .grad, where minidp reduces them. Use torch.nn.parallel.DistributedDataParallel with "
+        "distributed autograd, or run this model's forward and loss.backward() outside the context",
+    ]
 
 
 def test_pickling_with_a_non_default_group_raises_stocks_error(two):
@@ -408,6 +453,16 @@ def test_two_losses_back_propagated_in_turn_are_reduced_together_as_stock(two):
     # minidp's reducer ended it at the first pass's end: the value head's gradients stayed each rank's own.
     for result in each_rank(two, "two_losses_in_turn_default"):
         assert result == {"differences": [None] * 3, "errors": {}, "step": None}
+
+
+def test_a_rebuild_of_the_buckets_after_half_a_backward_raises_stocks_error_and_the_reduction_goes_on(two):
+    # reducer.cpp, rebuild_buckets: ensure_prior_reduction_finished first. Lightning's manual optimization calls
+    # _rebuild_buckets and prepare_for_backward before each manual_backward (a GAN's two losses of one forward): torch
+    # raises there, and Lightning says that parameters were not used. minidp's installed the plan and said nothing,
+    # and the prepare_for_backward after it dropped the pending reduction: each rank stepped on its own gradients.
+    for result in each_rank(two, "two_losses_with_a_rebuild_between"):
+        error = ("RuntimeError", "Expected to have finished reduction in the prior iteration before starting a new one")
+        assert result == {"errors": {"stock": error, "minidp": error}, "gradients": None}
 
 
 @pytest.mark.parametrize("options", ["find_unused", "static"])

@@ -14,6 +14,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .groups import rank_in
+
 
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Overwrite ``tensors`` on every rank of ``group`` with rank 0's values (a collective)."""
@@ -27,14 +29,13 @@ def broadcast_from(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, ra
     forward saved for its backward, not yet run, must not fail autograd's version check because
     rank 0's value was copied over it.
     """
-    source = dist.get_global_rank(group, rank)
-    receiving = dist.get_rank(group) != rank
+    receiving = rank_in(group) != rank
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t.detach())
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
         for members in groups.values():
             flat = torch.cat([t.reshape(-1) for t in members])
-            dist.broadcast(flat, src=source, group=group)
+            dist.broadcast(flat, group=group, group_src=rank)
             if receiving:
                 torch._foreach_copy_(members, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in members]), members)])

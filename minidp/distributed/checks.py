@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import sys
 from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..device_ids import check_device_list, parse_device
+from .groups import backend_of, rank_in, size_of
 
 
 class TensorSpec(NamedTuple):
@@ -153,7 +155,7 @@ def check_same_everywhere(
 
 def gather_from_every_rank(mine: Any, group: dist.ProcessGroup) -> list[Any]:
     """Every rank's ``mine``, in rank order (``all_gather_object``: a collective)."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
+    everyone: list[Any] = [None] * size_of(group)
     dist.all_gather_object(everyone, mine, group=group)
     return everyone
 
@@ -205,6 +207,26 @@ def check_one_device_type(module: nn.Module, ignored: frozenset[str] = frozenset
             f"parameters locate in {locations}. Move the module first, e.g. model.to('{types[0]}')."
         )
 
+
+
+def check_no_distributed_autograd() -> None:
+    """Raise a ``RuntimeError`` where this thread runs inside a ``torch.distributed.autograd`` context: its
+    ``dist_autograd.backward`` keeps the gradients in the context, where minidp's reducer, which reduces what autograd
+    accumulates into ``.grad``, would never see them, and each rank would step on its own (torch's reducer reads and
+    writes the context's). Two C calls where RPC is not running, none where it was never imported."""
+    rpc = sys.modules.get("torch.distributed.rpc")
+    if rpc is None or not rpc.is_available() or not rpc.api._is_current_rpc_agent_set():
+        return
+    try:
+        torch.distributed.autograd._current_context()
+    except RuntimeError:  # no context in this thread
+        return
+    raise RuntimeError(
+        "minidp's DistributedDataParallel cannot reduce gradients that torch.distributed.autograd computes: this "
+        "forward runs inside a dist_autograd.context(), whose backward keeps the gradients in the context, not in "
+        ".grad, where minidp reduces them. Use torch.nn.parallel.DistributedDataParallel with distributed autograd, "
+        "or run this model's forward and loss.backward() outside the context"
+    )
 
 
 def check_materialised(module: nn.Module, ignored: frozenset[str] = frozenset()) -> None:
@@ -319,7 +341,7 @@ def reducer_parameters(
 def start_failure_vote(error: Optional[Exception], group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
     """Each rank says whether it failed: an asynchronous all-reduce of one number (a collective), which
     :func:`raise_on_every_rank` waits for; other collectives may be issued in between."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if backend_of(group) == "nccl" else torch.device("cpu")
     failed = torch.tensor([0 if error is None else 1], device=device)
     return failed, dist.all_reduce(failed, group=group, async_op=True)
 
@@ -345,11 +367,11 @@ def raise_on_every_rank(
     work.wait()
     if failed.item() == 0:
         return
-    errors: list[Optional[tuple[str, str]]] = [None] * dist.get_world_size(group)
+    errors: list[Optional[tuple[str, str]]] = [None] * size_of(group)
     dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)), group=group)
     ending = f"; {advice}" if advice else ""
     if error is not None:
-        error.add_note(f"{doing} failed on rank {dist.get_rank(group)} (this rank), and raises on every rank{ending}")
+        error.add_note(f"{doing} failed on rank {rank_in(group)} (this rank), and raises on every rank{ending}")
         raise error
     rank, (kind, message) = next((rank, e) for rank, e in enumerate(errors) if e is not None)
     text = f"{doing} failed on rank {rank}: {message}{ending}"

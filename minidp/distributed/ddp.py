@@ -43,8 +43,9 @@ from .batchnorm import attach_exchange, check_torch_sync_batchnorm
 from .broadcast import broadcast_from, broadcast_from_rank0
 from .buckets import MIB, BucketCaps
 from .checks import (
-    IGNORED_ATTRIBUTE, check_device_ids, check_materialised, check_not_sharded, check_one_device_type, check_same_model,
-    collectives_on, ignored_names, reducer_candidates, reducer_parameters, sparse_gradient_flags, synced_tensors,
+    IGNORED_ATTRIBUTE, check_device_ids, check_materialised, check_no_distributed_autograd, check_not_sharded,
+    check_one_device_type, check_same_model, collectives_on, ignored_names, reducer_candidates, reducer_parameters,
+    sparse_gradient_flags, synced_tensors,
 )
 from .comm_hooks import CommHook, builtin_hook, check_comm_hook, optimizer_in_backward_hook
 from .isinstance_only import refuse_inherited
@@ -506,6 +507,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                 self._logging.record(self.reducer.iteration, self.reducer.last_stamps, self.reducer.runtime_facts())
             self.reducer.prepare_for_forward()
         if recording:
+            check_no_distributed_autograd()
             self.reducer.before_forward()
         # under Join: tell the joined ranks that this one still trains (minidp.distributed.join)
         work = Join.notify_join_context(self)

@@ -41,6 +41,7 @@ from torch.nn.parallel.distributed import _BufferCommHookLocation
 from torch.optim import Optimizer
 
 from .broadcast import broadcast_from
+from .groups import rank_in
 
 # a minidp.distributed.DistributedDataParallel and ZeroRedundancyOptimizer (their modules import this one, so not
 # by name here)
@@ -50,7 +51,7 @@ ZeroRedundancyOptimizer = Optimizer
 
 def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
     """The largest rank among those with ``candidate`` true, on every rank (``_find_common_rank``)."""
-    rank = torch.tensor([dist.get_rank(ddp.process_group) if candidate else -1], device=ddp.join_device)
+    rank = torch.tensor([rank_in(ddp.process_group) if candidate else -1], device=ddp.join_device)
     dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=ddp.process_group)
     if rank.item() == -1:
         raise ValueError("no rank is a candidate: at least one rank must pass candidate=True")

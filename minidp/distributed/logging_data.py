@@ -35,6 +35,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .groups import backend_of, rank_in, size_of
+
 DEFAULT_SAMPLE_RATE = 100  # kDDPRuntimeLoggingSampleRate
 ALWAYS_SAMPLED = 10  # the first iterations whose statistics are always kept
 
@@ -86,10 +88,10 @@ class LoggingData:
         device_ids: Optional[Sequence[Any]], output_device: Any, broadcast_buffers: bool, bucket_cap_bytes: int,
         find_unused_parameters: bool, gradient_as_bucket_view: bool, bucket_sizes: Sequence[int],
     ) -> None:
-        backend = dist.get_backend(group)
+        backend = backend_of(group)
         self.entries.update({
-            "world_size": dist.get_world_size(group),
-            "rank": dist.get_rank(group),
+            "world_size": size_of(group),
+            "rank": rank_in(group),
             "module_name": type(module).__name__,
             "device_ids": _joined(device_ids or []),
             "output_device": -1 if output_device is None else output_device,

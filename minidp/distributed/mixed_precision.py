@@ -38,6 +38,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.utils import _apply_to_tensors
 
+from .groups import size_of
+
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -160,7 +162,7 @@ def allreduce_and_upcast(mixed, bucket):
         buffer = buffer.to(mixed.reduce_dtype)
         bucket.set_buffer(buffer)
     dist.all_reduce(buffer, group=mixed.group)  # torch's hook waits for it too, before dividing
-    buffer.div_(dist.get_world_size(mixed.group))
+    buffer.div_(size_of(mixed.group))
     for param in bucket.parameters():
         mixed.to_full_precision(param)
     mixed.queue_restore_after_backward()

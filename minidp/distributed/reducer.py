@@ -59,6 +59,7 @@ from ..hooks import current_listener, observe_storage
 from ..nested import tensors_in
 from .buckets import Bucket, BucketCaps, GradBucket, as_real, initial_plan, rebuilt_plan, views_of
 from .comm_hooks import ONLY_ONCE, ONLY_ONCE_BUILTIN, CommHook, future_result
+from .groups import rank_in, size_of
 
 
 # reducer.cpp warns once when a gradient arriving in a bucket requires grad; the same words.
@@ -115,7 +116,7 @@ def _peer_left(error: RuntimeError) -> bool:
 
 
 
-# torch's reducer (reducer.cpp, search_unused_parameters), once per process there, once per wrapper here: the search
+# torch's reducer (reducer.cpp, search_unused_parameters), once per process (TORCH_WARN_ONCE), as here: the search
 # for unused parameters that found none, which costs a walk of the graph at every forward. Logged (to stderr, where
 # no handler is configured), not warned: torch's C++ prints it, and a program that turns warnings into errors
 # (`-W error`, pytest's filterwarnings = error) trains on there
@@ -127,6 +128,7 @@ FOUND_NO_UNUSED_PARAMETERS = (
     "consider turning this flag off. Note that this warning may be a false positive if your model has flow control "
     "causing later iterations to have unused parameters."
 )
+told_none_unused = threading.Event()  # set once FOUND_NO_UNUSED_PARAMETERS has been logged in this process
 
 class Reducer:
     """Averages the gradients of ``params`` over the ranks of ``group`` during the backward.
@@ -159,8 +161,8 @@ class Reducer:
         self.names = list(names)
         self.sparse = [False] * len(self.params) if sparse is None else list(sparse)  # gradients that are sparse
         self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.world_size = size_of(group)
+        self.rank = rank_in(group)
         self.caps = caps
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -227,7 +229,6 @@ class Reducer:
         self.log_graph_not_static: Callable[[int], None] = lambda iteration: None  # and the graph seen not static
         self._graph_static = True  # the same unused parameters found at every search so far
         self._last_search: Optional[list[int]] = None
-        self._told_none_unused = False  # FOUND_NO_UNUSED_PARAMETERS said once, as torch's TORCH_WARN_ONCE
         self._post_backward_futures: list[torch.futures.Future] = []  # a buffer hook's, waited for at the end
         self._events: list[dict] = []  # this backward's, filled as it runs
         self._reduce_events: dict[int, dict] = {}  # bucket index -> its all-reduce event
@@ -276,7 +277,7 @@ class Reducer:
     def _sync_plan(self, plan: list[list[int]]) -> list[list[int]]:
         """Rank 0's plan, on every rank (``sync_bucket_indices``): the ranks must agree on the buckets."""
         shared = [plan]
-        dist.broadcast_object_list(shared, src=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.broadcast_object_list(shared, group=self.group, group_src=0)
         return shared[0]
 
     # ---- static graph -------------------------------------------------------------------------
@@ -325,7 +326,7 @@ class Reducer:
         self._check_dtypes()
         self._check_reducer_finalized()
         self._name_parameters_and_gradients()
-        self.rebuild_buckets()
+        self._install_rebuilt_plan()
 
     def _name_parameters_and_gradients(self) -> None:
         """Tell a listener that counts memory (the ledger) that these are the model's parameters and their ``.grad`` its
@@ -357,7 +358,17 @@ class Reducer:
                 ))
 
     def rebuild_buckets(self) -> bool:
-        """Install the rebuilt plan if one is waiting (``Reducer::rebuild_buckets``); whether it did."""
+        """Install the rebuilt plan if one is waiting (``Reducer::rebuild_buckets``); whether it did. Raises first, as
+        torch's does, if the last backward left gradients unreduced: Lightning's manual optimization calls it before
+        each ``manual_backward``, and a backward of half the model would otherwise be dropped by the
+        ``prepare_for_backward`` that follows, each rank stepping on its own gradients."""
+        self._check_reducer_finalized()
+        return self._install_rebuilt_plan()
+
+    _rebuild_buckets = rebuild_buckets  # the name torch's Reducer has (Lightning calls it)
+
+    def _install_rebuilt_plan(self) -> bool:
+        """Install the rebuilt plan if one is waiting; whether it did."""
         if self._rebuilt is None:
             return False
         with torch.no_grad():
@@ -365,8 +376,6 @@ class Reducer:
         self._rebuilt = None
         self.has_rebuilt_buckets = True
         return True
-
-    _rebuild_buckets = rebuild_buckets  # the name torch's Reducer has (Lightning calls it)
 
     def set_forward_pass_work(self, work: Optional[dist.Work], divide_by_initial_world_size: bool) -> None:
         """Before each forward (``_set_forward_pass_work_handle``): under ``Join``, ``work`` is the all-reduce
@@ -417,8 +426,8 @@ class Reducer:
         elif self.find_unused_parameters:
             with torch.autograd.profiler.record_function("torch.distributed.ddp.reducer::search_unused_parameters"):
                 self._unused = self._unreached(outputs)
-            if not self._unused and not self._told_none_unused:
-                self._told_none_unused = True
+            if not self._unused and not told_none_unused.is_set():
+                told_none_unused.set()
                 LOG.warning(FOUND_NO_UNUSED_PARAMETERS)
             if self._graph_static and self._last_search is not None and self._unused != self._last_search:
                 self._graph_static = False
