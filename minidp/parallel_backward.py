@@ -484,7 +484,8 @@ class ParallelBackward(torch.autograd.Function):
         # ways: through this node, whose separate backward below would free them, and through those gradients.
         # Autograd frees a node's buffers once its single graph task is done with it; here they are kept, and
         # freed with the graph.
-        ctx.graph_of_gradients_made = getattr(ctx, "graph_of_gradients_made", False) or create_graph
+        made_before = getattr(ctx, "graph_of_gradients_made", False)
+        ctx.graph_of_gradients_made = made_before or create_graph
         keep_graph = keep_graph or ctx.graph_of_gradients_made
         needed = _needed_inputs(ctx)
         calls, asked_per_replica, root_grads_per_replica, start, first_edge = [], [], [], 0, 0
@@ -525,7 +526,11 @@ class ParallelBackward(torch.autograd.Function):
                 "first backward. Specify retain_graph=True if you need to backward through the graph a second time."
             )
         results = ctx.run(calls, create_graph or modes_the_workers_lack())
-        if create_graph:
+        # The first create_graph backward's gradients only: a later one's root gradients can carry a graph back into
+        # the replica's entries (through the double backward of the first's), which MadeGradients, asked for both,
+        # would count twice (third-order gradients came out wrong); past the first, the node's gradients stay as
+        # autograd made them.
+        if create_graph and not made_before:
             results = [
                 None if result is None else _behind_a_node_of_their_own(result, edges, root_grads)
                 for result, edges, root_grads in zip(results, ctx.edges, root_grads_per_replica)

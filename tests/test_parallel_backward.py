@@ -903,6 +903,29 @@ def test_a_penalty_through_two_wrappers_in_a_row_equals_the_serial_path_to_round
         assert max_relative_error(parallel, serial) < 1e-13
 
 
+@pytest.mark.parametrize("first", ["parameters", "inputs"])
+def test_third_order_gradients_equal_the_serial_path_to_rounding(generator, first):
+    """Gradients of gradients of gradients (``create_graph=True`` twice, then a plain one): the second backward through
+    the node brings root gradients whose graph leads back into the replicas' entries, which are not put behind a node
+    of their own again (a first fix did so, and counted that way twice: relative errors of 0.16 to 0.78)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+
+    def step(module, parallel):
+        inputs = x.clone().requires_grad_()
+        output = minidp.DataParallel(module, cpu_ids(2))(inputs * 1)  # not the leaf itself: it keeps them serial
+        assert _in_parallel(output) == parallel
+        parameters = list(module.parameters())
+        wrt = parameters if first == "parameters" else [inputs]
+        first_order = torch.autograd.grad(output.tanh().square().sum(), wrt, create_graph=True)
+        second_order = torch.autograd.grad(sum(g.square().sum() for g in first_order), parameters, create_graph=True)
+        sum(g.pow(3).sum() for g in second_order).backward()
+
+    grads = _gradients_both_ways(model, step)
+    for parallel, serial in zip(grads[True], grads[False]):
+        assert max_relative_error(parallel, serial) < 1e-12
+
+
 def test_a_second_backward_that_brings_the_replicas_no_gradient_raises_autograd_s_error(generator):
     """A second backward, without ``retain_graph``, that reaches the replicated region with ``None`` gradients only
     (a Function whose backward gives the output none): autograd's "backward through the graph a second time", as
