@@ -518,13 +518,13 @@ class ParallelBackward(torch.autograd.Function):
                 )
 
             calls.append(call)
-        # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph;
-        # and under a mode of this thread's, which the workers do not have.
         if ctx.run is None:  # every replica's outputs let go of by earlier backwards, and only None gradients now
             raise RuntimeError(
                 "Trying to backward through the graph a second time: the replicas' outputs were let go of by the "
                 "first backward. Specify retain_graph=True if you need to backward through the graph a second time."
             )
+        # create_graph: one after the other here, in grad mode, so that what they record joins this backward's graph;
+        # and under a mode of this thread's, which the workers do not have.
         results = ctx.run(calls, create_graph or modes_the_workers_lack())
         # The first create_graph backward's gradients only: a later one's root gradients can carry a graph back into
         # the replica's entries (through the double backward of the first's), which MadeGradients, asked for both,
