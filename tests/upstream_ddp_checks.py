@@ -762,8 +762,8 @@ class SparseGradientModule(nn.Module):
         return F.softmax(self.embedding(x), dim=1)
 
 
-def _ddp_with_process_group(process_group, gradient_as_bucket_view: bool = False) -> None:
-    """``_test_ddp_with_process_group`` for a CPU module (devices [cpu], device_ids None): two
+def _ddp_with_process_group(process_group, gradient_as_bucket_view: bool = False, device_ids: Optional[list] = None) -> None:
+    """``_test_ddp_with_process_group`` for a CPU module (devices [cpu], ``device_ids`` None or empty): two
     iterations of plain gradient descent equal the single-process model on the whole batch.
     (Upstream first calls the Gloo backend's ``create_device(interface=LOOPBACK)``: a Gloo setting,
     not DDP's; the ranks here already talk over the loopback interface.)"""
@@ -771,7 +771,7 @@ def _ddp_with_process_group(process_group, gradient_as_bucket_view: bool = False
     local_batch_size = 1
     global_batch_size = world_size * local_batch_size
     model = C10dNet()
-    ddp_model = DDP(copy.deepcopy(model), process_group=process_group, bucket_cap_mb=0.001,
+    ddp_model = DDP(copy.deepcopy(model), device_ids=device_ids, process_group=process_group, bucket_cap_mb=0.001,
                     gradient_as_bucket_view=gradient_as_bucket_view)
     input, target = torch.randn(global_batch_size, 2), torch.randn(global_batch_size, 4)
     assert not ddp_model._get_ddp_logging_data().get("is_multi_device_module")

@@ -12,17 +12,17 @@ with) call ``wait()`` without a timeout, and fail on it; only torch's C++ reduce
 ``MINIDP_UPSTREAM_DDP=torch`` in the environment, :data:`DDP` is torch's own wrapper: every case passes on it too.
 """
 
-import copy
 import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 import minidp.distributed as md
+
+from .upstream_ddp_checks import _ddp_with_process_group
 
 DDP = nn.parallel.DistributedDataParallel if os.environ.get("MINIDP_UPSTREAM_DDP") == "torch" else md.DistributedDataParallel
 
@@ -64,50 +64,6 @@ class LonelyRankProcessGroup(dist.ProcessGroup):
         return f"PLG w:{self._world} r:{self._rank}"
 
 
-class Net(nn.Module):
-    """test_c10d_common.py's ``Net``."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(2, 10, bias=False)
-        self.fc2 = nn.Linear(10, 50, bias=False)
-        self.fc3 = nn.Linear(50, 4, bias=False)
-        self.relu = nn.ReLU()
-
-    def forward(self, x):
-        x = self.relu(self.fc1(x))
-        x = self.relu(self.fc2(x))
-        x = self.fc3(x)
-        return F.softmax(x, dim=1)
-
-
-def _test_ddp_with_process_group(process_group, gradient_as_bucket_view=False):
-    """AbstractDDPSingleRank._test_base's ``_test_ddp_with_process_group`` (CPU: ``device_ids=None``)."""
-    model = Net()
-    ddp_model = DDP(copy.deepcopy(model), device_ids=None, process_group=process_group, bucket_cap_mb=0.001,
-                    gradient_as_bucket_view=gradient_as_bucket_view)
-    inputs, target = torch.randn(1, 2), torch.randn(1, 4)
-    assert not ddp_model._get_ddp_logging_data().get("is_multi_device_module")
-
-    def step_model(module):
-        module.train()
-        F.mse_loss(module(inputs), target).backward()
-
-    def update_parameters(module):
-        for param in module.parameters():
-            with torch.no_grad():
-                param -= param.grad
-            param.grad = None
-
-    for _ in range(2):
-        step_model(model)
-        step_model(ddp_model)
-        update_parameters(model)
-        update_parameters(ddp_model)
-        for i, j in zip(model.parameters(), ddp_model.parameters()):
-            torch.testing.assert_close(i, j, rtol=1.3e-06, atol=5e-5)
-
-
 def test_ddp_invoke_work_object():
     process_group = LonelyRankProcessGroup(0, 1)
     torch.manual_seed(123)
@@ -123,11 +79,11 @@ def test_ddp_invoke_work_object():
 
 
 def test_ddp_with_pypg():
-    _test_ddp_with_process_group(LonelyRankProcessGroup(0, 1))
+    _ddp_with_process_group(LonelyRankProcessGroup(0, 1))
 
 
 def test_ddp_with_pypg_with_grad_views():
-    _test_ddp_with_process_group(LonelyRankProcessGroup(0, 1), gradient_as_bucket_view=True)
+    _ddp_with_process_group(LonelyRankProcessGroup(0, 1), gradient_as_bucket_view=True)
 
 
 def test_ddp_no_init_sync():
