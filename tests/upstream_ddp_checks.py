@@ -938,20 +938,24 @@ def test_sparse_gradients_grad_is_view() -> None:
     _sparse_gradients(gradient_as_bucket_view=True)
 
 
+class TwoLinearSoftmax(nn.Module):
+    """The model several of upstream's tests define for themselves (test_save_load_checkpoint's and
+    test_failure_recovery's ``TestModel``, test_no_grad's ``NoGradModule``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2, 10, bias=False)
+        self.fc2 = nn.Linear(10, 4, bias=False)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softmax(self.relu(self.fc2(self.relu(self.fc1(x)))), dim=1)
+
+
 def test_save_load_checkpoint() -> None:
     """A state dict saved by rank 0 mid-training, loaded into the wrapper and (prefix stripped) into
     the bare module, trains on exactly as the run without a checkpoint. Upstream runs it on
     ``cuda:rank``; here on the CPU (no ``map_location`` needed)."""
-    class TestModel(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1 = nn.Linear(2, 10, bias=False)
-            self.fc2 = nn.Linear(10, 4, bias=False)
-            self.relu = nn.ReLU()
-
-        def forward(self, x):
-            return F.softmax(self.relu(self.fc2(self.relu(self.fc1(x)))), dim=1)
-
     criterion = nn.CrossEntropyLoss()
     batch_size = 4
     input = torch.rand([batch_size, 2], dtype=torch.float)
@@ -963,7 +967,7 @@ def test_save_load_checkpoint() -> None:
             criterion(model(input), target).backward()
             optimizer.step()
 
-    model_withload, model_withoutload = TestModel().float(), TestModel().float()
+    model_withload, model_withoutload = TwoLinearSoftmax().float(), TwoLinearSoftmax().float()
     ddp_withload, ddp_withoutload = DDP(model_withload), DDP(model_withoutload)
     for model in (ddp_withload, model_withload, ddp_withoutload):
         for p in model.parameters():

@@ -15,7 +15,6 @@ error minidp words otherwise ("got its gradient twice", as in tests/test_upstrea
 import copy
 import os
 import random
-import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -31,7 +30,7 @@ from torch.testing import assert_close
 
 import minidp.distributed as md
 
-from .upstream_ddp_checks import C10dNet, ModuleForDdpCommHook, _ddp_with_process_group
+from .upstream_ddp_checks import C10dNet, ModuleForDdpCommHook, TwoLinearSoftmax, _ddp_with_process_group, raises
 
 DDP = nn.parallel.DistributedDataParallel if os.environ.get("MINIDP_UPSTREAM_DDP") == "torch" else md.DistributedDataParallel
 
@@ -46,17 +45,6 @@ def ws():
 
 def pg():
     return dist.distributed_c10d._get_default_group()
-
-
-@contextmanager
-def raises(kind, pattern):
-    try:
-        yield
-    except kind as e:
-        if not re.search(pattern, str(e)):
-            raise AssertionError(f"{kind.__name__} raised but {pattern!r} not in: {e}") from e
-        return
-    raise AssertionError(f"{kind.__name__} matching {pattern!r} not raised")
 
 
 class ConvNet(nn.Module):
@@ -280,17 +268,7 @@ def test_multiple_outputs_multiple_backward_grad_is_view():
 
 
 def test_no_grad():
-    class NoGradModule(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(2, 10, bias=False)
-            self.fc2 = nn.Linear(10, 4, bias=False)
-            self.relu = nn.ReLU()
-
-        def forward(self, x):
-            return F.softmax(self.relu(self.fc2(self.relu(self.fc1(x)))), dim=1)
-
-    model = DDP(NoGradModule(), process_group=pg())
+    model = DDP(TwoLinearSoftmax(), process_group=pg())
     input = torch.rand([4, 2])
 
     def check_no_grads():
@@ -602,22 +580,12 @@ def test_bucket_cap_mb_alone():
 
 
 def test_failure_recovery():
-    class TestModel(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(2, 10, bias=False)
-            self.fc2 = nn.Linear(10, 4, bias=False)
-            self.relu = nn.ReLU()
-
-        def forward(self, x):
-            return F.softmax(self.relu(self.fc2(self.relu(self.fc1(x)))), dim=1)
-
     r, w = rank(), ws()
     # the ranks agree on a file for the new group's store (upstream's test case has one of its own)
     directory = [tempfile.mkdtemp(prefix="minidp_recovery_") if r == 0 else None]
     dist.broadcast_object_list(directory)
     recovery_filename = os.path.join(directory[0], "store")
-    model = TestModel()
+    model = TwoLinearSoftmax()
     ddp = DDP(model, process_group=pg())
     criterion = nn.CrossEntropyLoss()
     input = torch.rand([4, 2])
