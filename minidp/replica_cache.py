@@ -35,6 +35,9 @@ It goes stale when, for any module of the tree:
   the object): checked as ``(device, dtype)`` per tensor, which also stands in for the per-step
   device check of the uncached path.
 
+A tree the skeletons cannot stand for is replicated anew at every call instead (:func:`_replicated_anew`): one holding
+a TorchScript module, an FX GraphModule, or a module whose class replicates itself its own way.
+
 Not checked, because the skeleton does not depend on it: tensor values and shapes (the tensors are
 bound anew each call), ``requires_grad`` (read each call), and the contents of objects the replica
 shares with the original by reference: hook dicts (a hook added later is seen at once, as by a
@@ -87,6 +90,29 @@ _dict_of = attrgetter("__dict__")
 _registries_of = itemgetter(*_REGISTRIES)
 # Modules whose replicas the cache cannot keep: a tree holding one is replicated anew at every call (see replicate)
 _REPLICATED_ANEW = (torch.jit.ScriptModule, torch.fx.GraphModule)
+# The ways of replicating a module whose result a skeleton reset to its template reproduces: nn.Module's shallow copy,
+# RNNBase's (which also copies the `_flat_weights` lists, containers a reset copies), and LazyModuleMixin's (it raises).
+_REPRODUCED_REPLICATION = frozenset(
+    {nn.Module._replicate_for_data_parallel, nn.RNNBase._replicate_for_data_parallel,
+     nn.modules.lazy.LazyModuleMixin._replicate_for_data_parallel}
+)
+
+
+def _replicated_anew(module: nn.Module) -> bool:
+    """Whether a tree holding ``module`` must be replicated anew at every call, as stock replicates it.
+
+    A TorchScript module's registries are views of its C++ module, not the dicts a skeleton copies and the signature
+    reads; an FX GraphModule's replica is code generated from its graph as it is at the call (GraphModule.__copy__),
+    so an edit of the graph reaches stock's next replicas, recompiled or not, and the signature cannot see it (the graph
+    is the same object). And a class with a ``_replicate_for_data_parallel`` of its own may give each replica a copy
+    of what the original holds at that moment (SpikingJelly's neurons copy their membrane potentials,
+    ``replica._memories = self._memories.copy()``), which a template taken once, when the skeletons were built, would
+    bring back at every later step instead: a forward run on the original in between, or a reset of its state, would
+    never reach the replicas.
+    """
+    replication = getattr(type(module), "_replicate_for_data_parallel", None)
+    return (isinstance(module, _REPLICATED_ANEW) or replication not in _REPRODUCED_REPLICATION
+            or "_replicate_for_data_parallel" in module.__dict__)
 
 
 class _Signature:
@@ -419,16 +445,13 @@ class ReplicaCache:
             reason = entry.change(network)
         if reason is not None:
             check_module_device(network, devices[0])
-            if any(isinstance(module, _REPLICATED_ANEW) for module in network.modules()):
-                # A TorchScript module's registries are views of its C++ module, not the dicts a skeleton copies and
-                # the signature reads; an FX GraphModule's replica is code generated from its graph as it is at the
-                # call (GraphModule.__copy__), so an edit of the graph reaches stock's next replicas, recompiled or not,
-                # and the signature cannot see it (the graph is the same object). Such a tree is replicated anew at
-                # every call (replicate's own body, observed once, as this call).
+            if any(map(_replicated_anew, network.modules())):
+                # Replicated anew at every call (replicate's own body, observed once, as this call).
                 with self._lock:
                     self._misses += 1
-                    self._last_rebuild_reason = ("the tree holds a TorchScript module or an FX GraphModule: replicated "
-                                                 "anew at every call")
+                    self._last_rebuild_reason = (
+                        "the tree holds a TorchScript module, an FX GraphModule or a module whose class replicates "
+                        "itself its own way (_replicate_for_data_parallel): replicated anew at every call")
                 return replicate.__wrapped__(network, devices, detach, reduce_backend=reduce_backend)
             entry = _Entry(network, devices)
             with self._lock:

@@ -352,6 +352,58 @@ def test_a_replaced_lstm_weight_reaches_the_replicas_flat_weights(generator):
     assert "weight_hh_l0" in reason
 
 
+class _Neuron(nn.Module):
+    """A stateful module as SpikingJelly writes them: its state is a dict its replicas get a copy of, taken when they
+    are made (``_replicate_for_data_parallel``), and a forward adds to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4).double()
+        self._memories = {"v": 0.0}
+
+    def _replicate_for_data_parallel(self) -> nn.Module:
+        replica = super()._replicate_for_data_parallel()
+        replica._memories = self._memories.copy()
+        return replica
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._memories["v"] = self._memories["v"] + self.linear(x)
+        return self._memories["v"]
+
+
+def test_a_module_that_replicates_itself_its_own_way_gets_the_originals_state_at_every_call(generator):
+    """Stock calls a class's own ``_replicate_for_data_parallel`` at every call (docs/stock-behaviour.md, B22), so
+    state set on the original between steps (a reset of a neuron's potential, a forward run on one device) reaches
+    the next replicas. Skeletons reset to a template taken when they were built brought back the first call's state
+    at every later one: such a tree is replicated anew at every call."""
+    def run(cache_replicas: bool) -> tuple:
+        torch.manual_seed(0)
+        neuron = _Neuron()
+        wrapper = minidp.DataParallel(neuron, cpu_ids(2), cache_replicas=cache_replicas)
+        outputs = []
+        for state in (0.0, 1.0, 2.0):
+            neuron._memories["v"] = state  # set on the original between steps, as a reset of the network does
+            output = wrapper(torch.randn(6, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+            output.sum().backward()
+            outputs.append(output.detach())
+        info = wrapper.replica_cache_info() if cache_replicas else None
+        return outputs + [p.grad for p in neuron.parameters()], info
+
+    (cached, info), (uncached, _) = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(cached, uncached, strict=True))
+    assert torch.equal(cached[2], cached[0] + 2.0)  # each step starts from the state set
+    assert info.hits == 0 and "_replicate_for_data_parallel" in info.last_rebuild_reason
+
+
+def test_an_rnn_which_copies_its_weight_lists_when_replicated_keeps_its_cached_replicas(generator):
+    """RNNBase's own ``_replicate_for_data_parallel`` gives each replica copies of its ``_flat_weights`` lists
+    (docs/stock-behaviour.md, B22), containers the cache copies at each reset: such a tree keeps its replicas."""
+    pair = Pair(LSTMModel(), cpu_ids(2), dim=1, loss=ZOO["lstm"].loss)
+    for _ in range(3):
+        pair.step(torch.randn(5, 6, 6, generator=generator))
+    assert (pair.info.hits, pair.info.misses) == (2, 1)
+
+
 def test_a_different_device_list_gets_its_own_replicas(generator):
     model = _mlp()
     cache = minidp.replica_cache.ReplicaCache()
