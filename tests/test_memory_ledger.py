@@ -401,9 +401,10 @@ def test_a_sparse_gradient_is_counted_as_its_indices_and_values(generator):
 
 def test_a_coalesced_sparse_gradient_is_counted_as_the_storages_of_its_indices_and_values(generator):
     # coalesce() sums repeated rows into new storages made for all 40 lookups, then narrows them to the distinct rows:
-    # the storages are what is held; the uncoalesced gradient before it is a temporary
+    # the storages are what is held; the uncoalesced gradient, the parameter's .grad until the coalesced one replaces
+    # it, is held beside it while coalesce() runs
     device = sparse_gradient_step(generator, coalesce=True)
-    assert device.held["gradients"] == 40 * 8 + 40 * 4 * 4
+    assert device.held["gradients"] == 2 * (40 * 8 + 40 * 4 * 4)
 
 
 @pytest.mark.parametrize("layout", ["csr", "csc"])
@@ -443,6 +444,80 @@ def test_the_last_steps_gradients_count_until_zero_grad_lets_go_of_them(generato
         del output
     assert row(traced.ledger()).held["gradients"] == (summed_gradient_bytes(module) if replicas > 1
                                                       else parameter_bytes(module))
+
+
+def test_a_steps_gradients_let_go_of_by_the_next_steps_zero_grad_are_gradients(generator):
+    """Two steps of the module alone on its one device, updated by hand (no optimizer to name the ``.grad``): the
+    first step's ``.grad``, let go of by the second's ``zero_grad``, was made in a backward and named by nothing,
+    so it counted as temporaries; it is named as autograd accumulates it."""
+    module = mlp()
+    model = minidp.DataParallel(module, ["cpu"])
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+
+    def step() -> None:
+        module.zero_grad()
+        model(x).pow(2).sum().backward()
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.sub_(parameter.grad)  # in place: the update makes no temporary
+
+    with minidp.trace(ledger=True) as traced:
+        step()
+        step()
+    device = row(traced.ledger())  # the peak: the second backward, the first step's .grad still held
+    assert device.at_peak["gradients"] == device.held["gradients"] == parameter_bytes(module)
+
+
+def test_a_closure_the_optimizer_runs_keeps_its_activations_and_loss(generator):
+    """``optimizer.step(closure)`` (LBFGS) runs the forward and the backward inside the step: what the closure makes
+    is the step's, named as outside the optimizer (it was all the optimizer's temporaries)."""
+    module = mlp()
+    model = minidp.DataParallel(module, cpu_ids(2))
+    optimizer = torch.optim.LBFGS(module.parameters(), max_iter=1)
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    with minidp.trace(ledger=True) as alone:
+        closure()
+    with minidp.trace(ledger=True) as stepped:
+        optimizer.step(closure)
+    for category in ("activations", "loss"):
+        assert row(stepped.ledger()).held[category] == row(alone.ledger()).held[category] > 0
+
+
+def test_an_optimizer_step_that_raised_leaves_the_next_steps_named_as_before(generator):
+    """An optimizer step that raises never reaches the hook that ends its phase: the model's next call ends it, so
+    the steps after it keep their activations and loss (they were the optimizer's temporaries)."""
+    module = mlp()
+    model = minidp.DataParallel(module, cpu_ids(2))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+
+    def failing_closure() -> None:
+        raise FloatingPointError("the loss is not finite: this step is skipped")
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+
+    step()
+    held = {}
+    for fails in (False, True):
+        with minidp.trace(ledger=True) as traced:
+            if fails:
+                with pytest.raises(FloatingPointError):
+                    optimizer.step(failing_closure)
+            step()
+        held[fails] = row(traced.ledger()).held
+    assert (held[True]["activations"], held[True]["loss"]) == (held[False]["activations"], held[False]["loss"])
+    assert held[True]["activations"] > 0
 
 
 def test_a_sparse_tensor_is_freed_with_its_indices_and_values():

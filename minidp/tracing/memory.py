@@ -13,7 +13,8 @@ see them, in every thread, on the CPU as on a GPU:
   held when the measurement began (parameters, the batch, optimizer state), and counts from the start;
 * ``weakref.finalize`` on the storage's Python object (torch keeps that object alive exactly as long as
   the storage) says when it is freed, in whichever thread lets go of it;
-* ``torch.optim``'s global step hooks say when an optimizer steps, and which tensors are its state.
+* ``torch.optim``'s global step hooks say when an optimizer steps, and which tensors are its state (a closure it is
+  given, ``step(closure)``, runs the model: what it makes is named as outside the step).
 
 Every allocation and free gets a number from one counter, so the events of all threads fall in one order
 and the peak is exact: the most bytes held at once, per device, and per replica. Which *category* a storage
@@ -84,6 +85,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import importlib
 import inspect
 import itertools
@@ -102,6 +104,7 @@ from ..device_ids import device_order
 from ..nested import tensors_in
 from .describers import SPARSE_LAYOUTS, _parts, _replica_tensors, _tensors
 
+_OPTIMIZER = ("optimizer", None)  # the phase of an optimizer's step, in the thread that steps it
 CATEGORIES = (
     "parameters", "inputs", "activations", "gradients", "gathered outputs", "loss", "optimizer state", "temporaries",
 )
@@ -341,6 +344,7 @@ class AllocationLedger:
         self._models: set[int] = set()  # ids of the modules whose forward is the model's: replicate's replicas, or
         # the module itself where it runs alone (one device)
         self._parameters: list[torch.Tensor] = []  # whose .grad are gradients when the step ends
+        self._grad_hooks: dict[int, Any] = {}  # id(parameter) -> the handle of the hook that names its .grad
         self._hooks: list[Any] = []
         self._mode: Optional[_Watch] = None
         self._resize_patched = False  # whether start() wrapped UntypedStorage.resize_
@@ -372,6 +376,9 @@ class AllocationLedger:
             self._resize_patched = False
         for hook in self._hooks:
             hook.remove()
+        for handle in self._grad_hooks.values():  # hooks on the caller's parameters: none outlives the step
+            handle.remove()
+        self._grad_hooks.clear()
         self.mark([p.grad for p in self._parameters if p.grad is not None], "gradients")
         self._parameters.clear()
         with self._lock:
@@ -426,11 +433,19 @@ class AllocationLedger:
 
     def watch_parameters(self, parameters: Iterable[torch.Tensor]) -> None:
         """``parameters`` are the model's: counted as parameters, and their ``.grad`` as gradients, those they hold now
-        (the last step's, which count until a ``zero_grad`` lets go of them, an operator or not) and at the end."""
+        (the last step's, which count until a ``zero_grad`` lets go of them, an operator or not), each one autograd
+        makes (a hook after it accumulates: a step's ``.grad`` may be let go of by the next step's ``zero_grad`` before
+        anything else names it, as where no optimizer steps in the block), and those they hold at the end."""
         parameters = list(parameters)
         self.mark(parameters, "parameters")
         self.mark([p.grad for p in parameters if p.grad is not None], "gradients")
         self._parameters.extend(parameters)
+        for parameter in parameters:
+            if parameter.requires_grad and parameter.is_leaf and id(parameter) not in self._grad_hooks:
+                self._grad_hooks[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._grad_made)
+
+    def _grad_made(self, parameter: torch.Tensor) -> None:
+        self.mark([parameter.grad], "gradients", made_now=True)
 
     def watch_module(self, module: torch.nn.Module) -> None:
         """``module`` runs itself as the only replica (one device, nothing replicated): its parameters and buffers
@@ -526,17 +541,41 @@ class AllocationLedger:
             return "backward", None
         return "host", None
 
-    def _optimizer_begins(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _optimizer_begins(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Optional[tuple]:
+        """An optimizer steps: its parameters, their ``.grad`` and its state are named, and what this thread makes
+        until it ends is the optimizer's. Except in a closure it is given (``step(closure)``: LBFGS, or any
+        optimizer so called), which runs the model's forward and backward: the closure is handed on wrapped, so that
+        what it makes is named as the step outside the optimizer would be (:meth:`_outside_the_optimizer`)."""
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.mark(parameters, "parameters")
         self.mark([p.grad for p in parameters if p.grad is not None], "gradients")
         self.mark([t for _, t in tensors_in(list(optimizer.state.values()))], "optimizer state")
-        self._phases().append(("optimizer", None))
+        self._phases().append(_OPTIMIZER)
+        closure = args[0] if args else kwargs.get("closure")
+        if not callable(closure):
+            return None
+        outside = functools.partial(self._outside_the_optimizer, closure)
+        return ((outside, *args[1:]), kwargs) if args else (args, {**kwargs, "closure": outside})
+
+    def _outside_the_optimizer(self, closure: Callable[[], Any]) -> Any:
+        phases = self._phases()
+        inside = [phases.pop()] if phases and phases[-1] == _OPTIMIZER else []
+        try:
+            return closure()
+        finally:
+            phases.extend(inside)
+
+    def _leave_a_failed_optimizer_step(self) -> None:
+        """An optimizer step that raised never reached its post-hook, which ends its phase: a stage of the model
+        called on this thread later (never from inside a step: a closure runs outside it) ends it instead."""
+        phases = self._phases()
+        while phases and phases[-1] == _OPTIMIZER:
+            phases.pop()
 
     def _optimizer_ends(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.mark([t for _, t in tensors_in(list(optimizer.state.values()))], "optimizer state", made_now=True)
         phases = self._phases()
-        if phases and phases[-1][0] == "optimizer":
+        if phases and phases[-1] == _OPTIMIZER:
             phases.pop()
 
     # -- what minidp's stages know ----------------------------------------------------------------------
@@ -545,6 +584,7 @@ class AllocationLedger:
         """Run a stage's ``function`` on ``arguments`` and name what it takes and makes."""
         arguments.apply_defaults()
         named = arguments.arguments
+        self._leave_a_failed_optimizer_step()
         if stage == "scatter":
             self.mark(_tensors(named["inputs"]), "inputs")
         elif stage == "replicate":
@@ -579,6 +619,7 @@ class AllocationLedger:
 
     def on_module(self, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         """Run ``module``'s ``call()``, the module running itself as the only replica (:meth:`watch_module`)."""
+        self._leave_a_failed_optimizer_step()
         self.watch_module(module)
         return self.on_replica(0, device, module, call)
 
