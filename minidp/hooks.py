@@ -163,14 +163,22 @@ def observe_replica(replica: int, device: torch.device, module: Any, call: Calla
     return _observe_replica("forward", replica, device, module, call)
 
 
-def observe_module(device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
+def observe_module(device: torch.device, module: Any, call: Callable[[], Any], given: Any = ((), {})) -> Any:
     """``call()``, ``module`` itself running on ``device``, its only device (with one device id nothing is replicated,
-    docs/stock-behaviour.md B9), seen as replica 0's ``forward`` stage."""
+    docs/stock-behaviour.md B9), seen as replica 0's ``forward`` stage; then, to a listener with an
+    ``on_replica_inputs`` method, what the module was given (``given``: its positional and keyword arguments), whose
+    gradients end the backward of a module without a parameter that requires grad."""
     listener = _listener
     if listener is None and not _profiler._is_profiler_enabled:
         return call()
     with _ranges("forward"):
-        return call() if listener is None else listener.on_module(device, module, call)
+        if listener is None:
+            return call()
+        output = listener.on_module(device, module, call)
+    on_replica_inputs = getattr(listener, "on_replica_inputs", None)
+    if on_replica_inputs is not None:
+        on_replica_inputs([module], [given])
+    return output
 
 
 def observe_replica_backward(replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:

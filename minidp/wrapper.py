@@ -290,7 +290,8 @@ class DataParallel(nn.DataParallel):
                 # One device: the module itself is the only replica, and its output is returned as it
                 # is (as stock), unless it must move to another output_device (stock leaves it).
                 check_module_device(self.module, self.src_device_obj, replicated=False)
-                output = observe_module(self.src_device_obj, self.module, lambda: self.module(*inputs[0], **kwargs[0]))
+                output = observe_module(self.src_device_obj, self.module, lambda: self.module(*inputs[0], **kwargs[0]),
+                                        (inputs[0], kwargs[0]))
                 if not self.gather_output:
                     return [output]
                 moves = as_device(self.output_device, "output_device") != self.src_device_obj
@@ -380,7 +381,8 @@ def data_parallel(
         chunk_inputs, chunk_kwargs = ((),), ({},)
     used = devices[: len(chunk_inputs)]
     if len(devices) == 1:
-        output = observe_module(devices[0], module, lambda: module(*chunk_inputs[0], **chunk_kwargs[0]))
+        output = observe_module(devices[0], module, lambda: module(*chunk_inputs[0], **chunk_kwargs[0]),
+                                (chunk_inputs[0], chunk_kwargs[0]))
         return output if output_device == devices[0] else gather([output], output_device, dim=dim)
     detach = not torch.is_grad_enabled()
     replicas = replica_cache.replicate(module, used, detach) if replica_cache else replicate(module, used, detach)

@@ -536,21 +536,23 @@ def test_reduce_bytes_of_half_precision_gradients_count_the_torch_backends_float
     assert [e.bytes for e in events(step, "reduce")] == [16 * 8 * (2 + 4), 0]
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-def test_replicas_without_a_trainable_parameter_have_their_backward_recorded_too(generator, parallel):
+def test_replicas_without_a_trainable_parameter_have_their_backward_recorded_too(generator, parallel, replicas):
     # A frozen backbone fed by a trainable layer outside it (or a gradient taken for the input): the span ended on the
     # replica's parameters' gradients, which never come, and the serial backward's events were dropped; it ends on
-    # its inputs' gradients now, as a backward run as one call ends on its return
+    # its inputs' gradients now, as a backward run as one call ends on its return; so does the backward of the module
+    # alone on its one device (docs/stock-behaviour.md B9), which had no event either
     body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).requires_grad_(False)
     embed = nn.Linear(8, 8)
     previous = minidp.set_parallel_backward(parallel)
     try:
-        model = minidp.DataParallel(body, cpu_ids(2))
+        model = minidp.DataParallel(body, cpu_ids(replicas))
         with minidp.trace() as step:
             model(embed(torch.randn(6, 8, generator=generator))).sum().backward()
     finally:
         minidp.set_parallel_backward(previous)
-    assert sorted(e.replica for e in step.events if e.stage == "backward") == [0, 1]
+    assert sorted(e.replica for e in step.events if e.stage == "backward") == list(range(replicas))
 
 
 def test_a_module_on_one_device_has_its_backward_recorded_and_its_parameters_keep_no_hook(generator):

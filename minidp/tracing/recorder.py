@@ -18,7 +18,7 @@ What each event measures (``Event.bytes`` is always "bytes written to fresh memo
 | replicate | replica       | the whole call, on the calling thread  | parameters and buffers copied for replica i (parameters on their own device are aliased: 0; buffers of replicas 1.. are private clones) |
 | forward   | replica       | replica i's call, in its thread        | -                                              |
 | gather    | replica       | the whole call, on the calling thread  | replica i's outputs copied into the gathered output |
-| backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters, or of its inputs where no parameter requires grad (autograd hooks), or replica i's backward call where it is one (CPU replicas in parallel); a module alone on its one device: its output's first gradient to its parameters' last | - |
+| backward  | replica       | from the first gradient reaching replica i's outputs to the last gradient of its parameters, or of its inputs where no parameter requires grad (autograd hooks), or replica i's backward call where it is one (CPU replicas in parallel); a module alone on its one device: its output's first gradient to its parameters' last (its inputs' where none requires grad) | - |
 | reduce    | replica       | the whole call (run by autograd in the backward of replicate) | the sums (replica 0's event), and replica i's gradients copied to the destination's device to be added there (0 where they lie on it) |
 
 Scatter, replicate, gather and reduce are one call on one thread that serves every replica, so
@@ -304,15 +304,16 @@ class Trace:
         output = self.on_replica(0, device, module, call)
         self._count_step()
         started = _requiring_grad(output)
-        if started:  # its backward: from the first gradient reaching its output to the last of its parameters'
+        if started:  # its backward: from the first gradient reaching its output to the last of its parameters', or
+            # of its inputs' where no parameter requires grad (a frozen module: on_replica_inputs, as for replicas)
             backward = self._backward_of.get(id(module))
             if backward is None:  # its first step in this trace: one hook on each parameter, for every step's pass
-                backward = _Backward(0, True)
+                ending = [p for p in module.parameters() if p.requires_grad] if isinstance(module, torch.nn.Module) else []
+                backward = _Backward(0, bool(ending))
                 with self._lock:
                     self._backwards.append(backward)
                     self._backward_of[id(module)] = backward
                 # The module's own parameters, leaves, would keep their hooks after the trace: removed at its end.
-                ending = [p for p in module.parameters() if p.requires_grad] if isinstance(module, torch.nn.Module) else []
                 self._leaf_hooks.extend(self._watch(ending, backward.end))
             self._watch(started, backward.start)
         return output
@@ -327,8 +328,9 @@ class Trace:
 
     def on_replica_inputs(self, modules: Sequence[Any], inputs: Sequence[Any]) -> None:
         """The backward of a replica none of whose parameters requires grad (frozen, or none at all) ends when its
-        inputs' gradients are made: those that a node made (a chunk of the batch). Not a leaf's: a hook on a tensor
-        the caller keeps would outlive the step."""
+        inputs' gradients are made: those that a node made (a chunk of the batch; what a module alone on its one device
+        was given). Not a leaf's: a hook on a tensor the caller keeps would outlive the step (on a tensor a node made,
+        the caller's too where the module runs alone, a hook outlives the trace only as one that does nothing)."""
         for module, given in zip(modules, inputs):
             backward = self._backward_of.get(id(module))
             if backward is not None and not backward.ends_on_parameters:
