@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -518,6 +519,41 @@ def test_an_optimizer_step_that_raised_leaves_the_next_steps_named_as_before(gen
         held[fails] = row(traced.ledger()).held
     assert (held[True]["activations"], held[True]["loss"]) == (held[False]["activations"], held[False]["loss"])
     assert held[True]["activations"] > 0
+
+
+def test_under_the_ledger_compiled_code_runs_as_eager_code(generator):
+    """README, "The memory ledger": torch's compiler steps aside while a ``TorchDispatchMode`` is active, so under the
+    ledger a ``@torch.compile``d forward runs as eager code, counted as the eager module's; a plain trace leaves it
+    compiled."""
+    torch._dynamo.reset()  # the forward's code is compiled afresh, with this run's backend, in each parametrization
+    runs = []
+
+    def counting_backend(graph_module: torch.fx.GraphModule, example_inputs: list) -> Any:
+        def run(*args: Any) -> Any:
+            runs.append(threading.current_thread().name)
+            return graph_module(*args)
+
+        return run
+
+    class Compiled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = mlp()
+
+        @torch.compile(backend=counting_backend)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    model = minidp.DataParallel(Compiled(), cpu_ids(2))
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    model(x).pow(2).sum().backward()
+    with minidp.trace():
+        model(x).pow(2).sum().backward()
+    compiled_runs = len(runs)
+    with minidp.trace(ledger=True) as traced:
+        model(x).pow(2).sum().backward()
+    assert compiled_runs >= 4 and len(runs) == compiled_runs  # both replicas, twice; then none
+    assert row(traced.ledger()).held["activations"] == 8 * H * BYTES + kept_output_bytes(8)
 
 
 def test_a_sparse_tensor_is_freed_with_its_indices_and_values():

@@ -55,11 +55,18 @@ keeps for each checkpointed segment (``torch.get_rng_state()``, 5,056 bytes on t
 ``torch.set_rng_state``). A tensor that meets its first operator later than it was made counts from then (one that
 numpy made, ``torch.from_numpy``, counts from ``aten.lift_fresh``, the operator that takes it in).
 
+What it changes: code compiled with ``torch.compile`` runs as eager code while the ledger watches, as torch's compiler
+steps aside while a ``TorchDispatchMode`` is active (its frames are neither compiled nor run as compiled): the ledger
+counts the eager program's storages, and the step computes the eager program's results, which may differ from the
+compiled program's in the last bits.
+
 Where it is not exact, known and left as it is: the threads watched are the one that started the measurement and
 the replicas' (forwards, and backwards run in parallel): another thread's own work during the trace goes uncounted or
 uncategorised; an allocation is numbered when its operator returns, so where threads overlap, a free in one during
 another's operator can fall before that operator's output, and the peak read lower than it was; two storages over one
-block of memory (``torch.from_dlpack``, ``torch.from_numpy(t.numpy())``) count twice; a tensor subclass that wraps
+block of memory (``torch.from_dlpack``, ``torch.from_numpy(t.numpy())``) count twice; a tensor over memory that no
+operator made and ``aten.lift_fresh`` does not take in (``torch.frombuffer``) is first met as an operator's argument,
+and counts as held from the start; a tensor subclass that wraps
 others counts as the storage it shows (its nominal size), not the inner tensors; an MKL-DNN tensor, which has no
 storage, is not counted, nor is a tensor on the ``meta`` device, which holds no memory; and a helper thread's tensor
 first met in the step counts as held from its start. One effect on the step itself: with a sparse gradient, autograd
