@@ -76,6 +76,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .comm import check_dim
+from .hooks import registered_by_others
 from .device_ids import DeviceLike, as_device
 from .step1_scatter import scatter
 from .step3_parallel_apply import parallel_apply
@@ -194,7 +195,7 @@ def _hooks(criterion: Callable) -> list[str]:
         "global backward pre-hooks (register_module_full_backward_pre_hook)": module._global_backward_pre_hooks,
         "global backward hooks (register_module_full_backward_hook)": module._global_backward_hooks,
     }
-    return [kind for kind, registered in kinds.items() if registered]
+    return [kind for kind, registered in kinds.items() if registered_by_others(registered)]
 
 
 def _on_the_gathered_output(

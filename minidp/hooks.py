@@ -236,6 +236,35 @@ def observe_storage(category: str, tensors: Sequence[torch.Tensor]) -> None:
         on_storage(category, tensors)
 
 
+_observing: set[int] = set()  # keys of the global module hooks that minidp's observers registered
+
+
+def observe_module_calls(pre_hook: Callable[[Any, Any], None], hook: Callable[[Any, Any, Any], None]) -> Callable[[], None]:
+    """Register ``pre_hook`` and ``hook`` as global module forward hooks (``hook`` called even where a forward
+    raises) for an observer that changes nothing (the memory ledger's); returns the call that removes them.
+
+    Registered so, minidp's own look at the global hooks a module would run (:func:`registered_by_others`, which
+    decides where :func:`minidp.parallel_criterion` computes a criterion) passes over them: the step runs as it
+    would unobserved.
+    """
+    handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
+               torch.nn.modules.module.register_module_forward_hook(hook, always_call=True)]
+    keys = {handle.id for handle in handles}
+    _observing.update(keys)
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+        _observing.difference_update(keys)
+
+    return remove
+
+
+def registered_by_others(global_hooks: dict) -> bool:
+    """Whether one of torch's global module hook dicts holds a hook that no observer of minidp's registered."""
+    return any(key not in _observing for key in global_hooks)
+
+
 def _optional_method(name: str) -> Optional[Callable]:
     """The installed listener's method ``name``, which a listener need not have (the memory ledger's ``on_storage`` and
     ``on_wait``); ``None`` when nothing listens or it has none."""

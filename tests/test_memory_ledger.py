@@ -521,6 +521,38 @@ def test_an_optimizer_step_that_raised_leaves_the_next_steps_named_as_before(gen
     assert held[True]["activations"] > 0
 
 
+class _Tutorial(nn.Module):
+    """The tutorial's pattern: layers the model runs itself, and ``data_parallel`` over a block, in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(D, H), nn.ReLU()).double()
+        self.block = nn.Linear(H, O).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return minidp.data_parallel(self.block, self.first(x), cpu_ids(2))
+
+
+def test_the_layers_a_model_runs_around_data_parallel_are_named_as_the_models(generator):
+    """With ``data_parallel`` inside a model's forward and no optimizer in the block, the layers the model runs itself
+    were named by the thread alone: their parameters as inputs, their ``.grad`` as temporaries, and what they keep
+    for the backward (the ReLU's output, which the block's chunks are cut from) as the loss or the inputs."""
+    model = _Tutorial()
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    model(x).pow(2).sum().backward()
+    model.zero_grad()
+    with minidp.trace(ledger=True) as traced:
+        model(x).pow(2).sum().backward()
+    device = row(traced.ledger())
+    first, block = parameter_bytes(model.first), parameter_bytes(model.block)
+    assert device.held["parameters"] == first + block
+    assert device.held["activations"] == 8 * H * BYTES + kept_output_bytes(8)
+    # every .grad the step made, at its end (and more where the replicas' gradients are still held beside them)
+    assert device.held["gradients"] >= first + block
+    # and only the batch and replica 1's copy of its chunk are inputs
+    assert device.held["inputs"] == 8 * D * BYTES + 4 * H * BYTES
+
+
 def test_under_the_ledger_compiled_code_runs_as_eager_code(generator):
     """README, "The memory ledger": torch's compiler steps aside while a ``TorchDispatchMode`` is active, so under the
     ledger a ``@torch.compile``d forward runs as eager code, counted as the eager module's; a plain trace leaves it

@@ -5,7 +5,7 @@ Two measurements live here.
 **The ledger** (:class:`AllocationLedger`, :func:`measure_step`, and ``Trace.ledger()`` on top of them) counts
 the storages the step's tensors live in: every storage an operator returns is an allocation of exactly
 ``storage.nbytes()`` bytes (a sparse tensor has none of its own: its indices' and its values' are counted), and it is
-freed when its last user lets go of it. Three of torch's mechanisms
+freed when its last user lets go of it. Four of torch's mechanisms
 see them, in every thread, on the CPU as on a GPU:
 
 * a ``TorchDispatchMode`` sees every operator and the tensors it takes and returns: a storage met for the
@@ -14,7 +14,9 @@ see them, in every thread, on the CPU as on a GPU:
 * ``weakref.finalize`` on the storage's Python object (torch keeps that object alive exactly as long as
   the storage) says when it is freed, in whichever thread lets go of it;
 * ``torch.optim``'s global step hooks say when an optimizer steps, and which tensors are its state (a closure it is
-  given, ``step(closure)``, runs the model: what it makes is named as outside the step).
+  given, ``step(closure)``, runs the model: what it makes is named as outside the step);
+* global module forward hooks say which module the calling thread runs itself, outside minidp's stages (the layers of
+  a model that calls ``data_parallel`` in its forward, as the tutorial's does): its parameters, and what it keeps.
 
 Every allocation and free gets a number from one counter, so the events of all threads fall in one order
 and the peak is exact: the most bytes held at once, per device, and per replica. Which *category* a storage
@@ -22,12 +24,12 @@ belongs to is decided when the step is over, from what minidp knows (see :data:`
 
 | category | a storage ... |
 |---|---|
-| parameters | of the module's parameters and buffers (``replicate``'s ``network``, an optimizer's parameters), of the replicas' copies that ``replicate`` returns, or of the whole parameters ``fully_shard`` gathers |
+| parameters | of the module's parameters and buffers (``replicate``'s ``network``, an optimizer's parameters, a module the calling thread runs itself), of the replicas' copies that ``replicate`` returns, or of the whole parameters ``fully_shard`` gathers |
 | inputs | of the chunks ``scatter`` returns (on the batch's own device a chunk is a view and adds nothing), or held before the step began and none of the others (the batch, the targets) |
-| activations | made by a replica's forward and still held when the next backward begins: kept for the backward (or by the caller, as the outputs that ``gather_output=False`` leaves on the replicas) |
+| activations | made by a replica's forward (or by the forward of a module the calling thread runs itself) and still held when the next backward begins: kept for the backward (or by the caller, as the outputs that ``gather_output=False`` leaves on the replicas) |
 | gradients | of each replica's gradients handed to ``reduce``, of the sums it returns, of the parameters' ``.grad``, and of DDP's gradient buckets |
 | gathered outputs | of what ``gather`` returns: the whole output, or with :func:`minidp.parallel_criterion` only the loss terms |
-| loss | made by the criterion (by the caller's code after the gather, or on the replicas) and held when the next backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
+| loss | made by the criterion (a loss module of ``torch.nn``, the caller's code after the gather outside any module's forward, or on the replicas) and held when the next backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
 | optimizer state | of ``optimizer.state`` when an optimizer steps |
 | temporaries | anything else the step made: freed before the next backward began, or made by a backward or the optimizer and none of the above |
 
@@ -112,6 +114,8 @@ from ..nested import tensors_in
 from .describers import SPARSE_LAYOUTS, _parts, _replica_tensors, _tensors
 
 _OPTIMIZER = ("optimizer", None)  # the phase of an optimizer's step, in the thread that steps it
+_MODULE = ("module", None)  # the forward of a module the calling thread runs itself, outside minidp's stages
+_LOSS = ("loss", None)  # the same for a loss module (torch.nn's losses), or a module a loss module runs
 CATEGORIES = (
     "parameters", "inputs", "activations", "gradients", "gathered outputs", "loss", "optimizer state", "temporaries",
 )
@@ -285,7 +289,7 @@ class _Storage:
     device: str
     nbytes: int
     born: int  # the counter's value when it was made; 0: held before the measurement began
-    phase: str  # what was running: a stage, "forward", "loss", "backward", "optimizer", "host", "found"
+    phase: str  # what was running: a stage, "forward", "loss", "module", "backward", "optimizer", "host", "found"
     replica: Optional[int]
     died: Optional[int] = None
     category: Optional[str] = None  # named by what minidp knows of it (see AllocationLedger.mark)
@@ -336,10 +340,12 @@ class AllocationLedger:
     """
 
     def __init__(self, kept_by_host: Optional[str] = None) -> None:
-        """``kept_by_host``: what the calling thread's own code (outside every stage) keeps for the backward
-        is. By default it is decided when the step is over: where minidp ran the model (a replica's forward, or the
-        module running alone under ``DataParallel``) it is the loss; a step without minidp's stages runs its model
-        there, so it is "activations"."""
+        """``kept_by_host``: what the calling thread's own code (outside every stage and every module's forward)
+        keeps for the backward is. By default it is decided when the step is over: where minidp ran the model (a
+        replica's forward, or the module running alone under ``DataParallel``) it is the loss; a step without
+        minidp's stages runs its model there, so it is "activations". What the forward of a module that thread runs
+        keeps is activations (the layers of a model that calls ``data_parallel`` inside its forward, as the tutorial's
+        does, which run outside it), and a loss module's (``torch.nn``'s losses) loss: :meth:`_module_begins`."""
         self.kept_by_host = kept_by_host
         self._lock = threading.RLock()  # a free may run inside see(), from a garbage collection
         self._clock = itertools.count(1)
@@ -353,6 +359,7 @@ class AllocationLedger:
         self._parameters: list[torch.Tensor] = []  # whose .grad are gradients when the step ends
         self._grad_hooks: dict[int, Any] = {}  # id(parameter) -> the handle of the hook that names its .grad
         self._hooks: list[Any] = []
+        self._stop_observing_modules: Callable[[], None] = lambda: None
         self._mode: Optional[_Watch] = None
         self._resize_patched = False  # whether start() wrapped UntypedStorage.resize_
         self._backward_tasks: set[int] = set()  # autograd's graph tasks met so far
@@ -368,6 +375,7 @@ class AllocationLedger:
 
         self._hooks = [register_optimizer_step_pre_hook(self._optimizer_begins),
                        register_optimizer_step_post_hook(self._optimizer_ends)]
+        self._stop_observing_modules = hooks.observe_module_calls(self._module_begins, self._module_ends)
         self._watch_storage_resizes()
         self._mode = _Watch(self)
         self._mode.__enter__()
@@ -383,6 +391,7 @@ class AllocationLedger:
             self._resize_patched = False
         for hook in self._hooks:
             hook.remove()
+        self._stop_observing_modules()
         for handle in self._grad_hooks.values():  # hooks on the caller's parameters: none outlives the step
             handle.remove()
         self._grad_hooks.clear()
@@ -465,15 +474,16 @@ class AllocationLedger:
         self.mark(network.buffers(), "parameters")
 
     def mark(self, tensors: Iterable[Any], category: str, replica: Optional[int] = None,
-             made_now: bool = False) -> None:
+             made_now: bool = False, unless_made_in: Optional[str] = None) -> None:
         """The storages of ``tensors`` are ``category`` (of ``replica``); the first name a storage is given stands.
 
         ``made_now``: a storage not met before was made just now (a stage's result, made by code no
         operator shows, such as the extension's reduction); otherwise it was held from the start.
+        ``unless_made_in``: a storage made in a phase of that name keeps the name its phase gives it.
         """
         for tensor in _parts(tensors):
             record = self._see_one(tensor, made_now)
-            if record is not None and record.category is None:
+            if record is not None and record.category is None and record.phase != unless_made_in:
                 record.category, record.named_replica = category, replica
 
     # -- what the step's threads call -------------------------------------------------------------------
@@ -548,6 +558,31 @@ class AllocationLedger:
             return "backward", None
         return "host", None
 
+    def _module_begins(self, module: torch.nn.Module, args: Any) -> None:
+        """A module's forward begins. Where the watched thread runs it itself, outside minidp's stages and replicas (a
+        layer of a model that calls ``data_parallel`` in its forward, or the model of a step without minidp): its
+        parameters and buffers are parameters, their ``.grad`` gradients (known without an optimizer in the step), and
+        what its forward makes is named by the phase pushed here (activations; a loss module's: loss), until
+        :meth:`_module_ends`, which runs even where the forward raises."""
+        calls = getattr(self._thread, "module_calls", None)
+        if calls is None:
+            calls = self._thread.module_calls = []
+        phases = self._phases()
+        runs_it = getattr(self._thread, "watched", False) and (not phases or phases[-1] in (_MODULE, _LOSS))
+        if runs_it:
+            self.watch_parameters(module.parameters(recurse=False))
+            self.mark(module.buffers(recurse=False), "parameters")
+            phases.append(_LOSS if phases[-1:] == [_LOSS] or isinstance(module, torch.nn.modules.loss._Loss)
+                          else _MODULE)
+        calls.append(runs_it)
+
+    def _module_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        calls = getattr(self._thread, "module_calls", None)
+        if calls and calls.pop():  # none where the forward began before the measurement did
+            phases = self._phases()
+            if phases and phases[-1] in (_MODULE, _LOSS):
+                phases.pop()
+
     def _optimizer_begins(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Optional[tuple]:
         """An optimizer steps: its parameters, their ``.grad`` and its state are named, and what this thread makes
         until it ends is the optimizer's. Except in a closure it is given (``step(closure)``: LBFGS, or any
@@ -592,8 +627,8 @@ class AllocationLedger:
         arguments.apply_defaults()
         named = arguments.arguments
         self._leave_a_failed_optimizer_step()
-        if stage == "scatter":
-            self.mark(_tensors(named["inputs"]), "inputs")
+        if stage == "scatter":  # an activation a module made and gives to scatter stays one (the tutorial's)
+            self.mark(_tensors(named["inputs"]), "inputs", unless_made_in="module")
         elif stage == "replicate":
             self._watch_network(named["network"])
         elif stage == "reduce":
@@ -603,8 +638,8 @@ class AllocationLedger:
             result = function(*arguments.args, **arguments.kwargs)
         if stage == "scatter":
             pieces = zip(*result) if "kwargs" in named else result
-            for replica, piece in enumerate(pieces):
-                self.mark(_tensors(piece), "inputs", replica, made_now=True)
+            for replica, piece in enumerate(pieces):  # a chunk that is a view of such an activation too
+                self.mark(_tensors(piece), "inputs", replica, made_now=True, unless_made_in="module")
         elif stage == "replicate":
             for replica, module in enumerate(result):
                 self._models.add(id(module))
@@ -665,9 +700,9 @@ class AllocationLedger:
         after = bisect.bisect_right(self._backward_begins, record.born)  # the next backward: the one it is kept for
         began = self._backward_begins[after] if after < len(self._backward_begins) else None
         kept = began is not None and (record.died is None or record.died > began)
-        if kept and record.phase in ("forward", "loss", "host"):
+        if kept and record.phase in ("forward", "module", "loss", "host"):
             host = self.kept_by_host or ("loss" if self._models else "activations")
-            return {"forward": "activations", "loss": "loss", "host": host}[record.phase]
+            return {"forward": "activations", "module": "activations", "loss": "loss", "host": host}[record.phase]
         return "temporaries"
 
     def rows(self, allocator_peaks: Optional[dict[str, int]] = None) -> list[LedgerRow]:
