@@ -166,8 +166,14 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             # The multiply-add in float32 (scale and shift are), rounded once, as BatchNorm's kernel computes it.
             # Rounded to the input's dtype first, scale and shift (large, of opposite signs where the mean is) would
             # cancel: up to 19 units of rounding off, where BatchNorm's error stays at 1 or 2.
-            return (input * scale.view(shape) + shift.view(shape)).to(input.dtype)
-        return input * scale.to(input.dtype).view(shape) + shift.to(input.dtype).view(shape)
+            output = (input * scale.view(shape) + shift.view(shape)).to(input.dtype)
+        else:
+            output = input * scale.to(input.dtype).view(shape) + shift.to(input.dtype).view(shape)
+        # Laid out as BatchNorm lays out its output: the elementwise ops keep a transposed input's strides, where
+        # BatchNorm's output is contiguous (or channels-last, for a channels-last input), and a model that views it
+        # (y.view(n, -1)) would work on one device and fail on the replicas.
+        layout = _batch_norm_layout(input)
+        return output if output.is_contiguous(memory_format=layout) else output.contiguous(memory_format=layout)
 
     def _everyone(
         self, statistics: list[_Statistics], membership: Optional[Membership],
@@ -256,6 +262,17 @@ class _Statistics(NamedTuple):
 def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:
     """The shape that broadcasts a per-channel vector over ``x`` (N, C, *): (1, C, 1, ...)."""
     return (1, -1) + (1,) * (x.dim() - 2)
+
+
+def _batch_norm_layout(x: torch.Tensor) -> torch.memory_format:
+    """The memory format of BatchNorm's output for input ``x``: channels-last where ``x`` is (and not plainly
+    contiguous), else contiguous."""
+    if not x.is_contiguous():
+        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+            return torch.channels_last
+        if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+            return torch.channels_last_3d
+    return torch.contiguous_format
 
 
 def _other_dims(x: torch.Tensor) -> list[int]:

@@ -147,6 +147,33 @@ def test_k_replicas_equal_batchnorm_on_the_full_batch(generator, replicas, rows,
     assert parallel.replica_cache_info().hits == (1 if cache_replicas else 0)  # step 2 re-bound step 1's replicas
 
 
+@pytest.mark.parametrize("rank, order", [(2, (1, 0)), (3, (0, 2, 1)), (4, (0, 2, 3, 1)), (5, (0, 2, 3, 4, 1))],
+                         ids=["transposed_2d", "transposed_3d", "channels_last", "channels_last_3d"])
+def test_each_replicas_output_is_laid_out_as_batchnorms(generator, rank, order):
+    """nn.BatchNorm's output is contiguous, or channels-last for a channels-last input, whatever the input's strides;
+    the synchronised multiply-add kept a transposed input's, and a model that views it (``y.view(n, -1)``) ran on one
+    device and failed on the replicas."""
+    reference, sync = batchnorm_pair(rank, generator)
+    shape = [8, CHANNELS, *FEATURE_SHAPE[rank]]
+    laid_out = [shape[d] for d in order]  # the dimensions in memory order, outermost first
+    back = sorted(range(rank), key=order.__getitem__)  # the permutation that puts them back as (N, C, *)
+    x = torch.randn(*laid_out, generator=generator, dtype=torch.float64).permute(*back)
+    assert list(x.shape) == shape and not x.is_contiguous()
+    expected = reference(x)
+    model = minidp.DataParallel(sync, cpu_ids(2), gather_output=False)
+    outputs = finishes_within(BOUND_S, lambda: model(x))
+    for output, rows in zip(outputs, expected.split(4)):
+        assert output.stride() == rows.contiguous(memory_format=_layout_of(expected)).stride()
+
+
+def _layout_of(tensor: torch.Tensor) -> torch.memory_format:
+    for layout in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d):
+        if tensor.dim() == {torch.channels_last: 4, torch.channels_last_3d: 5}.get(layout, tensor.dim()) \
+                and tensor.is_contiguous(memory_format=layout):
+            return layout
+    raise AssertionError(f"no layout of BatchNorm's: strides {tensor.stride()}")
+
+
 @pytest.mark.cuda
 @requires_cuda
 def test_replicas_sharing_one_gpu_on_side_streams_equal_batchnorm_on_the_full_batch(generator):
