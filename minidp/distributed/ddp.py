@@ -190,8 +190,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                 f"DistributedDataParallel: process_group must be a torch.distributed.ProcessGroup "
                 f"(torch.distributed.new_group(ranks)), or None for the default group, got {process_group!r} of type "
                 f"{type(process_group).__name__}")
-        if not dist.is_initialized():
-            raise RuntimeError(
+        if not dist.is_initialized():  # a ValueError, as torch's (its _get_default_group's)
+            raise ValueError(
                 "DistributedDataParallel needs a process group: call torch.distributed.init_process_group() first "
                 "(torchrun sets the environment it reads), or start the processes with minidp.distributed.launch()"
             )
@@ -412,8 +412,8 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         """Unpickled (``torch.load``, ``copy.deepcopy``): the default process group, and a fresh reducer with
         hooks on the unpickled parameters (torch DDP's ``__setstate__``). Nothing is broadcast or checked."""
         process_group = _default_group_or_none()
-        if process_group is None:
-            raise RuntimeError(
+        if process_group is None:  # a ValueError, as torch's (its _get_default_group's)
+            raise ValueError(
                 "unpickling a DistributedDataParallel needs the default process group: call "
                 "torch.distributed.init_process_group() first, or unpickle the wrapped .module instead"
             )

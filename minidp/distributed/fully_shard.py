@@ -1369,8 +1369,8 @@ def fully_shard(
         _check_module(root)
     if len({id(root) for root in roots}) != len(roots):
         raise ValueError("fully_shard got the same module twice in its list; give each module once")
-    if not dist.is_initialized():
-        raise RuntimeError(
+    if not dist.is_initialized():  # a ValueError, as torch's (its default mesh's rendezvous)
+        raise ValueError(
             "fully_shard needs a process group: call torch.distributed.init_process_group() first "
             "(torchrun sets the environment it reads), or start the processes with minidp.distributed.launch()")
     group, replicate_group = _groups_of(mesh, process_group)

@@ -111,8 +111,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             # torch's functional optimizers (_FunctionalSGD, ...) serve overlap_with_ddp only; named by their
             # module, since importing torch's list of them compiles TorchScript
             raise ValueError(f"Passing in a functional optimizer {optimizer_class} when `overlap_with_ddp=False`")
-        if not dist.is_initialized():
-            raise RuntimeError(
+        if not dist.is_initialized():  # a ValueError, as torch's (its _get_default_group's)
+            raise ValueError(
                 "ZeroRedundancyOptimizer needs a process group: call torch.distributed.init_process_group() first "
                 "(torchrun sets the environment it reads), or start the processes with minidp.distributed.launch()"
             )
