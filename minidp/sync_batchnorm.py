@@ -103,11 +103,16 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         # Set by minidp.distributed's wrapper: this process's replicas' statistics -> every process's
         # (a collective). Not pickled: it holds a process group; the wrapper sets it again.
         self.across_processes: Optional[Callable[[list[_Statistics]], list[_Statistics]]] = None
+        self.exchange_attached = False  # whether a wrapper decided across_processes (None: nothing to exchange)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["across_processes"] = None
+        state["across_processes"], state["exchange_attached"] = None, False  # a copy (an EMA teacher) is no wrapper's
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("exchange_attached", False)  # pickled before the attribute was
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         """torch.nn.SyncBatchNorm's checks, in its words: at least 2D, and at least one channel (a 0-channel input
@@ -125,6 +130,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         # Processes exchange statistics in training only, as torch.nn.SyncBatchNorm does: in eval mode a rank
         # may run batches the others do not run (inference on rank 0 alone), and would wait for them forever.
         exchange = self.across_processes if self.training else None
+        if exchange is None and self.training and alone and not self.exchange_attached and lone_exchange is not None:
+            # No wrapper gave this layer an exchange (a copy of a wrapped model, an EMA teacher; a model never
+            # wrapped): torch's SyncBatchNorm synchronises whenever it trains in a job, whatever wraps it
+            exchange = lone_exchange(self.process_group)
         if alone and batch_statistics and torch._C._current_graph_task_id() == -1:
             self.__dict__.pop(_MET_REPLICAS, None)  # a forward of its own: what a backward recomputes now ran alone
         elif alone and batch_statistics and _MET_REPLICAS in self.__dict__:
@@ -257,6 +266,12 @@ class _Statistics(NamedTuple):
     mean: torch.Tensor
     variance: torch.Tensor  # biased
     ready: Optional["torch.cuda.Event"]  # on a GPU: recorded once mean and variance are computed
+
+
+# Set by minidp.distributed when it is imported: the exchange of a layer no wrapper attached one to, running alone in
+# its process (over its process_group, else the job's default group; None outside a job of several processes). The
+# core never imports torch.distributed.
+lone_exchange: Optional[Callable[[Any], Optional[Callable[[list[_Statistics]], list[_Statistics]]]]] = None
 
 
 def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ import minidp
 import minidp.distributed as md
 
 from .ddp_checks import TorchDDP, _difference
-from .helpers import max_relative_error, state_difference
+from .helpers import cpu_ids, max_relative_error, state_difference
 
 
 def _quiet(build: Callable[[], Any]) -> Any:
@@ -355,28 +355,70 @@ def gradient_penalty_as_stock(seed: int, steps: int = 3) -> list:
     return differences
 
 
-def post_accumulate_grad_hooks_as_stock(seed: int, steps: int = 3, **options: Any) -> dict:
-    """A user's post-accumulate-grad hook registered after wrapping, which doubles ``.grad`` in place: what it saw and
-    the modules after every step, stock against minidp (stock's reducer hook runs after every such hook)."""
+def post_accumulate_grad_hooks_as_stock(seed: int, steps: int = 3, between_forward_and_backward: bool = False,
+                                       **options: Any) -> dict:
+    """A user's post-accumulate-grad hook registered after wrapping (``between_forward_and_backward``: after the first
+    step's forward, before its backward), which doubles ``.grad`` in place: what it saw and the modules after every
+    step, stock against minidp (stock's reducer hook runs after every such hook)."""
     theirs, ours, theirs_module, ours_module = _pair(_tanh_mlp, seed, **options)
     seen: dict[str, list] = {"stock": [], "minidp": []}
-    for name, module in (("stock", theirs_module), ("minidp", ours_module)):
+
+    def register(name: str, module: nn.Module) -> None:
         for parameter in module.parameters():
             def doubled(p: torch.Tensor, kept: list = seen[name]) -> None:
                 kept.append(p.grad.clone())
                 p.grad.mul_(2)
 
             parameter.register_post_accumulate_grad_hook(doubled)
+
+    wrappers = (("stock", theirs, theirs_module), ("minidp", ours, ours_module))
+    if not between_forward_and_backward:
+        for name, _, module in wrappers:
+            register(name, module)
     optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in (theirs, ours)]
     differences = []
     for step in range(steps):
-        for ddp, optimizer in zip((theirs, ours), optimizers):
+        for (name, ddp, module), optimizer in zip(wrappers, optimizers):
             optimizer.zero_grad()
-            ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+            loss = ddp(_inputs(seed, step, 5, 6)).pow(2).mean()
+            if between_forward_and_backward and step == 0:
+                register(name, module)
+            loss.backward()
             optimizer.step()
         differences.append(_difference(ours_module, theirs_module))
     same_seen = len(seen["stock"]) == len(seen["minidp"]) and all(map(torch.equal, seen["stock"], seen["minidp"]))
     return {"differences": differences, "same_seen": same_seen, "hook_calls": len(seen["minidp"])}
+
+
+def swapped_after_wrapping(seed: int) -> dict:
+    """``load_state_dict`` on the wrapper with ``torch.__future__.set_swap_module_params_on_conversion(True)``, as a
+    resumed run loads its checkpoint, then one step: per wrapper, where it raised (``"load"``, ``"forward"``, or
+    ``None``) and the error's type, and whether every gradient is then the ranks' mean."""
+    theirs, ours, _, _ = _pair(_tanh_mlp, seed)
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    results = {}
+    try:
+        for name, ddp in (("stock", theirs), ("minidp", ours)):
+            where = "load"
+            try:
+                ddp.load_state_dict(copy.deepcopy(ddp.state_dict()))
+                where = "forward"
+                ddp(_inputs(seed, 0, 5, 6)).pow(2).mean().backward()
+                results[name] = {"raised": None, "averaged": _averaged(ddp)}
+            except RuntimeError as error:
+                results[name] = {"raised": (where, type(error).__name__), "averaged": None}
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    return results
+
+
+def _averaged(ddp: nn.Module) -> bool:
+    """Whether every gradient of ``ddp`` is the same on every rank, as a mean of the ranks' is."""
+    gradients = torch.cat([p.grad.flatten() for p in ddp.parameters()])
+    everyone = [torch.empty_like(gradients) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, gradients)
+    return all(torch.equal(gradients, other) for other in everyone)
 
 
 def _steps_until_an_error(pair: tuple, seed: int, steps: int, step_of: Callable[[nn.Module, int], None]) -> dict:
@@ -1836,6 +1878,54 @@ def sync_batchnorm_after_destroy_process_group(seed: int) -> float:
     pairs = [tuple(outputs)] + [(p.grad, q.grad) for p, q in zip(module.parameters(), reference.parameters())] + [
         (module[1].running_mean, reference[1].running_mean), (module[1].running_var, reference[1].running_var)]
     return max(max_relative_error(a, b) for a, b in pairs)
+
+
+def sync_batchnorm_no_wrapper_attached(seed: int, how: str) -> float:
+    """minidp.SyncBatchNorm training outside any wrapper in a job of several processes, as torch's layer synchronises
+    there: a ``copy.deepcopy`` of the module a minidp DDP wraps (an EMA teacher), or (``how="never wrapped"``) a
+    converted model no wrapper ever held, against ``nn.BatchNorm1d`` in one process on every rank's samples at once,
+    float64, two training forwards: the largest relative difference in this rank's outputs and the running statistics."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed)
+    reference = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8)).double()
+    module = minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    if how == "deepcopy":
+        ddp = md.DistributedDataParallel(module)
+        ddp(_inputs(seed, 0, 5, 6).double()).sum().backward()  # a step of the wrapped model first, as a student's
+        module = copy.deepcopy(ddp.module)
+        reference[1].load_state_dict(module[1].state_dict())
+    worst = 0.0
+    for step in (1, 2):
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, _inputs(seed, step, 5, 6).double())
+        with torch.no_grad():
+            pairs = [(module(everyone[rank]), reference(torch.cat(everyone))[5 * rank:5 * rank + 5]),
+                     (module[1].running_mean, reference[1].running_mean),
+                     (module[1].running_var, reference[1].running_var)]
+        worst = max([worst, *(max_relative_error(a, b) for a, b in pairs)])
+    return worst
+
+
+class _AroundADataParallel(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = minidp.DataParallel(inner, cpu_ids(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def sync_batchnorm_in_a_nested_data_parallel(seed: int, device_ids: Optional[list] = None) -> Optional[tuple]:
+    """minidp.SyncBatchNorm inside a DataParallel of 2 CPU replicas inside the module minidp's DDP wraps: the error of
+    the first training forward (its type, and whether it says that the chunks cannot be laid out), ``None`` if none."""
+    torch.manual_seed(seed)
+    inner = minidp.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8)).double())
+    ddp = md.DistributedDataParallel(_AroundADataParallel(inner), device_ids=device_ids)
+    try:
+        ddp(_inputs(seed, 0, 8, 6).double()).sum().backward()
+    except RuntimeError as error:
+        return type(error).__name__, "cannot be laid out" in str(error)
+    return None
 
 
 def torch_sync_batchnorm_on_cpu(seed: int) -> dict:

@@ -101,6 +101,9 @@ TWO_PROCESSES = {
        for container in ("heads", "pair")
        for name, options in (("find_unused", {"find_unused_parameters": True}), ("static", {"static_graph": True}))},
     "post_accumulate_hooks_bucket_view": (checks.post_accumulate_grad_hooks_as_stock, {"gradient_as_bucket_view": True}),
+    "post_accumulate_hooks_after_forward": (checks.post_accumulate_grad_hooks_as_stock,
+                                            {"between_forward_and_backward": True}),
+    "swapped_after_wrapping": (checks.swapped_after_wrapping, {}),
     "comm_hook_errors": (checks.comm_hook_errors, {}),
     "hook_results": (checks.hook_results, {}),
     "failing_comm_hook": (checks.failing_comm_hook_as_stock, {}),
@@ -173,6 +176,10 @@ TWO_PROCESSES = {
        for name, view in (("copies", False), ("bucket_view", True))},
     "sync_bn_processes": (checks.sync_batchnorm_matches_global_batch, {}),
     "sync_bn_hybrid": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2)}),
+    "sync_bn_deepcopy": (checks.sync_batchnorm_no_wrapper_attached, {"how": "deepcopy"}),
+    "sync_bn_never_wrapped": (checks.sync_batchnorm_no_wrapper_attached, {"how": "never wrapped"}),
+    "sync_bn_nested": (checks.sync_batchnorm_in_a_nested_data_parallel, {}),
+    "sync_bn_nested_hybrid": (checks.sync_batchnorm_in_a_nested_data_parallel, {"device_ids": cpu_ids(2)}),
     "sync_bn_hybrid_fewer_rows": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2), "per_rank": [5, 1]}),
     "torch_sync_bn_cpu": (checks.torch_sync_batchnorm_on_cpu, {}),
     "ignored": (ddp_checks.against_torch, {"model": "resnet_bn", "ignored": ["conv2.weight", "bn2.running_mean"]}),
@@ -399,13 +406,25 @@ def test_gradient_penalty_on_the_inputs_matches_stock_bitwise(two):
         assert differences == [None] * 3
 
 
-@pytest.mark.parametrize("check", ["post_accumulate_hooks", "post_accumulate_hooks_bucket_view"])
+@pytest.mark.parametrize("check", ["post_accumulate_hooks", "post_accumulate_hooks_bucket_view",
+                                   "post_accumulate_hooks_after_forward"])
 def test_a_users_post_accumulate_grad_hook_runs_before_the_reduction_as_in_stock(two, check):
     # torch's reducer hook is a post-hook of each parameter's gradient accumulator (reducer.cpp, Reducer's
-    # constructor: grad_accumulator->add_post_hook), run after every post-accumulate-grad hook of the tensor
+    # constructor: grad_accumulator->add_post_hook), run after every post-accumulate-grad hook of the tensor, whenever
+    # it was registered: one registered between a forward and its backward ran after minidp's in that backward
     for result in each_rank(two, check):
         assert result["differences"] == [None] * 3
         assert result["same_seen"] and result["hook_calls"] == 3 * 6  # every parameter of the MLP, every step
+
+
+def test_a_parameter_swapped_after_wrapping_is_refused_where_torchs_refuses_the_swap(two):
+    # torch.utils.swap_tensors (load_state_dict with swap_module_params_on_conversion) moves a parameter's autograd
+    # state, and the hook that reduces its gradient with it, to the other tensor. torch's reducer holds references that
+    # make the swap fail in load_state_dict; minidp's took it, and every rank stepped on its own gradients, silently.
+    # It refuses the next forward now, before any collective.
+    for result in each_rank(two, "swapped_after_wrapping"):
+        assert result == {"stock": {"raised": ("load", "RuntimeError"), "averaged": None},
+                          "minidp": {"raised": ("forward", "RuntimeError"), "averaged": None}}
 
 
 @pytest.mark.parametrize("options", ["default", "find_unused"])
@@ -947,6 +966,24 @@ def test_sync_batchnorm_across_every_replica_of_every_process_is_batchnorm_on_th
     for results in (two, three):
         for worst in each_rank(results, check):
             assert worst <= RTOL_FLOAT64
+
+
+@pytest.mark.parametrize("check", ["sync_bn_deepcopy", "sync_bn_never_wrapped"])
+def test_sync_batchnorm_no_wrapper_attached_to_is_batchnorm_on_the_global_batch_in_training(two, check):
+    # torch's SyncBatchNorm synchronises whenever it trains with a process group, whatever wraps it (sync_batchnorm.py,
+    # forward: need_sync): a copy of a wrapped model (an EMA teacher: copy.deepcopy, swa_utils.AveragedModel) or a
+    # model never wrapped normalised each rank by its own batch, silently
+    for worst in each_rank(two, check):
+        assert worst <= RTOL_FLOAT64
+
+
+@pytest.mark.parametrize("check", ["sync_bn_nested", "sync_bn_nested_hybrid"])
+def test_sync_batchnorm_in_a_data_parallel_nested_in_the_wrapped_module_is_refused_saying_what_works(two, check):
+    # the exchange's table has rows for the wrapper's replicas of each process: the nested call's chunks spilled over
+    # the next process's rows (outputs 0.5 off BatchNorm on the global batch, silently) or the counts' shape (a shape
+    # error); each rank raises now, before any collective
+    for error in each_rank(two, check):
+        assert error == ("RuntimeError", True)
 
 
 def test_unused_parameters_that_change_are_logged_as_a_graph_not_static_once_per_process_as_stock(one):

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import sync_batchnorm
 from ..sync_batchnorm import SyncBatchNorm, _Statistics
 
 
@@ -93,6 +95,14 @@ class ProcessExchange:
         if not dist.is_initialized():  # the group is gone (destroy_process_group): torch's layer runs as BatchNorm then
             return mine
         world, rank, replicas = dist.get_world_size(self.group), dist.get_rank(self.group), self.replicas
+        if len(mine) > replicas:  # the table has a process's replicas' rows, no more: they would spill over the next's
+            raise RuntimeError(
+                f"minidp.SyncBatchNorm: {len(mine)} chunks of this process's batch met for one exchange across processes "
+                f"laid out for {replicas} replica(s) a process: a data_parallel (or DataParallel) runs inside the "
+                f"module that minidp.distributed's wrapper wraps, and its replicas' statistics cannot be laid out. Give "
+                f"the wrapper the replicas instead (DistributedDataParallel(module, device_ids=['cpu'] * k)), or keep "
+                f"the SyncBatchNorm out of the inner call"
+            )
         device = mine[0].mean.device
         rows = torch.stack([torch.stack([s.mean.to(device), s.variance.to(device)]) for s in mine])
         blank = rows.new_zeros((replicas, *rows.shape[1:]))
@@ -127,6 +137,20 @@ def attach_exchange(module: nn.Module, group: dist.ProcessGroup, replicas: int) 
         if isinstance(layer, SyncBatchNorm):
             own = group if layer.process_group is None else layer.process_group
             layer.across_processes = ProcessExchange(own, replicas) if dist.get_world_size(own) > 1 else None
+            layer.exchange_attached = True
+
+
+def _lone_exchange(process_group: Optional[dist.ProcessGroup]) -> Optional[ProcessExchange]:
+    """The exchange of a layer no wrapper attached one to, running alone in its process (a copy of a wrapped model, as
+    an EMA teacher is; a model never wrapped): over its ``process_group``, else the default group, one replica a
+    process, as torch's SyncBatchNorm synchronises whenever it trains in a job; none outside a job of several."""
+    if not dist.is_initialized():
+        return None
+    group = dist.group.WORLD if process_group is None else process_group
+    return ProcessExchange(group, 1) if dist.get_world_size(group) > 1 else None
+
+
+sync_batchnorm.lone_exchange = _lone_exchange
 
 
 def check_torch_sync_batchnorm(module: nn.Module, device: torch.device) -> None:

@@ -48,6 +48,7 @@ import threading
 import time
 import warnings
 import weakref
+from operator import attrgetter
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -237,6 +238,7 @@ class Reducer:
         self._last_gradient = 0.0
         self._handles = [p.register_post_accumulate_grad_hook(_hook(self, i)) for i, p in enumerate(self.params)]
         self._hook_dicts = [p._post_accumulate_grad_hooks for p in self.params]  # each parameter's, ours among them
+        self._tensor_addresses = list(map(_tensor_address, self.params))  # the C++ tensors those hooks are on
         weakref.finalize(self, _remove, self._handles)
 
     def find_accumulators(self) -> None:
@@ -324,6 +326,7 @@ class Reducer:
                 f"or wrap the model anew"
             ))
         self._check_dtypes()
+        self._check_not_swapped()
         self._check_reducer_finalized()
         self._name_parameters_and_gradients()
         self._install_rebuilt_plan()
@@ -356,6 +359,25 @@ class Reducer:
                     f"the module before wrapping it in DistributedDataParallel (model.to({now}), then "
                     f"DistributedDataParallel(model)), not the wrapper after"
                 ))
+
+    def _check_not_swapped(self) -> None:
+        """Raise if a parameter was swapped for another tensor since it was wrapped (``torch.utils.swap_tensors``:
+        ``load_state_dict`` or ``.to()`` on the wrapper with ``torch.__future__.set_swap_module_params_on_conversion
+        (True)``, as for parameters of a tensor subclass): the parameter object then holds another C++ tensor, and the
+        hook that reduces its gradient went with the old one to the tensor it swapped with; every rank would step on
+        its own gradients. torch's reducer holds references that make the swap itself fail. One list of addresses
+        compared per forward, as the dtypes are."""
+        if list(map(_tensor_address, self.params)) == self._tensor_addresses:
+            return
+        index = next(i for i, (p, address) in enumerate(zip(self.params, self._tensor_addresses))
+                     if p._cdata != address)
+        raise self._logged(RuntimeError(
+            f"DistributedDataParallel: parameter {index} ('{self.names[index]}') was swapped for another tensor since "
+            f"it was wrapped (torch.utils.swap_tensors: load_state_dict or .to() with "
+            f"torch.__future__.set_swap_module_params_on_conversion(True)), which took the hook that reduces its "
+            f"gradient with it. Load or convert the module before wrapping it in DistributedDataParallel, or wrap it "
+            f"anew after"
+        ))
 
     def rebuild_buckets(self) -> bool:
         """Install the rebuilt plan if one is waiting (``Reducer::rebuild_buckets``); whether it did. Raises first, as
@@ -457,6 +479,7 @@ class Reducer:
         (``checkpoint(use_reentrant=True)``) in which some parameter's hook happens to fire first."""
         if self._backward_start is None:
             self._backward_start = time.perf_counter()
+            self._hooks_last()  # after a hook the user registered since the forward, too: torch's runs after them all
         if self._expect_hooks:
             self._queue_finish()
 
@@ -972,6 +995,9 @@ class Reducer:
 def _stamp_end(event: dict) -> None:
     if event["end"] is None:
         event["end"] = time.perf_counter()
+
+
+_tensor_address = attrgetter("_cdata")  # the C++ tensor a Python tensor holds: another one after a swap_tensors
 
 
 def _hook(reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
