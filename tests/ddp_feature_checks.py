@@ -25,6 +25,7 @@ from torch.distributed.algorithms import Join
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, quantization_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 import minidp
@@ -411,6 +412,26 @@ def swapped_after_wrapping(seed: int) -> dict:
     finally:
         torch.__future__.set_swap_module_params_on_conversion(previous)
     return results
+
+
+def parametrized_after_wrapping(seed: int) -> Optional[str]:
+    """``register_parametrization`` on a weight of the module minidp's DDP (``find_unused_parameters=True``) wraps,
+    after wrapping (it calls ``set_()`` on the weight, which gives it another gradient accumulator), then one step:
+    the error's message, ``None`` if none."""
+    torch.manual_seed(seed)
+    module = _tanh_mlp().double()
+    ddp = md.DistributedDataParallel(module, find_unused_parameters=True)
+
+    class Doubled(nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return 2 * weight
+
+    parametrize.register_parametrization(module[2], "weight", Doubled())
+    try:
+        ddp(_inputs(seed, 0, 5, 6).double()).pow(2).mean().backward()
+    except RuntimeError as error:
+        return str(error)
+    return None
 
 
 def _averaged(ddp: nn.Module) -> bool:

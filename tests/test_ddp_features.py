@@ -104,6 +104,7 @@ TWO_PROCESSES = {
     "post_accumulate_hooks_after_forward": (checks.post_accumulate_grad_hooks_as_stock,
                                             {"between_forward_and_backward": True}),
     "swapped_after_wrapping": (checks.swapped_after_wrapping, {}),
+    "parametrized_after_wrapping": (checks.parametrized_after_wrapping, {}),
     "comm_hook_errors": (checks.comm_hook_errors, {}),
     "hook_results": (checks.hook_results, {}),
     "failing_comm_hook": (checks.failing_comm_hook_as_stock, {}),
@@ -425,6 +426,14 @@ def test_a_parameter_swapped_after_wrapping_is_refused_where_torchs_refuses_the_
     for result in each_rank(two, "swapped_after_wrapping"):
         assert result == {"stock": {"raised": ("load", "RuntimeError"), "averaged": None},
                           "minidp": {"raised": ("forward", "RuntimeError"), "averaged": None}}
+
+
+def test_a_parameter_given_another_accumulator_after_wrapping_is_named_as_such_by_the_unused_search(two):
+    # register_parametrization calls set_() on the weight, which gets a new gradient accumulator: the search for unused
+    # parameters (find_unused_parameters=True) counted it unused, then its gradient came, and minidp said it was used
+    # outside forward; torch's reducer leaves its gradient unreduced, silently
+    for message in each_rank(two, "parametrized_after_wrapping"):
+        assert message is not None and "has another gradient accumulator than when it was wrapped" in message
 
 
 @pytest.mark.parametrize("options", ["default", "find_unused"])

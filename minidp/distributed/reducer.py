@@ -538,6 +538,14 @@ class Reducer:
 
     def _mark_ready(self, index: int) -> None:
         if self._ready[index]:
+            if self._accumulator_changed(index):
+                raise RuntimeError(
+                    f"parameter {index} ('{self.names[index]}') has another gradient accumulator than when it was "
+                    f"wrapped, on rank {self.rank} (set_() on it, or torch.nn.utils.parametrize.register_parametrization, "
+                    f"which calls it): the search for unused parameters no longer sees it used, and its gradient came "
+                    f"after it was counted unused. Change the parameters before wrapping the module in "
+                    f"DistributedDataParallel, or wrap it anew after"
+                )
             raise RuntimeError(
                 f"parameter {index} ('{self.names[index]}') got its gradient twice in one backward on rank "
                 f"{self.rank}: DistributedDataParallel reduces each gradient once per backward. This happens when "
@@ -558,6 +566,16 @@ class Reducer:
             now = time.perf_counter()
             self._events.append({"stage": "bucket ready", "bucket": bucket.index, "start": now, "end": now})
             self._launch_ready_buckets()
+
+    def _accumulator_changed(self, index: int) -> bool:
+        """Whether parameter ``index`` has another gradient accumulator than the one the search for unused parameters
+        looks for (an error's diagnosis: finding it costs a view of the parameter)."""
+        accumulators = getattr(self, "_accumulators", None)
+        param = self.params[index]
+        if not accumulators or not param.requires_grad:
+            return False
+        with torch.enable_grad():
+            return param.view_as(param).grad_fn.next_functions[0][0] not in accumulators
 
     def _copy_into_bucket(self, bucket: Bucket, position: int) -> None:
         """``mark_variable_ready_dense``: the gradient into its view, divided by the world size unless a
