@@ -130,9 +130,12 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         # Processes exchange statistics in training only, as torch.nn.SyncBatchNorm does: in eval mode a rank
         # may run batches the others do not run (inference on rank 0 alone), and would wait for them forever.
         exchange = self.across_processes if self.training else None
-        if exchange is None and self.training and alone and not self.exchange_attached and lone_exchange is not None:
+        if (exchange is None and self.training and membership is None and not self.exchange_attached
+                and lone_exchange is not None):
             # No wrapper gave this layer an exchange (a copy of a wrapped model, an EMA teacher; a model never
-            # wrapped): torch's SyncBatchNorm synchronises whenever it trains in a job, whatever wraps it
+            # wrapped): torch's SyncBatchNorm synchronises whenever it trains in a job, whatever wraps it. Not in a
+            # replica (a DataParallel in each process): one whose batch made a single chunk would exchange where
+            # the other processes' replicas, meeting each other, do not.
             exchange = lone_exchange(self.process_group)
         if alone and batch_statistics and torch._C._current_graph_task_id() == -1:
             self.__dict__.pop(_MET_REPLICAS, None)  # a forward of its own: what a backward recomputes now ran alone

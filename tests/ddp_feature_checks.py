@@ -1927,6 +1927,20 @@ def sync_batchnorm_no_wrapper_attached(seed: int, how: str) -> float:
     return worst
 
 
+def sync_batchnorm_in_data_parallel_without_a_wrapper(seed: int) -> float:
+    """minidp.SyncBatchNorm in a minidp.DataParallel of 2 CPU replicas in each process of the job, no wrapper across
+    the processes, rank 0 given one row (one chunk: its replica runs alone) and the others four: each process's replicas
+    meet, the processes exchange nothing, so each rank's output is ``nn.BatchNorm1d``'s on its own batch, float64; the
+    largest relative difference in the output and the running statistics."""
+    torch.manual_seed(seed)
+    reference = nn.BatchNorm1d(6).double()
+    layer = minidp.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    x = _inputs(seed, 0, 1 if dist.get_rank() == 0 else 4, 6, 3).double()
+    pairs = [(minidp.DataParallel(layer, cpu_ids(2))(x), reference(x)),
+             (layer.running_mean, reference.running_mean), (layer.running_var, reference.running_var)]
+    return max(max_relative_error(a.detach(), b.detach()) for a, b in pairs)
+
+
 class _AroundADataParallel(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()

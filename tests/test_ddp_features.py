@@ -180,6 +180,7 @@ TWO_PROCESSES = {
     "sync_bn_deepcopy": (checks.sync_batchnorm_no_wrapper_attached, {"how": "deepcopy"}),
     "sync_bn_never_wrapped": (checks.sync_batchnorm_no_wrapper_attached, {"how": "never wrapped"}),
     "sync_bn_nested": (checks.sync_batchnorm_in_a_nested_data_parallel, {}),
+    "sync_bn_data_parallel_alone": (checks.sync_batchnorm_in_data_parallel_without_a_wrapper, {}),
     "sync_bn_nested_hybrid": (checks.sync_batchnorm_in_a_nested_data_parallel, {"device_ids": cpu_ids(2)}),
     "sync_bn_hybrid_fewer_rows": (checks.sync_batchnorm_matches_global_batch, {"device_ids": cpu_ids(2), "per_rank": [5, 1]}),
     "torch_sync_bn_cpu": (checks.torch_sync_batchnorm_on_cpu, {}),
@@ -983,6 +984,14 @@ def test_sync_batchnorm_no_wrapper_attached_to_is_batchnorm_on_the_global_batch_
     # forward: need_sync): a copy of a wrapped model (an EMA teacher: copy.deepcopy, swa_utils.AveragedModel) or a
     # model never wrapped normalised each rank by its own batch, silently
     for worst in each_rank(two, check):
+        assert worst <= RTOL_FLOAT64
+
+
+def test_sync_batchnorm_in_a_data_parallel_in_each_process_exchanges_nothing_across_them_whatever_the_rows(two):
+    # a replica alone (a batch of one chunk) is still a replica: the layer trains synchronised across the processes
+    # only with no replica around it, else a process whose batch made one chunk exchanged and waited, alone, for the
+    # others, whose replicas met each other (the job hung)
+    for worst in each_rank(two, "sync_bn_data_parallel_alone"):
         assert worst <= RTOL_FLOAT64
 
 

@@ -469,17 +469,22 @@ def test_a_steps_gradients_let_go_of_by_the_next_steps_zero_grad_are_gradients(g
     assert device.at_peak["gradients"] == device.held["gradients"] == parameter_bytes(module)
 
 
-def test_a_closure_the_optimizer_runs_keeps_its_activations_and_loss(generator):
-    """``optimizer.step(closure)`` (LBFGS) runs the forward and the backward inside the step: what the closure makes
-    is the step's, named as outside the optimizer (it was all the optimizer's temporaries)."""
+@pytest.mark.parametrize("replicas", [0, 2], ids=["plain_model", "two_replicas"])
+def test_a_closure_the_optimizer_runs_keeps_its_activations_and_loss(generator, replicas):
+    """``optimizer.step(closure)`` (LBFGS, three evaluations a step) runs the forward and the backward inside the step:
+    what the closure makes is the step's, named as outside the optimizer, and what the optimizer makes between its
+    calls of the closure is the optimizer's (it was all the optimizer's temporaries, or the optimizer's direction
+    vectors counted as kept for the next backward)."""
     module = mlp()
-    model = minidp.DataParallel(module, cpu_ids(2))
-    optimizer = torch.optim.LBFGS(module.parameters(), max_iter=1)
+    model = minidp.DataParallel(module, cpu_ids(replicas)) if replicas else module
+    optimizer = torch.optim.LBFGS(module.parameters(), max_iter=3)
     x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    target = torch.zeros(8, O, dtype=torch.float64)
+    criterion = nn.MSELoss()  # a loss module: what it keeps is the loss, not activations (LBFGS keeps a loss or two)
 
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
-        loss = model(x).pow(2).sum()
+        loss = criterion(model(x), target)
         loss.backward()
         return loss
 
@@ -488,15 +493,59 @@ def test_a_closure_the_optimizer_runs_keeps_its_activations_and_loss(generator):
         closure()
     with minidp.trace(ledger=True) as stepped:
         optimizer.step(closure)
-    for category in ("activations", "loss"):
-        assert row(stepped.ledger()).held[category] == row(alone.ledger()).held[category] > 0
+    assert row(stepped.ledger()).held["activations"] == row(alone.ledger()).held["activations"] > 0
+    assert row(stepped.ledger()).held["optimizer state"] > 0
 
 
-def test_an_optimizer_step_that_raised_leaves_the_next_steps_named_as_before(generator):
-    """An optimizer step that raises never reaches the hook that ends its phase: the model's next call ends it, so
-    the steps after it keep their activations and loss (they were the optimizer's temporaries)."""
+def test_an_optimizer_stepping_in_a_post_accumulate_grad_hook_is_counted(generator):
+    """torch's "optimizer in backward" pattern: a hook steps and lets go of each ``.grad`` as it is made, before the
+    ledger's own hook names it (which then found ``None`` and raised)."""
     module = mlp()
-    model = minidp.DataParallel(module, cpu_ids(2))
+    optimizers = {p: torch.optim.SGD([p], lr=0.01) for p in module.parameters()}
+
+    def step_in_backward(parameter: torch.Tensor) -> None:
+        optimizers[parameter].step()
+        optimizers[parameter].zero_grad()
+
+    for parameter in module.parameters():
+        parameter.register_post_accumulate_grad_hook(step_in_backward)
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    with minidp.trace(ledger=True) as traced:
+        module(x).pow(2).sum().backward()
+    assert all(p.grad is None for p in module.parameters())
+    assert row(traced.ledger()).held["gradients"] > 0
+
+
+def test_a_module_that_defines_its_own_parameters_method_or_makes_them_lazily_is_counted(generator):
+    """The ledger names a module's parameters from its own registries when its forward ends: a module whose
+    ``parameters()`` takes no ``recurse`` (a wrapper's idiom) raised a TypeError, and a lazy module's uninitialized
+    parameters, read before its own pre-hook made them, a ValueError."""
+
+    class OwnParameters(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = mlp()
+
+        def parameters(self):  # noqa: ANN201  (the idiom: no recurse argument)
+            return self.inner.parameters()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    for model in (OwnParameters(), nn.Sequential(nn.LazyLinear(H, dtype=torch.float64), nn.ReLU(), nn.Linear(H, O).double())):
+        with minidp.trace(ledger=True) as traced:
+            model(x).pow(2).sum().backward()
+        assert row(traced.ledger()).held["parameters"] == parameter_bytes(model)
+
+
+@pytest.mark.parametrize("replicas", [0, 2], ids=["plain_model", "two_replicas"])
+def test_an_optimizer_step_that_raised_leaves_the_next_steps_named_as_before(generator, replicas):
+    """An optimizer step that raises never reaches the hook that ends its phase: the model's next call (a stage, or a
+    module's forward) ends it, so the steps after it keep their activations and loss (they were the optimizer's
+    temporaries)."""
+    module = mlp()
+    model = minidp.DataParallel(module, cpu_ids(replicas)) if replicas else module
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
     x = torch.randn(8, D, generator=generator, dtype=torch.float64)
 

@@ -461,7 +461,8 @@ class AllocationLedger:
                 self._grad_hooks[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._grad_made)
 
     def _grad_made(self, parameter: torch.Tensor) -> None:
-        self.mark([parameter.grad], "gradients", made_now=True)
+        if parameter.grad is not None:  # an earlier hook may have stepped and let go of it (an optimizer in backward)
+            self.mark([parameter.grad], "gradients", made_now=True)
 
     def watch_module(self, module: torch.nn.Module) -> None:
         """``module`` runs itself as the only replica (one device, nothing replicated): its parameters and buffers
@@ -560,25 +561,30 @@ class AllocationLedger:
 
     def _module_begins(self, module: torch.nn.Module, args: Any) -> None:
         """A module's forward begins. Where the watched thread runs it itself, outside minidp's stages and replicas (a
-        layer of a model that calls ``data_parallel`` in its forward, or the model of a step without minidp): its
-        parameters and buffers are parameters, their ``.grad`` gradients (known without an optimizer in the step), and
-        what its forward makes is named by the phase pushed here (activations; a loss module's: loss), until
-        :meth:`_module_ends`, which runs even where the forward raises."""
+        layer of a model that calls ``data_parallel`` in its forward, or the model of a step without minidp), what its
+        forward makes is named by the phase pushed here (activations; a loss module's: loss), until
+        :meth:`_module_ends`, which runs even where the forward raises, and names its parameters and buffers (then:
+        a lazy module makes its parameters in a pre-hook of its own, which runs after this global one)."""
         calls = getattr(self._thread, "module_calls", None)
         if calls is None:
             calls = self._thread.module_calls = []
         phases = self._phases()
+        if getattr(self._thread, "watched", False):
+            self._leave_a_failed_optimizer_step()  # a module the thread runs is no optimizer's work, a closure's aside
         runs_it = getattr(self._thread, "watched", False) and (not phases or phases[-1] in (_MODULE, _LOSS))
         if runs_it:
-            self.watch_parameters(module.parameters(recurse=False))
-            self.mark(module.buffers(recurse=False), "parameters")
             phases.append(_LOSS if phases[-1:] == [_LOSS] or isinstance(module, torch.nn.modules.loss._Loss)
                           else _MODULE)
         calls.append(runs_it)
 
     def _module_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """The forward :meth:`_module_begins` saw begin has ended: its parameters (and their ``.grad``, known without an
+        optimizer in the step) and buffers are named, read from the module's own registries (not through
+        ``parameters()``, which a module may define otherwise), and its phase ends."""
         calls = getattr(self._thread, "module_calls", None)
         if calls and calls.pop():  # none where the forward began before the measurement did
+            self.watch_parameters([p for p in module._parameters.values() if p is not None])
+            self.mark([b for b in module._buffers.values() if b is not None], "parameters")
             phases = self._phases()
             if phases and phases[-1] in (_MODULE, _LOSS):
                 phases.pop()
@@ -593,11 +599,12 @@ class AllocationLedger:
         self.mark([p.grad for p in parameters if p.grad is not None], "gradients")
         self.mark([t for _, t in tensors_in(list(optimizer.state.values()))], "optimizer state")
         self._phases().append(_OPTIMIZER)
-        closure = args[0] if args else kwargs.get("closure")
+        # torch hands a pre-hook the step's arguments with the optimizer first: step(self, closure=None)
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if not callable(closure):
             return None
         outside = functools.partial(self._outside_the_optimizer, closure)
-        return ((outside, *args[1:]), kwargs) if args else (args, {**kwargs, "closure": outside})
+        return ((args[0], outside, *args[2:]), kwargs) if len(args) > 1 else (args, {**kwargs, "closure": outside})
 
     def _outside_the_optimizer(self, closure: Callable[[], Any]) -> Any:
         phases = self._phases()
@@ -608,8 +615,8 @@ class AllocationLedger:
             phases.extend(inside)
 
     def _leave_a_failed_optimizer_step(self) -> None:
-        """An optimizer step that raised never reached its post-hook, which ends its phase: a stage of the model
-        called on this thread later (never from inside a step: a closure runs outside it) ends it instead."""
+        """An optimizer step that raised never reached its post-hook, which ends its phase: a stage of the model, or a
+        module's forward, run on this thread later (never from inside a step: a closure runs outside it) ends it."""
         phases = self._phases()
         while phases and phases[-1] == _OPTIMIZER:
             phases.pop()
