@@ -497,6 +497,58 @@ def test_a_closure_the_optimizer_runs_keeps_its_activations_and_loss(generator, 
     assert row(stepped.ledger()).held["optimizer state"] > 0
 
 
+class _LearnedStep(torch.optim.Optimizer):
+    """An optimizer whose step runs a module of its own on each gradient (``through_module``; else the same
+    arithmetic written out), and keeps the last update, outside its state, until the next step."""
+
+    def __init__(self, parameters: Any, through_module: bool) -> None:
+        super().__init__(parameters, {})
+        self.net, self.through_module, self.last_update = nn.Linear(1, 1).double(), through_module, {}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for parameter in self.param_groups[0]["params"]:
+            flat = parameter.grad.reshape(-1, 1)
+            update = self.net(flat) if self.through_module else flat * self.net.weight[0, 0] + self.net.bias[0]
+            self.last_update[parameter] = update.reshape(parameter.shape) * 1e-3
+            parameter.sub_(self.last_update[parameter])
+
+
+def test_a_module_an_optimizer_runs_in_its_step_is_the_optimizers_work(generator):
+    """A module's forward ends the phase of an optimizer step that raised, and only of one that is no longer running:
+    a learned optimizer's module, run inside its step, ended it, and what the step kept until after the next backward
+    counted as activations."""
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    held = {}
+    for through_module in (False, True):
+        torch.manual_seed(0)
+        module = mlp()
+        optimizer = _LearnedStep(module.parameters(), through_module)
+        with minidp.trace(ledger=True) as traced:
+            for _ in range(2):
+                optimizer.zero_grad()
+                module(x).pow(2).sum().backward()
+                optimizer.step()
+        held[through_module] = row(traced.ledger()).held
+    assert held[True]["activations"] == held[False]["activations"] > 0
+
+
+def test_a_step_whose_first_argument_is_no_closure_gets_it_as_given():
+    """The ledger hands on a closure wrapped, so that it runs outside the optimizer's phase: only a step that takes a
+    closure first (``step(self, closure=None)``, torch's) gets one; another callable first argument passes as given."""
+
+    class TakesTheModel(torch.optim.SGD):
+        def step(self, model: Any = None) -> None:  # a step that reads the model, not a closure
+            assert model is None or isinstance(model, nn.Module), type(model)
+            super().step()
+
+    module = nn.Linear(4, 2)
+    optimizer = TakesTheModel(module.parameters(), lr=0.1)
+    module(torch.ones(1, 4)).sum().backward()
+    with minidp.trace(ledger=True):
+        optimizer.step(module)
+
+
 def test_an_optimizer_stepping_in_a_post_accumulate_grad_hook_is_counted(generator):
     """torch's "optimizer in backward" pattern: a hook steps and lets go of each ``.grad`` as it is made, before the
     ledger's own hook names it (which then found ``None`` and raised)."""

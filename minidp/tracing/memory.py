@@ -99,6 +99,7 @@ import importlib
 import inspect
 import itertools
 import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -599,12 +600,24 @@ class AllocationLedger:
         self.mark([p.grad for p in parameters if p.grad is not None], "gradients")
         self.mark([t for _, t in tensors_in(list(optimizer.state.values()))], "optimizer state")
         self._phases().append(_OPTIMIZER)
-        # torch hands a pre-hook the step's arguments with the optimizer first: step(self, closure=None)
-        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        # The frame that runs the step (torch's hook wrapper, which calls this hook): on this thread's stack while the
+        # step runs, gone once it returned or raised (_leave_a_failed_optimizer_step)
+        self._step_frames().append(id(sys._getframe(1)))
+        # torch hands a pre-hook the step's arguments with the optimizer first: step(self, closure=None, ...)
+        if len(args) > 1 and _takes_a_closure_first(type(optimizer).step):
+            closure, given = args[1], "position"
+        else:
+            closure, given = kwargs.get("closure"), "keyword"
         if not callable(closure):
             return None
-        outside = functools.partial(self._outside_the_optimizer, closure)
-        return ((args[0], outside, *args[2:]), kwargs) if len(args) > 1 else (args, {**kwargs, "closure": outside})
+        outside = functools.update_wrapper(functools.partial(self._outside_the_optimizer, closure), closure)
+        return ((args[0], outside, *args[2:]), kwargs) if given == "position" else (args, {**kwargs, "closure": outside})
+
+    def _step_frames(self) -> list[int]:
+        frames = getattr(self._thread, "step_frames", None)
+        if frames is None:
+            frames = self._thread.step_frames = []
+        return frames
 
     def _outside_the_optimizer(self, closure: Callable[[], Any]) -> Any:
         phases = self._phases()
@@ -616,16 +629,19 @@ class AllocationLedger:
 
     def _leave_a_failed_optimizer_step(self) -> None:
         """An optimizer step that raised never reached its post-hook, which ends its phase: a stage of the model, or a
-        module's forward, run on this thread later (never from inside a step: a closure runs outside it) ends it."""
-        phases = self._phases()
-        while phases and phases[-1] == _OPTIMIZER:
+        module's forward, run on this thread later ends it, once the frame that ran the step is off the thread's stack
+        (a module the step itself runs, a learned optimizer's, leaves it on)."""
+        phases, frames = self._phases(), self._step_frames()
+        while phases and phases[-1] == _OPTIMIZER and frames and not _on_the_stack(frames[-1]):
             phases.pop()
+            frames.pop()
 
     def _optimizer_ends(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.mark([t for _, t in tensors_in(list(optimizer.state.values()))], "optimizer state", made_now=True)
-        phases = self._phases()
+        phases, frames = self._phases(), self._step_frames()
         if phases and phases[-1] == _OPTIMIZER:
             phases.pop()
+            frames.pop()
 
     # -- what minidp's stages know ----------------------------------------------------------------------
 
@@ -726,6 +742,27 @@ class AllocationLedger:
             for replica in sorted({k for _, _, k in on_device if k is not None}):
                 rows.append(_row(device, replica, [(r, c) for r, c, k in on_device if k == replica], None))
         return rows
+
+
+@functools.cache
+def _takes_a_closure_first(step: Callable) -> bool:
+    """Whether an optimizer's ``step`` takes a closure as its first argument after ``self``, as torch's optimizers do
+    (``step(self, closure=None)``); a step of another signature gets its first argument as it was given."""
+    try:
+        parameters = list(inspect.signature(step).parameters)
+    except (TypeError, ValueError):
+        return False
+    return parameters[1:2] == ["closure"]
+
+
+def _on_the_stack(frame_id: int) -> bool:
+    """Whether a frame of that id is on the calling thread's stack (a walk of a few dozen frames)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if id(frame) == frame_id:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _row(device: str, replica: Optional[int], storages: list[tuple[_Storage, str]],
