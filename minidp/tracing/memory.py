@@ -357,7 +357,7 @@ class AllocationLedger:
         self._thread = threading.local()  # .phases: a stack of (phase, replica); .watched: this thread is
         self._models: set[int] = set()  # ids of the modules whose forward is the model's: replicate's replicas, or
         # the module itself where it runs alone (one device)
-        self._parameters: list[torch.Tensor] = []  # whose .grad are gradients when the step ends
+        self._parameters: dict[int, torch.Tensor] = {}  # by id: whose .grad are gradients when the step ends
         self._grad_hooks: dict[int, Any] = {}  # id(parameter) -> the handle of the hook that names its .grad
         self._hooks: list[Any] = []
         self._stop_observing_modules: Callable[[], None] = lambda: None
@@ -396,7 +396,7 @@ class AllocationLedger:
         for handle in self._grad_hooks.values():  # hooks on the caller's parameters: none outlives the step
             handle.remove()
         self._grad_hooks.clear()
-        self.mark([p.grad for p in self._parameters if p.grad is not None], "gradients")
+        self.mark([p.grad for p in self._parameters.values() if p.grad is not None], "gradients")
         self._parameters.clear()
         with self._lock:
             for finalizer in self._finalizers:  # frees after the step are not the step's
@@ -456,7 +456,7 @@ class AllocationLedger:
         parameters = list(parameters)
         self.mark(parameters, "parameters")
         self.mark([p.grad for p in parameters if p.grad is not None], "gradients")
-        self._parameters.extend(parameters)
+        self._parameters.update((id(p), p) for p in parameters)  # once each, however many forwards name them
         for parameter in parameters:
             if parameter.requires_grad and parameter.is_leaf and id(parameter) not in self._grad_hooks:
                 self._grad_hooks[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._grad_made)
