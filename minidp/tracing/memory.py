@@ -571,7 +571,7 @@ class AllocationLedger:
             calls = self._thread.module_calls = []
         phases = self._phases()
         if getattr(self._thread, "watched", False):
-            self._leave_a_failed_optimizer_step()  # a module the thread runs is no optimizer's work, a closure's aside
+            self._leave_a_failed_optimizer_step()  # the phase of a step that raised ends; one still running keeps it
         runs_it = getattr(self._thread, "watched", False) and (not phases or phases[-1] in (_MODULE, _LOSS))
         if runs_it:
             phases.append(_LOSS if phases[-1:] == [_LOSS] or isinstance(module, torch.nn.modules.loss._Loss)
