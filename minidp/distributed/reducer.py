@@ -366,7 +366,9 @@ class Reducer:
         (True)``, as for parameters of a tensor subclass): the parameter object then holds another C++ tensor, and the
         hook that reduces its gradient went with the old one to the tensor it swapped with; every rank would step on
         its own gradients. torch's reducer holds references that make the swap itself fail. One list of addresses
-        compared per forward, as the dtypes are."""
+        compared per forward, as the dtypes are: about 22 microseconds for a ResNet-50's 161 parameters (``python -m
+        timeit -s "from operator import attrgetter; from minidp.zoo import resnet50; ps = list(resnet50(base=8)
+        .parameters()); g = attrgetter('_cdata'); a = list(map(g, ps))" "list(map(g, ps)) == a"``: 21.8 us)."""
         if list(map(_tensor_address, self.params)) == self._tensor_addresses:
             return
         index = next(i for i, (p, address) in enumerate(zip(self.params, self._tensor_addresses))
