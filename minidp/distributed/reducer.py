@@ -221,6 +221,7 @@ class Reducer:
         self._used_future: Optional[torch.futures.Future] = None
         self._used_on_device = torch.zeros_like(self._local_used)  # the last sum, as all-reduced (local_used_map_dev_)
         self._used_reduced = False
+        self._accumulators: dict[Any, int] = {}  # found where parameters' use is searched for (find_accumulators)
         if find_unused_parameters:
             self.find_accumulators()
         if static_graph:
@@ -251,9 +252,7 @@ class Reducer:
         A parameter frozen since it was wrapped (``requires_grad_(False)``) has no accumulator to find (its view has no
         ``grad_fn``): no graph reaches it, so it is unused, as torch's reducer finds the accumulator it took at
         construction unreached (:meth:`_unreached`)."""
-        with torch.enable_grad():
-            self._accumulators = {p.view_as(p).grad_fn.next_functions[0][0]: i
-                                  for i, p in enumerate(self.params) if p.requires_grad}
+        self._accumulators = {_accumulator_of(p): i for i, p in enumerate(self.params) if p.requires_grad}
 
     # ---- the plan ---------------------------------------------------------------------------
 
@@ -372,7 +371,7 @@ class Reducer:
         if list(map(_tensor_address, self.params)) == self._tensor_addresses:
             return
         index = next(i for i, (p, address) in enumerate(zip(self.params, self._tensor_addresses))
-                     if p._cdata != address)
+                     if _tensor_address(p) != address)
         raise self._logged(RuntimeError(
             f"DistributedDataParallel: parameter {index} ('{self.names[index]}') was swapped for another tensor since "
             f"it was wrapped (torch.utils.swap_tensors: load_state_dict or .to() with "
@@ -572,12 +571,8 @@ class Reducer:
     def _accumulator_changed(self, index: int) -> bool:
         """Whether parameter ``index`` has another gradient accumulator than the one the search for unused parameters
         looks for (an error's diagnosis: finding it costs a view of the parameter)."""
-        accumulators = getattr(self, "_accumulators", None)
         param = self.params[index]
-        if not accumulators or not param.requires_grad:
-            return False
-        with torch.enable_grad():
-            return param.view_as(param).grad_fn.next_functions[0][0] not in accumulators
+        return bool(self._accumulators) and param.requires_grad and _accumulator_of(param) not in self._accumulators
 
     def _copy_into_bucket(self, bucket: Bucket, position: int) -> None:
         """``mark_variable_ready_dense``: the gradient into its view, divided by the world size unless a
@@ -1015,6 +1010,12 @@ class Reducer:
 def _stamp_end(event: dict) -> None:
     if event["end"] is None:
         event["end"] = time.perf_counter()
+
+
+def _accumulator_of(param: torch.Tensor) -> Any:
+    """The node that accumulates ``param``'s gradient (``AccumulateGrad``), reached through a view of it."""
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]
 
 
 _tensor_address = attrgetter("_cdata")  # the C++ tensor a Python tensor holds: another one after a swap_tensors

@@ -358,7 +358,7 @@ class AllocationLedger:
         self._models: set[int] = set()  # ids of the modules whose forward is the model's: replicate's replicas, or
         # the module itself where it runs alone (one device)
         self._parameters: dict[int, torch.Tensor] = {}  # by id: whose .grad are gradients when the step ends
-        self._grad_hooks: dict[int, Any] = {}  # id(parameter) -> the handle of the hook that names its .grad
+        self._grad_hooks: list[Any] = []  # the handles of the hooks that name each parameter's .grad as it is made
         self._hooks: list[Any] = []
         self._stop_observing_modules: Callable[[], None] = lambda: None
         self._mode: Optional[_Watch] = None
@@ -393,7 +393,7 @@ class AllocationLedger:
         for hook in self._hooks:
             hook.remove()
         self._stop_observing_modules()
-        for handle in self._grad_hooks.values():  # hooks on the caller's parameters: none outlives the step
+        for handle in self._grad_hooks:  # hooks on the caller's parameters: none outlives the step
             handle.remove()
         self._grad_hooks.clear()
         self.mark([p.grad for p in self._parameters.values() if p.grad is not None], "gradients")
@@ -456,10 +456,12 @@ class AllocationLedger:
         parameters = list(parameters)
         self.mark(parameters, "parameters")
         self.mark([p.grad for p in parameters if p.grad is not None], "gradients")
-        self._parameters.update((id(p), p) for p in parameters)  # once each, however many forwards name them
         for parameter in parameters:
-            if parameter.requires_grad and parameter.is_leaf and id(parameter) not in self._grad_hooks:
-                self._grad_hooks[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._grad_made)
+            if id(parameter) in self._parameters:  # once each, however many forwards name it
+                continue
+            self._parameters[id(parameter)] = parameter
+            if parameter.requires_grad and parameter.is_leaf:
+                self._grad_hooks.append(parameter.register_post_accumulate_grad_hook(self._grad_made))
 
     def _grad_made(self, parameter: torch.Tensor) -> None:
         if parameter.grad is not None:  # an earlier hook may have stepped and let go of it (an optimizer in backward)
