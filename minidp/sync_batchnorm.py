@@ -13,7 +13,8 @@ what ``nn.BatchNorm`` computes on the full batch:
    with the global mean and unbiased variance, and counts the batch once.
 
 What moves: per replica and layer, two vectors of ``num_features`` values to every other replica
-(``.to(device)``; nothing on the CPU). What autograd records: per replica, one node for its chunk's
+(``.to(device)``; nothing on the CPU), in float64 whatever the input's dtype, as BatchNorm's CPU kernel sums
+in float64. What autograd records: per replica, one node for its chunk's
 statistics (:class:`_ChunkMoments`) and one for the normalisation (:class:`_Normalise`), each computed
 and differentiated as BatchNorm's CPU kernel does (deviations from the mean first, so that float32 keeps
 BatchNorm's accuracy where the mean is large against the spread); the moves and the combination are
@@ -288,15 +289,25 @@ def _other_dims(x: torch.Tensor) -> list[int]:
     return [0, *range(2, x.dim())]
 
 
+def _working_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the per-element arithmetic over ``x`` runs in: float32 at least (half inputs), as BatchNorm's."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 class _ChunkMoments(torch.autograd.Function):
-    """Per channel of ``x``: its mean and biased variance, in ``dtype``.
+    """Per channel of ``x``: its mean and biased variance, in float64.
 
     Two passes, the mean and then the mean squared deviation from it, which stays exact where
-    E[x^2] - E[x]^2 would cancel. The backward is one multiply-add over ``x - mean``: d mean/dx = 1/n
-    and d var/dx = 2 (x - mean)/n, so grad_x = (x - mean) * (2 g_var/n) + g_mean/n (the deviation
-    first, as BatchNorm's kernel computes it: x * slope - mean * slope would cancel where the mean is
-    large against the spread). Written in differentiable ops of ``x`` and the ``mean`` output, so
-    double backward works too.
+    E[x^2] - E[x]^2 would cancel; both in the working dtype (float64 only for float64 inputs: a float32
+    sum in float64 would cast the whole chunk). The results, per-channel vectors, are float64, as the
+    sums of BatchNorm's CPU kernel are: combined across chunks (whose means carry in the squared
+    distance between them, :func:`_combine`), statistics rounded to float32 would be hundreds of times
+    less exact than BatchNorm's where the mean is large against the spread.
+
+    The backward is one multiply-add over ``x - mean``: d mean/dx = 1/n and d var/dx = 2 (x - mean)/n,
+    so grad_x = (x - mean) * (2 g_var/n) + g_mean/n (the deviation first, as BatchNorm's kernel computes
+    it: x * slope - mean * slope would cancel where the mean is large against the spread). Written in
+    differentiable ops of ``x`` and the ``mean`` output, so double backward works too.
 
     Why a Function of its own: autograd's backward of the same two passes in plain ops takes
     several passes and temporaries, and ``torch.var_mean`` over the non-channel dimensions is
@@ -304,40 +315,38 @@ class _ChunkMoments(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dims = _other_dims(x)
-        first_mean = x.mean(dims, dtype=dtype)
+        first_mean = x.mean(dims, dtype=_working_dtype(x))
         deviation = x - first_mean.view(_channel_shape(x))
         # The corrected two-pass algorithm (Chan, Golub and LeVeque): the deviations' own mean is first_mean's
-        # rounding error, to the deviations' far finer rounding. Added back, it leaves the mean as exact as
-        # BatchNorm's (which sums in float64 on the CPU) where the mean is large against the spread; it comes
-        # off the variance squared.
-        correction = deviation.mean(dims)
-        mean = first_mean + correction
-        variance = deviation.square_().mean(dims) - correction.square()
+        # rounding error, to the deviations' far finer rounding; added back in float64, it leaves the mean as exact
+        # as BatchNorm's float64 sum, and comes off the variance squared.
+        correction = deviation.mean(dims).double()
+        mean = first_mean.double() + correction
+        variance = deviation.square_().mean(dims).double() - correction.square()
         ctx.save_for_backward(x, mean)
         return mean, variance
 
     @staticmethod
-    def backward(ctx, grad_mean: torch.Tensor, grad_variance: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, grad_mean: torch.Tensor, grad_variance: torch.Tensor) -> torch.Tensor:
         x, mean = ctx.saved_tensors
-        n = x.numel() // x.size(1)
-        shape = _channel_shape(x)
-        slope = grad_variance * (2 / n)
-        grad = torch.addcmul((grad_mean / n).view(shape), x - mean.view(shape), slope.view(shape))
-        return grad.to(x.dtype), None
+        n, shape, working = x.numel() // x.size(1), _channel_shape(x), _working_dtype(x)
+        slope = (grad_variance * (2 / n)).to(working)
+        grad = torch.addcmul((grad_mean / n).to(working).view(shape), x - mean.to(working).view(shape), slope.view(shape))
+        return grad.to(x.dtype)
 
 
 class _Normalise(torch.autograd.Function):
     """``(x - mean) * inverse_std * weight + bias``, per channel of ``x``, computed and differentiated as
-    BatchNorm's CPU kernel does it.
+    BatchNorm's CPU kernel does it (``mean`` and ``inverse_std`` in float64, :class:`_ChunkMoments`).
 
     Forward: one multiply-add over ``x``, ``x * scale + shift`` with scale = weight * inverse_std and
-    shift = bias - mean * scale, each rounded once. Backward: the per-channel sums of ``dy`` and of ``dy * (x - mean)`` (the
-    deviation first), from which the gradients of the statistics, the weight and the bias follow:
-    autograd's backward of the multiply-add would take ``sum(dy * x)`` and ``mean * sum(dy)`` apart, which
-    cancel where the mean is large against the spread (float32 gradients 5 to 10 times BatchNorm's error at a
-    mean 10^3 to 10^4 times the spread). The gradients of ``mean`` and ``inverse_std`` flow on to every
+    shift = bias - mean * scale, each rounded once to the working dtype. Backward: the per-channel sums of ``dy``
+    and of ``dy * (x - mean)`` (the deviation first), from which the gradients of the statistics, the weight and
+    the bias follow: autograd's backward of the multiply-add would take ``sum(dy * x)`` and ``mean * sum(dy)``
+    apart, which cancel where the mean is large against the spread (float32 gradients 4 to 6 times BatchNorm's
+    error at a mean 1000 times the spread). The gradients of ``mean`` and ``inverse_std`` flow on to every
     replica's statistics. Written in differentiable ops, so double backward works too.
     """
 
@@ -346,49 +355,45 @@ class _Normalise(torch.autograd.Function):
                 weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.save_for_backward(x, mean, inverse_std, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
+        # Each multiply-add rounded once, as BatchNorm's kernel computes them (fused multiply-adds): scale and shift
+        # in float64, the output through addcmul. A multiply and an add, each rounded, were 2 to 3 times
+        # BatchNorm's float32 error where the mean is large against the spread.
         scale = inverse_std if weight is None else weight * inverse_std
-        # Each multiply-add rounded once, as BatchNorm's kernel computes them (fused multiply-adds): the shift
-        # through float64, the output through addcmul. Given the same statistics, the output is BatchNorm's, bit
-        # for bit; a multiply and an add, each rounded, were 2 to 3 times BatchNorm's float32 error where the mean
-        # is large against the spread.
-        product = mean.double() * scale.double()
-        shift = (-product if bias is None else bias.double() - product).to(scale.dtype)
-        shape = _channel_shape(x)
-        if x.dtype in (torch.float16, torch.bfloat16):
-            # In float32 (scale and shift are), rounded once to the input's dtype, as BatchNorm's kernel computes it.
-            # Rounded to the input's dtype first, scale and shift (large, of opposite signs where the mean is) would
-            # cancel: up to 19 units of rounding off, where BatchNorm's error stays at 1 or 2.
-            return torch.addcmul(shift.view(shape), x, scale.view(shape)).to(x.dtype)
-        return torch.addcmul(shift.to(x.dtype).view(shape), x, scale.to(x.dtype).view(shape))
+        shift = -mean * scale if bias is None else bias - mean * scale
+        shape, working = _channel_shape(x), _working_dtype(x)
+        # In float32 for half inputs, rounded once to their dtype, as BatchNorm's kernel computes it. Rounded to the
+        # input's dtype first, scale and shift (large, of opposite signs where the mean is) would cancel: up to 19
+        # units of rounding off, where BatchNorm's error stays at 1 or 2.
+        output = torch.addcmul(shift.to(working).view(shape), x, scale.to(working).view(shape))
+        return output.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         x, mean, inverse_std, weight = ctx.saved_tensors
         needs_x, needs_mean, needs_inverse_std, needs_weight, needs_bias = ctx.needs_input_grad
-        shape, dims = _channel_shape(x), _other_dims(x)
+        shape, dims, working = _channel_shape(x), _other_dims(x), _working_dtype(x)
         scale = inverse_std if weight is None else weight * inverse_std
         grad_x = grad_mean = grad_inverse_std = grad_weight = grad_bias = None
         if needs_x:
-            grad_x = (grad_output * scale.view(shape)).to(x.dtype)
+            grad_x = (grad_output * scale.to(working).view(shape)).to(x.dtype)
         if needs_mean or needs_bias:
-            sum_dy = grad_output.sum(dims, dtype=mean.dtype)
+            sum_dy = grad_output.sum(dims, dtype=working).double()
             grad_mean = -sum_dy * scale if needs_mean else None
             grad_bias = sum_dy.to(ctx.bias_dtype) if needs_bias else None
         if needs_inverse_std or needs_weight:
-            dot = (grad_output * (x - mean.view(shape))).sum(dims, dtype=mean.dtype)
+            dot = (grad_output * (x - mean.to(working).view(shape))).sum(dims, dtype=working).double()
             grad_inverse_std = (dot if weight is None else dot * weight) if needs_inverse_std else None
             grad_weight = (dot * inverse_std).to(weight.dtype) if needs_weight else None
         return grad_x, grad_mean, grad_inverse_std, grad_weight, grad_bias
 
 
 def _chunk_statistics(input: torch.Tensor) -> _Statistics:
-    """This chunk's per-channel statistics, in float32 at least (half inputs)."""
+    """This chunk's per-channel statistics, in float64 (:class:`_ChunkMoments`)."""
     count = input.numel() // input.size(1)
-    dtype = torch.promote_types(input.dtype, torch.float32)
     if count == 0:  # no rows: it weighs nothing in the combination (the mean of nothing would be NaN)
-        mean = variance = input.new_zeros(input.size(1), dtype=dtype)
+        mean = variance = input.new_zeros(input.size(1), dtype=torch.float64)
     else:
-        mean, variance = _ChunkMoments.apply(input, dtype)
+        mean, variance = _ChunkMoments.apply(input)
     ready = None
     if input.is_cuda:  # the others read these on their own streams: tell them when they are written
         ready = torch.cuda.Event()
@@ -408,9 +413,8 @@ def _fetch(tensor: torch.Tensor, ready: Optional["torch.cuda.Event"], device: to
 def _combine(everyone: list[_Statistics], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The whole batch's per-channel mean, biased variance and count, on ``device``.
 
-    Chan et al.'s combination of chunks: mean = sum(n_j mean_j) / N (as mean_0 plus the weighted offsets
-    of the others from it, which round far less than the means themselves), variance =
-    sum(n_j (var_j + (mean_j - mean)^2)) / N. Every replica runs it on the same values in the same
+    Chan et al.'s combination of chunks: mean = sum(n_j mean_j) / N, variance =
+    sum(n_j (var_j + (mean_j - mean)^2)) / N, in float64 (the chunks' statistics are). Every replica runs it on the same values in the same
     order, so they all get the same statistics.
     """
     total = sum(chunk.count for chunk in everyone)
@@ -421,6 +425,6 @@ def _combine(everyone: list[_Statistics], device: torch.device) -> tuple[torch.T
     means = torch.stack([_fetch(chunk.mean, chunk.ready, device) for chunk in everyone])
     variances = torch.stack([_fetch(chunk.variance, chunk.ready, device) for chunk in everyone])
     weights = torch.tensor([chunk.count / total for chunk in everyone], dtype=means.dtype, device=device)[:, None]
-    mean = means[0] + (weights * (means - means[0])).sum(0)  # the others' offsets from the first, small and exact
+    mean = (weights * means).sum(0)
     variance = (weights * (variances + (means - mean) ** 2)).sum(0)
     return mean, variance, total
