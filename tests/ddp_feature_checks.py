@@ -1229,6 +1229,45 @@ def checkpointing_as_stock(seed: int, reentrant: bool, twice: bool, steps: int =
     return {"stock": outcome.get("stock", "ok"), "minidp": outcome.get("minidp", "ok"), "differences": differences}
 
 
+class _AuxiliaryLossKept(nn.Module):
+    """A mixture-of-experts layout: the router's load-balancing loss kept on the module for the loop to add, not
+    returned, so that the router's parameters are reached only through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.router = nn.Linear(8, 4), nn.Linear(8, 2)
+        self.auxiliary_loss: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.auxiliary_loss = self.router(x).pow(2).mean()
+        return self.body(x)
+
+
+def auxiliary_loss_kept_on_the_module_as_stock(seed: int) -> dict:
+    """With ``find_unused_parameters=True``, a backward through a loss the forward's outputs do not lead to: each
+    wrapper's error (stock: "Expected to mark a variable ready only once")."""
+    theirs, ours, theirs_module, ours_module = _pair(_AuxiliaryLossKept, seed, find_unused_parameters=True)
+    outcome = {}
+    for name, ddp, module in (("stock", theirs, theirs_module), ("minidp", ours, ours_module)):
+        try:
+            (ddp(_inputs(seed, 0, 4, 8)).pow(2).mean() + module.auxiliary_loss).backward()
+            outcome[name] = "ok"
+        except RuntimeError as error:
+            outcome[name] = str(error)
+    return outcome
+
+
+def output_node_names_as_stock(seed: int) -> dict:
+    """The class name of each wrapper's output's ``grad_fn``, by options: what code that reads the graph sees."""
+    names = {}
+    for options in ({}, {"find_unused_parameters": True}, {"static_graph": True}):
+        theirs, ours, _, _ = _pair(_tanh_mlp, seed, **options)
+        key = ",".join(options) or "default"
+        names[key] = {name: type(ddp(_inputs(seed, 0, 2, 6)).grad_fn).__name__
+                      for name, ddp in (("stock", theirs), ("minidp", ours))}
+    return names
+
+
 class _Recorder:
     """A communication hook that notes each bucket's parameter indices, per backward."""
 

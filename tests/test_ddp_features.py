@@ -117,6 +117,8 @@ TWO_PROCESSES = {
     **{f"unfinished_message_{name}": (checks.unfinished_reduction_message_as_stock, {"find_unused_parameters": unused})
        for name, unused in (("default", False), ("find_unused", True))},
     "static_graph_with_find_unused_warnings": (checks.static_graph_with_find_unused_warnings, {}),
+    "auxiliary_loss_kept": (checks.auxiliary_loss_kept_on_the_module_as_stock, {}),
+    "output_node_names": (checks.output_node_names_as_stock, {}),
     "copied_after_a_buffer_was_registered": (checks.copied_after_a_buffer_was_registered, {}),
     **{f"buffer_registered_after_wrapping_{name}": (checks.buffer_registered_after_wrapping_as_stock, {"counter": c})
        for name, c in (("alone", False), ("beside_another", True))},
@@ -311,6 +313,42 @@ def test_a_search_for_unused_parameters_that_finds_none_says_so_once_a_process_i
     # nothing more
     for seen in each_rank(two, "told_none_unused"):
         assert seen == {"all_used": [FOUND_NO_UNUSED_PARAMETERS], "one_unused": []}
+
+
+_COPIED_AFTER_THE_GROUP_IS_DESTROYED = """
+import copy, socket
+import torch, torch.distributed as dist
+from torch import nn
+import minidp.distributed as md
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+wrappers = {"stock": torch.nn.parallel.DistributedDataParallel(nn.Linear(2, 1)),
+            "minidp": md.DistributedDataParallel(nn.Linear(2, 1))}
+dist.destroy_process_group()
+for name, wrapper in wrappers.items():
+    try:
+        copy.deepcopy(wrapper)
+        print(name, "copied")
+    except Exception as error:
+        print(name, type(error).__name__, str(error).splitlines()[0][:60])
+"""
+
+
+def test_a_copy_after_the_process_group_is_destroyed_raises_torchs_valueerror():
+    # an EMA or export copy taken after training ends: torch's __getstate__ reads the default group first, whose
+    # absence is a ValueError (distributed_c10d.py, _get_default_group); minidp's raised a RuntimeError, which code that
+    # catches torch's ValueError missed
+    done = fresh_python("-c", _COPIED_AFTER_THE_GROUP_IS_DESTROYED, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "stock ValueError Default process group has not been initialized, please make ",
+        "minidp ValueError Default process group has not been initialized, please make ",
+    ]
 
 
 _FORWARD_IN_A_DISTRIBUTED_AUTOGRAD_CONTEXT = """
@@ -691,7 +729,28 @@ def test_activation_checkpointing_trains_as_stock_or_fails_where_stock_fails(two
             assert result["minidp"] == "ok" and result["differences"] == [None] * 4
         else:
             assert result["stock"].startswith("Expected to mark a variable ready only once")
-            assert "got its gradient twice in one backward" in result["minidp"]
+            # with find_unused_parameters, the search from the outputs does not see into a re-entrant checkpoint
+            said = "was counted unused, then got its gradient" if "_unused_" in case else "got its gradient twice"
+            assert said in result["minidp"]
+
+
+def test_the_outputs_autograd_node_has_stocks_class_name(two):
+    # torch passes the outputs through its _DDPSink where it must (find_unused_parameters, static_graph): code that
+    # reads the graph by name (type(out.grad_fn).__name__) sees _DDPSinkBackward there; minidp's node was _SinkBackward
+    for names in each_rank(two, "output_node_names"):
+        for options, by_wrapper in names.items():
+            assert by_wrapper["minidp"] == by_wrapper["stock"], options
+
+
+def test_a_gradient_after_its_parameter_was_counted_unused_is_refused_saying_why_as_stock_refuses_it(two):
+    # A loss kept on the module (a router's load-balancing loss) reaches parameters the forward's outputs do not lead
+    # to: stock raises "Expected to mark a variable ready only once"; minidp names the parameter, says it was counted
+    # unused by the search from the outputs, and what to do, static_graph=True among it (it trains bitwise as stock)
+    for result in each_rank(two, "auxiliary_loss_kept"):
+        assert result["stock"].startswith("Expected to mark a variable ready only once")
+        assert "('router.weight') was counted unused, then got its gradient" in result["minidp"] or \
+            "('router.bias') was counted unused, then got its gradient" in result["minidp"]
+        assert "static_graph=True" in result["minidp"]
 
 
 def test_stock_refuses_exactly_the_reentrant_cases_without_static_graph(two):

@@ -57,9 +57,9 @@ from .reducer import Reducer, python_reducer_mode, sink_leaves
 DeviceLike = Union[int, str, torch.device]
 
 
-class _Sink(torch.autograd.Function):
-    """torch DDP's ``_DDPSink``: the outputs that autograd records, through one node (clones of them, or, with
-    ``_set_ddp_sink_clone(False)``, themselves). Its backward passes each gradient on, and an output the loss did not
+class _DDPSink(torch.autograd.Function):
+    """torch DDP's ``_DDPSink``, under its name (code that reads the graph sees ``_DDPSinkBackward``): the outputs
+    that autograd records, through one node (clones of them, or, with ``_set_ddp_sink_clone(False)``, themselves). Its backward passes each gradient on, and an output the loss did not
     use gets none (not materialised): autograd still runs what lies behind it in that backward pass, so the hooks of
     the parameters it reaches fire (and count them used if they hold a gradient), and its graph is freed with the
     rest: a second backward into another output of the same forward raises autograd's "backward through the graph a
@@ -76,14 +76,14 @@ class _Sink(torch.autograd.Function):
 
 
 def _through_sink(output: Any, clone: bool) -> Any:
-    """``output`` with its tensors that autograd recorded passed through one :class:`_Sink`, found as torch finds
+    """``output`` with its tensors that autograd recorded passed through one :class:`_DDPSink`, found as torch finds
     them, with its pytree (:func:`~minidp.distributed.reducer.sink_leaves`: a container type it does not know, a
     dataclass or a dict subclass of the user's, is left as it is). The clones matter too: an output changed in place
     after a function that saved it (``out.mul_(2)`` after a tanh) is then the clone, and the backward works."""
     leaves, spec, recorded = sink_leaves(output)
     if not recorded:
         return output
-    for i, passed in zip(recorded, _Sink.apply(clone, *[leaves[i] for i in recorded])):
+    for i, passed in zip(recorded, _DDPSink.apply(clone, *[leaves[i] for i in recorded])):
         leaves[i] = passed
     return tree_unflatten(leaves, spec)
 
@@ -397,7 +397,14 @@ class DistributedDataParallel(TorchDistributedDataParallel):
     def __getstate__(self) -> dict:
         """What is pickled: everything but the process group, the reducer (its hooks and buckets belong to
         these parameters) and the replicas, as torch DDP drops its process group, reducer and logger."""
-        if self.process_group is not _default_group_or_none():
+        default_group = _default_group_or_none()
+        if default_group is None:  # torch's reads the default group first, whose absence is a ValueError
+            raise ValueError(
+                "Default process group has not been initialized, please make sure to call init_process_group: "
+                "pickling (or copy.deepcopy of) a DistributedDataParallel needs it, as torch's does. Copy or pickle "
+                "the wrapped .module instead, which needs no process group"
+            )
+        if self.process_group is not default_group:
             raise RuntimeError(
                 "DDP Pickling/Unpickling are only supported when using DDP with the default process group. That "
                 "is, when you have called init_process_group and have not passed process_group argument to DDP "

@@ -547,6 +547,17 @@ class Reducer:
                     f"after it was counted unused. Change the parameters before wrapping the module in "
                     f"DistributedDataParallel, or wrap it anew after"
                 )
+            if index in self._unused_set:
+                raise RuntimeError(
+                    f"parameter {index} ('{self.names[index]}') was counted unused, then got its gradient, in one "
+                    f"backward on rank {self.rank}: with find_unused_parameters=True, DistributedDataParallel searches "
+                    f"the graph from the forward's outputs for the parameters the backward will reach, and this one's "
+                    f"gradient came through a tensor the outputs do not lead to (a loss kept on the module instead of "
+                    f"returned, an output inside a container the search does not open, a reentrant checkpoint, whose "
+                    f"recomputation it cannot see into). Return that tensor from forward, checkpoint with "
+                    f"use_reentrant=False, or pass static_graph=True (torch's reducer says 'Expected to mark a "
+                    f"variable ready only once' here)"
+                )
             raise RuntimeError(
                 f"parameter {index} ('{self.names[index]}') got its gradient twice in one backward on rank "
                 f"{self.rank}: DistributedDataParallel reduces each gradient once per backward. This happens when "
