@@ -1419,6 +1419,41 @@ def used_outside_forward(seed: int) -> dict[str, str]:
     return raised
 
 
+class _TwoEntries(nn.Module):
+    """An encoder with a second entry point beside ``forward`` (CLIP's ``get_text_features``, an ``encode``), whose
+    embedding is in the root's group: rank 0 holds rows 0 to 3 of 8, rank 1 rows 4 to 7."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(8, 4)
+        self.block = nn.Linear(4, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.block(self.embedding(ids)).sum(-1)
+
+    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.block(self.embedding(ids)).mean(1)
+
+
+def method_other_than_forward(seed: int) -> dict[str, str]:
+    """``encode`` of a sharded root, not given to ``register_fsdp_forward_method``, under ``no_grad``, by FSDP2 and by
+    minidp: what each raised ("nothing": the encoding matched the unsharded model's; "wrong": it did not)."""
+    torch.manual_seed(seed)
+    reference = _TwoEntries()
+    ids = torch.tensor([[0, 1, 2, 3]])
+    raised = {}
+    for library, function in (("fsdp2", torch_fully_shard), ("minidp", md.fully_shard)):
+        model = copy.deepcopy(reference)
+        function(model.block)
+        function(model)
+        try:
+            with torch.no_grad():
+                raised[library] = "nothing" if torch.equal(model.encode(ids), reference.encode(ids)) else "wrong"
+        except RuntimeError as error:
+            raised[library] = str(error)
+    return raised
+
+
 def loss_scalers_seeing_an_inf(seed: int) -> dict[str, bool]:
     """An inf put into rank 1's rows of a sharded gradient, then each loss scaler's check (``unscale_``): whether the
     scaler on this rank found an inf, for torch's plain ``GradScaler`` and its ``ShardedGradScaler``."""

@@ -169,6 +169,7 @@ TWO_PROCESSES = {
     "clip-whole-beside-sharded": (checks.clipping_whole_beside_sharded, {}),
     "frozen_midway": (checks.frozen_and_unfrozen_midway_as_fsdp2, {}),
     "used_outside_forward": (checks.used_outside_forward, {}),
+    "method_other_than_forward": (checks.method_other_than_forward, {}),
     "child_after_parent": (checks.child_sharded_after_its_parent, {}),
     "refused_on_one_rank": (checks.refused_on_one_rank_only, {}),
     "loss_scalers": (checks.loss_scalers_seeing_an_inf, {}),
@@ -806,6 +807,18 @@ def test_a_sharded_parameter_used_outside_a_forward_is_refused_when_its_gradient
         assert "got mixed torch.Tensor and DTensor" in result["fsdp2"]
         assert result["minidp"].startswith("fully_shard: parameter 'Linear.weight' was used outside a forward of the "
                                            "module that holds it")
+
+
+def test_a_sub_module_run_outside_its_groups_forward_is_refused_before_it_runs_on_the_rows(two):
+    # A method of the sharded root other than forward (CLIP's get_text_features, an encode), not registered with
+    # register_fsdp_forward_method: FSDP2 refuses it at the first operator ("got mixed torch.Tensor and DTensor"); on
+    # minidp's plain rows the embedding looked its ids up in this rank's rows, and rank 1 encoded wrongly, silently.
+    # Refused before the embedding runs, on every rank, naming the module, its group and the ways out
+    for result in each_rank(two, "method_other_than_forward"):
+        assert "got mixed torch.Tensor and DTensor" in result["fsdp2"]
+        assert result["minidp"].startswith("fully_shard: Embedding runs its forward while its sharded parameters are "
+                                           "this rank's rows only: its group, the _TwoEntries, gathers them")
+        assert "register_fsdp_forward_method" in result["minidp"]
 
 
 def test_parameters_that_are_already_dtensors_are_refused_at_the_call_naming_them_before_anything_changes(two):

@@ -1252,6 +1252,22 @@ def _used_outside_forward(name: str, grad: torch.Tensor) -> None:
         f"method given to register_fsdp_forward_method, where it is whole")
 
 
+def _refuse_a_forward_on_shards(group: ShardGroup, module: nn.Module, args: tuple) -> None:
+    """Before the forward of a module inside a group that holds some of its parameters: refused while the group is
+    not gathered, where those parameters are this rank's rows (the module called through a method other than the
+    group's forward, or on its own). FSDP2 refuses it too (its DTensors do not mix with plain tensors); run on the
+    rows, it gave each rank another answer, and rank 0 the right one (an embedding looks its ids up in its own rows
+    where they are few enough), silently."""
+    if not group.gathered:
+        raise RuntimeError(
+            f"fully_shard: {_class_name(module)} runs its forward while its sharded parameters are this rank's rows "
+            f"only: its group, the {' and '.join(map(_class_name, group.members))}, gathers them in its own forward, "
+            f"which is not running (a method other than forward called, as generate() or encode(), or the "
+            f"sub-module called on its own). Call it inside the sharded module's forward, or register the method "
+            f"with register_fsdp_forward_method(module, 'method_name'), or call module.unshard() first (FSDP2 "
+            f"refuses it too: its DTensor parameters do not mix with plain tensors)")
+
+
 def _class_name(module: nn.Module) -> str:
     """The name of ``module``'s class before ``fully_shard`` swapped it ("Net", not "FSDPNet")."""
     return getattr(type(module), "original_class", type(module)).__name__
@@ -1428,6 +1444,9 @@ def fully_shard(
     for root in roots:
         root._register_load_state_dict_pre_hook(functools.partial(_refuse_misshapen_before_loading, root))
     holders = {id(m): m for p in params for m, _ in p.places}
+    for holder in holders.values():
+        if not any(holder is root for root in roots):  # a root gathers its group before its forward
+            holder.register_forward_pre_hook(functools.partial(_refuse_a_forward_on_shards, shard_group))
     for holder in holders.values():
         holder._register_load_state_dict_pre_hook(functools.partial(_keep_own_rows, shard_group, holder))
         holder.register_load_state_dict_post_hook(functools.partial(_take_loaded_shards, shard_group))
