@@ -348,7 +348,7 @@ def float32_error_sums(generator: torch.Generator, draws: int = 24) -> dict[str,
 
         exact = results(copy.deepcopy(reference).double(), torch.float64)
         for column, network in enumerate((model, reference)):
-            errors = [max_relative_error(mine, expected) for mine, expected in zip(results(network, torch.float32), exact)]
+            errors = [max_relative_error(*pair) for pair in zip(results(network, torch.float32), exact)]
             sums["output"][column] += errors[0]
             sums["gradients"][column] += errors[1] + errors[2]
     return {quantity: (mine, batchnorms) for quantity, (mine, batchnorms) in sums.items()}

@@ -59,11 +59,12 @@ DeviceLike = Union[int, str, torch.device]
 
 class _DDPSink(torch.autograd.Function):
     """torch DDP's ``_DDPSink``, under its name (code that reads the graph sees ``_DDPSinkBackward``): the outputs
-    that autograd records, through one node (clones of them, or, with ``_set_ddp_sink_clone(False)``, themselves). Its backward passes each gradient on, and an output the loss did not
-    use gets none (not materialised): autograd still runs what lies behind it in that backward pass, so the hooks of
-    the parameters it reaches fire (and count them used if they hold a gradient), and its graph is freed with the
-    rest: a second backward into another output of the same forward raises autograd's "backward through the graph a
-    second time", as under torch DDP, where the first backward's reduction has ended."""
+    that autograd records, through one node (clones of them, or, with ``_set_ddp_sink_clone(False)``, themselves).
+    Its backward passes each gradient on, and an output the loss did not use gets none (not materialised): autograd
+    still runs what lies behind it in that backward pass, so the hooks of the parameters it reaches fire (and count
+    them used if they hold a gradient), and its graph is freed with the rest: a second backward into another output
+    of the same forward raises autograd's "backward through the graph a second time", as under torch DDP, where the
+    first backward's reduction has ended."""
 
     @staticmethod
     def forward(ctx, clone: bool, *tensors: torch.Tensor):
