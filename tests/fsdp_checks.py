@@ -692,6 +692,24 @@ def compiled_as_eager(seed: int, steps: int = 4) -> dict[str, Any]:
     return {"largest_loss_difference": max(differences), "traced": traced}
 
 
+def compiled_graphs_as_fsdp2(seed: int, steps: int = 3) -> dict[str, int]:
+    """The graphs dynamo compiles for a sharded model trained ``steps`` steps under ``torch.compile``, by library."""
+    from torch._dynamo.utils import counters
+
+    graphs = {}
+    for library, function in (("fsdp2", torch_fully_shard), ("minidp", md.fully_shard)):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(seed)
+        model = torch.compile(shard(Net(), function, True))
+        for step in range(steps):
+            batch = torch.randn(5, 13, generator=torch.Generator().manual_seed(seed + 100 * step + dist.get_rank()))
+            model(batch).sum().backward()
+        graphs[library] = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return graphs
+
+
 def forward_method(seed: int) -> dict:
     """``score``, a method other than forward, registered with each library's ``register_fsdp_forward_method``:
     three steps trained through it, the first difference from FSDP2 after each; what it returns without

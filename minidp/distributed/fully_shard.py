@@ -389,6 +389,10 @@ class ShardGroup:
         self.index = 0  # position among the root's groups
         self.iteration: Optional[Iteration] = None  # set by the root's first forward
         self.gathered = False
+        # The pre-hook each sub-module holding some of the group's parameters has while the group is not gathered
+        # (_refuse_a_forward_on_shards): (module, hook id, hook), set by fully_shard, put in place by reshard() and taken
+        # out by unshard(), so that a forward, gathered, meets no hook (nor does torch.compile trace one there).
+        self.outside_forward_checks: list[tuple[nn.Module, int, Callable]] = []
         self.pending: Optional[tuple[dist.Work, torch.Tensor]] = None  # an all-gather under way, and its buffer
         # False: the backward keeps the whole gradients on the whole parameters, unreduced, and the next
         # backward adds into them (ShardedModule.set_requires_gradient_sync; FSDP2's reduce_grads).
@@ -523,6 +527,8 @@ class ShardGroup:
                 p.refuse_gradient_of_shard()
             p.set_on_modules(p.full)
         self.gathered = True
+        for module, hook_id, _ in self.outside_forward_checks:
+            module._forward_pre_hooks.pop(hook_id, None)
         self._record("copy-out", start)
         observe_storage("parameters", [p.gathered for p in self.params])
         if self.iteration is not None:  # the all-gather's buffer (and the slots joined) are still held here
@@ -537,6 +543,8 @@ class ShardGroup:
             p.set_on_modules(p.shard)
             p.gathered.untyped_storage().resize_(0)
         self.gathered = False
+        for module, hook_id, hook in self.outside_forward_checks:
+            module._forward_pre_hooks[hook_id] = hook
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -1257,7 +1265,9 @@ def _refuse_a_forward_on_shards(group: ShardGroup, module: nn.Module, args: tupl
     not gathered, where those parameters are this rank's rows (the module called through a method other than the
     group's forward, or on its own). FSDP2 refuses it too (its DTensors do not mix with plain tensors); run on the
     rows, it gave each rank another answer, and rank 0 the right one (an embedding looks its ids up in its own rows
-    where they are few enough), silently."""
+    where they are few enough), silently. In place only while the group is not gathered
+    (``ShardGroup.outside_forward_checks``): inside the group's forward there is no hook for dynamo to inline and
+    guard on (always in place, it compiled the model into 4 graphs, where FSDP2's makes 1)."""
     if not group.gathered:
         raise RuntimeError(
             f"fully_shard: {_class_name(module)} runs its forward while its sharded parameters are this rank's rows "
@@ -1446,7 +1456,9 @@ def fully_shard(
     holders = {id(m): m for p in params for m, _ in p.places}
     for holder in holders.values():
         if not any(holder is root for root in roots):  # a root gathers its group before its forward
-            holder.register_forward_pre_hook(functools.partial(_refuse_a_forward_on_shards, shard_group))
+            hook = functools.partial(_refuse_a_forward_on_shards, shard_group)
+            handle = holder.register_forward_pre_hook(hook)  # in place now: the group is not gathered
+            shard_group.outside_forward_checks.append((holder, handle.id, hook))
     for holder in holders.values():
         holder._register_load_state_dict_pre_hook(functools.partial(_keep_own_rows, shard_group, holder))
         holder.register_load_state_dict_post_hook(functools.partial(_take_loaded_shards, shard_group))
