@@ -315,7 +315,8 @@ def test_a_search_for_unused_parameters_that_finds_none_says_so_once_a_process_i
         assert seen == {"all_used": [FOUND_NO_UNUSED_PARAMETERS], "one_unused": []}
 
 
-_COPIED_AFTER_THE_GROUP_IS_DESTROYED = """
+# The opening of a script run in a fresh interpreter: a job of this one process, on a free port of 127.0.0.1.
+_ONE_PROCESS_JOB = """
 import copy, socket
 import torch, torch.distributed as dist
 from torch import nn
@@ -327,6 +328,9 @@ def free_port():
         return s.getsockname()[1]
 
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+"""
+
+_COPIED_AFTER_THE_GROUP_IS_DESTROYED = _ONE_PROCESS_JOB + """
 wrappers = {"stock": torch.nn.parallel.DistributedDataParallel(nn.Linear(2, 1)),
             "minidp": md.DistributedDataParallel(nn.Linear(2, 1))}
 dist.destroy_process_group()
@@ -351,18 +355,8 @@ def test_a_copy_after_the_process_group_is_destroyed_raises_torchs_valueerror():
     ]
 
 
-_FORWARD_IN_A_DISTRIBUTED_AUTOGRAD_CONTEXT = """
-import socket
-import torch, torch.distributed as dist, torch.distributed.autograd as dist_autograd, torch.distributed.rpc as rpc
-from torch import nn
-import minidp.distributed as md
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+_FORWARD_IN_A_DISTRIBUTED_AUTOGRAD_CONTEXT = _ONE_PROCESS_JOB + """
+import torch.distributed.autograd as dist_autograd, torch.distributed.rpc as rpc
 options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}")
 rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=options)
 try:
