@@ -1261,21 +1261,21 @@ def _used_outside_forward(name: str, grad: torch.Tensor) -> None:
 
 
 def _refuse_a_forward_on_shards(group: ShardGroup, module: nn.Module, args: tuple) -> None:
-    """Before the forward of a module inside a group that holds some of its parameters: refused while the group is
-    not gathered, where those parameters are this rank's rows (the module called through a method other than the
+    """Before the forward of a module inside a group that holds some of its parameters, while the group is not
+    gathered: refused, as those parameters are this rank's rows (the module called through a method other than the
     group's forward, or on its own). FSDP2 refuses it too (its DTensors do not mix with plain tensors); run on the
     rows, it gave each rank another answer, and rank 0 the right one (an embedding looks its ids up in its own rows
-    where they are few enough), silently. In place only while the group is not gathered
-    (``ShardGroup.outside_forward_checks``): inside the group's forward there is no hook for dynamo to inline and
-    guard on (always in place, it compiled the model into 4 graphs, where FSDP2's makes 1)."""
-    if not group.gathered:
-        raise RuntimeError(
-            f"fully_shard: {_class_name(module)} runs its forward while its sharded parameters are this rank's rows "
-            f"only: its group, the {' and '.join(map(_class_name, group.members))}, gathers them in its own forward, "
-            f"which is not running (a method other than forward called, as generate() or encode(), or the "
-            f"sub-module called on its own). Call it inside the sharded module's forward, or register the method "
-            f"with register_fsdp_forward_method(module, 'method_name'), or call module.unshard() first (FSDP2 "
-            f"refuses it too: its DTensor parameters do not mix with plain tensors)")
+    where they are few enough), silently. The hook is in place only while the group is not gathered
+    (``ShardGroup.outside_forward_checks``), so it raises whenever it runs: inside the group's forward there is no
+    hook for dynamo to inline and guard on (always in place, it compiled the model into 4 graphs, where FSDP2's
+    makes 1)."""
+    raise RuntimeError(
+        f"fully_shard: {_class_name(module)} runs its forward while its sharded parameters are this rank's rows "
+        f"only: its group, the {' and '.join(map(_class_name, group.members))}, gathers them in its own forward, "
+        f"which is not running (a method other than forward called, as generate() or encode(), or the "
+        f"sub-module called on its own). Call it inside the sharded module's forward, or register the method "
+        f"with register_fsdp_forward_method(module, 'method_name'), or call module.unshard() first (FSDP2 "
+        f"refuses it too: its DTensor parameters do not mix with plain tensors)")
 
 
 def _class_name(module: nn.Module) -> str:
