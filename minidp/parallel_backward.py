@@ -168,7 +168,10 @@ def set_parallel_backward(enabled: Union[bool, str]) -> Union[bool, str]:
     module gives each replica move: equal up to rounding between the settings, and each the same from run to run.
     (Nor the second-order ones: a backward through gradients made with ``create_graph=True`` meets this module's
     nodes in their graph, and can sum some gradients in another order than the serial path: they agree up to
-    rounding.)
+    rounding.) A backward that reaches none of the replicas' parameters (the loss uses only outputs that no parameter
+    made) leaves them without gradients either way; the hooks on the original parameters are what differs: the
+    parallel backward, whose one node leads to ``replicate``'s whatever the loss used, runs them, with ``None`` for
+    the gradient, where the serial one never reaches them.
     """
     global _enabled
     # A bool, not 1 or 0 (which equal True and False); "auto" by value: a string read from a config or a pickle

@@ -80,6 +80,13 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         n = ctx.num_tensors
+        if all(grad is None for grad in grads):
+            # No replica's copy got a gradient: the loss used none of the replicas' parameters. A backward that runs
+            # the replicas' graphs one by one never reaches this node then, and the parameters keep no gradient
+            # (None, their hooks silent); minidp's parallel backward reaches it all the same, through the one node
+            # that joins every replica's entries (minidp.parallel_backward), and must leave them as that one does,
+            # not give them sums of zeros (which a weight decay would then apply).
+            return (None,) * (2 + n)
         needed = [i for i in range(n) if ctx.needs_input_grad[2 + i]]  # frozen parameters need no sum
         per_replica = [
             grads[start + i] if grads[start + i] is not None else torch.zeros_like(ctx.inputs[i], device=device)

@@ -645,6 +645,38 @@ def test_retain_graph_lets_a_second_backward_add_the_same_gradients(generator):
         output.backward()
 
 
+class _ParameterFreeHead(nn.Module):
+    """Two outputs: a linear layer's, and one that no parameter made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x), x * 2
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+def test_a_loss_that_reaches_no_replica_parameter_leaves_the_parameters_without_gradients(generator, parallel):
+    """Only the head that no parameter made is back-propagated. On one device, and with the replicas' graphs run one by
+    one, the backward never reaches the parameters: their ``.grad`` stays None, so that an optimizer skips them (a
+    weight decay would move them for a gradient of zeros), and ``torch.autograd.grad`` on them raises autograd's
+    error. The parallel backward reaches replicate's node through the one node that joins every replica's entries,
+    and must leave them the same."""
+    model = _ParameterFreeHead().double()
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64, requires_grad=True) * 1
+    previous = minidp.set_parallel_backward(parallel)
+    try:
+        _, head = minidp.DataParallel(model, cpu_ids(2))(x)
+        assert _in_parallel(head) == parallel
+        head.square().sum().backward(retain_graph=True)
+        assert all(p.grad is None for p in model.parameters())
+        with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+            torch.autograd.grad(head.sum(), list(model.parameters()))
+    finally:
+        minidp.set_parallel_backward(previous)
+
+
 class _Identity(torch.autograd.Function):
     """The identity (a copy) in the forward; each subclass gives the backward a test plants in a replica."""
 
