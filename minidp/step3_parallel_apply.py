@@ -313,6 +313,27 @@ def check_not_tracing(replicas: int) -> None:
         )
 
 
+def compiling_several(replicas: int) -> bool:
+    """Whether ``torch.compile`` is tracing a call that runs several replicas, which must then run
+    :func:`outside_the_graph`.
+
+    The compiler records the calling thread's work only, as ``torch.jit.trace`` does (:func:`check_not_tracing`), and
+    replicate's autograd Function, applied to a list of devices, is no operation it can record: traced, a
+    ``torch.compile(DataParallel(model))`` failed inside the compiler. One replica is the module called in the
+    caller's thread: it compiles as the module does.
+    """
+    return replicas > 1 and torch.compiler.is_compiling()
+
+
+@torch.compiler.disable(reason="minidp runs several replicas in threads of their own, which a graph cannot record")
+def outside_the_graph(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)``, run as Python runs it where ``torch.compile`` was tracing it: the compiled code
+    calls it there (a graph break), so a compiled model that holds a ``DataParallel`` or calls ``data_parallel`` runs its
+    data-parallel steps as they run uncompiled. A replica's forward compiles where its class's ``forward`` is
+    decorated with ``@torch.compile``."""
+    return function(*args, **kwargs)
+
+
 def check_no_shared_parametrization_cache(modules: Sequence[Any]) -> None:
     """Refuse parametrized replicas inside ``torch.nn.utils.parametrize.cached()``.
 

@@ -32,7 +32,7 @@ from .step1_scatter import scatter_kwargs
 from .step2_replicate import (
     check_flag, check_is_module, check_module_device, check_no_call_bound_to_the_original, replicate,
 )
-from .step3_parallel_apply import check_not_tracing, parallel_apply
+from .step3_parallel_apply import check_not_tracing, compiling_several, outside_the_graph, parallel_apply
 from .step4_gather import gather
 from .torch_versions import clone_all
 
@@ -278,6 +278,8 @@ class DataParallel(nn.DataParallel):
         super().__setstate__(state)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if compiling_several(len(self.device_ids)):
+            return outside_the_graph(self.forward, *inputs, **kwargs)
         with profiled("minidp.DataParallel.forward"):
             if not self.device_ids:
                 output = self.module(*inputs, **kwargs)
@@ -367,6 +369,9 @@ def data_parallel(
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
     devices = resolve_device_ids(device_ids)
+    if compiling_several(len(devices)):
+        return outside_the_graph(data_parallel, module, inputs, devices, output_device, dim, module_kwargs,
+                                 replica_cache=replica_cache, chunk_weights=chunk_weights)
     if chunk_weights is not None:  # checked where no replica runs too, as DataParallel checks them
         comm.check_chunk_weights(chunk_weights, len(devices) or None)
     if not devices:  # no GPU and no CPU ids: a plain call, where stock raises

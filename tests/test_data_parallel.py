@@ -416,3 +416,37 @@ def test_a_training_step_leaves_no_reference_cycles(traced, generator):
             dp(x).sum().backward()
 
     assert garbage_left_by(step) == 0
+
+
+class _FeaturesInParallel(nn.Module):
+    """The tutorial's pattern: ``data_parallel(self.features, x, ids)`` inside ``forward``, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features, self.head = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(minidp.data_parallel(self.features, x, cpu_ids(2)))
+
+
+@pytest.mark.parametrize("how", ["compiled wrapper", "compiled model calling data_parallel"])
+def test_a_compiled_model_runs_its_data_parallel_steps_uncompiled_with_the_same_numbers(generator, how):
+    """``torch.compile`` records the calling thread's work only, and the replicas run in threads of their own: their
+    steps run outside its graph (a graph break), where tracing them made the compiler fail; the step's numbers are the
+    uncompiled ones, bit for bit."""
+    if how == "compiled wrapper":
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+        wrap = lambda m: minidp.DataParallel(m, cpu_ids(2))  # noqa: E731
+    else:
+        model, wrap = _FeaturesInParallel().double(), lambda m: m  # noqa: E731
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    results = []
+    for compiled in (False, True):
+        module = copy.deepcopy(model)
+        run = torch.compile(wrap(module), backend="eager") if compiled else wrap(module)
+        output = run(x)
+        output.square().sum().backward()
+        results.append((output.detach(), [p.grad for p in module.parameters()]))
+    (eager, eager_grads), (compiled, compiled_grads) = results
+    assert torch.equal(compiled, eager)
+    assert all(torch.equal(c, e) for c, e in zip(compiled_grads, eager_grads))
