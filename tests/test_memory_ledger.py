@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -319,6 +320,26 @@ def test_a_storage_refilled_with_resize_counts_from_its_refill():
     _, ledger = measure_step(step)
     assert row(ledger).peak == 2 * N * BYTES
     assert "resize_" not in vars(torch.UntypedStorage)  # torch's own method again once the measurement ends
+
+
+@pytest.mark.parametrize("how", ["resize_", "an out= argument"])
+def test_a_storage_grown_in_place_holds_its_old_block_and_its_new_one_at_once(how):
+    # torch's allocator grows a storage by allocating a block of the new size, copying the old into it and freeing
+    # the old one (resize_bytes_cpu in aten/src/ATen/native/Resize.cpp): for a moment it holds N and 2N elements,
+    # beside the N of the source
+    source, grown = torch.ones(N, dtype=torch.float64), torch.ones(N, dtype=torch.float64)
+
+    def step() -> None:
+        if how == "resize_":
+            grown.resize_(2 * N)
+            grown[N:].copy_(source)
+        else:
+            with warnings.catch_warnings():  # torch deprecates growing a non-empty out=, and still does it
+                warnings.simplefilter("ignore", UserWarning)
+                torch.cat([source, source], out=grown)
+
+    _, ledger = measure_step(step)
+    assert row(ledger).peak == 4 * N * BYTES
 
 
 def test_a_trace_without_the_ledger_says_how_to_get_one(generator):

@@ -538,7 +538,13 @@ class AllocationLedger:
                 self._storages.append(record)
                 self._finalizers.append(weakref.finalize(storage, self._freed, key, record))
             elif record.nbytes != nbytes:  # resized in place (resize_, out= arguments)
-                record.resized.append((next(self._clock), nbytes - record.nbytes))
+                if record.nbytes and nbytes:
+                    # The allocator gives the storage a block of the new size, copies the old one into it, then frees
+                    # the old one (resize_bytes_cpu, and its CUDA twin): for a moment the storage holds both.
+                    record.resized.append((next(self._clock), nbytes))
+                    record.resized.append((next(self._clock), -record.nbytes))
+                else:  # made from nothing (a gathered parameter refilled), or let go of (resize_(0))
+                    record.resized.append((next(self._clock), nbytes - record.nbytes))
                 record.nbytes = nbytes
             return record
 
