@@ -327,6 +327,10 @@ class OutputPool {
   // Drops every block: a block still in use is freed when its last tensor goes.
   void clear() { blocks_.clear(); }
 
+  // How many calls wrote their sums into a block an earlier call made: memory held between the calls, not
+  // allocated by this one (what a memory ledger needs to know of the sums it is handed).
+  int64_t blocks_taken_again() const { return blocks_taken_again_; }
+
  private:
   // Each sum starts on a cache line of its own (as at::empty's allocations do).
   static constexpr int64_t kAlign = 64;
@@ -373,6 +377,7 @@ class OutputPool {
     if (best != blocks_.end()) {
       block = *best;
       blocks_.erase(best);
+      ++blocks_taken_again_;
     } else {
       block = c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetCPUAllocator(),
                            /*resizable=*/false);
@@ -395,6 +400,7 @@ class OutputPool {
   }
 
   int64_t max_blocks_;
+  int64_t blocks_taken_again_ = 0;
   std::vector<c10::Storage> blocks_;  // least recently used first
 };
 
@@ -411,6 +417,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Sums inputs[k][i] over replicas k into new tensors on `destination`, adding in replica "
            "order (half types accumulate in float32).")
       .def("held_bytes", &minidp::OutputPool::held_bytes)
+      .def("blocks_taken_again", &minidp::OutputPool::blocks_taken_again)
       .def("clear", &minidp::OutputPool::clear);
   m.def("reduce_add_into", &minidp::reduce_add_into, py::arg("inputs"), py::arg("outputs"),
         "Like reduce_add, but writes into existing contiguous `outputs`.");

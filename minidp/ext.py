@@ -148,6 +148,12 @@ def reduce_output_bytes() -> int:
     return _outputs.held_bytes() if _outputs is not None else 0
 
 
+def reduce_output_blocks_taken_again() -> int:
+    """How many calls of :func:`reduce_add_coalesced` wrote their CPU sums into memory kept from an earlier call (held
+    since then, not allocated by the call); 0 before a load."""
+    return _outputs.blocks_taken_again() if _outputs is not None else 0
+
+
 def release_reduce_outputs() -> None:
     """Let go of the memory kept for CPU sums; blocks whose sums are still alive go when they do."""
     if _outputs is not None:

@@ -342,6 +342,28 @@ def test_a_storage_grown_in_place_holds_its_old_block_and_its_new_one_at_once(ho
     assert row(ledger).peak == 4 * N * BYTES
 
 
+def test_sums_the_extension_writes_into_memory_kept_from_an_earlier_step_count_from_the_start(extension, generator):
+    # The extension writes CPU sums into a block of memory it keeps between steps and takes again once no tensor over
+    # it is alive (minidp/ext.py, reduce_add_coalesced): taken again, the block was held all along, so the step's
+    # largest moment, a temporary made before any reduction, held it too; a block made at the reduction was not held
+    module = mlp()
+    model = minidp.DataParallel(module, cpu_ids(2), reduce_backend="ext")
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)  # the last step's sums let go of: their block is free to take again
+        torch.ones(4 * N, dtype=torch.float64).sum()  # the step's largest moment, before the reduction
+        model(x).square().sum().backward()
+
+    minidp.ext.release_reduce_outputs()
+    step()
+    block = minidp.ext.reduce_output_bytes()
+    _, taken_again = measure_step(step)  # not told of the parameters: their .grad, over the block, is not met first
+    minidp.ext.release_reduce_outputs()  # the block goes with the sums the next step lets go of
+    _, made = measure_step(step)
+    assert block > 0 and row(taken_again).peak == row(made).peak + block
+
+
 def test_a_trace_without_the_ledger_says_how_to_get_one(generator):
     with minidp.trace() as traced:
         minidp.DataParallel(mlp(), cpu_ids(2))(torch.randn(4, D, generator=generator, dtype=torch.float64))

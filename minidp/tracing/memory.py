@@ -109,7 +109,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import hooks
+from .. import ext, hooks
 from ..device_ids import device_order
 from ..nested import tensors_in
 from .describers import SPARSE_LAYOUTS, _parts, _replica_tensors, _tensors
@@ -665,6 +665,7 @@ class AllocationLedger:
         elif stage == "reduce":
             for replica, gradients in enumerate(named["inputs"]):
                 self.mark(gradients, "gradients", replica)
+            blocks_taken_again = ext.reduce_output_blocks_taken_again()
         with self.phase(stage):
             result = function(*arguments.args, **arguments.kwargs)
         if stage == "scatter":
@@ -680,7 +681,17 @@ class AllocationLedger:
             self.mark(_tensors(result, by_items=True), "gathered outputs", made_now=True)
         elif stage == "reduce":
             self.mark(_tensors(result), "gradients", made_now=True)
+            if ext.reduce_output_blocks_taken_again() != blocks_taken_again:
+                # The extension wrote the sums into a block of memory it kept from an earlier step
+                # (minidp.ext.reduce_add_coalesced), which the device held all along: counted from the start
+                self._held_from_the_start(_tensors(result))
         return result
+
+    def _held_from_the_start(self, tensors: Iterable[Any]) -> None:
+        for tensor in _parts(tensors):
+            record = self._see_one(tensor, made_now=False)
+            if record is not None:
+                record.born = 0
 
     def on_replica(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         """Run replica ``replica``'s ``call()`` in its thread: the model's forward if ``module`` is a replica
