@@ -364,6 +364,40 @@ def test_sums_the_extension_writes_into_memory_kept_from_an_earlier_step_count_f
     assert block > 0 and row(taken_again).peak == row(made).peak + block
 
 
+class _PassesTheGradientThrough(torch.autograd.Function):
+    """Keeps its input for the backward, whose first act is to let go of it: it hands the gradient on and allocates
+    nothing."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_what_a_backward_lets_go_of_before_it_allocates_anything_was_kept_for_it(generator):
+    # A backward begins with its graph task's first event, an allocation or a free: the tensor a node frees first was
+    # kept for the backward (an activation), not a temporary of the forward. Kept: the ReLU's output (its backward
+    # reads it) and its double (the Function's); the Linear's output dies inside the forward, a temporary.
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(D, H, bias=False)
+
+        def forward(self, x):
+            hidden = torch.relu(self.linear(x))
+            return _PassesTheGradientThrough.apply(hidden * 2)
+
+    model = Model().double()
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    # the loss, the sum outside the model, and the gradient backward() starts from are the loss
+    _, ledger = measure_step(lambda: model(x).sum().backward(), model.parameters(), kept_by_host="loss")
+    assert row(ledger).held["activations"] == 2 * 8 * H * BYTES
+
+
 def test_a_trace_without_the_ledger_says_how_to_get_one(generator):
     with minidp.trace() as traced:
         minidp.DataParallel(mlp(), cpu_ids(2))(torch.randn(4, D, generator=generator, dtype=torch.float64))

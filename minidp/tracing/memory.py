@@ -35,7 +35,8 @@ belongs to is decided when the step is over, from what minidp knows (see :data:`
 
 Where a storage was made is known from the thread it was made in: each replica's forward runs in a thread
 (``minidp.hooks`` tells the recorder which replica), and each stage's call is one call on one thread; the
-backward is whatever runs inside autograd's graph task (``torch._C._current_graph_task_id``). The next backward is
+backward is whatever runs inside autograd's graph task (``torch._C._current_graph_task_id``), and begins with the
+task's first allocation or free (a node may first let go of what its forward kept). The next backward is
 the first to begin after a storage was made: a step may hold several forwards and backwards (gradient accumulation),
 each forward's storages kept for the backward that follows it. Code that knows more names it with
 :meth:`AllocationLedger.mark`, and a category not in :data:`CATEGORIES` gets a line of its own after them. The
@@ -364,7 +365,7 @@ class AllocationLedger:
         self._mode: Optional[_Watch] = None
         self._resize_patched = False  # whether start() wrapped UntypedStorage.resize_
         self._backward_tasks: set[int] = set()  # autograd's graph tasks met so far
-        self._backward_begins: list[int] = []  # when each began (its first allocation), in order
+        self._backward_begins: list[int] = []  # when each began (its first allocation or free), in order
 
     # -- the measurement --------------------------------------------------------------------------------
 
@@ -527,13 +528,9 @@ class AllocationLedger:
                 device = self._device_names.get(storage.device)
                 if device is None:  # str(device) costs as much as the rest of a lookup: named once per device
                     device = self._device_names[storage.device] = str(storage.device)
-                record = _Storage(device, nbytes, next(self._clock) if made_now else 0, phase, replica)
                 if phase == "backward":
-                    task = torch._C._current_graph_task_id()
-                    if task not in self._backward_tasks:  # a backward begins (or one nested in it: a replica's, a
-                        # checkpoint's recomputation; those begin after every storage made before their pass)
-                        self._backward_tasks.add(task)
-                        self._backward_begins.append(record.born)
+                    self._a_backward_may_begin()
+                record = _Storage(device, nbytes, next(self._clock) if made_now else 0, phase, replica)
                 self._live[key] = record
                 self._storages.append(record)
                 self._finalizers.append(weakref.finalize(storage, self._freed, key, record))
@@ -550,9 +547,20 @@ class AllocationLedger:
 
     def _freed(self, key: int, record: _Storage) -> None:
         with self._lock:
+            if self._where()[0] == "backward":  # a node that lets go of what its forward kept, before any allocation
+                self._a_backward_may_begin()
             record.died = next(self._clock)
             if self._live.get(key) is record:
                 del self._live[key]
+
+    def _a_backward_may_begin(self) -> None:
+        """An allocation or a free inside autograd's graph task: the first of a task met begins that backward (or one
+        nested in it: a replica's, a checkpoint's recomputation; those begin after every storage made before their
+        pass). Called under the lock, before the event takes its number."""
+        task = torch._C._current_graph_task_id()
+        if task not in self._backward_tasks:
+            self._backward_tasks.add(task)
+            self._backward_begins.append(next(self._clock))
 
     def _phases(self) -> list[tuple[str, Optional[int]]]:
         phases = getattr(self._thread, "phases", None)
