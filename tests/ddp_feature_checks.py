@@ -1648,6 +1648,50 @@ def powersgd_on_strided_weights_as_stock(seed: int, steps: int = 4) -> dict:
     return {"differences": differences, **seen}
 
 
+class TwoDtypes(nn.Module):
+    """A float32 layer and a float64 one: a bucket of each dtype, whatever the caps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_float32, self.in_float64 = nn.Linear(6, 6), nn.Linear(6, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.in_float64(torch.tanh(self.in_float32(x)).double())
+
+
+def _buckets_then_powersgd(state, bucket):
+    """torch's ``powerSGD_hook``, noting what the bucket says of itself and the iteration PowerSGD counts."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    seen, powersgd = state
+    seen.append((bucket.index(), bucket.is_last(), [tuple(p.shape) for p in bucket.parameters()], powersgd.iter))
+    return powerSGD_hook.powerSGD_hook(powersgd, bucket)
+
+
+def buckets_a_hook_sees_as_stock(seed: int, static_graph: bool, steps: int = 4) -> dict:
+    """:class:`TwoDtypes` under both wrappers with torch's PowerSGD hook (which counts its iterations by ``is_last``,
+    and all-reduces until it would compress, past these steps: torch's compression of several buckets on Gloo does not
+    finish): per step the first difference (bitwise), and, per bucket handed to the hook, its index, ``is_last``, its
+    parameters' shapes and PowerSGD's iteration count then."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    theirs, ours, theirs_module, ours_module = _pair(TwoDtypes, seed, static_graph=static_graph)
+    seen: dict[str, list] = {"stock": [], "minidp": []}
+    for name, ddp in (("stock", theirs), ("minidp", ours)):
+        powersgd = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=steps + 2,
+                                 min_compression_rate=0.5, random_seed=seed)
+        ddp.register_comm_hook((seen[name], powersgd), _buckets_then_powersgd)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (theirs_module, ours_module)]
+    differences = []
+    for step in range(steps):
+        for ddp, optimizer in zip((theirs, ours), optimizers):
+            optimizer.zero_grad()
+            ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
+            optimizer.step()
+        differences.append(_difference(ours_module, theirs_module))
+    return {"differences": differences, **seen}
+
+
 def zero_overlap_hook_as_stock(seed: int, steps: int = 5) -> dict:
     """torch's ``ZeroRedundancyOptimizer(overlap_with_ddp=True)`` stepped by torch's ``hook_with_zero_step`` under
     each wrapper (tiny buckets, several shards): per step, ``_has_rebuilt_buckets`` under both and the first parameter

@@ -49,6 +49,17 @@ def test_assignment_in_arrival_order_equals_torch_unsorted(generator):
         assert assign_buckets(arrived, limits, order) == [list(b) for b in expected], (tensors, limits, order)
 
 
+def test_assignment_in_arrival_order_equals_torch_for_mixed_dtypes(generator):
+    # the buckets still open at the end come out of torch's hash table of them, whose order is the reverse of the
+    # order in which their dtypes were first met (reducer.cpp, compute_bucket_assignment_by_size)
+    for _ in range(300):
+        tensors, limits = random_tensors(generator, DTYPES + [torch.bfloat16]), random_limits(generator)
+        order = torch.randperm(len(tensors), generator=generator).tolist()
+        arrived = [tensors[i] for i in order]
+        expected, _ = dist._compute_bucket_assignment_by_size(arrived, limits, [], order)
+        assert assign_buckets(arrived, limits, order) == [list(b) for b in expected], (tensors, limits, order)
+
+
 def test_a_bucket_closes_once_it_reaches_its_limit_and_may_overshoot():
     tensors = [torch.empty(n) for n in (10, 10, 100, 10)]  # 40, 40, 400, 40 bytes
     assert assign_buckets(tensors, [80, 100]) == [[0, 1], [2], [3]]  # 80 >= 80 closes; 400 overshoots 100

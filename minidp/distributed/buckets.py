@@ -131,7 +131,9 @@ def assign_buckets(
             members, size = [], 0
             next_limit[key] = min(position + 1, len(limits) - 1)
         open_buckets[key] = (members, size)
-    closed.extend(members for members, _ in open_buckets.values() if members)
+    # The buckets still open come last, as torch's plan takes them from its hash table of them (an unordered_map in
+    # reducer.cpp): the last dtype first met, first. Sorted below where the tensors come in registration order.
+    closed.extend(members for members, _ in reversed(open_buckets.values()) if members)
     if in_registration_order:
         closed.sort(key=min)
     return closed
@@ -234,13 +236,15 @@ class GradBucket:
     PowerSGD) call.
     """
 
-    def __init__(self, bucket: Bucket, bucket_count: int) -> None:
+    def __init__(self, bucket: Bucket, bucket_count: int, index: Optional[int] = None) -> None:
+        """``index``: the index the hook is told, where it is not the bucket's own (a static graph's first backward)."""
         self._bucket = bucket
         self._buffer = as_real(bucket.buffer)
-        self._is_last = bucket.index == bucket_count - 1
+        self._index = bucket.index if index is None else index
+        self._is_last = self._index == bucket_count - 1
 
     def index(self) -> int:
-        return self._bucket.index
+        return self._index
 
     def buffer(self) -> torch.Tensor:
         return self._buffer

@@ -677,7 +677,11 @@ class Reducer:
         if self.comm_hook is None:
             bucket.future = dist.all_reduce(as_real(bucket.buffer), group=self.group, async_op=True).get_future()
         else:
-            bucket.future = self.comm_hook(self.comm_state, GradBucket(bucket, len(self.buckets)))
+            # A static graph's first backward reduces every bucket at its end, in torch's delay_all_reduce, whose loop
+            # never moves the reducer's count of buckets launched: a hook is told index 0 for each (is_last only where
+            # there is one bucket). PowerSGD counts its iterations by is_last: its compression starts when torch's does.
+            told = 0 if self._counting() else None
+            bucket.future = self.comm_hook(self.comm_state, GradBucket(bucket, len(self.buckets), told))
             future_result(bucket.future, bucket.index)
         bucket.future.add_done_callback(lambda _, event=event: _stamp_end(event))
         self._events.append(event)
