@@ -1625,27 +1625,34 @@ def _strides_then_powersgd(state, bucket):
     return powerSGD_hook.powerSGD_hook(powersgd, bucket)
 
 
-def powersgd_on_strided_weights_as_stock(seed: int, steps: int = 4) -> dict:
-    """SGD on :class:`StridedWeights` under both wrappers with torch's PowerSGD hook (rank 1, compressing from the
-    third backward on): per step the first difference (parameters and gradients, bitwise), and the strides of the
-    gradients each backward's hook was handed."""
+def _trained_under_powersgd(pair: tuple, seed: int, steps: int, hook: Callable, start_powerSGD_iter: int,
+                            *batch_shape: int) -> dict:
+    """SGD on ``pair`` (:func:`_pair`) with torch's PowerSGD hook wrapped by ``hook`` (given a list for what it notes,
+    and the ``PowerSGDState``): per step the first difference (parameters and gradients, bitwise), and what each
+    wrapper's hook noted."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-    theirs, ours, theirs_module, ours_module = _pair(StridedWeights, seed)
+    theirs, ours, theirs_module, ours_module = pair
     seen: dict[str, list] = {"stock": [], "minidp": []}
     for name, ddp in (("stock", theirs), ("minidp", ours)):
-        powersgd = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+        powersgd = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=start_powerSGD_iter,
                                  min_compression_rate=0.5, random_seed=seed)
-        ddp.register_comm_hook((seen[name], powersgd), _strides_then_powersgd)
+        ddp.register_comm_hook((seen[name], powersgd), hook)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (theirs_module, ours_module)]
     differences = []
     for step in range(steps):
         for ddp, optimizer in zip((theirs, ours), optimizers):
             optimizer.zero_grad()
-            ddp(_inputs(seed, step, 2, 3, 6, 6)).pow(2).mean().backward()
+            ddp(_inputs(seed, step, *batch_shape)).pow(2).mean().backward()
             optimizer.step()
         differences.append(_difference(ours_module, theirs_module))
     return {"differences": differences, **seen}
+
+
+def powersgd_on_strided_weights_as_stock(seed: int, steps: int = 4) -> dict:
+    """:class:`StridedWeights` under both wrappers with torch's PowerSGD hook (rank 1, compressing from the third
+    backward on): :func:`_trained_under_powersgd`, the hook noting the strides of the gradients it was handed."""
+    return _trained_under_powersgd(_pair(StridedWeights, seed), seed, steps, _strides_then_powersgd, 2, 2, 3, 6, 6)
 
 
 class TwoDtypes(nn.Module):
@@ -1669,27 +1676,12 @@ def _buckets_then_powersgd(state, bucket):
 
 
 def buckets_a_hook_sees_as_stock(seed: int, static_graph: bool, steps: int = 4) -> dict:
-    """:class:`TwoDtypes` under both wrappers with torch's PowerSGD hook (which counts its iterations by ``is_last``,
-    and all-reduces until it would compress, past these steps: torch's compression of several buckets on Gloo does not
-    finish): per step the first difference (bitwise), and, per bucket handed to the hook, its index, ``is_last``, its
-    parameters' shapes and PowerSGD's iteration count then."""
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
-
-    theirs, ours, theirs_module, ours_module = _pair(TwoDtypes, seed, static_graph=static_graph)
-    seen: dict[str, list] = {"stock": [], "minidp": []}
-    for name, ddp in (("stock", theirs), ("minidp", ours)):
-        powersgd = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=steps + 2,
-                                 min_compression_rate=0.5, random_seed=seed)
-        ddp.register_comm_hook((seen[name], powersgd), _buckets_then_powersgd)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (theirs_module, ours_module)]
-    differences = []
-    for step in range(steps):
-        for ddp, optimizer in zip((theirs, ours), optimizers):
-            optimizer.zero_grad()
-            ddp(_inputs(seed, step, 5, 6)).pow(2).mean().backward()
-            optimizer.step()
-        differences.append(_difference(ours_module, theirs_module))
-    return {"differences": differences, **seen}
+    """:class:`TwoDtypes` under both wrappers with torch's PowerSGD hook, which counts its iterations by ``is_last``
+    and all-reduces until it would compress, past these steps (torch's compression of several buckets on Gloo does not
+    finish): :func:`_trained_under_powersgd`, the hook noting each bucket's index, ``is_last``, its parameters' shapes
+    and PowerSGD's iteration count then."""
+    pair = _pair(TwoDtypes, seed, static_graph=static_graph)
+    return _trained_under_powersgd(pair, seed, steps, _buckets_then_powersgd, steps + 2, 5, 6)
 
 
 def zero_overlap_hook_as_stock(seed: int, steps: int = 5) -> dict:
