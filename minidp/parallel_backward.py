@@ -110,7 +110,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from .comm import storage_start
 from .cpu_threads import share, teams_fit
 from .nested import holds_opaque, tensors_in
-from .step5_reduce import apply_function
+from .step5_reduce import apply_function, given_no_gradient
 
 _enabled: Union[bool, str] = "auto"
 _threads = "caller"
@@ -476,6 +476,7 @@ class ParallelBackward(torch.autograd.Function):
         # retain_graph, as autograd frees the saved tensors of the nodes it ran.
         ctx.outputs = [list(r.outputs) for r in spec.regions]
         ctx.outputs_per_replica = [len(r.outputs) for r in spec.regions]
+        ctx.outer_nodes = [t.grad_fn for t in outer]  # where each input's gradient goes: replicate's node, for parameters
         return tuple(t.detach() for r in spec.regions for t in r.outputs)
 
     @staticmethod
@@ -492,6 +493,7 @@ class ParallelBackward(torch.autograd.Function):
         keep_graph = keep_graph or ctx.graph_of_gradients_made
         needed = _needed_inputs(ctx)
         calls, asked_per_replica, root_grads_per_replica, start, first_edge = [], [], [], 0, 0
+        roots: list[torch.Tensor] = []  # the outputs given gradients, every replica's
         for replica, (outputs, edges) in enumerate(zip(ctx.outputs, ctx.edges)):
             count = ctx.outputs_per_replica[replica]
             pairs = [(k, g) for k, g in enumerate(grads[start : start + count]) if g is not None]
@@ -514,6 +516,7 @@ class ParallelBackward(torch.autograd.Function):
                 )
             if not ctx.graph_of_gradients_made:  # else its gradients are such a way in, and keep the graph (above)
                 _check_no_other_way_in(edges, replica)
+            roots += [outputs[k] for k, _ in pairs]
 
             def call(roots=[outputs[k] for k, _ in pairs], root_grads=root_grads_per_replica[-1], asked=asked) -> tuple:
                 return torch.autograd.grad(
@@ -544,7 +547,9 @@ class ParallelBackward(torch.autograd.Function):
                     ctx.outputs[replica] = None  # replica's outputs wait for a backward, it builds new ones)
             if all(outputs is None for outputs in ctx.outputs):
                 ctx.run = None
-        return (None, *_per_input(ctx.edges, asked_per_replica, results))
+        gradients = list(_per_input(ctx.edges, asked_per_replica, results))
+        _tell_the_nodes_no_replica_reached(ctx.outer_nodes, ctx.edges, gradients, roots)
+        return (None, *gradients)
 
 
 class MadeGradients(torch.autograd.Function):
@@ -636,6 +641,45 @@ def _check_no_other_way_in(edges: Sequence[GradientEdge], replica: int) -> None:
                 f"carries it), or run the replicas' backwards one after the other: "
                 f"minidp.set_parallel_backward(False)"
             )
+
+
+def _tell_the_nodes_no_replica_reached(outer_nodes: Sequence[Any], edges: Sequence[Sequence[GradientEdge]],
+                                       gradients: Sequence[Optional[torch.Tensor]], roots: Sequence[torch.Tensor]) -> None:
+    """A node behind :class:`ParallelBackward` that no replica's graph reached runs all the same (autograd runs every
+    node an edge leads to), handed None for each of its outputs: ``replicate``'s is told so
+    (:func:`minidp.step5_reduce.given_no_gradient`), and sums nothing, as the serial backward, which never reaches it
+    then, leaves the parameters. None is also what a replica's graph gives an entry it reaches with no gradient (a
+    custom Function's backward that returns None for a parameter): the serial backward reaches ``replicate``'s node
+    then, and autograd gives it zeros, so it is not told. The two are told apart by a walk of the replicas' graphs from
+    the ``roots`` (the outputs given gradients), which only a backward that leaves a node without any gradient pays for.
+    """
+    given = {node for node, gradient in zip(outer_nodes, gradients) if gradient is not None}
+    unreached = {node for node in outer_nodes if node is not None} - given
+    if not unreached:
+        return
+    reached = _entries_reached([root.grad_fn for root in roots])
+    entries = [edge.node for replica_edges in edges for edge in replica_edges]  # in the order of the node's inputs
+    unreached -= {node for node, entry in zip(outer_nodes, entries) if id(entry) in reached}
+    for node in unreached:
+        given_no_gradient(node)
+
+
+def _entries_reached(starts: Sequence[Any]) -> set[int]:
+    """The ids of the entries (:class:`ReplicaEntry`'s nodes) that edges lead to from ``starts``: where a walk of the
+    replicas' graphs stops."""
+    seen = {id(node): node for node in starts if node is not None}  # the nodes held, so that no id is reused meanwhile
+    pending = list(seen.values())
+    reached = set()
+    while pending:
+        node = pending.pop()
+        if is_entry(node):
+            reached.add(id(node))
+            continue
+        for following, _ in node.next_functions:
+            if following is not None and id(following) not in seen:
+                seen[id(following)] = following
+                pending.append(following)
+    return reached
 
 
 def _per_input(edges: Sequence[Sequence[GradientEdge]], asked: Sequence[Sequence[GradientEdge]],

@@ -17,7 +17,7 @@ for every parameter is summed onto the parameters' device, in replica order
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -80,12 +80,8 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         n = ctx.num_tensors
-        if all(grad is None for grad in grads):
-            # No replica's copy got a gradient: the loss used none of the replicas' parameters. A backward that runs
-            # the replicas' graphs one by one never reaches this node then, and the parameters keep no gradient
-            # (None, their hooks silent); minidp's parallel backward reaches it all the same, through the one node
-            # that joins every replica's entries (minidp.parallel_backward), and must leave them as that one does,
-            # not give them sums of zeros (which a weight decay would then apply).
+        if getattr(ctx, "reached_by_no_replica", False):  # see given_no_gradient
+            ctx.reached_by_no_replica = False  # a graph kept with retain_graph may be back-propagated again, otherwise
             return (None,) * (2 + n)
         needed = [i for i in range(n) if ctx.needs_input_grad[2 + i]]  # frozen parameters need no sum
         per_replica = [
@@ -98,6 +94,19 @@ class Broadcast(torch.autograd.Function):
         for i, total in zip(needed, sums):
             result[i] = total
         return (None, None, *result)
+
+
+def given_no_gradient(node: Any) -> None:
+    """Tell ``node``, if it is a :class:`Broadcast`'s, that no replica's graph reached any of its outputs in the
+    backward about to run it: it then sums nothing, and the parameters keep no gradient (None), as where the replicas'
+    graphs are run one by one, which never reach it then (the loss used no replica's parameters).
+
+    minidp's parallel backward (:mod:`minidp.parallel_backward`) runs every replica's graph behind one node, which
+    leads to this one whatever the loss used, and says so. A backward that reached it with no gradient (a custom
+    Function's backward that returns None for a parameter it was given) still gets the sums of zeros autograd
+    would give it, as stock's does."""
+    if type(node) is Broadcast._backward_cls:
+        node.reached_by_no_replica = True
 
 
 class ReduceAddCoalesced(torch.autograd.Function):

@@ -33,6 +33,7 @@ from minidp.zoo import SmallCNN, VGGSplit
 from .helpers import (
     RTOL_FLOAT64, HearsOutputs, cpu_ids, forked_child, fresh_python, garbage_left_by, max_relative_error,
 )
+from .stock_emulation import emulated_stock
 
 
 @pytest.fixture(autouse=True)
@@ -675,6 +676,49 @@ def test_a_loss_that_reaches_no_replica_parameter_leaves_the_parameters_without_
             torch.autograd.grad(head.sum(), list(model.parameters()))
     finally:
         minidp.set_parallel_backward(previous)
+
+
+class _NoGradientForTheWeight(torch.autograd.Function):
+    """``x`` scaled by the sum of ``weight``, whose backward returns None for the weight: autograd reaches the
+    weight with no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        return x * weight.detach().sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _WeightWithoutGradient(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x):
+        return _NoGradientForTheWeight.apply(x, self.weight)
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+def test_a_parameter_the_backward_reaches_with_no_gradient_gets_stocks_zeros(generator, parallel):
+    """Reached, but handed None (a custom Function's backward returns None for it): stock's Broadcast is run, autograd
+    gives it zeros for each replica, and their sum is the parameter's gradient, as the emulation of stock shows
+    (docs/stock-behaviour.md B31); unlike a parameter the backward never reaches (the test above)."""
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    stock = _WeightWithoutGradient()
+    with emulated_stock(2):
+        nn.DataParallel(stock, device_ids=[0, 1])(x.requires_grad_() * 1).sum().backward()
+    model = _WeightWithoutGradient()
+    previous = minidp.set_parallel_backward(parallel)
+    try:
+        output = minidp.DataParallel(model, cpu_ids(2))(x * 1)  # not a leaf: test_an_input_leaf_...
+        assert _in_parallel(output) == parallel
+        output.sum().backward()
+    finally:
+        minidp.set_parallel_backward(previous)
+    assert torch.equal(stock.weight.grad, torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(model.weight.grad, stock.weight.grad)
 
 
 class _Identity(torch.autograd.Function):
