@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef __linux__
@@ -309,6 +310,7 @@ class OutputPool {
   // Fresh tensors on `destination` holding the sums, one per position, shaped like replica 0's.
   TensorList reduce_add(const std::vector<TensorList>& inputs, at::Device destination) {
     check_inputs(inputs);
+    last_block_ = 0;
     TensorList outputs = destination.is_cpu() ? carve(inputs[0]) : fresh(inputs[0], destination);
     py::gil_scoped_release no_gil;
     reduce_add_checked(inputs, outputs);
@@ -327,9 +329,10 @@ class OutputPool {
   // Drops every block: a block still in use is freed when its last tensor goes.
   void clear() { blocks_.clear(); }
 
-  // How many calls wrote their sums into a block an earlier call made: memory held between the calls, not
-  // allocated by this one (what a memory ledger needs to know of the sums it is handed).
-  int64_t blocks_taken_again() const { return blocks_taken_again_; }
+  // The address of the block the last call wrote its CPU sums into (0 for sums on a GPU, fresh tensors), and
+  // whether an earlier call made it: memory held between the calls, not allocated by this one (what a memory
+  // ledger needs to know of the sums).
+  std::pair<int64_t, bool> last_block() const { return {last_block_, last_block_taken_again_}; }
 
  private:
   // Each sum starts on a cache line of its own (as at::empty's allocations do).
@@ -377,7 +380,7 @@ class OutputPool {
     if (best != blocks_.end()) {
       block = *best;
       blocks_.erase(best);
-      ++blocks_taken_again_;
+      last_block_taken_again_ = true;
     } else {
       block = c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetCPUAllocator(),
                            /*resizable=*/false);
@@ -385,7 +388,9 @@ class OutputPool {
       if (static_cast<int64_t>(blocks_.size()) == max_blocks_) {
         blocks_.erase(blocks_.begin());
       }
+      last_block_taken_again_ = false;
     }
+    last_block_ = reinterpret_cast<int64_t>(block.mutable_data());
     blocks_.push_back(block);
     return block;
   }
@@ -400,7 +405,8 @@ class OutputPool {
   }
 
   int64_t max_blocks_;
-  int64_t blocks_taken_again_ = 0;
+  int64_t last_block_ = 0;
+  bool last_block_taken_again_ = false;
   std::vector<c10::Storage> blocks_;  // least recently used first
 };
 
@@ -417,7 +423,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Sums inputs[k][i] over replicas k into new tensors on `destination`, adding in replica "
            "order (half types accumulate in float32).")
       .def("held_bytes", &minidp::OutputPool::held_bytes)
-      .def("blocks_taken_again", &minidp::OutputPool::blocks_taken_again)
+      .def("last_block", &minidp::OutputPool::last_block)
       .def("clear", &minidp::OutputPool::clear);
   m.def("reduce_add_into", &minidp::reduce_add_into, py::arg("inputs"), py::arg("outputs"),
         "Like reduce_add, but writes into existing contiguous `outputs`.");

@@ -148,10 +148,11 @@ def reduce_output_bytes() -> int:
     return _outputs.held_bytes() if _outputs is not None else 0
 
 
-def reduce_output_blocks_taken_again() -> int:
-    """How many calls of :func:`reduce_add_coalesced` wrote their CPU sums into memory kept from an earlier call (held
-    since then, not allocated by the call); 0 before a load."""
-    return _outputs.blocks_taken_again() if _outputs is not None else 0
+def reduce_output_last_block() -> tuple[int, bool]:
+    """The address of the block of CPU memory the last call of :func:`reduce_add_coalesced` wrote its sums into (0
+    where it wrote none: sums on a GPU, or no call since the load), and whether it kept that block from an earlier call
+    (held since then, not allocated by this one)."""
+    return tuple(_outputs.last_block()) if _outputs is not None else (0, False)
 
 
 def release_reduce_outputs() -> None:

@@ -350,9 +350,10 @@ def test_sums_the_extension_writes_into_memory_kept_from_an_earlier_step_count_f
     model = minidp.DataParallel(module, cpu_ids(2), reduce_backend="ext")
     x = torch.randn(8, D, generator=generator, dtype=torch.float64)
 
-    def step() -> None:
+    def step(largest_moment: bool = True) -> None:
         module.zero_grad(set_to_none=True)  # the last step's sums let go of: their block is free to take again
-        torch.ones(4 * N, dtype=torch.float64).sum()  # the step's largest moment, before the reduction
+        if largest_moment:
+            torch.ones(4 * N, dtype=torch.float64).sum()  # the step's largest moment, before the reduction
         model(x).square().sum().backward()
 
     minidp.ext.release_reduce_outputs()
@@ -362,6 +363,15 @@ def test_sums_the_extension_writes_into_memory_kept_from_an_earlier_step_count_f
     minidp.ext.release_reduce_outputs()  # the block goes with the sums the next step lets go of
     _, made = measure_step(step)
     assert block > 0 and row(taken_again).peak == row(made).peak + block
+    # made by the measurement's first step and taken again by a second one, whose work is small: counted from when it
+    # was made, so the first step's largest moment, before its reduction, did not hold it
+    minidp.ext.release_reduce_outputs()
+    module.zero_grad(set_to_none=True)
+    _, made_then_taken_again = measure_step(lambda: (step(), step(largest_moment=False)))
+    assert row(made_then_taken_again).peak == row(made).peak
+    # and it is one allocation held from then on, though its sums were let go of between the steps: the gradients held
+    # at once, at most, are the block and the replicas' gradients handed to the reduction
+    assert row(made_then_taken_again).held["gradients"] == row(made).held["gradients"]
 
 
 class _PassesTheGradientThrough(torch.autograd.Function):

@@ -365,6 +365,7 @@ class AllocationLedger:
         self._mode: Optional[_Watch] = None
         self._resize_patched = False  # whether start() wrapped UntypedStorage.resize_
         self._backward_tasks: set[int] = set()  # autograd's graph tasks met so far
+        self._extension_blocks: dict[int, _Storage] = {}  # address -> the record of a block the extension wrote sums in
         self._backward_begins: list[int] = []  # when each began (its first allocation or free), in order
 
     # -- the measurement --------------------------------------------------------------------------------
@@ -673,7 +674,7 @@ class AllocationLedger:
         elif stage == "reduce":
             for replica, gradients in enumerate(named["inputs"]):
                 self.mark(gradients, "gradients", replica)
-            blocks_taken_again = ext.reduce_output_blocks_taken_again()
+            met = len(self._storages)
         with self.phase(stage):
             result = function(*arguments.args, **arguments.kwargs)
         if stage == "scatter":
@@ -689,17 +690,33 @@ class AllocationLedger:
             self.mark(_tensors(result, by_items=True), "gathered outputs", made_now=True)
         elif stage == "reduce":
             self.mark(_tensors(result), "gradients", made_now=True)
-            if ext.reduce_output_blocks_taken_again() != blocks_taken_again:
-                # The extension wrote the sums into a block of memory it kept from an earlier step
-                # (minidp.ext.reduce_add_coalesced), which the device held all along: counted from the start
-                self._held_from_the_start(_tensors(result))
+            self._kept_by_the_extension(_tensors(result), self._storages[met:])
         return result
 
-    def _held_from_the_start(self, tensors: Iterable[Any]) -> None:
-        for tensor in _parts(tensors):
-            record = self._see_one(tensor, made_now=False)
+    def _kept_by_the_extension(self, sums: Iterable[torch.Tensor], first_met: list[_Storage]) -> None:
+        """The extension writes CPU ``sums`` into a block of memory it keeps from step to step (see
+        :func:`minidp.ext.reduce_add_coalesced`), held while no tensor is over it too. A block it took again was held
+        all along: one it made earlier in the measurement is the same allocation still (its tensors, not its memory,
+        were let go of meanwhile), one it made before counts from the start."""
+        address, taken_again = ext.reduce_output_last_block()
+        tensor = next((t for t in _parts(sums) if t.device.type == "cpu" and t.untyped_storage().data_ptr() == address),
+                      None) if address else None
+        if tensor is None:
+            return
+        storage = tensor.untyped_storage()
+        with self._lock:
+            record = self._live.get(storage._cdata)
+            earlier = self._extension_blocks.get(address)
+            if taken_again and record is not None and any(record is met for met in first_met):
+                if earlier is not None and earlier.died is not None:  # the same allocation, from when it was made
+                    self._storages.remove(record)
+                    earlier.died = None
+                    self._live[storage._cdata] = record = earlier
+                    self._finalizers.append(weakref.finalize(storage, self._freed, storage._cdata, earlier))
+                elif earlier is None:  # made before the measurement began
+                    record.born = 0
             if record is not None:
-                record.born = 0
+                self._extension_blocks[address] = record
 
     def on_replica(self, replica: int, device: torch.device, module: Any, call: Callable[[], Any]) -> Any:
         """Run replica ``replica``'s ``call()`` in its thread: the model's forward if ``module`` is a replica
