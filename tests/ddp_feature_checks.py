@@ -1534,7 +1534,7 @@ def _same_gradient(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool
 
 def sparse_gradients_as_stock(seed: int, steps: int = 3, **options: Any) -> dict:
     """SGD on :class:`SparseModel`, each rank its own indices: per step, whether every parameter and
-    gradient (sparse: indices, values, coalescing) is stock's, and both rebuilt plans."""
+    gradient (sparse: indices, values, coalescing) is stock's, and both rebuilt plans and logged bucket sizes."""
     theirs, ours, theirs_module, ours_module = _pair(SparseModel, seed, **options)
     optimizers = [torch.optim.SGD(d.parameters(), lr=0.1) for d in (theirs, ours)]
     same = []
@@ -1547,9 +1547,10 @@ def sparse_gradients_as_stock(seed: int, steps: int = 3, **options: Any) -> dict
             optimizer.step()
         same.append(all(torch.equal(a, b) and _same_gradient(a.grad, b.grad)
                         for a, b in zip(ours_module.parameters(), theirs_module.parameters())))
-    key = "rebuilt_per_bucket_param_indices"
+    logged = [d._get_ddp_logging_data() for d in (theirs, ours)]
     return {"same": same, "sparse_grads": [p.grad.is_sparse for p in ours_module.parameters()],
-            "plans": [d._get_ddp_logging_data().get(key) for d in (theirs, ours)]}
+            "plans": [data.get("rebuilt_per_bucket_param_indices") for data in logged],
+            "bucket_sizes": [data.get("bucket_sizes") for data in logged]}
 
 
 # ---- complex parameters ----------------------------------------------------------------------------------

@@ -937,6 +937,7 @@ def test_sparse_gradients_are_reduced_on_their_own_as_stock(two, check):
         assert result["same"] == [True] * 3
         assert result["sparse_grads"] == [True, False, False, True, False, False]
         assert result["plans"][1] == result["plans"][0]  # each sparse gradient a bucket of its own
+        assert result["bucket_sizes"][1] == result["bucket_sizes"][0]  # a sparse one's at its parameter's dense size
 
 
 # ---- complex parameters (reducer.cpp: a complex bucket communicated as view_as_real) ----

@@ -377,8 +377,9 @@ class DistributedDataParallel(TorchDistributedDataParallel):
             self.module, params, self.process_group, device_ids=self.device_ids, output_device=self.output_device,
             broadcast_buffers=self.broadcast_buffers, bucket_cap_bytes=self._bucket_caps.cap,
             find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=self.gradient_as_bucket_view,
-            # in the parameters' dtype, as torch logs them (mixed precision keeps the buffers in a lower one)
-            bucket_sizes=[b.buffer.numel() * b.params[0].element_size() for b in self.reducer.buckets],
+            # in the parameters' dtype, as torch logs them (mixed precision keeps the buffers in a lower one), and a
+            # sparse gradient's bucket at its parameter's dense size, as torch sizes it (it holds no buffer of its own)
+            bucket_sizes=[sum(p.numel() for p in b.params) * b.params[0].element_size() for b in self.reducer.buckets],
         )
         if self.static_graph:
             self._logging.entries["static_graph"] = 1
