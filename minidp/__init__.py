@@ -40,6 +40,11 @@ from .tracing import Trace, trace, write_trace_artifacts
 from .verification import VerifyReport, verify
 from .wrapper import DataParallel, data_parallel
 
+# The processes' layer, imported with the package: a SyncBatchNorm that no wrapper gave an exchange (a model never
+# wrapped, a copy of a wrapped one, one under torch's DDP) then synchronises across the processes of a job, as
+# torch's layer does, whether or not the user imported minidp.distributed (which sets that exchange up).
+from . import distributed
+
 __all__ = [
     "DataParallel",
     "DeviceInfo",
@@ -51,6 +56,7 @@ __all__ = [
     "comm",
     "data_parallel",
     "devices",
+    "distributed",
     "gather",
     "get_parallel_backward",
     "get_parallel_backward_threads",

@@ -262,9 +262,9 @@ class _Statistics(NamedTuple):
     ready: Optional["torch.cuda.Event"]  # on a GPU: recorded once mean and variance are computed
 
 
-# Set by minidp.distributed when it is imported: the exchange of a layer no wrapper attached one to, running alone in
-# its process (over its process_group, else the job's default group; None outside a job of several processes). The
-# core never imports torch.distributed.
+# Set by minidp.distributed when it is imported, as the package imports it: the exchange of a layer no wrapper attached
+# one to, running alone in its process (over its process_group, else the job's default group; None outside a job of
+# several processes). The layer's own module never imports torch.distributed.
 lone_exchange: Optional[Callable[[Any], Optional[Callable[[list[_Statistics]], list[_Statistics]]]]] = None
 
 

@@ -19,10 +19,11 @@ import torch.utils.checkpoint
 from torch import nn
 
 import minidp
+from minidp.distributed.launch import loopback_interface
 from minidp.replica_group import ReplicaGroup, ReplicaGroupError, current
 from minidp.torch_versions import BATCHNORM_TAKES_BIAS
 
-from .helpers import RTOL_FLOAT64, cpu_ids, finishes_within, max_relative_error, requires_cuda
+from .helpers import RTOL_FLOAT64, cpu_ids, finishes_within, fresh_python, max_relative_error, requires_cuda
 
 BOUND_S = 20.0
 CHANNELS = 3
@@ -685,3 +686,52 @@ def test_replicas_that_reach_the_layers_in_different_orders_are_released(generat
         finishes_within(BOUND_S, lambda: parallel(torch.randn(6, CHANNELS)))
     assert "replica 0 at SyncBatchNorm 'first'" in str(caught.value)
     assert "replica 1 at SyncBatchNorm 'second'" in str(caught.value)
+
+
+# Two Gloo processes on the loopback interface, each a SyncBatchNorm no wrapper holds, in a script that imports minidp
+# and nothing of minidp.distributed: the worst relative difference of each rank's outputs and running statistics
+# from BatchNorm's on both ranks' rows at once.
+_LONE_LAYER_IN_A_JOB = """
+import socket, sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch import nn
+import minidp
+
+def rank_main(rank, port, world, differences):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        reference = nn.BatchNorm1d(3, dtype=torch.float64)
+        layer = minidp.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3, dtype=torch.float64))
+        rows = [torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        with torch.no_grad():
+            mine, everyone = layer(rows[rank]), reference(torch.cat(rows))[5 * rank:5 * rank + 5]
+        worst = max(((a - b).abs().max() / b.abs().max()).item()
+                    for a, b in ((mine, everyone), (layer.running_mean, reference.running_mean),
+                                 (layer.running_var, reference.running_var)))
+        differences[rank] = worst
+    finally:
+        dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    differences = mp.Manager().dict()
+    mp.spawn(rank_main, args=(port, 2, differences), nprocs=2, join=True)
+    print(max(differences.values()))
+"""
+
+
+@pytest.mark.fresh_interpreter
+def test_a_layer_no_wrapper_holds_synchronises_across_processes_with_minidp_alone_imported(tmp_path):
+    # torch.nn.SyncBatchNorm synchronises whenever it trains in a job of several processes, whatever wraps it; so does
+    # minidp's, in a script that imports minidp and not minidp.distributed (which sets up the exchange): the package
+    # imports it. Before, such a layer normalised each rank's rows alone, silently.
+    script = tmp_path / "lone_layer.py"
+    script.write_text(_LONE_LAYER_IN_A_JOB)
+    interface = loopback_interface()
+    done = fresh_python(str(script), timeout=120, env={"GLOO_SOCKET_IFNAME": interface} if interface else None)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.split()[-1]) < RTOL_FLOAT64
+
