@@ -333,6 +333,10 @@ class OutputPool {
   // whether an earlier call made it: memory held between the calls, not allocated by this one (what a memory
   // ledger needs to know of the sums).
   std::pair<int64_t, bool> last_block() const { return {last_block_, last_block_taken_again_}; }
+  void forget_last_block() {
+    last_block_ = 0;
+    last_block_taken_again_ = false;
+  }
 
  private:
   // Each sum starts on a cache line of its own (as at::empty's allocations do).
@@ -424,6 +428,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "order (half types accumulate in float32).")
       .def("held_bytes", &minidp::OutputPool::held_bytes)
       .def("last_block", &minidp::OutputPool::last_block)
+      .def("forget_last_block", &minidp::OutputPool::forget_last_block)
       .def("clear", &minidp::OutputPool::clear);
   m.def("reduce_add_into", &minidp::reduce_add_into, py::arg("inputs"), py::arg("outputs"),
         "Like reduce_add, but writes into existing contiguous `outputs`.");

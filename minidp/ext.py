@@ -155,6 +155,13 @@ def reduce_output_last_block() -> tuple[int, bool]:
     return tuple(_outputs.last_block()) if _outputs is not None else (0, False)
 
 
+def forget_reduce_output_last_block() -> None:
+    """:func:`reduce_output_last_block` answers ``(0, False)`` until the next call writes sums: a reduction that makes
+    no call (sums the torch backend makes) then leaves no earlier call's block as its answer."""
+    if _outputs is not None:
+        _outputs.forget_last_block()
+
+
 def release_reduce_outputs() -> None:
     """Let go of the memory kept for CPU sums; blocks whose sums are still alive go when they do."""
     if _outputs is not None:

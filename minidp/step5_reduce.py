@@ -80,8 +80,8 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         n = ctx.num_tensors
-        if getattr(ctx, "reached_by_no_replica", False):  # see given_no_gradient
-            ctx.reached_by_no_replica = False  # a graph kept with retain_graph may be back-propagated again, otherwise
+        told = getattr(ctx, "reached_by_no_replica", None)  # see given_no_gradient
+        if told == torch._C._current_graph_task_id() and all(grad is None for grad in grads):
             return (None,) * (2 + n)
         needed = [i for i in range(n) if ctx.needs_input_grad[2 + i]]  # frozen parameters need no sum
         per_replica = [
@@ -106,7 +106,10 @@ def given_no_gradient(node: Any) -> None:
     Function's backward that returns None for a parameter it was given) still gets the sums of zeros autograd
     would give it, as stock's does."""
     if type(node) is Broadcast._backward_cls:
-        node.reached_by_no_replica = True
+        # For this backward only (autograd's graph task: a graph kept with retain_graph may be back-propagated again,
+        # this node not run by this one); and only where no other way in (another parallel_apply of the same replicas)
+        # brought it a gradient
+        node.reached_by_no_replica = torch._C._current_graph_task_id()
 
 
 class ReduceAddCoalesced(torch.autograd.Function):

@@ -163,6 +163,20 @@ def test_memory_whose_python_storage_object_was_seen_is_reused_once_dropped(exte
     assert _pointers(ext.reduce_add_coalesced(inputs, CPU)) == where
 
 
+def test_the_last_call_says_which_block_it_wrote_into_and_whether_it_kept_it_from_an_earlier_call(extension, generator):
+    # what the memory ledger reads of a reduction (minidp/tracing/memory.py): a block made now, or one taken again
+    ext.release_reduce_outputs()
+    inputs = random_replicas([(16,), (3,)], 2, torch.float32, generator)
+    first = ext.reduce_add_coalesced(inputs, CPU)
+    block = first[0].untyped_storage().data_ptr()
+    assert ext.reduce_output_last_block() == (block, False)
+    del first
+    ext.reduce_add_coalesced(inputs, CPU)
+    assert ext.reduce_output_last_block() == (block, True)
+    ext.forget_reduce_output_last_block()  # until the next call: a reduction that made none names no block
+    assert ext.reduce_output_last_block() == (0, False)
+
+
 def test_release_reduce_outputs_lets_go_of_the_kept_memory(extension, generator):
     ext.reduce_add_coalesced(random_replicas([(1024,)], 2, torch.float32, generator), CPU)
     assert ext.reduce_output_bytes() >= 4096

@@ -678,6 +678,47 @@ def test_a_loss_that_reaches_no_replica_parameter_leaves_the_parameters_without_
         minidp.set_parallel_backward(previous)
 
 
+def test_a_later_backward_of_a_kept_graph_reaches_the_parameters_an_earlier_one_did_not(generator):
+    """The head no parameter made, back-propagated to the batch alone first (the graph kept), then the other head: the
+    second backward gives the parameters the serial backward's gradients; what the first said of replicate's node
+    (nothing reached it) was that backward's only."""
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    original, gradients = _ParameterFreeHead().double(), []
+    for parallel in (False, True):
+        model = copy.deepcopy(original)
+        previous = minidp.set_parallel_backward(parallel)
+        try:
+            out, head = minidp.DataParallel(model, cpu_ids(2))(x * 1)
+            assert _in_parallel(head) == parallel
+            torch.autograd.grad(head.sum(), x, retain_graph=True)
+            out.square().sum().backward()
+        finally:
+            minidp.set_parallel_backward(previous)
+        gradients.append([p.grad for p in model.parameters()])
+    assert all(g is not None for g in gradients[1]) and _equal(gradients[1], gradients[0])
+
+
+def test_replicas_applied_twice_give_the_parameters_what_either_application_reached(generator):
+    """One ``replicate``, its replicas run twice (two ``parallel_apply`` calls, so two parallel backwards lead to the
+    one node of ``replicate``): the loss takes the parameters' head from the first and the head no parameter made from
+    the second. The second reaches no parameter; the first's gradients are summed all the same, as serially."""
+    x = torch.randn(2, 6, 4, generator=generator, dtype=torch.float64)
+    original, gradients = _ParameterFreeHead().double(), []
+    for parallel in (False, True):
+        model = copy.deepcopy(original)
+        previous = minidp.set_parallel_backward(parallel)
+        try:
+            replicas = minidp.replicate(model, cpu_ids(2))
+            first = minidp.parallel_apply(replicas, [(chunk * 1,) for chunk in x[0].chunk(2)])
+            second = minidp.parallel_apply(replicas, [(chunk.requires_grad_() * 1,) for chunk in x[1].chunk(2)])
+            assert (type(second[0][1].grad_fn) is parallel_backward.ParallelBackward._backward_cls) == parallel
+            (sum(out.sum() for out, _ in first) + sum(head.sum() for _, head in second)).backward()
+        finally:
+            minidp.set_parallel_backward(previous)
+        gradients.append([p.grad for p in model.parameters()])
+    assert all(g is not None for g in gradients[1]) and _equal(gradients[1], gradients[0])
+
+
 class _NoGradientForTheWeight(torch.autograd.Function):
     """``x`` scaled by the sum of ``weight``, whose backward returns None for the weight: autograd reaches the
     weight with no gradient."""

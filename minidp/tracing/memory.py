@@ -675,6 +675,7 @@ class AllocationLedger:
             for replica, gradients in enumerate(named["inputs"]):
                 self.mark(gradients, "gradients", replica)
             met = len(self._storages)
+            ext.forget_reduce_output_last_block()  # an earlier reduction's block is not this one's
         with self.phase(stage):
             result = function(*arguments.args, **arguments.kwargs)
         if stage == "scatter":
