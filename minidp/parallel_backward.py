@@ -110,7 +110,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from .comm import storage_start
 from .cpu_threads import share, teams_fit
 from .nested import holds_opaque, tensors_in
-from .step5_reduce import apply_function, given_no_gradient
+from .step5_reduce import apply_function, note_replicas_reach
 
 _enabled: Union[bool, str] = "auto"
 _threads = "caller"
@@ -548,7 +548,7 @@ class ParallelBackward(torch.autograd.Function):
             if all(outputs is None for outputs in ctx.outputs):
                 ctx.run = None
         gradients = list(_per_input(ctx.edges, asked_per_replica, results))
-        _tell_the_nodes_no_replica_reached(ctx.outer_nodes, ctx.edges, gradients, roots)
+        _tell_the_nodes_what_the_replicas_reached(ctx.outer_nodes, ctx.edges, gradients, roots)
         return (None, *gradients)
 
 
@@ -643,25 +643,25 @@ def _check_no_other_way_in(edges: Sequence[GradientEdge], replica: int) -> None:
             )
 
 
-def _tell_the_nodes_no_replica_reached(outer_nodes: Sequence[Any], edges: Sequence[Sequence[GradientEdge]],
-                                       gradients: Sequence[Optional[torch.Tensor]], roots: Sequence[torch.Tensor]) -> None:
+def _tell_the_nodes_what_the_replicas_reached(outer_nodes: Sequence[Any], edges: Sequence[Sequence[GradientEdge]],
+                                              gradients: Sequence[Optional[torch.Tensor]],
+                                              roots: Sequence[torch.Tensor]) -> None:
     """A node behind :class:`ParallelBackward` that no replica's graph reached runs all the same (autograd runs every
-    node an edge leads to), handed None for each of its outputs: ``replicate``'s is told so
-    (:func:`minidp.step5_reduce.given_no_gradient`), and sums nothing, as the serial backward, which never reaches it
-    then, leaves the parameters. None is also what a replica's graph gives an entry it reaches with no gradient (a
-    custom Function's backward that returns None for a parameter): the serial backward reaches ``replicate``'s node
-    then, and autograd gives it zeros, so it is not told. The two are told apart by a walk of the replicas' graphs from
-    the ``roots`` (the outputs given gradients), which only a backward that leaves a node without any gradient pays for.
+    node an edge leads to), handed None for each of its outputs: ``replicate``'s is told whether they reached it
+    (:func:`minidp.step5_reduce.note_replicas_reach`), and, told by none that they did, sums nothing, as the serial
+    backward, which never reaches it then, leaves the parameters. None is also what a replica's graph gives an entry it
+    reaches with no gradient (a custom Function's backward that returns None for a parameter): the serial backward
+    reaches ``replicate``'s node then, and autograd gives it zeros, so it is told it was reached. The two are told apart
+    by a walk of the replicas' graphs from the ``roots`` (the outputs given gradients), which only a backward that
+    leaves a node without any gradient pays for.
     """
-    given = {node for node, gradient in zip(outer_nodes, gradients) if gradient is not None}
-    unreached = {node for node in outer_nodes if node is not None} - given
-    if not unreached:
-        return
-    reached = _entries_reached([root.grad_fn for root in roots])
-    entries = [edge.node for replica_edges in edges for edge in replica_edges]  # in the order of the node's inputs
-    unreached -= {node for node, entry in zip(outer_nodes, entries) if id(entry) in reached}
-    for node in unreached:
-        given_no_gradient(node)
+    reached = {node for node, gradient in zip(outer_nodes, gradients) if gradient is not None}
+    if any(node is not None and node not in reached for node in outer_nodes):
+        entries_reached = _entries_reached([root.grad_fn for root in roots])
+        entries = [edge.node for replica_edges in edges for edge in replica_edges]  # in the order of the node's inputs
+        reached |= {node for node, entry in zip(outer_nodes, entries) if id(entry) in entries_reached}
+    for node in {node for node in outer_nodes if node is not None}:
+        note_replicas_reach(node, node in reached)
 
 
 def _entries_reached(starts: Sequence[Any]) -> set[int]:

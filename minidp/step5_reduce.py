@@ -64,6 +64,7 @@ class Broadcast(torch.autograd.Function):
         # output (the input's layout, on the replica's device).
         ctx.set_materialize_grads(False)
         ctx.inputs, ctx.devices = tensors, devices  # held for their metadata: the inputs live while the module does
+        ctx.unreached_in = {}  # autograd's graph task -> whether no replica reached an output (note_replicas_reach)
         # On the source device broadcast returns the tensors themselves. Returned as they are, autograd
         # would turn each into a view of its input; a detached alias is the same storage (no copy, and
         # the same version counter, so in-place changes stay visible), takes this node as its grad_fn
@@ -80,9 +81,8 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         n = ctx.num_tensors
-        told = getattr(ctx, "reached_by_no_replica", None)  # see given_no_gradient
-        if told == torch._C._current_graph_task_id() and all(grad is None for grad in grads):
-            return (None,) * (2 + n)
+        if ctx.unreached_in.pop(torch._C._current_graph_task_id(), False) and all(grad is None for grad in grads):
+            return (None,) * (2 + n)  # see note_replicas_reach
         needed = [i for i in range(n) if ctx.needs_input_grad[2 + i]]  # frozen parameters need no sum
         per_replica = [
             grads[start + i] if grads[start + i] is not None else torch.zeros_like(ctx.inputs[i], device=device)
@@ -96,20 +96,20 @@ class Broadcast(torch.autograd.Function):
         return (None, None, *result)
 
 
-def given_no_gradient(node: Any) -> None:
-    """Tell ``node``, if it is a :class:`Broadcast`'s, that no replica's graph reached any of its outputs in the
-    backward about to run it: it then sums nothing, and the parameters keep no gradient (None), as where the replicas'
-    graphs are run one by one, which never reach it then (the loss used no replica's parameters).
+def note_replicas_reach(node: Any, reached: bool) -> None:
+    """Tell ``node``, if it is a :class:`Broadcast`'s, whether the replicas' graphs behind one parallel backward
+    reached any of its outputs, in the backward about to run it. Where none of those that lead to it did, it sums
+    nothing and the parameters keep no gradient (None), as where the replicas' graphs are run one by one, which never
+    reach it then (the loss used no replica's parameters).
 
     minidp's parallel backward (:mod:`minidp.parallel_backward`) runs every replica's graph behind one node, which
-    leads to this one whatever the loss used, and says so. A backward that reached it with no gradient (a custom
-    Function's backward that returns None for a parameter it was given) still gets the sums of zeros autograd
-    would give it, as stock's does."""
+    leads to this one whatever the loss used, and tells it (each of them, where the same replicas ran twice). A backward
+    that reached it with no gradient (a custom Function's backward that returns None for a parameter it was given) still
+    gets the sums of zeros autograd would give it, as stock's does. Kept per backward (autograd's graph task): a graph
+    kept with retain_graph may be back-propagated again, or by two threads at once, and this node not run by one."""
     if type(node) is Broadcast._backward_cls:
-        # For this backward only (autograd's graph task: a graph kept with retain_graph may be back-propagated again,
-        # this node not run by this one); and only where no other way in (another parallel_apply of the same replicas)
-        # brought it a gradient
-        node.reached_by_no_replica = torch._C._current_graph_task_id()
+        task = torch._C._current_graph_task_id()
+        node.unreached_in[task] = node.unreached_in.get(task, True) and not reached
 
 
 class ReduceAddCoalesced(torch.autograd.Function):

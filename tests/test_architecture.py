@@ -22,6 +22,8 @@ import pytest
 
 import minidp
 
+from .helpers import fresh_python
+
 
 @pytest.fixture(autouse=True)
 def dataparallel_configuration():
@@ -186,3 +188,12 @@ def test_no_module_is_hidden_by_a_function_of_the_same_name():
         and hasattr(minidp, name)
     )
     assert not hidden, f"minidp.<name> is not the module minidp/<name>.py for {hidden}"
+
+
+@pytest.mark.fresh_interpreter
+def test_importing_minidp_warns_of_nothing_so_a_program_run_with_warnings_as_errors_imports_it():
+    # the package imports minidp.distributed (so that a SyncBatchNorm synchronises in a job): whatever of torch that
+    # loads at import must not warn (torch's functional optimizers warn of torch.jit.script's deprecation as they load)
+    done = fresh_python("-c", "import torch, warnings; warnings.simplefilter('error'); import minidp", timeout=120)
+    assert done.returncode == 0, done.stderr
+

@@ -698,12 +698,15 @@ def test_a_later_backward_of_a_kept_graph_reaches_the_parameters_an_earlier_one_
     assert all(g is not None for g in gradients[1]) and _equal(gradients[1], gradients[0])
 
 
-def test_replicas_applied_twice_give_the_parameters_what_either_application_reached(generator):
+@pytest.mark.parametrize("first_head", ["parameters", "no gradient"])
+def test_replicas_applied_twice_give_the_parameters_what_either_application_reached(generator, first_head):
     """One ``replicate``, its replicas run twice (two ``parallel_apply`` calls, so two parallel backwards lead to the
     one node of ``replicate``): the loss takes the parameters' head from the first and the head no parameter made from
-    the second. The second reaches no parameter; the first's gradients are summed all the same, as serially."""
+    the second. The second reaches no parameter; what the first brought is summed all the same, as serially: the
+    parameters' gradients, or (a head that reaches the weight with no gradient) autograd's zeros."""
     x = torch.randn(2, 6, 4, generator=generator, dtype=torch.float64)
-    original, gradients = _ParameterFreeHead().double(), []
+    original = _ParameterFreeHead().double() if first_head == "parameters" else _TwoHeadsOneWithoutGradient()
+    gradients = []
     for parallel in (False, True):
         model = copy.deepcopy(original)
         previous = minidp.set_parallel_backward(parallel)
@@ -739,6 +742,13 @@ class _WeightWithoutGradient(nn.Module):
 
     def forward(self, x):
         return _NoGradientForTheWeight.apply(x, self.weight)
+
+
+class _TwoHeadsOneWithoutGradient(_WeightWithoutGradient):
+    """The weight's head, which reaches it with no gradient, and a head no parameter made."""
+
+    def forward(self, x):
+        return super().forward(x), x * 2
 
 
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])

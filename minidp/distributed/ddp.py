@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
-from torch.distributed.optim import apply_optimizer_in_backward
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
@@ -605,6 +604,11 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         params = synced_tensors(self.module, self.parameters_to_ignore, buffers=False)
         if not any(hasattr(p, "_in_backward_optimizers") for p in params):
             return
+        # Imported here, where the user has imported it already (it gave the parameters their optimizers): at the
+        # package's import, torch's functional optimizers it loads warn of torch.jit.script's deprecation, which a
+        # program run with warnings as errors (python -W error) would fail on at `import minidp`
+        from torch.distributed.optim import apply_optimizer_in_backward
+
         handles = apply_optimizer_in_backward.param_to_optim_hook_handle_map
         for param in params:
             for handle in handles.get(param, []):
