@@ -27,7 +27,8 @@ module each:
 * :mod:`~minidp.distributed.timeline`: each rank's timings, merged into one Chrome trace;
 * :mod:`~minidp.distributed.launch`: N processes on this machine joined over the loopback address.
 
-minidp's core never imports ``torch.distributed``; only this package does.
+minidp's core modules never import ``torch.distributed``; only this package does, which ``import minidp`` imports
+(so that a ``minidp.SyncBatchNorm`` no wrapper holds synchronises across a job's processes).
 """
 
 from .buckets import GradBucket
