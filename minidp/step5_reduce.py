@@ -107,7 +107,9 @@ def note_replicas_reach(node: Any, reached: bool) -> None:
     that reached it with no gradient (a custom Function's backward that returns None for a parameter it was given) still
     gets the sums of zeros autograd would give it, as stock's does. Kept per backward (autograd's graph task): a graph
     kept with retain_graph may be back-propagated again, or by two threads at once, and this node not run by one."""
-    if type(node) is Broadcast._backward_cls:
+    # A backward that will not run the node (autograd.grad of the batch alone) leaves no record, which it would never
+    # take back: a graph kept and back-propagated so again and again would hold one for each.
+    if type(node) is Broadcast._backward_cls and torch._C._will_engine_execute_node(node):
         task = torch._C._current_graph_task_id()
         node.unreached_in[task] = node.unreached_in.get(task, True) and not reached
 

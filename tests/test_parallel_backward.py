@@ -698,6 +698,24 @@ def test_a_later_backward_of_a_kept_graph_reaches_the_parameters_an_earlier_one_
     assert all(g is not None for g in gradients[1]) and _equal(gradients[1], gradients[0])
 
 
+def test_a_kept_graph_back_propagated_to_the_batch_alone_leaves_replicates_node_nothing_to_keep(generator):
+    """``torch.autograd.grad`` of the batch alone, again and again on one kept graph, runs the parallel backward but
+    not replicate's node: what the parallel backward tells that node is kept only for a backward that will run it, so
+    such a graph holds nothing more for each backward."""
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    out, head = minidp.DataParallel(_ParameterFreeHead().double(), cpu_ids(2))(x * 1)
+    assert _in_parallel(head)
+    for _ in range(5):
+        torch.autograd.grad(out.sum() + head.sum(), x, retain_graph=True)
+    nodes, pending = [], [out.grad_fn]
+    while pending:  # the graph's nodes, to replicate's
+        node = pending.pop()
+        nodes.append(node)
+        pending += [following for following, _ in node.next_functions if following is not None]
+    (replicates,) = {node for node in nodes if type(node) is minidp.step5_reduce.Broadcast._backward_cls}
+    assert replicates.unreached_in == {}
+
+
 @pytest.mark.parametrize("first_head", ["parameters", "no gradient"])
 def test_replicas_applied_twice_give_the_parameters_what_either_application_reached(generator, first_head):
     """One ``replicate``, its replicas run twice (two ``parallel_apply`` calls, so two parallel backwards lead to the
