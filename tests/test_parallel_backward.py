@@ -683,19 +683,15 @@ def test_a_later_backward_of_a_kept_graph_reaches_the_parameters_an_earlier_one_
     second backward gives the parameters the serial backward's gradients; what the first said of replicate's node
     (nothing reached it) was that backward's only."""
     x = torch.randn(6, 4, generator=generator, dtype=torch.float64, requires_grad=True)
-    original, gradients = _ParameterFreeHead().double(), []
-    for parallel in (False, True):
-        model = copy.deepcopy(original)
-        previous = minidp.set_parallel_backward(parallel)
-        try:
-            out, head = minidp.DataParallel(model, cpu_ids(2))(x * 1)
-            assert _in_parallel(head) == parallel
-            torch.autograd.grad(head.sum(), x, retain_graph=True)
-            out.square().sum().backward()
-        finally:
-            minidp.set_parallel_backward(previous)
-        gradients.append([p.grad for p in model.parameters()])
-    assert all(g is not None for g in gradients[1]) and _equal(gradients[1], gradients[0])
+
+    def step(model: nn.Module, parallel: bool) -> None:
+        out, head = minidp.DataParallel(model, cpu_ids(2))(x * 1)
+        assert _in_parallel(head) == parallel
+        torch.autograd.grad(head.sum(), x, retain_graph=True)
+        out.square().sum().backward()
+
+    grads = _gradients_both_ways(_ParameterFreeHead().double(), step)
+    assert all(g is not None for g in grads[True]) and _equal(grads[True], grads[False])
 
 
 def test_a_kept_graph_back_propagated_to_the_batch_alone_leaves_replicates_node_nothing_to_keep(generator):
@@ -723,21 +719,17 @@ def test_replicas_applied_twice_give_the_parameters_what_either_application_reac
     the second. The second reaches no parameter; what the first brought is summed all the same, as serially: the
     parameters' gradients, or (a head that reaches the weight with no gradient) autograd's zeros."""
     x = torch.randn(2, 6, 4, generator=generator, dtype=torch.float64)
-    original = _ParameterFreeHead().double() if first_head == "parameters" else _TwoHeadsOneWithoutGradient()
-    gradients = []
-    for parallel in (False, True):
-        model = copy.deepcopy(original)
-        previous = minidp.set_parallel_backward(parallel)
-        try:
-            replicas = minidp.replicate(model, cpu_ids(2))
-            first = minidp.parallel_apply(replicas, [(chunk * 1,) for chunk in x[0].chunk(2)])
-            second = minidp.parallel_apply(replicas, [(chunk.requires_grad_() * 1,) for chunk in x[1].chunk(2)])
-            assert (type(second[0][1].grad_fn) is parallel_backward.ParallelBackward._backward_cls) == parallel
-            (sum(out.sum() for out, _ in first) + sum(head.sum() for _, head in second)).backward()
-        finally:
-            minidp.set_parallel_backward(previous)
-        gradients.append([p.grad for p in model.parameters()])
-    assert all(g is not None for g in gradients[1]) and _equal(gradients[1], gradients[0])
+
+    def step(model: nn.Module, parallel: bool) -> None:
+        replicas = minidp.replicate(model, cpu_ids(2))
+        first = minidp.parallel_apply(replicas, [(chunk * 1,) for chunk in x[0].chunk(2)])
+        second = minidp.parallel_apply(replicas, [(chunk.requires_grad_() * 1,) for chunk in x[1].chunk(2)])
+        assert (type(second[0][1].grad_fn) is parallel_backward.ParallelBackward._backward_cls) == parallel
+        (sum(out.sum() for out, _ in first) + sum(head.sum() for _, head in second)).backward()
+
+    model = _ParameterFreeHead().double() if first_head == "parameters" else _TwoHeadsOneWithoutGradient()
+    grads = _gradients_both_ways(model, step)
+    assert all(g is not None for g in grads[True]) and _equal(grads[True], grads[False])
 
 
 class _NoGradientForTheWeight(torch.autograd.Function):
