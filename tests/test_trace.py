@@ -413,10 +413,13 @@ def test_cpu_memory_peak_sees_memory_held_only_inside_the_step():
 
 # The trace reads its end through getrusage, whose ru_maxrss also keeps what the process's previous program held
 # before exec-ing this one (minidp/tracing/memory.py, PeakResidentMemory): that figure must not pass for the step's.
+# 64 MiB, above glibc's largest threshold for serving an allocation from its heap (32 MiB): a mapping of its own,
+# every page written and resident. (16 MiB were served in part from memory the imports freed and left resident: 14.6
+# MiB of RSS, once `import minidp` imported minidp.distributed.)
 _TRACED_AFTER_EXEC = """
 import torch, minidp
 with minidp.trace() as step:
-    block = torch.ones(16 * 2**20 // 4)
+    block = torch.ones(64 * 2**20 // 4)
     del block
 print([peak.bytes for peak in step.memory if peak.device == "cpu"][0])
 """
@@ -433,7 +436,7 @@ def test_cpu_memory_peak_is_not_the_peak_of_the_program_that_exec_ed_this_one():
     done = fresh_python("-c", _EXEC_FROM_A_LARGER_PROGRAM)
     assert done.returncode == 0, done.stderr
     peak = int(done.stdout.split()[-1])
-    assert 15 * 2**20 <= peak < 128 * 2**20
+    assert 60 * 2**20 <= peak < 128 * 2**20
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU peak is the kernel's RSS high-water mark")
