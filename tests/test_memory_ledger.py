@@ -265,6 +265,46 @@ def test_with_gradient_accumulation_each_micro_batchs_loss_is_the_loss(generator
     assert row(ledger).held["loss"] == 8 * O * BYTES + 2 * BYTES  # the square's kept difference, scalar, its gradient
 
 
+@pytest.mark.parametrize("micro_batches", [[8], [2, 8]], ids=["one_forward", "accumulated"])
+def test_targets_made_in_the_step_before_the_forward_are_inputs_not_loss(generator, micro_batches):
+    # the ledger's table (minidp/tracing/memory.py): the loss is what the caller's code makes after the model ran;
+    # targets it makes in the step before the forward (as a loop that loads its batches does) are inputs, as the batch
+    model = minidp.DataParallel(mlp(), cpu_ids(2))
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    with minidp.trace(ledger=True) as traced:
+        for rows in micro_batches:
+            y = torch.randn(rows, O, generator=generator, dtype=torch.float64)
+            (model(x[:rows]) - y).pow(2).sum().backward()
+    device = row(traced.ledger())
+    assert device.held["loss"] == 8 * O * BYTES + 2 * BYTES  # the square's kept difference, the scalar, its gradient
+    assert device.held["inputs"] == 8 * D * BYTES + 8 * O * BYTES + 4 * D * BYTES  # batch, targets, replica 1's chunk
+
+
+class MaskedLinear(nn.Module):
+    """A model that takes a keyword tensor beside its batch, as a transformer's attention mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(D, O)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.linear(x * mask)
+
+
+def test_a_tensor_passed_by_keyword_is_each_replicas_input_as_its_chunk_of_the_batch_is(generator):
+    # scatter_kwargs cuts a keyword tensor as it cuts the batch: replica 0's chunk of each is a view on the batch's
+    # own device (no bytes of its own), replica 1's a copy; the whole tensors are the device's inputs, no replica's
+    model = minidp.DataParallel(MaskedLinear().double(), cpu_ids(2))
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    mask = (torch.randn(8, D, generator=generator) > 0).double()
+    with minidp.trace(ledger=True) as traced:
+        model(x, mask=mask).sum().backward()
+    ledger = traced.ledger()
+    assert row(ledger).held["inputs"] == 2 * 8 * D * BYTES + 2 * 4 * D * BYTES
+    assert row(ledger, replica=0).held["inputs"] == 0
+    assert row(ledger, replica=1).held["inputs"] == 2 * 4 * D * BYTES
+
+
 def test_the_ledger_leaves_the_step_exact(generator):
     x = torch.randn(8, D, generator=generator, dtype=torch.float64)
     module = mlp()

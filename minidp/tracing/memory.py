@@ -25,11 +25,11 @@ belongs to is decided when the step is over, from what minidp knows (see :data:`
 | category | a storage ... |
 |---|---|
 | parameters | of the module's parameters and buffers (``replicate``'s ``network``, an optimizer's parameters, a module the calling thread runs itself), of the replicas' copies that ``replicate`` returns, or of the whole parameters ``fully_shard`` gathers |
-| inputs | of the chunks ``scatter`` returns (on the batch's own device a chunk is a view and adds nothing), or held before the step began and none of the others (the batch, the targets) |
+| inputs | of the chunks ``scatter`` returns (on the batch's own device a chunk is a view and adds nothing), held before the step began and none of the others (the batch, the targets), or made by the calling thread's own code before the model ran and kept for the backward (targets made in the step) |
 | activations | made by a replica's forward (or by the forward of a module the calling thread runs itself) and still held when the next backward begins: kept for the backward (or by the caller, as the outputs that ``gather_output=False`` leaves on the replicas) |
 | gradients | of each replica's gradients handed to ``reduce``, of the sums it returns, of the parameters' ``.grad``, and of DDP's gradient buckets |
 | gathered outputs | of what ``gather`` returns: the whole output, or with :func:`minidp.parallel_criterion` only the loss terms |
-| loss | made by the criterion (a loss module of ``torch.nn``, the caller's code after the gather outside any module's forward, or on the replicas) and held when the next backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
+| loss | made by the criterion (a loss module of ``torch.nn``, the caller's code after the model ran outside any module's forward, or on the replicas) and held when the next backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
 | optimizer state | of ``optimizer.state`` when an optimizer steps |
 | temporaries | anything else the step made: freed before the next backward began, or made by a backward or the optimizer and none of the above |
 
@@ -53,9 +53,12 @@ on a GPU the caching allocator rounds every block up to a multiple of 512 bytes 
 only once the streams that used it are done, and its own figure is shown beside the ledger
 (``torch.cuda.max_memory_allocated`` above the start, as in the trace's table). Scratch
 memory that an operator allocates and frees inside its own kernel is not a tensor any operator returns and
-is not counted; nor are tensors made and used by no operator: the generator's state that activation checkpointing
-keeps for each checkpointed segment (``torch.get_rng_state()``, 5,056 bytes on the CPU, made in C++ and read back by
-``torch.set_rng_state``). A tensor that meets its first operator later than it was made counts from then (one that
+is not counted (an LSTM's on the CPU: 21% above the ledger's peak in one search's case); nor are tensors made and used
+by no operator: the generator's state that activation checkpointing keeps for each checkpointed segment
+(``torch.get_rng_state()``, 5,056 bytes on the CPU, made in C++ and read back by ``torch.set_rng_state``), and the
+copies of it minidp reads, with dispatch off, to see whether replicas drew from a generator they share
+(:func:`minidp.device_ids.generator_state`, held for a moment, which can fall at the peak); nor a nested tensor's sizes
+and strides, which torch keeps as tensors of its own. A tensor that meets its first operator later than it was made counts from then (one that
 numpy made, ``torch.from_numpy``, counts from ``aten.lift_fresh``, the operator that takes it in).
 
 What it changes: code compiled with ``torch.compile`` runs as eager code while the ledger watches, as torch's compiler
@@ -66,7 +69,8 @@ compiled program's in the last bits.
 Where it is not exact, known and left as it is: the threads watched are the one that started the measurement and
 the replicas' (forwards, and backwards run in parallel): another thread's own work during the trace goes uncounted or
 uncategorised; an allocation is numbered when its operator returns, so where threads overlap, a free in one during
-another's operator can fall before that operator's output, and the peak read lower than it was; two storages over one
+another's operator can fall before that operator's output, and the peak read lower than it was (by up to a third
+where four replicas' forwards overlap, in a search's case); two storages over one
 block of memory (``torch.from_dlpack``, ``torch.from_numpy(t.numpy())``) count twice; a tensor over memory that no
 operator made and ``aten.lift_fresh`` does not take in (``torch.frombuffer``) is first met as an operator's argument,
 and counts as held from the start; a tensor subclass that wraps
@@ -344,7 +348,8 @@ class AllocationLedger:
     def __init__(self, kept_by_host: Optional[str] = None) -> None:
         """``kept_by_host``: what the calling thread's own code (outside every stage and every module's forward)
         keeps for the backward is. By default it is decided when the step is over: where minidp ran the model (a
-        replica's forward, or the module running alone under ``DataParallel``) it is the loss; a step without
+        replica's forward, or the module running alone under ``DataParallel``) it is the loss, or an input where it was
+        made before the model ran (:meth:`_kept_by_host`); a step without
         minidp's stages runs its model there, so it is "activations". What the forward of a module that thread runs
         keeps is activations (the layers of a model that calls ``data_parallel`` inside its forward, as the tutorial's
         does, which run outside it), and a loss module's (``torch.nn``'s losses) loss: :meth:`_module_begins`."""
@@ -367,6 +372,7 @@ class AllocationLedger:
         self._backward_tasks: set[int] = set()  # autograd's graph tasks met so far
         self._extension_blocks: dict[int, _Storage] = {}  # address -> the record of a block the extension wrote sums in
         self._backward_begins: list[int] = []  # when each began (its first allocation or free), in order
+        self._model_runs: list[int] = []  # when each forward of the model (a replica's, or the module alone) began
 
     # -- the measurement --------------------------------------------------------------------------------
 
@@ -670,7 +676,9 @@ class AllocationLedger:
         named = arguments.arguments
         self._leave_a_failed_optimizer_step()
         if stage == "scatter":  # an activation a module made and gives to scatter stays one (the tutorial's)
-            self.mark(_tensors(named["inputs"]), "inputs", unless_made_in="module")
+            # The keyword arguments too (scatter_kwargs'): else replica 0's chunk of one, a view of the whole tensor on
+            # the batch's own device, would name the whole tensor that replica's (an attention mask, model(**batch))
+            self.mark(_tensors((named["inputs"], named.get("kwargs"))), "inputs", unless_made_in="module")
         elif stage == "replicate":
             self._watch_network(named["network"])
         elif stage == "reduce":
@@ -726,6 +734,9 @@ class AllocationLedger:
         that replicate made (or the module running alone, :meth:`watch_module`), else the loss on the replica
         (:func:`minidp.parallel_criterion`'s terms)."""
         name = "forward" if id(module) in self._models else "loss"
+        if name == "forward":
+            with self._lock:
+                self._model_runs.append(next(self._clock))
         with self.watching(), self.phase(name, replica):
             return call()
 
@@ -771,9 +782,22 @@ class AllocationLedger:
         began = self._backward_begins[after] if after < len(self._backward_begins) else None
         kept = began is not None and (record.died is None or record.died > began)
         if kept and record.phase in ("forward", "module", "loss", "host"):
-            host = self.kept_by_host or ("loss" if self._models else "activations")
+            host = self.kept_by_host or self._kept_by_host(record, after)
             return {"forward": "activations", "module": "activations", "loss": "loss", "host": host}[record.phase]
         return "temporaries"
+
+    def _kept_by_host(self, record: _Storage, backward: int) -> str:
+        """What the calling thread's own code made and kept for backward number ``backward``: with minidp running the
+        model, made before the model's first forward since the backward before (the targets, made in the step) it is an
+        input, after it the loss; without minidp's stages the model runs there, and it is an activation."""
+        if not self._models:
+            return "activations"
+        since = self._backward_begins[backward - 1] if backward else 0
+        first_run = bisect.bisect_right(self._model_runs, since)
+        if first_run < len(self._model_runs) and record.born < self._model_runs[first_run] < self._backward_begins[
+                backward]:
+            return "inputs"
+        return "loss"
 
     def rows(self, allocator_peaks: Optional[dict[str, int]] = None) -> list[LedgerRow]:
         """One row per device (all it held), then one per replica on it (what that replica's own storages held)."""
