@@ -43,6 +43,9 @@ class Encoding(collections.UserDict):
 # be set by now"; 2.13's FSDP2 makes a shard a parameter that requires grad only where the original does
 # (_fsdp_param.py, _init_sharded_param), 2.11's makes every shard one, which an integer parameter cannot be.
 TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP = hasattr(torch.nn.parallel.distributed, "_BucketCapacityConfig")
+# torch 2.13's DDP takes a negative bucket_cap_mb, as no limit where its reducer plans (reducer.cpp's sizes are
+# unsigned); compared only with a torch of that kind (_BucketCapacityConfig): 2.11's was not checked.
+TORCH_DDP_TAKES_A_NEGATIVE_BUCKET_CAP = TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP
 FSDP2_SHARDS_INTEGER_PARAMETERS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 

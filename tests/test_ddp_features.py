@@ -15,8 +15,8 @@ import torch
 
 from . import ddp_checks, ddp_feature_checks as checks
 from .helpers import (
-    RTOL_FLOAT64, TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP, assert_no_differences, cpu_ids, each_rank, fresh_python, job_fixture,
-    run_job,
+    RTOL_FLOAT64, TORCH_DDP_TAKES_A_NEGATIVE_BUCKET_CAP, TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP, assert_no_differences, cpu_ids,
+    each_rank, fresh_python, job_fixture, run_job,
 )
 from minidp.distributed import RankFailed, launch
 from minidp.distributed.reducer import COMPILED_AUTOGRAD_REFUSED, CREATE_GRAPH_WARNING, FOUND_NO_UNUSED_PARAMETERS
@@ -240,6 +240,8 @@ if "skip_all_reduce_unused_params" in TORCH_DDP_ARGUMENTS:
     TWO_PROCESSES["skip_unused_hooked"] = (ddp_checks.hook_calls, skipping)
 if TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP:  # a bucket per parameter
     TWO_PROCESSES["logging_zero_cap"] = (checks.logging_data_as_stock, {"steps": 3, "bucket_cap_mb": 0})
+if TORCH_DDP_TAKES_A_NEGATIVE_BUCKET_CAP:  # no limit: one bucket, before the rebuild and after
+    TWO_PROCESSES["logging_negative_cap"] = (checks.logging_data_as_stock, {"steps": 3, "bucket_cap_mb": -1})
 
 if "bucket_cap_mb_list" in TORCH_DDP_ARGUMENTS:
     TWO_PROCESSES["bucket_list"] = (ddp_checks.against_torch, {"model": "resnet_bn", "bucket_cap_mb_list": [0.001, 0.004]})
@@ -893,7 +895,8 @@ def test_throw_on_early_termination_raises_stocks_errors_on_every_rank(two):
 
 LOGGING_CASES = ["logging_constructed", "logging_rebuilt", "logging_sampled", "logging_static_hook",
                  "logging_builtin_join", "logging_mixed_precision", "logging_static_idle_1", "logging_static_idle_2",
-                 *(["logging_zero_cap"] if TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP else [])]
+                 *(["logging_zero_cap"] if TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP else []),
+                 *(["logging_negative_cap"] if TORCH_DDP_TAKES_A_NEGATIVE_BUCKET_CAP else [])]
 
 
 def _is_timing(key: str) -> bool:

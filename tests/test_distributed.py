@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from . import ddp_checks as checks
-from .helpers import RTOL_FLOAT64, TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP, cpu_ids, each_rank, job_fixture
+from .helpers import (
+    RTOL_FLOAT64, TORCH_DDP_TAKES_A_NEGATIVE_BUCKET_CAP, TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP, cpu_ids, each_rank, job_fixture,
+)
 from .helpers import assert_no_differences as assert_same_as_stock
 from minidp.distributed import chrome_trace, hidden_share
 
@@ -61,6 +63,9 @@ TWO_PROCESSES = {
 
 if TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP:
     TWO_PROCESSES["zero_cap"] = (checks.against_torch, {"model": "resnet_bn", "bucket_cap_mb": 0})
+if TORCH_DDP_TAKES_A_NEGATIVE_BUCKET_CAP:
+    TWO_PROCESSES["negative_cap"] = (checks.against_torch, {"model": "resnet_bn", "bucket_cap_mb": -1})
+    TWO_PROCESSES["hook_buckets_negative_cap"] = (checks.hook_calls, {"model": "resnet_bn", "bucket_cap_mb": -1})
 
 THREE_PROCESSES = {
     "float32": (checks.against_torch, {}),
@@ -97,6 +102,12 @@ def test_many_small_buckets_equal_stock_ddp(two):
 def test_a_zero_bucket_cap_a_bucket_per_parameter_equals_stock_ddp(two):
     # torch takes bucket_cap_mb=0 (_BucketCapacityConfig: a 0-byte limit, every bucket closed at its first parameter)
     assert_same_as_stock(two, "zero_cap")
+
+
+@pytest.mark.skipif(not TORCH_DDP_TAKES_A_NEGATIVE_BUCKET_CAP, reason="compared with torch 2.13's DDP only")
+def test_a_negative_bucket_cap_no_limit_equals_stock_ddp(two):
+    # torch takes bucket_cap_mb=-1 (_BucketCapacityConfig keeps it; reducer.cpp reads it as an unsigned size: no limit)
+    assert_same_as_stock(two, "negative_cap")
 
 
 def test_no_sync_accumulates_then_reduces_the_sum_as_stock(two):
@@ -141,7 +152,8 @@ def test_bucket_plan_equals_stock_rebuilt_plan(two, check):
         assert result["stock_plan"] == ", ".join(" ".join(map(str, b)) for b in result["plan"])
 
 
-@pytest.mark.parametrize("check", ["hook_buckets_default", "hook_buckets_small", "hook_buckets_find_unused"])
+@pytest.mark.parametrize("check", ["hook_buckets_default", "hook_buckets_small", "hook_buckets_find_unused",
+                                   *(["hook_buckets_negative_cap"] if TORCH_DDP_TAKES_A_NEGATIVE_BUCKET_CAP else [])])
 def test_every_backward_hands_hooks_the_buckets_stock_hands_them(two, check):
     for result in each_rank(two, check):
         assert result["minidp"] == result["stock"]
@@ -153,6 +165,13 @@ def test_first_backward_uses_one_bucket_then_buckets_are_rebuilt_in_arrival_orde
     first, second, _ = two[0]["hook_buckets_default"]["stock"]
     assert [indices for _, _, indices in first] == [[0, 1, 2, 3]]
     assert [indices for _, _, indices in second] == [[3, 2], [1, 0]]  # 1 MiB first bucket, overshot by the 2 MiB weight
+
+
+@pytest.mark.skipif(not TORCH_DDP_TAKES_A_NEGATIVE_BUCKET_CAP, reason="compared with torch 2.13's DDP only")
+def test_a_negative_bucket_cap_keeps_every_parameter_in_one_bucket_after_the_rebuild(two):
+    # torch's reducer reads the negative cap as an unsigned size, the largest there is (stock's calls, compared above)
+    hooked = two[0]["hook_buckets_negative_cap"]["minidp"]
+    assert [len(backward) for backward in hooked] == [1, 1, 1]
 
 
 def test_find_unused_parameters_keeps_the_reversed_initial_plan(two):

@@ -16,10 +16,11 @@ def dataparallel_configuration():
     """minidp.DataParallel's defaults play no part here: once, not under both configurations of tests/conftest.py."""
 
 
-def test_a_bucket_cap_must_not_be_negative():
-    # torch's own C++ plan refuses a negative limit (an unsigned size); 0 is taken, as torch takes it
-    with pytest.raises(ValueError, match="bucket_cap_mb must be 0 or more, got -1"):
-        DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1)
+def test_a_negative_bucket_cap_is_refused_with_find_unused_parameters_as_torch_refuses_it():
+    # torch's first plan searching unused parameters hands the cap to _compute_bucket_assignment_by_size, which takes
+    # unsigned sizes and refuses it; without the search a negative cap is no limit (tests/test_distributed.py)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be 0 or more with find_unused_parameters=True.*got -1"):
+        DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1, find_unused_parameters=True)
 
 
 def test_a_process_group_that_is_not_one_is_refused_by_name():

@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidp.distributed.buckets import BucketCaps, Bucket, GradBucket, assign_buckets, initial_plan, rebuilt_plan
+from minidp.distributed.buckets import (
+    NO_LIMIT, BucketCaps, Bucket, GradBucket, assign_buckets, initial_plan, rebuilt_plan,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +76,8 @@ def test_default_caps_are_25_mib_with_a_1_mib_first_bucket_and_explicit_caps_app
 
 @pytest.mark.skipif(not hasattr(torch.nn.parallel.distributed, "_BucketCapacityConfig"),
                     reason="this torch's DDP has no bucket_cap_mb_list (_BucketCapacityConfig) to compare with")
-@pytest.mark.parametrize("bucket_cap_mb, bucket_cap_mb_list", [(None, [1, 4, 2]), (0.5, [3, 0.25]), (None, None), (2, None)])
+@pytest.mark.parametrize("bucket_cap_mb, bucket_cap_mb_list", [
+    (None, [1, 4, 2]), (0.5, [3, 0.25]), (None, None), (2, None), (-1, None), (-0.5, None), (-1e-9, None)])
 def test_caps_equal_torchs_bucket_capacity_config_the_largest_of_a_list_the_cap(bucket_cap_mb, bucket_cap_mb_list):
     # distributed.py, _BucketCapacityConfig.create: with bucket_cap_mb_list the cap (DDP's bucket_bytes_cap, in its
     # logging data) is the largest of the list, and the first bucket's limit is that cap too
@@ -88,6 +91,13 @@ def test_a_zero_cap_closes_every_bucket_at_its_first_tensor_as_torchs_plan_does(
     tensors = [torch.empty(n) for n in (10, 10, 100, 10)]
     expected, _ = dist._compute_bucket_assignment_by_size(tensors, [0])
     assert assign_buckets(tensors, BucketCaps.from_mb(0).limits()) == [list(b) for b in expected] == [[0], [1], [2], [3]]
+
+
+def test_a_negative_cap_is_no_limit_where_the_reducer_plans_one_bucket_per_dtype():
+    # reducer.cpp passes its caps to compute_bucket_assignment_by_size as unsigned sizes: -1 MiB reads as the largest
+    tensors = [torch.empty(300_000), torch.empty(10, dtype=torch.float64), torch.empty(300_000)]
+    assert BucketCaps.from_mb(-1).limits() == [NO_LIMIT]
+    assert rebuilt_plan(tensors, [2, 1, 0], BucketCaps.from_mb(-1)) == [[1], [2, 0]]
 
 
 def test_initial_plan_is_one_bucket_unless_unused_parameters_are_searched():

@@ -15,7 +15,11 @@ The rules, with the torch 2.13 source they follow:
 2. **Limits** (``distributed.py``, ``_BucketCapacityConfig``): ``bucket_cap_mb=None`` means a cap
    of 25 MiB with a first bucket of ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB); an explicit
    ``bucket_cap_mb`` gives ``int(bucket_cap_mb * 2**20)`` bytes for every bucket, the first too;
-   ``bucket_cap_mb_list`` (torch 2.13) gives bucket k its own limit, in the first plan and the rebuilt one.
+   ``bucket_cap_mb_list`` (torch 2.13) gives bucket k its own limit, in the first plan and the rebuilt one. A
+   negative ``bucket_cap_mb`` (``-1``) is kept as given (DDP's ``bucket_bytes_cap``, its logging data) and is no limit
+   where the reducer plans (reducer.cpp casts it to an unsigned size): one bucket per dtype. The first plan with
+   ``find_unused_parameters`` hands it to ``_compute_bucket_assignment_by_size``, which refuses a negative size: so
+   does :meth:`BucketCaps.check_first_plan`.
 3. **The first backward's plan** (``_BucketCapacityConfig.compute_bucket_size_limits`` and
    ``_ddp_init_helper``): with ``find_unused_parameters=False`` (or ``static_graph``) the only limit
    is ``sys.maxsize``, so every parameter shares one bucket, in registration order: the registration
@@ -29,9 +33,9 @@ The rules, with the torch 2.13 source they follow:
    order the gradients actually arrived in, with limits ``[first, cap]``, not sorted; rank 0's plan
    is the one every rank uses (``sync_bucket_indices``). It is never rebuilt again.
 
-One detail is left unspecified by torch: when parameters of several dtypes are rebuilt, the order of
-the buckets still open at the end follows a C++ hash map. Here they close in the order their
-(dtype, device) first appeared.
+One detail torch leaves to its C++ library: when parameters of several dtypes are rebuilt, the order of
+the buckets still open at the end follows a hash map (an ``unordered_map``), which lists the last (dtype, device)
+first met first; so does :func:`assign_buckets`.
 """
 
 from __future__ import annotations
@@ -73,27 +77,36 @@ class BucketCaps:
             return cls(first=cap, cap=cap, per_bucket=per_bucket)
         if bucket_cap_mb is None:
             return cls(first=dist._DEFAULT_FIRST_BUCKET_BYTES, cap=DEFAULT_BUCKET_CAP_MB * MIB)
-        _check_mb(bucket_cap_mb, "bucket_cap_mb")
+        _check_mb(bucket_cap_mb, "bucket_cap_mb", negative_is_no_limit=True)
         cap = int(bucket_cap_mb * MIB)
         return cls(first=cap, cap=cap)
 
     def limits(self) -> list[int]:
         """The limits of a rebuilt plan: ``per_bucket`` if given, else ``[first, cap]`` (``[cap]`` when the first
-        bucket is not smaller)."""
+        bucket is not smaller); a negative cap is no limit, as reducer.cpp reads it (an unsigned size)."""
         if self.per_bucket:
             return list(self.per_bucket)
-        return [self.first, self.cap] if self.first < self.cap else [self.cap]
+        return [self.first, self.cap] if self.first < self.cap else [NO_LIMIT if self.cap < 0 else self.cap]
+
+    def check_first_plan(self, find_unused_parameters: bool) -> None:
+        """Raise where the first plan would be made with a negative cap (``find_unused_parameters`` without a static
+        graph), which torch's DDP refuses at construction: its ``_compute_bucket_assignment_by_size`` takes sizes."""
+        if find_unused_parameters and self.cap < 0:
+            raise ValueError(
+                f"bucket_cap_mb must be 0 or more with find_unused_parameters=True (torch's DDP refuses a negative "
+                f"one there too), got {self.cap / MIB:g}: give a size in MiB (a model's size or more makes one bucket)")
 
 
-def _check_mb(mb: object, argument: str) -> None:
+def _check_mb(mb: object, argument: str, negative_is_no_limit: bool = False) -> None:
     """Raise unless ``mb`` is a size in MiB a plan can use: a real number (``TypeError``), finite and 0 or more
-    (``ValueError``). 0 is torch's too: every bucket closes at its first parameter. A negative cap, which torch's C++
-    plan reads as a huge unsigned one (one bucket) or refuses, depending on the call, is refused here; so is an
-    infinite one, which torch fails to convert to bytes (``OverflowError``): ``NO_LIMIT`` is not the user's to ask."""
+    (``ValueError``), or, with ``negative_is_no_limit``, negative too (``bucket_cap_mb=-1``, which torch's DDP takes
+    as no limit: rule 2). 0 is torch's too: every bucket closes at its first parameter. A negative size in a list,
+    which torch's plan refuses (``TypeError``), is refused here; so is an infinite one, which torch fails to convert to
+    bytes (``OverflowError``)."""
     if isinstance(mb, bool) or not isinstance(mb, numbers.Real):
         raise TypeError(f"{argument} must be a number of MiB (an int or a float, e.g. 25), got {mb!r} of type "
                         f"{type(mb).__name__}")
-    if not mb >= 0:
+    if math.isnan(mb) or (mb < 0 and not negative_is_no_limit):
         raise ValueError(f"{argument} must be 0 or more, got {mb}")
     if not math.isfinite(mb):
         raise ValueError(f"{argument} must be finite, got {mb}: give a size in MiB (a model's size or more makes one "

@@ -185,6 +185,7 @@ class DistributedDataParallel(TorchDistributedDataParallel):
                     f"implemented: pass one device_id (or None) to train in mixed precision"
                 )
         caps = BucketCaps.from_mb(bucket_cap_mb, bucket_cap_mb_list)
+        caps.check_first_plan(find_unused_parameters and not static_graph)
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(  # torch's fails later, on an attribute of what it was given
                 f"DistributedDataParallel: process_group must be a torch.distributed.ProcessGroup "
