@@ -32,7 +32,7 @@ import minidp
 import minidp.distributed as md
 
 from .ddp_checks import TorchDDP, _difference
-from .helpers import cpu_ids, max_relative_error, state_difference
+from .helpers import cpu_ids, error_of, max_relative_error, state_difference
 
 
 def _quiet(build: Callable[[], Any]) -> Any:
@@ -2305,3 +2305,46 @@ def observed_memory(seed: int, gradient_as_bucket_view: bool) -> dict:
         optimizer.zero_grad()
         model(x).pow(2).sum().backward()
     return {"ledger": ledger, "held": held, "plan": model.bucket_plan(), "traced held": traced.ledger()[0].held}
+
+
+class _Scaled(nn.Module):
+    """A linear layer whose output is multiplied by a buffer, which the multiplication saves for its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.rand(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def broadcast_copies_as_stock(seed: int, case: str) -> dict:
+    """What each wrapper's copies of rank 0's parameters and buffers into every rank's leave.
+
+    ``case`` ``"expanded_buffer"``: a buffer made by ``expand`` (its 4 elements share one), which no copy can write:
+    the error of each construction. ``"graph_recorded_before"``: a forward recorded on the plain module (different
+    weights on every rank), back-propagated once it is wrapped: each parameter's version counter before and after the
+    construction, and the backward's error. ``"buffer_saved_for_backward"``: a forward whose graph saved a buffer, then
+    one under ``torch.no_grad()``, which syncs the buffers first (into the saved one), then the first one's backward:
+    its error, if any."""
+    results: dict[str, Any] = {}
+    for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
+        torch.manual_seed(seed + dist.get_rank())
+        if case == "buffer_saved_for_backward":
+            model, x = wrapper(_Scaled()), _inputs(seed, 0, 3, 4)
+            loss = model(x).sum()
+            with torch.no_grad():
+                model(x)
+            results[name] = error_of(loss.backward)
+            continue
+        module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+        if case == "expanded_buffer":
+            module.register_buffer("expanded", torch.full((1,), float(dist.get_rank())).expand(4))
+            results[name] = error_of(lambda: wrapper(module))
+            continue
+        loss = module(_inputs(seed, 0, 3, 4).double()).sum()
+        before = [p._version for p in module.parameters()]
+        wrapper(module)
+        results[name] = {"versions": (before, [p._version for p in module.parameters()]), "backward": error_of(loss.backward)}
+    return results

@@ -104,6 +104,8 @@ TWO_PROCESSES = {
     "post_accumulate_hooks_after_forward": (checks.post_accumulate_grad_hooks_as_stock,
                                             {"between_forward_and_backward": True}),
     "swapped_after_wrapping": (checks.swapped_after_wrapping, {}),
+    **{case: (checks.broadcast_copies_as_stock, {"case": case})
+       for case in ("expanded_buffer", "graph_recorded_before", "buffer_saved_for_backward")},
     "parametrized_after_wrapping": (checks.parametrized_after_wrapping, {}),
     "comm_hook_errors": (checks.comm_hook_errors, {}),
     "hook_results": (checks.hook_results, {}),
@@ -463,6 +465,30 @@ def test_a_parameter_swapped_after_wrapping_is_refused_where_torchs_refuses_the_
     for result in each_rank(two, "swapped_after_wrapping"):
         assert result == {"stock": {"raised": ("load", "RuntimeError"), "averaged": None},
                           "minidp": {"raised": ("forward", "RuntimeError"), "averaged": None}}
+
+
+def test_a_buffer_no_copy_can_write_fails_the_construction_on_every_rank_as_stock(two):
+    # dist._broadcast_coalesced copies rank 0's values back on every rank, rank 0 too: a buffer made by expand fails
+    # there alike; minidp's copied on the receiving ranks only, and rank 0 went on to its next collective alone
+    for result in each_rank(two, "expanded_buffer"):
+        assert result["minidp"] == result["stock"]
+        assert result["stock"][0] == "RuntimeError" and "more than one element" in result["stock"][1]
+
+
+def test_the_construction_moves_version_counters_so_a_graph_recorded_before_it_fails_as_stock(two):
+    # torch's construction copies rank 0's parameters in place (versions move); a graph recorded on the plain module,
+    # whose ranks had other weights, then fails autograd's check instead of mixing rank 0's weights into this rank's
+    # saved activations
+    for result in each_rank(two, "graph_recorded_before"):
+        assert result["minidp"]["versions"] == result["stock"]["versions"]
+        assert result["minidp"]["backward"][0] == result["stock"]["backward"][0] == "RuntimeError"
+        assert "modified by an inplace operation" in result["minidp"]["backward"][1]
+
+
+def test_the_forwards_buffer_sync_keeps_version_counters_so_a_saved_buffer_still_back_propagates(two):
+    # DistributedDataParallel._sync_buffers copies under torch.autograd._unsafe_preserve_version_counter
+    for result in each_rank(two, "buffer_saved_for_backward"):
+        assert result == {"stock": ("no error", ""), "minidp": ("no error", "")}
 
 
 def test_a_parameter_given_another_accumulator_after_wrapping_is_named_as_such_by_the_unused_search(two):

@@ -14,7 +14,6 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .groups import rank_in
 
 
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
@@ -25,17 +24,19 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
 def broadcast_from(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, rank: int) -> None:
     """Overwrite ``tensors`` on every rank of ``group`` with those of ``rank`` (its rank in ``group``).
 
-    Version counters are preserved, as DDP preserves them for buffers: a buffer that an earlier
-    forward saved for its backward, not yet run, must not fail autograd's version check because
-    rank 0's value was copied over it.
+    The broadcast values are copied back on every rank, ``rank`` too, as ``dist._broadcast_coalesced`` copies them:
+    so a tensor no copy can write (a buffer made by ``expand``, whose elements share memory) fails on every rank
+    alike, after the collective, rather than on the receiving ones only while ``rank`` goes on to its next collective
+    alone. Each copy is an in-place write: it moves the tensors' version counters, as torch's moves them at
+    construction (a graph recorded through a parameter before it was wrapped and overwritten then fails autograd's
+    check, not back-propagates through rank 0's values); the forward's buffer sync keeps them, as torch's does
+    (``torch.autograd._unsafe_preserve_version_counter`` around the call: ``DistributedDataParallel._sync_buffers``).
     """
-    receiving = rank_in(group) != rank
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t.detach())
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
+    with torch.no_grad():
         for members in groups.values():
             flat = torch.cat([t.reshape(-1) for t in members])
             dist.broadcast(flat, group=group, group_src=rank)
-            if receiving:
-                torch._foreach_copy_(members, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in members]), members)])
+            torch._foreach_copy_(members, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in members]), members)])

@@ -553,12 +553,14 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         else broadcast from rank 0, or under Join from the newest rank still training (rank 0 may have joined
         with stale buffers; ``joined``: this rank has)."""
         self._assign_modules_buffers()
-        if self._buffer_hook is None:
-            source = common_rank(self, candidate=not joined) if self._join_config.enable else 0
-            broadcast_from(self.modules_buffers, self.process_group, source)
-            return
-        state, hook, _ = self._buffer_hook
+        # A buffer an earlier forward saved for its backward, not run yet, must not fail autograd's version check
+        # because rank 0's value was copied over it: the copies keep the version counters, as torch's keep them.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(self.modules_buffers)):
+            if self._buffer_hook is None:
+                source = common_rank(self, candidate=not joined) if self._join_config.enable else 0
+                broadcast_from(self.modules_buffers, self.process_group, source)
+                return
+            state, hook, _ = self._buffer_hook
             futures = hook(state, self.named_module_buffers)
         if futures is not None:
             self.reducer._install_post_backward_futures(futures)
