@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Overwrite ``tensors`` on every rank of ``group`` with rank 0's values (a collective)."""
     broadcast_from(tensors, group, 0)
