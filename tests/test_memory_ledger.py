@@ -280,6 +280,36 @@ def test_targets_made_in_the_step_before_the_forward_are_inputs_not_loss(generat
     assert device.held["inputs"] == 8 * D * BYTES + 8 * O * BYTES + 4 * D * BYTES  # batch, targets, replica 1's chunk
 
 
+def test_a_penalty_on_the_weights_computed_before_the_forward_is_loss(generator):
+    # the ledger's table: what the caller's code makes before the model ran is loss where autograd recorded it (a term
+    # of the loss that back-propagates into the parameters), not an input
+    module = mlp()
+    model = minidp.DataParallel(module, cpu_ids(2))
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    with minidp.trace(ledger=True) as traced:
+        weight = module[0].weight
+        penalty = (weight @ weight.t()).pow(2).sum()  # pow keeps the H x H product for its backward
+        (model(x).pow(2).sum() + penalty).backward()
+    device = row(traced.ledger())
+    assert device.held["loss"] >= H * H * BYTES
+    assert device.held["inputs"] == 8 * D * BYTES + 4 * D * BYTES  # the batch, replica 1's chunk
+
+
+def test_targets_made_after_a_forward_under_no_grad_are_inputs_of_the_forward_that_records(generator):
+    # a forward under torch.no_grad() (a teacher's, an evaluation's) records no graph: the targets made after it, before
+    # the forward the backward runs through, are that forward's inputs
+    model = minidp.DataParallel(mlp(), cpu_ids(2))
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    with minidp.trace(ledger=True) as traced:
+        with torch.no_grad():
+            model(x)
+        y = torch.randn(8, O, generator=generator, dtype=torch.float64)
+        (model(x) - y).pow(2).sum().backward()
+    device = row(traced.ledger())
+    assert device.held["loss"] == 8 * O * BYTES + 2 * BYTES
+    assert device.held["inputs"] == 8 * D * BYTES + 8 * O * BYTES + 4 * D * BYTES
+
+
 class MaskedLinear(nn.Module):
     """A model that takes a keyword tensor beside its batch, as a transformer's attention mask."""
 

@@ -25,11 +25,11 @@ belongs to is decided when the step is over, from what minidp knows (see :data:`
 | category | a storage ... |
 |---|---|
 | parameters | of the module's parameters and buffers (``replicate``'s ``network``, an optimizer's parameters, a module the calling thread runs itself), of the replicas' copies that ``replicate`` returns, or of the whole parameters ``fully_shard`` gathers |
-| inputs | of the chunks ``scatter`` returns (on the batch's own device a chunk is a view and adds nothing), held before the step began and none of the others (the batch, the targets), or made by the calling thread's own code before the model ran and kept for the backward (targets made in the step) |
+| inputs | of the chunks ``scatter`` returns (on the batch's own device a chunk is a view and adds nothing), held before the step began and none of the others (the batch, the targets), or made by the calling thread's own code before the model ran (with grad), recording no graph, and kept for the backward (targets made in the step) |
 | activations | made by a replica's forward (or by the forward of a module the calling thread runs itself) and still held when the next backward begins: kept for the backward (or by the caller, as the outputs that ``gather_output=False`` leaves on the replicas) |
 | gradients | of each replica's gradients handed to ``reduce``, of the sums it returns, of the parameters' ``.grad``, and of DDP's gradient buckets |
 | gathered outputs | of what ``gather`` returns: the whole output, or with :func:`minidp.parallel_criterion` only the loss terms |
-| loss | made by the criterion (a loss module of ``torch.nn``, the caller's code after the model ran outside any module's forward, or on the replicas) and held when the next backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
+| loss | made by the criterion (a loss module of ``torch.nn``, the caller's code outside any module's forward after the model ran, or before it where autograd recorded the operator: a penalty on the weights; or on the replicas) and held when the next backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
 | optimizer state | of ``optimizer.state`` when an optimizer steps |
 | temporaries | anything else the step made: freed before the next backward began, or made by a backward or the optimizer and none of the above |
 
@@ -301,6 +301,7 @@ class _Storage:
     category: Optional[str] = None  # named by what minidp knows of it (see AllocationLedger.mark)
     named_replica: Optional[int] = None
     resized: list[tuple[int, int]] = field(default_factory=list)  # (when, change in bytes)
+    graphed: bool = False  # made by the calling thread's own code with autograd recording (see AllocationLedger._kept_by_host)
 
 
 class _Watch(TorchDispatchMode):
@@ -320,7 +321,12 @@ class _Watch(TorchDispatchMode):
             self.ledger.see(_operator_tensors(args), made_now=False)
             self.ledger.see(_operator_tensors(kwargs.values()), made_now=False)
         result = func(*args, **kwargs)
-        self.ledger.see(_operator_tensors((result,)), made_now=True)
+        thread = self.ledger._thread
+        thread.arguments = args  # for a result the calling thread's own code makes: AllocationLedger._kept_by_host
+        try:
+            self.ledger.see(_operator_tensors((result,)), made_now=True)
+        finally:
+            thread.arguments = ()  # not kept past the operator: the ledger must hold none of the step's tensors
         return result
 
 
@@ -333,6 +339,17 @@ def _operator_tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
             yield value
         elif isinstance(value, (list, tuple)):
             yield from (item for item in value if isinstance(item, torch.Tensor))
+
+
+def _records_a_graph(arguments: tuple) -> bool:
+    """Whether an operator given ``arguments`` is recorded by autograd (with grad enabled): one of them requires grad."""
+    for value in arguments:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return True
+        elif isinstance(value, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.requires_grad for t in value):
+            return True
+    return False
 
 
 class AllocationLedger:
@@ -372,7 +389,8 @@ class AllocationLedger:
         self._backward_tasks: set[int] = set()  # autograd's graph tasks met so far
         self._extension_blocks: dict[int, _Storage] = {}  # address -> the record of a block the extension wrote sums in
         self._backward_begins: list[int] = []  # when each began (its first allocation or free), in order
-        self._model_runs: list[int] = []  # when each forward of the model (a replica's, or the module alone) began
+        self._model_runs: list[int] = []  # when each forward of the model (a replica's, or the module alone) that
+        # recorded autograd's graph began
 
     # -- the measurement --------------------------------------------------------------------------------
 
@@ -538,6 +556,8 @@ class AllocationLedger:
                 if phase == "backward":
                     self._a_backward_may_begin()
                 record = _Storage(device, nbytes, next(self._clock) if made_now else 0, phase, replica)
+                if phase == "host" and torch.is_grad_enabled():
+                    record.graphed = _records_a_graph(getattr(self._thread, "arguments", ()))
                 self._live[key] = record
                 self._storages.append(record)
                 self._finalizers.append(weakref.finalize(storage, self._freed, key, record))
@@ -734,7 +754,7 @@ class AllocationLedger:
         that replicate made (or the module running alone, :meth:`watch_module`), else the loss on the replica
         (:func:`minidp.parallel_criterion`'s terms)."""
         name = "forward" if id(module) in self._models else "loss"
-        if name == "forward":
+        if name == "forward" and torch.is_grad_enabled():  # a forward the backward runs through
             with self._lock:
                 self._model_runs.append(next(self._clock))
         with self.watching(), self.phase(name, replica):
@@ -788,16 +808,17 @@ class AllocationLedger:
 
     def _kept_by_host(self, record: _Storage, backward: int) -> str:
         """What the calling thread's own code made and kept for backward number ``backward``: with minidp running the
-        model, made before the model's first forward since the backward before (the targets, made in the step) it is an
-        input, after it the loss; without minidp's stages the model runs there, and it is an activation."""
+        model, made before the model's first forward (with grad) since the backward before, and by an operator that
+        recorded no graph, it is an input (targets made in the step, a teacher's outputs under ``torch.no_grad()``);
+        else the loss (a penalty on the weights, computed before the forward, is a term of it). Without minidp's stages
+        the model runs there, and it is an activation."""
         if not self._models:
             return "activations"
         since = self._backward_begins[backward - 1] if backward else 0
         first_run = bisect.bisect_right(self._model_runs, since)
-        if first_run < len(self._model_runs) and record.born < self._model_runs[first_run] < self._backward_begins[
-                backward]:
-            return "inputs"
-        return "loss"
+        before_the_model = first_run < len(self._model_runs) and record.born < self._model_runs[first_run] < \
+            self._backward_begins[backward]
+        return "inputs" if before_the_model and not record.graphed else "loss"
 
     def rows(self, allocator_peaks: Optional[dict[str, int]] = None) -> list[LedgerRow]:
         """One row per device (all it held), then one per replica on it (what that replica's own storages held)."""
