@@ -2327,10 +2327,27 @@ def broadcast_copies_as_stock(seed: int, case: str) -> dict:
     weights on every rank), back-propagated once it is wrapped: each parameter's version counter before and after the
     construction, and the backward's error. ``"buffer_saved_for_backward"``: a forward whose graph saved a buffer, then
     one under ``torch.no_grad()``, which syncs the buffers first (into the saved one), then the first one's backward:
-    its error, if any."""
+    its error, if any. ``"empty_tensors"``: a parameter and a buffer without elements beside others: every version
+    counter after the construction. ``"joined"``: a model with buffers trained 2 steps on rank 0 and 3 on rank 1 under
+    ``Join`` (rank 0's buffer syncs then made by its join hook): the buffers' version counters after."""
     results: dict[str, Any] = {}
     for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
         torch.manual_seed(seed + dist.get_rank())
+        if case == "empty_tensors":
+            module = _Scaled()
+            module.empty = nn.Parameter(torch.zeros(0))
+            module.register_buffer("nothing", torch.zeros(0, 3))
+            wrapper(module)
+            results[name] = {n: t._version for n, t in [*module.named_parameters(), *module.named_buffers()]}
+            continue
+        if case == "joined":
+            module = nn.Sequential(_Scaled(), nn.BatchNorm1d(4))
+            model = wrapper(module)
+            with Join([model]):
+                for step in range(2 + dist.get_rank()):
+                    model(_inputs(seed, step, 6, 4)).sum().backward()
+            results[name] = {n: b._version for n, b in module.named_buffers()}
+            continue
         if case == "buffer_saved_for_backward":
             model, x = wrapper(_Scaled()), _inputs(seed, 0, 3, 4)
             loss = model(x).sum()

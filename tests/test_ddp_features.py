@@ -105,7 +105,7 @@ TWO_PROCESSES = {
                                             {"between_forward_and_backward": True}),
     "swapped_after_wrapping": (checks.swapped_after_wrapping, {}),
     **{case: (checks.broadcast_copies_as_stock, {"case": case})
-       for case in ("expanded_buffer", "graph_recorded_before", "buffer_saved_for_backward")},
+       for case in ("expanded_buffer", "graph_recorded_before", "buffer_saved_for_backward", "empty_tensors", "joined")},
     "parametrized_after_wrapping": (checks.parametrized_after_wrapping, {}),
     "comm_hook_errors": (checks.comm_hook_errors, {}),
     "hook_results": (checks.hook_results, {}),
@@ -483,6 +483,14 @@ def test_the_construction_moves_version_counters_so_a_graph_recorded_before_it_f
         assert result["minidp"]["versions"] == result["stock"]["versions"]
         assert result["minidp"]["backward"][0] == result["stock"]["backward"][0] == "RuntimeError"
         assert "modified by an inplace operation" in result["minidp"]["backward"][1]
+
+
+@pytest.mark.parametrize("case", ["empty_tensors", "joined"])
+def test_version_counters_move_where_torchs_move_an_empty_tensor_written_by_no_copy_a_joined_ranks_by_its_syncs(two, case):
+    # dist._broadcast_coalesced writes no tensor without elements; a joined rank's buffer syncs
+    # (_check_and_sync_module_buffers) keep no version counter, where the forward's do
+    for result in each_rank(two, case):
+        assert result["minidp"] == result["stock"]
 
 
 def test_the_forwards_buffer_sync_keeps_version_counters_so_a_saved_buffer_still_back_propagates(two):

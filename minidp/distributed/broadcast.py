@@ -26,10 +26,11 @@ def broadcast_from(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, ra
     The broadcast values are copied back on every rank, ``rank`` too, as ``dist._broadcast_coalesced`` copies them:
     so a tensor no copy can write (a buffer made by ``expand``, whose elements share memory) fails on every rank
     alike, after the collective, rather than on the receiving ones only while ``rank`` goes on to its next collective
-    alone. Each copy is an in-place write: it moves the tensors' version counters, as torch's moves them at
-    construction (a graph recorded through a parameter before it was wrapped and overwritten then fails autograd's
-    check, not back-propagates through rank 0's values); the forward's buffer sync keeps them, as torch's does
-    (``torch.autograd._unsafe_preserve_version_counter`` around the call: ``DistributedDataParallel._sync_buffers``).
+    alone. Each copy (of a tensor with elements) is an in-place write: it moves the tensor's version counter, as
+    torch's moves it at construction (a graph recorded through a parameter before it was wrapped and overwritten then
+    fails autograd's check, not back-propagates through rank 0's values); the forward's buffer sync keeps them, as
+    torch's does (``torch.autograd._unsafe_preserve_version_counter`` around the call:
+    ``DistributedDataParallel._sync_buffers``).
     """
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
@@ -38,4 +39,7 @@ def broadcast_from(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, ra
         for members in groups.values():
             flat = torch.cat([t.reshape(-1) for t in members])
             dist.broadcast(flat, group=group, group_src=rank)
-            torch._foreach_copy_(members, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in members]), members)])
+            pieces = flat.split([t.numel() for t in members])
+            filled = [t for t in members if t.numel()]  # torch's writes no empty tensor: its version stays
+            if filled:
+                torch._foreach_copy_(filled, [piece.view_as(t) for piece, t in zip(pieces, members) if t.numel()])

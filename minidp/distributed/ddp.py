@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -554,8 +554,11 @@ class DistributedDataParallel(TorchDistributedDataParallel):
         with stale buffers; ``joined``: this rank has)."""
         self._assign_modules_buffers()
         # A buffer an earlier forward saved for its backward, not run yet, must not fail autograd's version check
-        # because rank 0's value was copied over it: the copies keep the version counters, as torch's keep them.
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(self.modules_buffers)):
+        # because rank 0's value was copied over it: the forward's copies keep the version counters, as torch's keep
+        # them. A joined rank's move them, as torch's (_DDPJoinHook.main_hook: _check_and_sync_module_buffers).
+        keep_versions = (nullcontext() if joined
+                         else torch.autograd._unsafe_preserve_version_counter(tuple(self.modules_buffers)))
+        with torch.no_grad(), keep_versions:
             if self._buffer_hook is None:
                 source = common_rank(self, candidate=not joined) if self._join_config.enable else 0
                 broadcast_from(self.modules_buffers, self.process_group, source)
