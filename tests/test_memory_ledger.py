@@ -266,15 +266,22 @@ def test_with_gradient_accumulation_each_micro_batchs_loss_is_the_loss(generator
 
 
 @pytest.mark.parametrize("micro_batches", [[8], [2, 8]], ids=["one_forward", "accumulated"])
-def test_targets_made_in_the_step_before_the_forward_are_inputs_not_loss(generator, micro_batches):
-    # the ledger's table (minidp/tracing/memory.py): the loss is what the caller's code makes after the model ran;
-    # targets it makes in the step before the forward (as a loop that loads its batches does) are inputs, as the batch
+@pytest.mark.parametrize("targets_made", ["before_the_forward", "after_the_forward"])
+def test_targets_made_in_the_step_are_inputs_not_loss(generator, micro_batches, targets_made):
+    # the ledger's table (minidp/tracing/memory.py): the loss is what the caller's code makes where autograd records
+    # it; targets it makes in the step (as a loop that loads its batches does), before the forward or after, are inputs
     model = minidp.DataParallel(mlp(), cpu_ids(2))
     x = torch.randn(8, D, generator=generator, dtype=torch.float64)
     with minidp.trace(ledger=True) as traced:
         for rows in micro_batches:
-            y = torch.randn(rows, O, generator=generator, dtype=torch.float64)
-            (model(x[:rows]) - y).pow(2).sum().backward()
+            if targets_made == "before_the_forward":
+                y = torch.randn(rows, O, generator=generator, dtype=torch.float64)
+                output = model(x[:rows])
+            else:
+                output = model(x[:rows])
+                y = torch.randn(rows, O, generator=generator, dtype=torch.float64)
+            (output - y).pow(2).sum().backward()
+            del output, y  # a micro-batch's targets not held into the next one's
     device = row(traced.ledger())
     assert device.held["loss"] == 8 * O * BYTES + 2 * BYTES  # the square's kept difference, the scalar, its gradient
     assert device.held["inputs"] == 8 * D * BYTES + 8 * O * BYTES + 4 * D * BYTES  # batch, targets, replica 1's chunk

@@ -25,11 +25,11 @@ belongs to is decided when the step is over, from what minidp knows (see :data:`
 | category | a storage ... |
 |---|---|
 | parameters | of the module's parameters and buffers (``replicate``'s ``network``, an optimizer's parameters, a module the calling thread runs itself), of the replicas' copies that ``replicate`` returns, or of the whole parameters ``fully_shard`` gathers |
-| inputs | of the chunks ``scatter`` returns (on the batch's own device a chunk is a view and adds nothing), held before the step began and none of the others (the batch, the targets), or made by the calling thread's own code before the model ran (with grad), recording no graph, and kept for the backward (targets made in the step) |
+| inputs | of the chunks ``scatter`` returns (on the batch's own device a chunk is a view and adds nothing), held before the step began and none of the others (the batch, the targets), or made by the calling thread's own code, outside any module's forward, by an operator autograd did not record, and kept for the backward (targets made in the step) |
 | activations | made by a replica's forward (or by the forward of a module the calling thread runs itself) and still held when the next backward begins: kept for the backward (or by the caller, as the outputs that ``gather_output=False`` leaves on the replicas) |
 | gradients | of each replica's gradients handed to ``reduce``, of the sums it returns, of the parameters' ``.grad``, and of DDP's gradient buckets |
 | gathered outputs | of what ``gather`` returns: the whole output, or with :func:`minidp.parallel_criterion` only the loss terms |
-| loss | made by the criterion (a loss module of ``torch.nn``, the caller's code outside any module's forward after the model ran, or before it where autograd recorded the operator: a penalty on the weights; or on the replicas) and held when the next backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
+| loss | made by the criterion (a loss module of ``torch.nn``, the caller's code outside any module's forward where autograd recorded the operator, or on the replicas) and held when the next backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
 | optimizer state | of ``optimizer.state`` when an optimizer steps |
 | temporaries | anything else the step made: freed before the next backward began, or made by a backward or the optimizer and none of the above |
 
@@ -301,7 +301,7 @@ class _Storage:
     category: Optional[str] = None  # named by what minidp knows of it (see AllocationLedger.mark)
     named_replica: Optional[int] = None
     resized: list[tuple[int, int]] = field(default_factory=list)  # (when, change in bytes)
-    graphed: bool = False  # made by the calling thread's own code with autograd recording (see AllocationLedger._kept_by_host)
+    graphed: bool = False  # made by the calling thread's own code, autograd recording (AllocationLedger._kept_by_host)
 
 
 class _Watch(TorchDispatchMode):
@@ -365,8 +365,8 @@ class AllocationLedger:
     def __init__(self, kept_by_host: Optional[str] = None) -> None:
         """``kept_by_host``: what the calling thread's own code (outside every stage and every module's forward)
         keeps for the backward is. By default it is decided when the step is over: where minidp ran the model (a
-        replica's forward, or the module running alone under ``DataParallel``) it is the loss, or an input where it was
-        made before the model ran (:meth:`_kept_by_host`); a step without
+        replica's forward, or the module running alone under ``DataParallel``) it is the loss, or an input where
+        autograd recorded none of it (:meth:`_kept_by_host`); a step without
         minidp's stages runs its model there, so it is "activations". What the forward of a module that thread runs
         keeps is activations (the layers of a model that calls ``data_parallel`` inside its forward, as the tutorial's
         does, which run outside it), and a loss module's (``torch.nn``'s losses) loss: :meth:`_module_begins`."""
@@ -389,8 +389,6 @@ class AllocationLedger:
         self._backward_tasks: set[int] = set()  # autograd's graph tasks met so far
         self._extension_blocks: dict[int, _Storage] = {}  # address -> the record of a block the extension wrote sums in
         self._backward_begins: list[int] = []  # when each began (its first allocation or free), in order
-        self._model_runs: list[int] = []  # when each forward of the model (a replica's, or the module alone) that
-        # recorded autograd's graph began
 
     # -- the measurement --------------------------------------------------------------------------------
 
@@ -754,9 +752,6 @@ class AllocationLedger:
         that replicate made (or the module running alone, :meth:`watch_module`), else the loss on the replica
         (:func:`minidp.parallel_criterion`'s terms)."""
         name = "forward" if id(module) in self._models else "loss"
-        if name == "forward" and torch.is_grad_enabled():  # a forward the backward runs through
-            with self._lock:
-                self._model_runs.append(next(self._clock))
         with self.watching(), self.phase(name, replica):
             return call()
 
@@ -802,23 +797,19 @@ class AllocationLedger:
         began = self._backward_begins[after] if after < len(self._backward_begins) else None
         kept = began is not None and (record.died is None or record.died > began)
         if kept and record.phase in ("forward", "module", "loss", "host"):
-            host = self.kept_by_host or self._kept_by_host(record, after)
+            host = self.kept_by_host or self._kept_by_host(record)
             return {"forward": "activations", "module": "activations", "loss": "loss", "host": host}[record.phase]
         return "temporaries"
 
-    def _kept_by_host(self, record: _Storage, backward: int) -> str:
-        """What the calling thread's own code made and kept for backward number ``backward``: with minidp running the
-        model, made before the model's first forward (with grad) since the backward before, and by an operator that
-        recorded no graph, it is an input (targets made in the step, a teacher's outputs under ``torch.no_grad()``);
-        else the loss (a penalty on the weights, computed before the forward, is a term of it). Without minidp's stages
-        the model runs there, and it is an activation."""
+    def _kept_by_host(self, record: _Storage) -> str:
+        """What the calling thread's own code made and kept for the backward: with minidp running the model, the loss
+        where autograd recorded the operator that made it (a criterion's terms, a penalty on the weights, the gradient
+        ``backward()`` starts from), else an input (targets made in the step, before the forward or after it, under
+        ``torch.no_grad()`` or of tensors that require none). Without minidp's stages the model runs there, and it is
+        an activation."""
         if not self._models:
             return "activations"
-        since = self._backward_begins[backward - 1] if backward else 0
-        first_run = bisect.bisect_right(self._model_runs, since)
-        before_the_model = first_run < len(self._model_runs) and record.born < self._model_runs[first_run] < \
-            self._backward_begins[backward]
-        return "inputs" if before_the_model and not record.graphed else "loss"
+        return "loss" if record.graphed else "inputs"
 
     def rows(self, allocator_peaks: Optional[dict[str, int]] = None) -> list[LedgerRow]:
         """One row per device (all it held), then one per replica on it (what that replica's own storages held)."""
