@@ -32,7 +32,7 @@ import minidp
 import minidp.distributed as md
 
 from .ddp_checks import TorchDDP, _difference
-from .helpers import cpu_ids, error_of, max_relative_error, state_difference
+from .helpers import ScaledByBuffer, cpu_ids, error_of, max_relative_error, state_difference
 
 
 def _quiet(build: Callable[[], Any]) -> Any:
@@ -2307,18 +2307,6 @@ def observed_memory(seed: int, gradient_as_bucket_view: bool) -> dict:
     return {"ledger": ledger, "held": held, "plan": model.bucket_plan(), "traced held": traced.ledger()[0].held}
 
 
-class _Scaled(nn.Module):
-    """A linear layer whose output is multiplied by a buffer, which the multiplication saves for its backward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-        self.register_buffer("scale", torch.rand(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) * self.scale
-
-
 def broadcast_copies_as_stock(seed: int, case: str) -> dict:
     """What each wrapper's copies of rank 0's parameters and buffers into every rank's leave.
 
@@ -2334,14 +2322,14 @@ def broadcast_copies_as_stock(seed: int, case: str) -> dict:
     for name, wrapper in (("stock", TorchDDP), ("minidp", md.DistributedDataParallel)):
         torch.manual_seed(seed + dist.get_rank())
         if case == "empty_tensors":
-            module = _Scaled()
+            module = ScaledByBuffer()
             module.empty = nn.Parameter(torch.zeros(0))
             module.register_buffer("nothing", torch.zeros(0, 3))
             wrapper(module)
             results[name] = {n: t._version for n, t in [*module.named_parameters(), *module.named_buffers()]}
             continue
         if case == "joined":
-            module = nn.Sequential(_Scaled(), nn.BatchNorm1d(4))
+            module = nn.Sequential(ScaledByBuffer(), nn.BatchNorm1d(4))
             model = wrapper(module)
             with Join([model]):
                 for step in range(2 + dist.get_rank()):
@@ -2349,7 +2337,7 @@ def broadcast_copies_as_stock(seed: int, case: str) -> dict:
             results[name] = {n: b._version for n, b in module.named_buffers()}
             continue
         if case == "buffer_saved_for_backward":
-            model, x = wrapper(_Scaled()), _inputs(seed, 0, 3, 4)
+            model, x = wrapper(ScaledByBuffer()), _inputs(seed, 0, 3, 4)
             loss = model(x).sum()
             with torch.no_grad():
                 model(x)

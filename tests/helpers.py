@@ -134,6 +134,18 @@ class HearsOutputs:
         self.announced.append((len(outputs), one_call_each))
 
 
+class ScaledByBuffer(nn.Module):
+    """Multiplies by a buffer: autograd saves the buffer for the input's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
 class CountsCalls(nn.Module):
     """Counts its forward calls in a plain attribute: the kind of state data parallelism loses, since
     under DataParallel each replica counts on its own copy and the original's count stays put."""

@@ -26,7 +26,7 @@ from minidp.parallel_backward import parallel_backward_settings
 from minidp.replica_cache import ReplicaCache
 from minidp.zoo import ZOO, LSTMModel, ResNetBlockBN
 
-from .helpers import RTOL_FLOAT64, configure_dataparallel, cpu_ids, max_relative_error
+from .helpers import RTOL_FLOAT64, ScaledByBuffer, configure_dataparallel, cpu_ids, max_relative_error
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -737,18 +737,6 @@ def test_cached_replicas_start_each_step_with_the_originals_buffers(generator):
         del replica  # a replica held outside the cache is left to its holder: the next call would build new ones
         wrapper.replica_cache.release(cpu_ids(2))
     assert wrapper.replica_cache_info().misses == 1  # refilled, not built anew
-
-
-class ScaledByBuffer(nn.Module):
-    """Multiplies by a buffer: autograd saves the buffer for the input's gradient."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-        self.register_buffer("scale", torch.randn(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) * self.scale
 
 
 class CheckpointedTwoHeads(nn.Module):
