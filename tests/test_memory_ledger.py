@@ -317,6 +317,27 @@ def test_targets_made_after_a_forward_under_no_grad_are_inputs_of_the_forward_th
     assert device.held["inputs"] == 8 * D * BYTES + 8 * O * BYTES + 4 * D * BYTES
 
 
+@pytest.mark.parametrize("made_by", ["the_caller", "a_pack_hook"])
+def test_what_a_backward_is_the_first_user_of_is_loss(generator, made_by):
+    # the ledger's table: the caller's code made it with autograd recording nothing, but no operator took it before the
+    # backward did: a gradient given to backward() (as the one it makes itself, torch.ones_like), or the copy of a
+    # saved tensor that a saved_tensors_hooks pack hook makes (with grad off) and its unpack hook gives the backward
+    model = minidp.DataParallel(mlp(), cpu_ids(2))
+    x = torch.randn(8, D, generator=generator, dtype=torch.float64)
+    y = torch.randn(8, O, generator=generator, dtype=torch.float64)
+    with minidp.trace(ledger=True) as traced:
+        output = model(x)
+        if made_by == "the_caller":
+            output.backward(gradient=torch.ones(8, O, dtype=torch.float64))
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(torch.clone, lambda kept: kept):
+                loss = (output - y).pow(2).sum()  # pow's input, cloned by the pack hook
+            loss.backward()
+    device = row(traced.ledger())
+    assert device.held["loss"] == 8 * O * BYTES + (0 if made_by == "the_caller" else 2 * BYTES)
+    assert device.held["inputs"] == 8 * D * BYTES + 4 * D * BYTES + (0 if made_by == "the_caller" else 8 * O * BYTES)
+
+
 class MaskedLinear(nn.Module):
     """A model that takes a keyword tensor beside its batch, as a transformer's attention mask."""
 

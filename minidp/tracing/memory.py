@@ -25,11 +25,11 @@ belongs to is decided when the step is over, from what minidp knows (see :data:`
 | category | a storage ... |
 |---|---|
 | parameters | of the module's parameters and buffers (``replicate``'s ``network``, an optimizer's parameters, a module the calling thread runs itself), of the replicas' copies that ``replicate`` returns, or of the whole parameters ``fully_shard`` gathers |
-| inputs | of the chunks ``scatter`` returns (on the batch's own device a chunk is a view and adds nothing), held before the step began and none of the others (the batch, the targets), or made by the calling thread's own code, outside any module's forward, by an operator autograd did not record, and kept for the backward (targets made in the step) |
+| inputs | of the chunks ``scatter`` returns (on the batch's own device a chunk is a view and adds nothing), held before the step began and none of the others (the batch, the targets), or made by the calling thread's own code, outside any module's forward, by an operator autograd did not record, taken by an operator before the backward and kept for it (targets made in the step) |
 | activations | made by a replica's forward (or by the forward of a module the calling thread runs itself) and still held when the next backward begins: kept for the backward (or by the caller, as the outputs that ``gather_output=False`` leaves on the replicas) |
 | gradients | of each replica's gradients handed to ``reduce``, of the sums it returns, of the parameters' ``.grad``, and of DDP's gradient buckets |
 | gathered outputs | of what ``gather`` returns: the whole output, or with :func:`minidp.parallel_criterion` only the loss terms |
-| loss | made by the criterion (a loss module of ``torch.nn``, the caller's code outside any module's forward where autograd recorded the operator, or on the replicas) and held when the next backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
+| loss | made by the criterion (a loss module of ``torch.nn``, the caller's code outside any module's forward where autograd recorded the operator or where a backward first took it, or on the replicas) and held when the next backward begins, with the gradient ``backward()`` starts from (``torch.ones_like(loss)``) |
 | optimizer state | of ``optimizer.state`` when an optimizer steps |
 | temporaries | anything else the step made: freed before the next backward began, or made by a backward or the optimizer and none of the above |
 
@@ -301,7 +301,11 @@ class _Storage:
     category: Optional[str] = None  # named by what minidp knows of it (see AllocationLedger.mark)
     named_replica: Optional[int] = None
     resized: list[tuple[int, int]] = field(default_factory=list)  # (when, change in bytes)
-    graphed: bool = False  # made by the calling thread's own code, autograd recording (AllocationLedger._kept_by_host)
+    # Made by the calling thread's own code (AllocationLedger._kept_by_host): by an operator autograd records; or not,
+    # and no operator has taken it since (the next one to will say whether a backward is its first user)
+    graphed: bool = False
+    awaiting_first_use: bool = False
+    first_used_in_backward: bool = False
 
 
 class _Watch(TorchDispatchMode):
@@ -365,8 +369,8 @@ class AllocationLedger:
     def __init__(self, kept_by_host: Optional[str] = None) -> None:
         """``kept_by_host``: what the calling thread's own code (outside every stage and every module's forward)
         keeps for the backward is. By default it is decided when the step is over: where minidp ran the model (a
-        replica's forward, or the module running alone under ``DataParallel``) it is the loss, or an input where
-        autograd recorded none of it (:meth:`_kept_by_host`); a step without
+        replica's forward, or the module running alone under ``DataParallel``) it is the loss, or an input (targets:
+        :meth:`_kept_by_host` says which); a step without
         minidp's stages runs its model there, so it is "activations". What the forward of a module that thread runs
         keeps is activations (the layers of a model that calls ``data_parallel`` inside its forward, as the tutorial's
         does, which run outside it), and a loss module's (``torch.nn``'s losses) loss: :meth:`_module_begins`."""
@@ -531,6 +535,9 @@ class AllocationLedger:
             return None
         record = self._live.get(storage._cdata)  # met before: the common case, read without the lock (one dict read)
         if record is not None and record.nbytes == storage.nbytes():
+            if record.awaiting_first_use and not made_now:
+                record.awaiting_first_use = False
+                record.first_used_in_backward = torch._C._current_graph_task_id() != -1
             return record
         if storage.device.type == "meta":  # a shape without memory
             return None
@@ -554,8 +561,9 @@ class AllocationLedger:
                 if phase == "backward":
                     self._a_backward_may_begin()
                 record = _Storage(device, nbytes, next(self._clock) if made_now else 0, phase, replica)
-                if phase == "host" and torch.is_grad_enabled():
-                    record.graphed = _records_a_graph(getattr(self._thread, "arguments", ()))
+                if phase == "host":
+                    record.graphed = torch.is_grad_enabled() and _records_a_graph(getattr(self._thread, "arguments", ()))
+                    record.awaiting_first_use = not record.graphed
                 self._live[key] = record
                 self._storages.append(record)
                 self._finalizers.append(weakref.finalize(storage, self._freed, key, record))
@@ -803,13 +811,13 @@ class AllocationLedger:
 
     def _kept_by_host(self, record: _Storage) -> str:
         """What the calling thread's own code made and kept for the backward: with minidp running the model, the loss
-        where autograd recorded the operator that made it (a criterion's terms, a penalty on the weights, the gradient
-        ``backward()`` starts from), else an input (targets made in the step, before the forward or after it, under
-        ``torch.no_grad()`` or of tensors that require none). Without minidp's stages the model runs there, and it is
-        an activation."""
+        where autograd recorded the operator that made it (a criterion's terms, a penalty on the weights) or where a
+        backward is its first user (the gradient ``backward()`` starts from, given or made by it; a copy a
+        ``saved_tensors_hooks`` pack hook keeps), else an input (targets made in the step, before the forward or after
+        it). Without minidp's stages the model runs there, and it is an activation."""
         if not self._models:
             return "activations"
-        return "loss" if record.graphed else "inputs"
+        return "loss" if record.graphed or record.first_used_in_backward else "inputs"
 
     def rows(self, allocator_peaks: Optional[dict[str, int]] = None) -> list[LedgerRow]:
         """One row per device (all it held), then one per replica on it (what that replica's own storages held)."""
