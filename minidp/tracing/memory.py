@@ -58,8 +58,9 @@ by no operator: the generator's state that activation checkpointing keeps for ea
 (``torch.get_rng_state()``, 5,056 bytes on the CPU, made in C++ and read back by ``torch.set_rng_state``), and the
 copies of it minidp reads, with dispatch off, to see whether replicas drew from a generator they share
 (:func:`minidp.device_ids.generator_state`, held for a moment, which can fall at the peak); nor a nested tensor's sizes
-and strides, which torch keeps as tensors of its own. A tensor that meets its first operator later than it was made counts from then (one that
-numpy made, ``torch.from_numpy``, counts from ``aten.lift_fresh``, the operator that takes it in).
+and strides, which torch keeps as tensors of its own. A tensor that meets its first operator later than it was made
+counts from then (one that numpy made, ``torch.from_numpy``, counts from ``aten.lift_fresh``, the operator that takes
+it in).
 
 What it changes: code compiled with ``torch.compile`` runs as eager code while the ledger watches, as torch's compiler
 steps aside while a ``TorchDispatchMode`` is active (its frames are neither compiled nor run as compiled): the ledger
@@ -346,7 +347,8 @@ def _operator_tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
 
 
 def _records_a_graph(arguments: tuple) -> bool:
-    """Whether an operator given ``arguments`` is recorded by autograd (with grad enabled): one of them requires grad."""
+    """Whether autograd records an operator given ``arguments`` (with grad enabled): one of them requires grad, as far as
+    can be told below autograd (an operator without a gradient, ``argmax``, records nothing but reads as recorded)."""
     for value in arguments:
         if isinstance(value, torch.Tensor):
             if value.requires_grad:
