@@ -6,6 +6,7 @@ import collections
 import contextlib
 import gc
 import importlib
+import inspect
 import os
 import re
 import signal
@@ -46,6 +47,11 @@ TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP = hasattr(torch.nn.parallel.distributed, "_Buc
 # torch 2.13's DDP takes a negative bucket_cap_mb, as no limit where its reducer plans (reducer.cpp's sizes are
 # unsigned); compared only with a torch of that kind (_BucketCapacityConfig): 2.11's was not checked.
 TORCH_DDP_TAKES_A_NEGATIVE_BUCKET_CAP = TORCH_DDP_TAKES_A_ZERO_BUCKET_CAP
+# torch 2.13's DDP syncs buffers in the forward under torch.autograd._unsafe_preserve_version_counter (distributed.py,
+# _sync_buffers), as minidp's does; 2.11's moves their version counters, so a buffer an earlier forward saved fails its
+# backward there (CI's torch 2.11 job): compared only with a torch that keeps them.
+TORCH_DDP_KEEPS_BUFFER_VERSIONS = "_unsafe_preserve_version_counter" in inspect.getsource(
+    torch.nn.parallel.DistributedDataParallel._sync_buffers)
 FSDP2_SHARDS_INTEGER_PARAMETERS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
